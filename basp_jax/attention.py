@@ -1,0 +1,110 @@
+"""Sequence-parallel attention: all-to-all over 'seq' (sequence -> heads), local kernel, and back.
+
+With a ('group', 'seq') mesh, the all-to-alls run inside each seq group only, so BASP (several
+groups) and Ulysses (one group) are the same code.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+
+from . import kernels
+from .layout import LayoutError, kv_replication
+from .mesh import ACTIVATION_SPEC, GROUP, SEQ
+
+
+def _check_inputs(q, k, v, segment_ids, mesh: Mesh) -> None:
+    """Shape checks at trace time, before anything compiles; one line each."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise LayoutError(
+            f"attention takes q, k, v of rank 4 [batch, seq, heads, head_dim]; got ranks "
+            f"{q.ndim}, {k.ndim}, {v.ndim}"
+        )
+    if k.shape != v.shape:
+        raise LayoutError(f"k and v must have the same shape; got {k.shape} and {v.shape}")
+    (b, s, hq, d), (bk, sk, hkv, dk) = q.shape, k.shape
+    if (b, s, d) != (bk, sk, dk):
+        raise LayoutError(
+            f"q {q.shape} and k {k.shape} disagree on batch, seq or head_dim; self-attention needs "
+            f"the same [batch, seq, :, head_dim]"
+        )
+    if hq % hkv:
+        raise LayoutError(f"query heads {hq} are not a multiple of kv heads {hkv}")
+    if segment_ids is not None:
+        if segment_ids.shape != (b, s):
+            raise LayoutError(f"segment_ids must have shape {(b, s)}, got {segment_ids.shape}")
+        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise LayoutError(f"segment_ids must be integers, got {segment_ids.dtype}")
+    groups, sp = mesh.shape[GROUP], mesh.shape[SEQ]
+    if b % groups:
+        raise LayoutError(f"batch {b} is not divisible by groups={groups}; use a multiple of {groups}")
+    if s % sp:
+        raise LayoutError(f"seq_len {s} is not divisible by sp={sp}; pad it to a multiple of {sp}")
+    if hq % sp:
+        raise LayoutError(
+            f"{hq} query heads are not divisible by sp={sp}; use a layout whose sp divides {hq}"
+        )
+
+
+def _seq_to_heads(x, sp):
+    """[b, s/sp, h, d] sequence shard -> [b, s, h/sp, d] head shard (whole sequence)."""
+    if sp == 1:
+        return x
+    return lax.all_to_all(x, SEQ, split_axis=2, concat_axis=1, tiled=True)
+
+
+def _heads_to_seq(x, sp):
+    """Inverse of _seq_to_heads."""
+    if sp == 1:
+        return x
+    return lax.all_to_all(x, SEQ, split_axis=1, concat_axis=2, tiled=True)
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mesh: Mesh,
+    causal: bool = True,
+    segment_ids: jax.Array | None = None,
+    impl: str = "auto",
+    block_size: int = kernels.DEFAULT_BLOCK,
+) -> jax.Array:
+    """Sequence-parallel multi-head attention on a ('group', 'seq') mesh.
+
+    q [B, S, Hq, Dh], k/v [B, S, Hkv, Dh] and segment_ids [B, S] are global arrays sharded
+    P('group', 'seq'); returns [B, S, Hq, Dh] with the same sharding. Tokens attend only within
+    their segment when segment_ids is given (packed sequences). When Hkv is not divisible by the
+    seq degree, each kv head is replicated the fewest times that make it so (k/v only).
+    """
+    _check_inputs(q, k, v, segment_ids, mesh)
+    sp = mesh.shape[SEQ]
+    hq, hkv = q.shape[2], k.shape[2]
+    copies = kv_replication(hq, hkv, sp)
+    platform = mesh.devices.flat[0].platform
+    kernel_name = kernels.resolve_impl(impl, q, q.shape[1], platform, segment_ids is not None)
+    kernel = kernels.KERNELS[kernel_name]
+    kernel_kwargs = {"block_size": block_size} if kernel_name == "blockwise" else {}
+
+    def local(q, k, v, seg):
+        if copies > 1:
+            k, v = jnp.repeat(k, copies, axis=2), jnp.repeat(v, copies, axis=2)
+        q, k, v = (_seq_to_heads(x, sp) for x in (q, k, v))
+        if seg is not None and sp > 1:
+            seg = lax.all_gather(seg, SEQ, axis=1, tiled=True)  # small ints, never activations
+        out = kernel(q, k, v, causal=causal, segment_ids=seg, **kernel_kwargs)
+        return _heads_to_seq(out, sp)
+
+    seg_spec = None if segment_ids is None else ACTIVATION_SPEC
+    sharded = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(ACTIVATION_SPEC, ACTIVATION_SPEC, ACTIVATION_SPEC, seg_spec),
+        out_specs=ACTIVATION_SPEC,
+        check_vma=False,
+    )
+    return sharded(q, k, v, segment_ids)

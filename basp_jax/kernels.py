@@ -1,0 +1,241 @@
+"""Local (single-device) attention kernels run inside the shard_map after the head exchange.
+
+All take q [b, s, hq, d], k/v [b, s, hkv, d] (hq a multiple of hkv, grouped-query order: query
+head h reads kv head h // (hq // hkv)) and optional segment_ids [b, s], and return [b, s, hq, d].
+
+- "xla":       jax.nn.dot_product_attention with the XLA implementation (materialises S x S).
+- "cudnn":     the same API with cuDNN flash attention (GPU, bf16/fp16).
+- "blockwise": online-softmax flash attention in pure JAX with a hand-written backward pass;
+               memory grows with S * block, not S^2, so long sequences run on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+IMPLS = ("auto", "xla", "cudnn", "blockwise")
+# Below this full sequence length the S x S scores of the xla kernel are cheap enough.
+BLOCKWISE_MIN_SEQ = 2048
+DEFAULT_BLOCK = 512
+
+
+def _segment_mask(segment_ids: jax.Array | None) -> jax.Array | None:
+    if segment_ids is None:
+        return None
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [b, 1, s, s]
+
+
+def xla_attention(q, k, v, *, causal: bool, segment_ids=None):
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=_segment_mask(segment_ids), is_causal=causal, implementation="xla"
+    )
+
+
+def cudnn_attention(q, k, v, *, causal: bool, segment_ids=None):
+    # cuDNN takes a boolean mask as a bias, i.e. it materialises [b, 1, s, s] for packed input.
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=_segment_mask(segment_ids), is_causal=causal, implementation="cudnn"
+    )
+
+
+def cudnn_supported(q: jax.ShapeDtypeStruct, platform: str) -> bool:
+    """Whether cuDNN flash attention accepts these inputs (GPU, half precision, head_dim <= 128)."""
+    head_dim = q.shape[-1]
+    return (
+        platform == "gpu"
+        and q.dtype in (jnp.bfloat16, jnp.float16)
+        and head_dim <= 128
+        and head_dim % 8 == 0
+    )
+
+
+def resolve_impl(impl: str, q_shape_dtype, full_seq_len: int, platform: str, has_segments: bool) -> str:
+    """Turn "auto" into a concrete kernel: cudnn where it applies, blockwise for long S, else xla."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; use one of {', '.join(IMPLS)}")
+    if impl == "cudnn" and platform != "gpu":
+        raise ValueError(f"impl='cudnn' needs a GPU but the mesh is on {platform}; use 'auto'")
+    if impl != "auto":
+        return impl
+    if cudnn_supported(q_shape_dtype, platform) and not has_segments:
+        return "cudnn"
+    return "blockwise" if full_seq_len >= BLOCKWISE_MIN_SEQ else "xla"
+
+
+# ----------------------------------------------------------------------------------------------
+# Blockwise (flash) attention.
+#
+# Layout inside: q as [b, hkv, g, s, d] (g = hq // hkv query heads per kv head), k/v [b, hkv, s, d].
+# The sequence is padded to a multiple of the block size; padded keys are masked out and padded
+# query rows are sliced off. Masked scores are excluded with `where`, so a row that sees no key in
+# a block contributes nothing, and a row that sees no key at all gets output 0 (lse = +inf).
+
+
+def _block_mask(qi, kj, block_q, block_k, seq_len, causal, q_seg, k_seg):
+    """[b or 1, 1, 1, block_q, block_k] boolean: key valid, causal, same segment."""
+    q_pos = qi * block_q + jnp.arange(block_q)
+    k_pos = kj * block_k + jnp.arange(block_k)
+    mask = jnp.broadcast_to(k_pos[None, :] < seq_len, (block_q, block_k))
+    if causal:
+        mask = mask & (q_pos[:, None] >= k_pos[None, :])
+    mask = mask[None]
+    if q_seg is not None:
+        mask = mask & (q_seg[:, :, None] == k_seg[:, None, :])
+    return mask[:, None, None]
+
+
+def _kv_block_range(qi, num_k, block_q, block_k, causal):
+    """Key blocks [0, end) that query block qi can see."""
+    if not causal:
+        return num_k
+    return jnp.minimum(((qi + 1) * block_q - 1) // block_k + 1, num_k)
+
+
+def _q_block_start(kj, block_q, block_k, causal):
+    """First query block that can see key block kj."""
+    return (kj * block_k) // block_q if causal else 0
+
+
+def _slice(x, start, size, axis):
+    return lax.dynamic_slice_in_dim(x, start * size, size, axis=axis)
+
+
+def _scores(q_blk, k_blk, scale):
+    return jnp.einsum("bhgqd,bhkd->bhgqk", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
+
+
+def _flash_forward(q, k, v, seg, *, causal, seq_len, block_q, block_k, scale):
+    b, hkv, g, s_pad, d = q.shape
+    num_q, num_k = s_pad // block_q, s_pad // block_k
+
+    def row(qi):
+        q_blk = _slice(q, qi, block_q, 3)
+        q_seg = None if seg is None else _slice(seg, qi, block_q, 1)
+
+        def step(kj, carry):
+            acc, m, l = carry
+            k_blk, v_blk = _slice(k, kj, block_k, 2), _slice(v, kj, block_k, 2)
+            k_seg = None if seg is None else _slice(seg, kj, block_k, 1)
+            mask = _block_mask(qi, kj, block_q, block_k, seq_len, causal, q_seg, k_seg)
+            s = jnp.where(mask, _scores(q_blk, k_blk, scale), -jnp.inf)
+            m_new = jnp.maximum(m, s.max(-1))
+            # Rows that have seen no key yet keep m = -inf; shift by 0 there to avoid inf - inf.
+            shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            p = jnp.where(mask, jnp.exp(s - shift[..., None]), 0.0)
+            alpha = jnp.exp(jnp.where(jnp.isfinite(m), m - shift, -jnp.inf))
+            l = alpha * l + p.sum(-1)
+            pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), v_blk,
+                            preferred_element_type=jnp.float32)
+            return alpha[..., None] * acc + pv, m_new, l
+
+        init = (
+            jnp.zeros((b, hkv, g, block_q, d), jnp.float32),
+            jnp.full((b, hkv, g, block_q), -jnp.inf, jnp.float32),
+            jnp.zeros((b, hkv, g, block_q), jnp.float32),
+        )
+        acc, m, l = lax.fori_loop(0, _kv_block_range(qi, num_k, block_q, block_k, causal), step, init)
+        out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+        lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), jnp.inf)
+        return out.astype(q.dtype), lse
+
+    out, lse = lax.map(row, jnp.arange(num_q))  # [num_q, b, hkv, g, block_q, (d)]
+    out = jnp.moveaxis(out, 0, 3).reshape(b, hkv, g, s_pad, d)
+    lse = jnp.moveaxis(lse, 0, 3).reshape(b, hkv, g, s_pad)
+    return out, lse
+
+
+def _flash_backward(q, k, v, seg, out, lse, d_out, *, causal, seq_len, block_q, block_k, scale):
+    b, hkv, g, s_pad, d = q.shape
+    num_q, num_k = s_pad // block_q, s_pad // block_k
+    delta = jnp.einsum("bhgqd,bhgqd->bhgq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+
+    def probs_and_dscores(qi, kj):
+        q_blk, do_blk = _slice(q, qi, block_q, 3), _slice(d_out, qi, block_q, 3)
+        k_blk, v_blk = _slice(k, kj, block_k, 2), _slice(v, kj, block_k, 2)
+        q_seg = None if seg is None else _slice(seg, qi, block_q, 1)
+        k_seg = None if seg is None else _slice(seg, kj, block_k, 1)
+        mask = _block_mask(qi, kj, block_q, block_k, seq_len, causal, q_seg, k_seg)
+        s = _scores(q_blk, k_blk, scale)
+        p = jnp.where(mask, jnp.exp(s - _slice(lse, qi, block_q, 3)[..., None]), 0.0)
+        dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_blk, v_blk, preferred_element_type=jnp.float32)
+        ds = p * (dp - _slice(delta, qi, block_q, 3)[..., None])
+        return q_blk, do_blk, k_blk, p, ds
+
+    # Pass A: dq, one query block at a time over the key blocks it sees.
+    def dq_row(qi):
+        def step(kj, dq):
+            _, _, k_blk, _, ds = probs_and_dscores(qi, kj)
+            return dq + jnp.einsum("bhgqk,bhkd->bhgqd", ds.astype(k.dtype), k_blk,
+                                   preferred_element_type=jnp.float32)
+
+        init = jnp.zeros((b, hkv, g, block_q, d), jnp.float32)
+        return lax.fori_loop(0, _kv_block_range(qi, num_k, block_q, block_k, causal), step, init)
+
+    # Pass B: dk and dv, one key block at a time over the query blocks that see it.
+    def dkv_col(kj):
+        def step(qi, carry):
+            dk, dv = carry
+            q_blk, do_blk, _, p, ds = probs_and_dscores(qi, kj)
+            dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(d_out.dtype), do_blk,
+                                 preferred_element_type=jnp.float32)
+            dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds.astype(q.dtype), q_blk,
+                                 preferred_element_type=jnp.float32)
+            return dk, dv
+
+        zeros = jnp.zeros((b, hkv, block_k, d), jnp.float32)
+        return lax.fori_loop(_q_block_start(kj, block_q, block_k, causal), num_q, step, (zeros, zeros))
+
+    dq = jnp.moveaxis(lax.map(dq_row, jnp.arange(num_q)), 0, 3).reshape(q.shape) * scale
+    dk, dv = lax.map(dkv_col, jnp.arange(num_k))
+    dk = jnp.moveaxis(dk, 0, 2).reshape(k.shape) * scale
+    dv = jnp.moveaxis(dv, 0, 2).reshape(v.shape)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _flash(q, k, v, seg, causal, seq_len, block_q, block_k, scale):
+    out, _ = _flash_forward(q, k, v, seg, causal=causal, seq_len=seq_len,
+                            block_q=block_q, block_k=block_k, scale=scale)
+    return out
+
+
+def _flash_fwd(q, k, v, seg, causal, seq_len, block_q, block_k, scale):
+    out, lse = _flash_forward(q, k, v, seg, causal=causal, seq_len=seq_len,
+                              block_q=block_q, block_k=block_k, scale=scale)
+    return out, (q, k, v, seg, out, lse)
+
+
+def _flash_bwd(causal, seq_len, block_q, block_k, scale, residuals, d_out):
+    q, k, v, seg, out, lse = residuals
+    dq, dk, dv = _flash_backward(q, k, v, seg, out, lse, d_out, causal=causal, seq_len=seq_len,
+                                 block_q=block_q, block_k=block_k, scale=scale)
+    return dq, dk, dv, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def blockwise_attention(q, k, v, *, causal: bool, segment_ids=None, block_size: int = DEFAULT_BLOCK):
+    """Flash attention in pure JAX: O(S * block) memory in forward and backward."""
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    block = min(block_size, s)
+    s_pad = -(-s // block) * block
+    pad = [(0, 0), (0, s_pad - s), (0, 0), (0, 0)]
+    q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+    seg = None
+    if segment_ids is not None:
+        # Padded positions get segment -1; they are masked as keys by position anyway.
+        seg = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, s_pad - s)], constant_values=-1)
+    qg = q.reshape(b, s_pad, hkv, hq // hkv, d).transpose(0, 2, 3, 1, 4)
+    kg, vg = (x.transpose(0, 2, 1, 3) for x in (k, v))
+    out = _flash(qg, kg, vg, seg, causal, s, block, block, 1.0 / math.sqrt(d))
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, s_pad, hq, d)[:, :s]
+
+
+KERNELS = {"xla": xla_attention, "cudnn": cudnn_attention, "blockwise": blockwise_attention}

@@ -1,0 +1,175 @@
+"""How the work of one microbatch is split over devices: the one object everything else asks.
+
+A layout splits N devices into `groups` disjoint groups of `sp` devices (groups * sp == N). The
+microbatch [B, S] is sharded over groups by rows and over the devices of a group by sequence, so
+every device holds B*S/N tokens. Attention exchanges heads for sequence inside a group only.
+
+    ulysses: groups = 1, sp = N          (one N-way all-to-all per projection)
+    basp:    groups = gcd(B, N), sp = N / groups   (B | N gives the paper's groups = B)
+
+Every constraint is checked here, before anything compiles, and a violation raises a LayoutError
+whose single line names the numbers and what would work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+MODES = ("basp", "ulysses")
+
+
+class LayoutError(ValueError):
+    """A layout that cannot work; the message says why and what would."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _require_positive(**values: int | None) -> None:
+    for name, value in values.items():
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+
+
+def kv_replication(num_heads: int, num_kv_heads: int, sp: int) -> int:
+    """How many copies of each kv head make the kv heads divisible by sp (1 when they already are).
+
+    The fewest copies r with (num_kv_heads * r) % sp == 0; since both num_kv_heads and sp divide
+    num_heads, num_kv_heads * r = lcm(num_kv_heads, sp) also divides num_heads, so the grouped
+    query-to-kv mapping stays intact after replication.
+    """
+    return sp // math.gcd(num_kv_heads, sp)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """An immutable, validated split of a microbatch over devices. Build it with Layout.plan."""
+
+    num_devices: int
+    batch: int
+    seq_len: int
+    num_heads: int
+    num_kv_heads: int
+    groups: int
+    sp: int
+    devices_per_host: int
+    mode: str
+
+    @classmethod
+    def plan(
+        cls,
+        num_devices: int,
+        batch: int,
+        seq_len: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        devices_per_host: int | None = None,
+        mode: str = "basp",
+        groups: int | None = None,
+    ) -> "Layout":
+        """Choose and validate a layout.
+
+        mode="basp" takes groups = gcd(batch, num_devices) (= batch when batch divides the device
+        count, the paper's case); mode="ulysses" takes groups = 1. `groups` forces a group count
+        (it must divide both batch and num_devices).
+        """
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        devices_per_host = num_devices if devices_per_host is None else devices_per_host
+        _require_positive(
+            num_devices=num_devices,
+            batch=batch,
+            seq_len=seq_len,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            devices_per_host=devices_per_host,
+            groups=groups,
+        )
+        if mode not in MODES:
+            raise LayoutError(f"unknown parallel mode {mode!r}; use one of {', '.join(MODES)}")
+        if num_devices % devices_per_host:
+            raise LayoutError(
+                f"devices_per_host={devices_per_host} does not divide num_devices={num_devices}; "
+                f"every host must hold the same number of devices (one of {_divisors(num_devices)})"
+            )
+        if num_heads % num_kv_heads:
+            raise LayoutError(
+                f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}; "
+                f"grouped-query attention needs kv heads in {_divisors(num_heads)}"
+            )
+
+        if groups is None:
+            groups = 1 if mode == "ulysses" else math.gcd(batch, num_devices)
+        elif mode == "ulysses" and groups != 1:
+            raise LayoutError(f"mode='ulysses' means groups=1, got groups={groups}; use mode='basp'")
+        if num_devices % groups:
+            raise LayoutError(
+                f"groups={groups} does not divide num_devices={num_devices}; "
+                f"use groups in {_divisors(num_devices)}"
+            )
+        if batch % groups:
+            raise LayoutError(
+                f"batch={batch} is not divisible by groups={groups}; use a batch that is a "
+                f"multiple of {groups} or groups in "
+                f"{[g for g in _divisors(num_devices) if batch % g == 0]}"
+            )
+        sp = num_devices // groups
+
+        if seq_len % sp:
+            padded = -(-seq_len // sp) * sp
+            fitting_sp = [d for d in _divisors(num_devices) if seq_len % d == 0]
+            raise LayoutError(
+                f"seq_len={seq_len} is not divisible by sp={sp}; use a multiple of {sp} "
+                f"(e.g. {seq_len} -> {padded} with padding) or a layout with sp in {fitting_sp}"
+            )
+        if num_heads % sp:
+            fitting_sp = [d for d in _divisors(num_devices) if num_heads % d == 0]
+            raise LayoutError(
+                f"num_heads={num_heads} is not divisible by sp={sp}: each device of a group needs "
+                f"whole query heads; use a layout with sp in {fitting_sp} (more groups, e.g. a "
+                f"larger batch) or a model whose head count is a multiple of {sp}"
+            )
+        return cls(
+            num_devices=num_devices,
+            batch=batch,
+            seq_len=seq_len,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            groups=groups,
+            sp=sp,
+            devices_per_host=devices_per_host,
+            mode=mode,
+        )
+
+    @property
+    def kv_replication(self) -> int:
+        """Copies of each kv head sent through the all-to-all (1 unless num_kv_heads % sp != 0)."""
+        return kv_replication(self.num_heads, self.num_kv_heads, self.sp)
+
+    @property
+    def rows_per_group(self) -> int:
+        return self.batch // self.groups
+
+    @property
+    def tokens_per_device(self) -> int:
+        return self.batch * self.seq_len // self.num_devices
+
+    @property
+    def num_hosts(self) -> int:
+        return self.num_devices // self.devices_per_host
+
+    @property
+    def group_within_host(self) -> bool:
+        """True when every seq group lies inside one host, so its all-to-all never leaves it."""
+        return self.sp <= self.devices_per_host and self.devices_per_host % self.sp == 0
+
+    def describe(self) -> str:
+        where = "inside one host" if self.group_within_host else "across hosts"
+        return (
+            f"{self.mode}: {self.groups} group(s) x sp={self.sp} on {self.num_devices} devices "
+            f"({self.num_hosts} host(s)); {self.rows_per_group} row(s) per group, "
+            f"{self.tokens_per_device} tokens per device; all-to-all {where}"
+        )

@@ -1,0 +1,65 @@
+"""Place a Layout on devices: a Mesh with axes ('group', 'seq') whose seq groups stay inside a host."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .layout import Layout, LayoutError
+
+GROUP, SEQ = "group", "seq"
+AXES = (GROUP, SEQ)
+
+# Activations [B, S, ...]: rows over groups, sequence over the devices of a group.
+ACTIVATION_SPEC = P(GROUP, SEQ)
+
+
+def _host_major(devices: Sequence[jax.Device]) -> list[jax.Device]:
+    """Devices ordered by process (host), then by local id, so consecutive runs share a host."""
+    return sorted(devices, key=lambda d: (d.process_index, d.id))
+
+
+def make_mesh(layout: Layout, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A Mesh of shape (layout.groups, layout.sp) with axes ('group', 'seq').
+
+    Each seq group is a run of `sp` consecutive devices in host-major order, so when sp divides the
+    devices per host the group's all-to-all never leaves its host; groups span hosts. Axis types are
+    Auto, so jit resharding and shard_map specs agree without explicit-sharding annotations.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) != layout.num_devices:
+        raise LayoutError(
+            f"the layout is for {layout.num_devices} devices but {len(devices)} were given; "
+            f"plan it with num_devices={len(devices)}"
+        )
+    ordered = _host_major(devices)
+    per_host = _devices_per_process(ordered)
+    if per_host is not None and per_host != layout.devices_per_host and jax.process_count() > 1:
+        raise LayoutError(
+            f"the layout assumes devices_per_host={layout.devices_per_host} but each process has "
+            f"{per_host} devices; plan it with devices_per_host={per_host}"
+        )
+    grid = np.asarray(ordered, dtype=object).reshape(layout.groups, layout.sp)
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    return Mesh(grid, AXES, axis_types=auto)
+
+
+def _devices_per_process(devices: Sequence[jax.Device]) -> int | None:
+    counts: dict[int, int] = {}
+    for d in devices:
+        counts[d.process_index] = counts.get(d.process_index, 0) + 1
+    sizes = set(counts.values())
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def activation_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of [B, S, ...] activations and [B, S] token/segment arrays."""
+    return NamedSharding(mesh, ACTIVATION_SPEC)
+
+
+def mesh_groups(mesh: Mesh) -> list[list[int]]:
+    """The device ids of each seq group (one list per group), for inspection and tests."""
+    return [[d.id for d in row] for row in mesh.devices]
