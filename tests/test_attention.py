@@ -94,3 +94,24 @@ def test_blockwise_bfloat16_is_close_to_float32_reference():
     assert got.dtype == jnp.bfloat16
     want = reference_attention(q, k, v, causal=True)
     np.testing.assert_allclose(got.astype(jnp.float32), want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,groups,impl",
+    [(28, 4, 1, "xla"), (12, 12, 1, "xla"), (14, 2, 2, "blockwise"), (6, 1, 2, "xla")],
+)
+def test_query_heads_that_sp_does_not_divide_are_padded_exactly(hq, hkv, groups, impl):
+    """28 heads / 4 kv on sp=8 (pad to 32), MHA 12 on sp=8, 14/2 and MQA 6/1 on sp=4."""
+    layout = Layout.plan(8, batch=2, seq_len=32, num_heads=hq, num_kv_heads=hkv, groups=groups, pad_heads=True)
+    mesh = make_mesh(layout)
+    sharding = activation_sharding(mesh)
+    kq, kk, kv, kd, ks = jax.random.split(jax.random.PRNGKey(hq), 5)
+    q = jax.random.normal(kq, (2, 32, hq, 8))
+    k, v = (jax.random.normal(key, (2, 32, hkv, 8)) for key in (kk, kv))
+    d_out = jax.random.normal(kd, q.shape)
+    seg = packed_segment_ids(ks, 2, 32)
+    fn = lambda q, k, v: attention(q, k, v, mesh=mesh, segment_ids=seg, impl=impl, block_size=16)
+    got = jax.jit(lambda *a: _value_and_grads(fn, *a))(*(jax.device_put(x, sharding) for x in (q, k, v, d_out)))
+    want = _value_and_grads(lambda q, k, v: reference_attention(q, k, v, causal=True, segment_ids=seg), q, k, v, d_out)
+    for name, g, w in zip(["out", "dq", "dk", "dv"], got, want):
+        np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5, err_msg=name)

@@ -67,6 +67,14 @@ def test_plan_rejects_impossible_layouts_with_one_line(overrides, fragment):
     assert fragment in message and "\n" not in message
 
 
+def test_head_padding_is_opt_in_and_recorded():
+    with pytest.raises(LayoutError, match=r"or pad_heads=True to compute 32 heads \(4 of them zero padding\)"):
+        plan(num_heads=28, num_kv_heads=4, batch=1)
+    layout = plan(num_heads=28, num_kv_heads=4, batch=1, pad_heads=True)
+    assert (layout.sp, layout.pad_heads, layout.padded_heads, layout.kv_replication) == (8, True, 32, 2)
+    assert not plan(pad_heads=True).pad_heads  # nothing to pad
+
+
 def test_errors_suggest_what_would_work():
     with pytest.raises(LayoutError, match=r"sp in \[1, 2, 4\]"):
         plan(seq_len=1004, batch=1)  # 1004 = 4 * 251
@@ -101,7 +109,6 @@ def _mesh(groups):
     [
         ((8, 64, 8, 16), dict(k_shape=(8, 64, 3, 16)), "query heads 8 are not a multiple of kv heads 3"),
         ((8, 60, 8, 16), dict(), "seq_len 60 is not divisible by sp=8"),
-        ((8, 64, 4, 16), dict(groups=1), "4 query heads are not divisible by sp=8"),
         ((6, 64, 8, 16), dict(groups=4), "batch 6 is not divisible by groups=4"),
         ((8, 64, 8), dict(), "attention takes q, k, v of rank 4"),
         ((8, 64, 8, 16), dict(seg_shape=(8, 32)), "segment_ids must have shape (8, 64)"),
