@@ -8,7 +8,6 @@
 
 from .config import MODEL_TYPES, PRESETS, ModelConfig, ModelError
 from .hf import (
-    abstract_model,
     from_pretrained,
     hf_name,
     hf_state_dict,
@@ -16,7 +15,7 @@ from .hf import (
     save_pretrained,
 )
 from .loss import causal_lm_loss
-from .transformer import REMAT_POLICIES, Transformer
+from .transformer import REMAT_POLICIES, Transformer, abstract_model, init_model
 
 __all__ = [
     "MODEL_TYPES",
@@ -30,6 +29,7 @@ __all__ = [
     "from_pretrained",
     "hf_name",
     "hf_state_dict",
+    "init_model",
     "load_hf_params",
     "save_pretrained",
 ]

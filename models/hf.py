@@ -27,7 +27,7 @@ from basp_jax.sharding import param_sharding
 
 from .config import ModelConfig, ModelError
 from .safetensors_io import INDEX_FILE, SINGLE_FILE, Checkpoint, write_safetensors
-from .transformer import Transformer
+from .transformer import Transformer, abstract_model
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3  # transformers' default max_shard_size, "5GB"
 
@@ -51,15 +51,6 @@ def _leaf_value(leaf):
     if isinstance(leaf, nnx.Variable):
         return leaf.get_value() if hasattr(leaf, "get_value") else leaf.value
     return leaf
-
-
-def abstract_model(config: ModelConfig, *, mesh: Mesh | None = None, dtype=jnp.float32,
-                   param_dtype=jnp.float32, attn_impl: str = "auto", remat: str = "none"):
-    """The model with ShapeDtypeStructs in place of parameters (no memory, no compute)."""
-    return nnx.eval_shape(lambda: Transformer(
-        config, rngs=nnx.Rngs(0), mesh=mesh, dtype=dtype, param_dtype=param_dtype,
-        attn_impl=attn_impl, remat=remat,
-    ))
 
 
 def load_hf_params(path: str, config: ModelConfig | None = None, *, mesh: Mesh | None = None,

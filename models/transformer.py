@@ -7,10 +7,14 @@ basp_jax.attention (all-to-all over 'seq'); without one, everything runs on one 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
+
+from basp_jax.sharding import tree_shardings
 
 import basp_jax
 from basp_jax import kernels as basp_kernels
@@ -134,3 +138,34 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens, segment_ids=None, positions=None):
         return self.logits(self.hidden_states(tokens, segment_ids, positions))
+
+
+def abstract_model(config: ModelConfig, *, mesh: Mesh | None = None, dtype=jnp.float32,
+                   param_dtype=jnp.float32, attn_impl: str = "auto", remat: str = "none"):
+    """The model with ShapeDtypeStructs in place of parameters (no memory, no compute)."""
+    return nnx.eval_shape(lambda: Transformer(
+        config, rngs=nnx.Rngs(0), mesh=mesh, dtype=dtype, param_dtype=param_dtype,
+        attn_impl=attn_impl, remat=remat,
+    ))
+
+
+def init_model(config: ModelConfig, *, mesh: Mesh | None = None, seed: int = 0,
+               param_sharding: str = "fsdp", dtype=jnp.float32, param_dtype=jnp.float32,
+               attn_impl: str = "auto", remat: str = "none") -> Transformer:
+    """A randomly initialised Transformer whose parameters are created already sharded.
+
+    With a mesh, initialisation runs under jit with out_shardings from
+    basp_jax.sharding.tree_shardings(..., param_sharding), so no device ever holds the whole model.
+    The values equal Transformer(config, rngs=nnx.Rngs(seed)) on one device (to the last ulp).
+    """
+    kwargs = dict(mesh=mesh, dtype=dtype, param_dtype=param_dtype, attn_impl=attn_impl, remat=remat)
+    if mesh is None:
+        return Transformer(config, rngs=nnx.Rngs(seed), **kwargs)
+    graphdef, abstract_state = nnx.split(abstract_model(config, **kwargs))
+    shardings = tree_shardings(abstract_state, mesh, param_sharding)
+
+    @functools.partial(jax.jit, out_shardings=shardings)
+    def init():
+        return nnx.state(Transformer(config, rngs=nnx.Rngs(seed), **kwargs))
+
+    return nnx.merge(graphdef, init())
