@@ -106,6 +106,30 @@ def test_round_trip_through_transformers(checkpoints, tokens, tmp_path, family):
     np.testing.assert_allclose(np.asarray(ours), expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_attention_bias_variant_matches_transformers(tmp_path, tokens, family):
+    """attention_bias=True in llama/qwen3 puts a bias on q/k/v *and* o_proj (unlike qwen2)."""
+    import torch
+    import transformers
+
+    config = hf_tiny.hf_config(family)
+    config.attention_bias = True
+    config.tie_word_embeddings = False
+    config._attn_implementation = "eager"
+    torch.manual_seed(1)
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[family]
+    torch_model = cls(config).float().eval()
+    with torch.no_grad():
+        for name, p in torch_model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.08 * torch.randn_like(p))
+    torch_model.save_pretrained(tmp_path)
+    model = models.from_pretrained(str(tmp_path))
+    assert model.config.attention_bias and model.config.attention_out_bias
+    assert model.layers[0].self_attn.o_proj.bias is not None
+    np.testing.assert_allclose(np.asarray(forward(model, jnp.asarray(tokens))),
+                               hf_tiny.torch_logits(torch_model, tokens), atol=ATOL, rtol=0)
+
+
 def test_sharded_checkpoint_both_ways(checkpoints, tokens, tmp_path):
     """transformers' sharded files + index load onto a mesh; ours shard too and transformers reads them."""
     _, expected = checkpoints["qwen3"]

@@ -168,3 +168,27 @@ def test_init_model_creates_sharded_parameters_equal_to_eager_init():
     tokens = jnp.zeros((BATCH, SEQ), jnp.int32)
     np.testing.assert_allclose(np.asarray(forward(sharded, tokens, None)),
                                np.asarray(forward(eager, tokens, None)), atol=ATOL, rtol=0)
+
+
+def test_blockwise_kernel_matches_xla_on_mesh_with_packing(llama_dir):
+    directory, _ = llama_dir
+    tokens, segments = packed_batch(3)
+    mesh = mesh_for(2)
+    outputs = [np.asarray(forward(models.from_pretrained(directory, mesh=mesh, attn_impl=impl),
+                                  jnp.asarray(tokens), jnp.asarray(segments)))
+               for impl in ("xla", "blockwise")]
+    np.testing.assert_allclose(outputs[1], outputs[0], atol=ATOL, rtol=0)
+
+
+def test_model_arguments_are_checked_with_one_line_errors():
+    config = models.ModelConfig.preset("tiny")
+    for kwargs, match in [({"remat": "some"}, "remat"), ({"attn_impl": "flash"}, "attn_impl")]:
+        with pytest.raises(models.ModelError, match=match):
+            models.Transformer(config, rngs=nnx.Rngs(0), **kwargs)
+    import dataclasses
+
+    six_heads = dataclasses.replace(config, num_heads=6, num_kv_heads=2)
+    mesh = basp_jax.make_mesh(basp_jax.Layout.plan(8, 8, SEQ, 8, 2, groups=2))  # sp=4
+    with pytest.raises(models.ModelError, match="num_heads=6") as info:
+        models.Transformer(six_heads, rngs=nnx.Rngs(0), mesh=mesh)
+    assert "\n" not in str(info.value)
