@@ -99,6 +99,14 @@ def test_round_trip_through_transformers(checkpoints, tokens, tmp_path, family):
     models.save_pretrained(model, tmp_path)
     assert os.path.isfile(tmp_path / "model.safetensors")
     reloaded = hf_tiny.load_torch(tmp_path)
+    state = models.hf_state_dict(model)
+    torch_state = {k: v.numpy() for k, v in reloaded.state_dict().items()}
+    if family == "llama":  # tied: transformers lists the shared matrix under both names
+        assert "lm_head.weight" not in state
+        torch_state.pop("lm_head.weight")
+    assert state.keys() == torch_state.keys()
+    for name, value in state.items():
+        np.testing.assert_array_equal(value, torch_state[name], err_msg=name)
     assert type(reloaded).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                                        "qwen3": "Qwen3ForCausalLM"}[family]
     np.testing.assert_allclose(hf_tiny.torch_logits(reloaded, tokens), expected, atol=ATOL, rtol=0)
@@ -139,6 +147,13 @@ def test_sharded_checkpoint_both_ways(checkpoints, tokens, tmp_path):
     mesh = mesh_for(2, 4)
     model = models.from_pretrained(str(hf_dir), mesh=mesh)
     np.testing.assert_allclose(np.asarray(forward(model, jnp.asarray(tokens))), expected,
+                               atol=ATOL, rtol=0)
+
+    # The trainer's path: a sharded random model, then the checkpoint's parameters on top.
+    config = models.ModelConfig.from_hf(hf_dir)
+    fresh = models.init_model(config, mesh=mesh, seed=5)
+    nnx.update(fresh, models.load_hf_params(str(hf_dir), config, mesh=mesh))
+    np.testing.assert_allclose(np.asarray(forward(fresh, jnp.asarray(tokens))), expected,
                                atol=ATOL, rtol=0)
 
     out_dir = tmp_path / "ours"
