@@ -1,4 +1,4 @@
-"""ModelConfig: the shapes and switches of one decoder, read from a Hugging Face config.json or a preset.
+"""ModelConfig: the shapes and switches of one decoder, from a Hugging Face config.json or a preset.
 
 One dataclass covers Llama 3 / 3.1 / 3.2, Qwen2 / Qwen2.5 (and Qwen1.5, which uses the qwen2 code
 path) and Qwen3. The switches that distinguish the families:
@@ -16,7 +16,9 @@ import os
 from typing import Any
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+}
 ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -117,7 +119,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, path_or_dict: str | os.PathLike | dict) -> "ModelConfig":
-        """From a Hugging Face config: a directory holding config.json, a config.json path, or a dict."""
+        """From a Hugging Face config: a directory with config.json, a config.json path, or a dict."""
         if isinstance(path_or_dict, dict):
             return _from_hf_dict(path_or_dict, source="config dict")
         path = os.fspath(path_or_dict)

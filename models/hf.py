@@ -150,8 +150,8 @@ def _parse_size(size) -> int:
     return int(float(match.group(1)) * base ** "KMG".index(unit[0]) * base)
 
 
-def save_pretrained(model: Transformer, path: str, *, max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES,
-                    params=None) -> None:
+def save_pretrained(model: Transformer, path: str, *,
+                    max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES, params=None) -> None:
     """Write config.json and model.safetensors (or shards + model.safetensors.index.json when the
     weights exceed max_shard_size) in the layout `transformers` loads.
 
@@ -181,7 +181,8 @@ def save_pretrained(model: Transformer, path: str, *, max_shard_size: int | str 
     weight_map, total = {}, 0
     dtypes = set()
     for i, shard in enumerate(shards):
-        file_name = SINGLE_FILE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        file_name = (SINGLE_FILE if len(shards) == 1
+                     else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
         tensors = {}
         for (name, transpose), value in shard:
             array = _to_host(value)

@@ -1,7 +1,8 @@
-"""Building blocks of the decoder: Linear, Embed, RMSNorm, RoPE (incl. llama3 scaling), SwiGLU MLP, attention.
+"""Decoder building blocks: Linear, Embed, RMSNorm, RoPE (incl. llama3 scaling), SwiGLU, attention.
 
 Parameters are stored in `param_dtype` and cast to the compute `dtype` at use. Every nnx.Param carries
-logical axis names (`out_sharding` metadata) from {'vocab', 'embed', 'mlp', 'heads', 'kv_heads', 'head_dim'};
+logical axis names (`out_sharding` metadata) from
+{'vocab', 'embed', 'mlp', 'heads', 'kv_heads', 'head_dim'};
 they are informational: the trainer shards parameters by shape (basp_jax.sharding), and nothing here
 reaches for a global mesh. Attribute names follow Hugging Face's so the checkpoint mapping is
 mechanical (see models/hf.py).
@@ -32,7 +33,7 @@ def param(value: jax.Array, names: tuple[str | None, ...]) -> nnx.Param:
 
 
 def constrain(x: jax.Array, mesh: Mesh | None) -> jax.Array:
-    """Constrain [B, S, ...] activations to P('group', 'seq', None, ...) on `mesh` (no-op without one)."""
+    """Constrain [B, S, ...] activations to P('group', 'seq', None, ...) (no-op without a mesh)."""
     if mesh is None:
         return x
     spec = P("group", "seq", *([None] * (x.ndim - 2)))

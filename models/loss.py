@@ -16,7 +16,8 @@ def causal_lm_loss(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array |
     accumulation weight every token equally across microbatches.
     """
     if logits.shape[:-1] != targets.shape:
-        raise ValueError(f"logits {logits.shape} and targets {targets.shape} disagree on [batch, seq]")
+        raise ValueError(
+            f"logits {logits.shape} and targets {targets.shape} disagree on [batch, seq]")
     logits = logits.astype(jnp.float32)
     valid = targets >= 0
     if loss_mask is not None:

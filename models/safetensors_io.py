@@ -71,7 +71,8 @@ class SafetensorsFile:
         expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         if buf.size != expected:
             raise ModelError(
-                f"{self.path}: tensor {name} holds {buf.size} bytes, its shape {shape} needs {expected}"
+                f"{self.path}: tensor {name} holds {buf.size} bytes; its shape {shape} needs "
+                f"{expected}"
             )
         return buf.view(dtype).reshape(shape)
 
@@ -103,7 +104,8 @@ class Checkpoint:
         else:
             for file_name in sorted(set(weight_map.values())):
                 if not os.path.isfile(os.path.join(directory, file_name)):
-                    raise ModelError(f"{INDEX_FILE} in {directory} names {file_name}, which is missing")
+                    raise ModelError(
+                        f"{INDEX_FILE} in {directory} names {file_name}, which is missing")
             self._where = dict(weight_map)
 
     def _open(self, file_name: str) -> SafetensorsFile:

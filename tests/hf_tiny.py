@@ -67,7 +67,9 @@ def torch_logits(model, tokens: np.ndarray, positions: np.ndarray | None = None)
     import torch
 
     with torch.no_grad():
-        kwargs = {} if positions is None else {"position_ids": torch.from_numpy(np.array(positions)).long()}
+        kwargs = {}
+        if positions is not None:
+            kwargs["position_ids"] = torch.from_numpy(np.array(positions)).long()
         out = model(input_ids=torch.from_numpy(np.asarray(tokens)).long(), **kwargs)
     return out.logits.float().numpy()
 

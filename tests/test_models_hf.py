@@ -7,7 +7,6 @@ observed difference is ~4e-6 on logits of magnitude ~4.
 import json
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -139,7 +138,8 @@ def test_attention_bias_variant_matches_transformers(tmp_path, tokens, family):
 
 
 def test_sharded_checkpoint_both_ways(checkpoints, tokens, tmp_path):
-    """transformers' sharded files + index load onto a mesh; ours shard too and transformers reads them."""
+    """transformers' sharded files + index load onto a mesh; ours shard too and transformers reads
+    them."""
     _, expected = checkpoints["qwen3"]
     hf_dir = tmp_path / "hf"
     hf_tiny.save("qwen3", hf_dir, max_shard_size="50KB")
@@ -229,7 +229,8 @@ def test_errors_are_one_line(checkpoints, tmp_path):
     shutil.copy(os.path.join(good, "config.json"), missing)
     save_file({k: v for k, v in tensors.items() if k != "model.layers.1.self_attn.k_proj.bias"},
               str(missing / "model.safetensors"), metadata={"format": "pt"})
-    _one_line_error(lambda: models.from_pretrained(str(missing)), "model.layers.1.self_attn.k_proj.bias")
+    _one_line_error(lambda: models.from_pretrained(str(missing)),
+                    "model.layers.1.self_attn.k_proj.bias")
 
     bad_shape = tmp_path / "bad_shape"
     bad_shape.mkdir()
