@@ -7,6 +7,7 @@ observed difference is ~4e-6 on logits of magnitude ~4.
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -253,3 +254,23 @@ def test_errors_are_one_line(checkpoints, tmp_path):
     (index_dir / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}))
     _one_line_error(lambda: models.from_pretrained(str(index_dir)), "model-00001-of-00002")
+
+
+def test_loading_onto_a_mesh_hands_each_device_only_its_slice(checkpoints, monkeypatch):
+    """Under FSDP every device's callback returns 1/8 of a large tensor, never the whole of it."""
+    blocks = {}
+    original = jax.make_array_from_callback
+
+    def spy(shape, sharding, callback, *args, **kwargs):
+        def recording(index):
+            block = callback(index)
+            blocks.setdefault(tuple(shape), []).append(block.shape)
+            return block
+        return original(shape, sharding, recording, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "make_array_from_callback", spy)
+    models.from_pretrained(checkpoints["qwen2"][0], mesh=mesh_for(2, 4), param_sharding="fsdp")
+    embed_shape = (hf_tiny.VOCAB, 64)
+    assert blocks[embed_shape] == [(hf_tiny.VOCAB // 8, 64)] * 8
+    up_proj = (64, 160)  # gate/up in 2 layers; ours [in, out], read from [out, in] and transposed
+    assert blocks[up_proj] == [(64, 20)] * 8 * 4
