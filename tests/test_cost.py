@@ -60,3 +60,17 @@ def test_plan_cli_rejects_bad_numbers():
     with pytest.raises(SystemExit) as err:
         plan.main(["--model", "llama-3.1-8b", "--seq", "0", "--batch", "2", "--devices", "8"])
     assert err.value.code == 2
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_SHAPES))
+def test_cost_model_shapes_equal_the_model_presets(name):
+    """basp_jax may not import models, so it keeps its own table of shapes; it must not drift."""
+    from models import ModelConfig
+
+    config = ModelConfig.preset(name)
+    shape = MODEL_SHAPES[name]
+    assert (shape.num_layers, shape.hidden_size, shape.intermediate_size, shape.num_heads,
+            shape.num_kv_heads, shape.head_dim, shape.vocab_size, shape.tie_word_embeddings) == (
+        config.num_layers, config.hidden_size, config.intermediate_size, config.num_heads,
+        config.num_kv_heads, config.head_dim, config.vocab_size, config.tie_word_embeddings)
+    assert abs(shape.num_params - config.num_params()) / config.num_params() < 1e-3
