@@ -69,11 +69,15 @@ HLO_SAMPLES = """
 %e = (f32[2]{0}, f32[8]{0}) all-gather-start(f32[2]{0} %z), replica_groups={{0,1,2,3}}, dimensions={0}
 %f = f32[8]{0} all-reduce(f32[8]{0} %y), replica_groups=mesh['group'=2,'seq'=4] {'group'}, to_apply=%add
 %g = f32[8]{0} add(f32[8]{0} %y, f32[8]{0} %y)
+%h = (f32[8]{0}, f32[4]{0}) all-reduce(f32[8]{0} %y, f32[4]{0} %z), replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, to_apply=%add
+%i = f32[8]{0} all-reduce(f32[8]{0} %y), replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_2'}, to_apply=%add
 """
 
 
 def test_parser_understands_every_replica_group_printing():
-    a, b, c, d, e, f = comm.parse_collectives(HLO_SAMPLES)
+    a, b, c, d, e, f, h, i = comm.parse_collectives(HLO_SAMPLES)
+    assert (h.bytes, h.groups) == (48, ((0, 1, 2, 3), (4, 5, 6, 7)))
+    assert i.groups == ((0, 4), (1, 5), (2, 6), (3, 7))
     assert (a.kind, a.bytes, a.groups) == ("all-to-all", 128, ((0, 1, 2, 3), (4, 5, 6, 7)))
     assert (b.kind, b.dtype, b.bytes) == ("all-reduce", "bf16", 32)
     assert b.groups == ((0, 4), (1, 5), (2, 6), (3, 7))
