@@ -418,9 +418,6 @@ def validate(cfg: Config) -> None:
         )
 
     dist = cfg.runtime.distributed
-    if dist.enabled and not dist.coordinator:
-        # jax can still read JAX_COORDINATOR_ADDRESS etc. from the environment (or a cluster).
-        pass
     if dist.coordinator and (dist.num_processes is None or dist.process_id is None):
         raise ConfigError(
             "runtime.distributed.coordinator needs num_processes and process_id as well"

@@ -80,8 +80,12 @@ def collective_counts(hlo_text: str) -> dict[str, int]:
     return counts
 
 
-def run(cfg: Config) -> dict[str, Any]:
-    """Train as configured; returns a summary with the per-step losses of this invocation."""
+def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
+    """Train as configured; returns a summary with the per-step losses of this invocation.
+
+    stop_at ends the invocation after that many completed steps (with a checkpoint), as a
+    preemption would; running again resumes from it.
+    """
     runtime.configure(cfg)
     is_writer = jax.process_index() == 0
     run_dir = os.path.abspath(cfg.run.dir)
@@ -185,7 +189,8 @@ def run(cfg: Config) -> dict[str, Any]:
     step_times = []
     try:
         with jax.set_mesh(mesh):
-            for step in range(start, cfg.train.steps):
+            end = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
+            for step in range(start, end):
                 batch = data.global_batch(step, batch_sharding)
                 step_arr = jax.device_put(np.int32(step), replicated)
                 if compiled is None:
@@ -217,9 +222,9 @@ def run(cfg: Config) -> dict[str, Any]:
                 logger.log(record)
                 meta = {"step": step + 1, "data_step": step + 1, "seed": cfg.run.seed,
                         "layout": layout.describe()}
-                final = step + 1 == cfg.train.steps
+                last = step + 1 == end
                 ckpt.save(step + 1, params, opt_state, meta,
-                          force=final and cfg.checkpoint.save_final)
+                          force=last and (cfg.checkpoint.save_final or step + 1 < cfg.train.steps))
         ckpt.wait()
         if cfg.checkpoint.export_hf:
             export_dir = os.path.abspath(cfg.checkpoint.export_hf)
@@ -233,7 +238,7 @@ def run(cfg: Config) -> dict[str, Any]:
 
     wall = time.perf_counter() - wall0
     summary = {
-        "steps": cfg.train.steps,
+        "steps": start + len(losses),
         "start_step": start,
         "losses": losses,
         "wall_s": wall,
@@ -246,7 +251,7 @@ def run(cfg: Config) -> dict[str, Any]:
             mean_tps = tokens_per_step / (sum(steady) / len(steady))
             mfu = f", mfu {flops_per_token * mean_tps / (peak * len(devices)):.1%}" if peak else ""
             print(
-                f"done: steps {start + 1}-{cfg.train.steps} in {wall:.1f}s, loss {losses[0]:.4f} -> "
+                f"done: steps {start + 1}-{start + len(losses)} of {cfg.train.steps} in {wall:.1f}s, loss {losses[0]:.4f} -> "
                 f"{losses[-1]:.4f}, {mean_tps:,.0f} tokens/s{mfu}; outputs in {run_dir}",
                 flush=True,
             )

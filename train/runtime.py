@@ -27,8 +27,10 @@ def configure(cfg: Config) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     import jax
 
+    current = getattr(jax.config, "jax_num_cpu_devices", -1)
     try:
-        jax.config.update("jax_num_cpu_devices", n)
+        if current is None or current < n:  # a caller that already asked for more keeps them
+            jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError:
         pass  # backends already up (e.g. in-process tests); loop.run checks the device count
     if _want_distributed(cfg) and not jax.distributed.is_initialized():

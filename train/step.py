@@ -62,13 +62,13 @@ def build_model(make: Callable[[], nnx.Module], mesh: Mesh, strategy: str, *,
     """
     abstract = nnx.eval_shape(make)
     graphdef, abs_params, abs_rest = nnx.split(abstract, nnx.Param, ...)
-    pure_params, pure_rest = abs_params.to_pure_dict(), abs_rest.to_pure_dict()
+    pure_params, pure_rest = nnx.to_pure_dict(abs_params), nnx.to_pure_dict(abs_rest)
     param_sh = tree_shardings(pure_params, mesh, strategy)
     rest_sh = tree_shardings(pure_rest, mesh, strategy)
 
     def init():
         _, params, rest = nnx.split(make(), nnx.Param, ...)
-        return (params.to_pure_dict() if init_params else None), rest.to_pure_dict()
+        return (nnx.to_pure_dict(params) if init_params else None), nnx.to_pure_dict(rest)
 
     params, rest = jax.jit(init, out_shardings=(param_sh if init_params else None, rest_sh))()
     if not init_params:
@@ -83,7 +83,7 @@ def from_module(model: nnx.Module, mesh: Mesh, strategy: str) -> ModelParts:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     abs_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     abs_rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rest)
-    pure_params, pure_rest = params.to_pure_dict(), rest.to_pure_dict()
+    pure_params, pure_rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
     pure_params = jax.device_put(pure_params, tree_shardings(pure_params, mesh, strategy))
     pure_rest = jax.device_put(pure_rest, tree_shardings(pure_rest, mesh, strategy))
     return ModelParts(graphdef, (abs_params, abs_rest), pure_params, pure_rest)
@@ -174,7 +174,7 @@ def make_train_step(
         denom = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grad_sum, params)
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         metrics = {
