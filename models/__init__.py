@@ -1,0 +1,35 @@
+"""Flax NNX Llama 3 and Qwen 2/2.5/3 on BASP attention, with Hugging Face checkpoint interop.
+
+    model = models.from_pretrained("path/to/hf_dir", mesh=mesh)       # or Transformer(config, ...)
+    logits = model(tokens, segment_ids=None, positions=None)          # [B, S, vocab] float32
+    loss_sum, count = models.causal_lm_loss(logits, targets)
+    models.save_pretrained(model, "out_dir")                          # transformers can load it
+"""
+
+from .config import MODEL_TYPES, PRESETS, ModelConfig, ModelError
+from .hf import (
+    from_pretrained,
+    hf_name,
+    hf_state_dict,
+    load_hf_params,
+    save_pretrained,
+)
+from .loss import causal_lm_loss
+from .transformer import REMAT_POLICIES, Transformer, abstract_model, init_model
+
+__all__ = [
+    "MODEL_TYPES",
+    "PRESETS",
+    "REMAT_POLICIES",
+    "ModelConfig",
+    "ModelError",
+    "Transformer",
+    "abstract_model",
+    "causal_lm_loss",
+    "from_pretrained",
+    "hf_name",
+    "hf_state_dict",
+    "init_model",
+    "load_hf_params",
+    "save_pretrained",
+]

@@ -1,0 +1,311 @@
+"""ModelConfig: the shapes and switches of one decoder, from a Hugging Face config.json or a preset.
+
+One dataclass covers Llama 3 / 3.1 / 3.2, Qwen2 / Qwen2.5 (and Qwen1.5, which uses the qwen2 code
+path) and Qwen3. The switches that distinguish the families:
+
+    llama   rope_scaling type 'llama3', tied embeddings in 3.2-1B/3B, no biases
+    qwen2   bias on q/k/v (attention_bias=True), no bias on o_proj
+    qwen3   per-head RMSNorm on q and k (qk_norm=True), explicit head_dim, no biases
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+MODEL_TYPES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+}
+ROPE_TYPES = ("default", "llama3", "linear")
+
+
+class ModelError(ValueError):
+    """A model config, checkpoint or argument that cannot work; the message is one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {'rope_type': 'llama3', 'factor': ..., ...} or None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections
+    attention_out_bias: bool = False  # bias on o_proj (llama/qwen3 attention_bias=True only)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    max_position_embeddings: int = 8192
+    model_type: str = "llama"
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        if self.model_type not in MODEL_TYPES:
+            raise ModelError(
+                f"unknown model_type {self.model_type!r}; supported: {', '.join(MODEL_TYPES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ModelError(f"head_dim={self.head_dim} must be even for RoPE")
+        rope_type = self.rope_type
+        if rope_type not in ROPE_TYPES:
+            raise ModelError(
+                f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
+            )
+        if rope_type == "llama3":
+            missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                   "original_max_position_embeddings") if k not in self.rope_scaling]
+            if missing:
+                raise ModelError(f"rope_scaling type 'llama3' lacks {', '.join(missing)}")
+        if rope_type == "linear" and "factor" not in self.rope_scaling:
+            raise ModelError("rope_scaling type 'linear' lacks factor")
+
+    # -- derived -----------------------------------------------------------------------------
+
+    @property
+    def rope_type(self) -> str:
+        if not self.rope_scaling:
+            return "default"
+        return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+
+    def num_params(self) -> int:
+        """Total parameter count, as Hugging Face reports it (tied embeddings counted once)."""
+        d, hd = self.hidden_size, self.head_dim
+        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+        attn = d * q + 2 * d * kv + q * d
+        if self.attention_bias:
+            attn += q + 2 * kv
+        if self.attention_out_bias:
+            attn += d
+        if self.qk_norm:
+            attn += 2 * hd
+        mlp = 3 * d * self.intermediate_size
+        layer = attn + mlp + 2 * d
+        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embed + d
+
+    def flops_per_token(self, seq_len: int, causal: bool = False) -> float:
+        """Training FLOPs per token (forward + backward) for MFU: 6 * N + 12 * L * Hq * Dh * S.
+
+        N counts the parameters used in matmuls: every parameter except the input embedding table
+        when it is not tied to the output projection (a lookup costs no FLOPs). The attention term
+        is PaLM's (appendix B) and counts the full S x S scores; causal=True halves it, counting
+        only the scores a causal kernel needs.
+        """
+        n = self.num_params()
+        if not self.tie_word_embeddings:
+            n -= self.vocab_size * self.hidden_size
+        attn = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
+        return 6.0 * n + (attn / 2 if causal else attn)
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, path_or_dict: str | os.PathLike | dict) -> "ModelConfig":
+        """From a Hugging Face config: a directory with config.json, a config.json path, or a dict."""
+        if isinstance(path_or_dict, dict):
+            return _from_hf_dict(path_or_dict, source="config dict")
+        path = os.fspath(path_or_dict)
+        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise ModelError(f"no config.json at {file}")
+        try:
+            with open(file) as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ModelError(f"cannot read {file}: {str(e).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise ModelError(f"{file} does not hold a JSON object")
+        return _from_hf_dict(data, source=file)
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelConfig":
+        """A named preset with the published shapes: see PRESETS for the names."""
+        key = name.lower()
+        if key not in PRESETS:
+            raise ModelError(f"unknown preset {name!r}; use one of {', '.join(PRESETS)}")
+        return PRESETS[key]
+
+    def to_hf(self) -> dict[str, Any]:
+        """A config.json dict that `transformers` (4.x and 5.x) loads as the matching model."""
+        out: dict[str, Any] = {
+            "architectures": [ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "attention_dropout": 0.0,
+            "use_cache": True,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+        }
+        if self.model_type in ("llama", "qwen3"):
+            out["attention_bias"] = self.attention_bias
+        if self.model_type == "llama":
+            out["mlp_bias"] = False
+        if self.model_type in ("qwen2", "qwen3"):
+            out["use_sliding_window"] = False
+            out["sliding_window"] = None
+        return out
+
+
+def _get(data: dict, key: str, source: str, default=dataclasses.MISSING):
+    if key in data and data[key] is not None:
+        return data[key]
+    if default is dataclasses.MISSING:
+        raise ModelError(f"{source} lacks {key!r}")
+    return default
+
+
+def _from_hf_dict(data: dict, source: str) -> ModelConfig:
+    model_type = data.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ModelError(
+            f"{source}: unknown model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}"
+        )
+    act = data.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelError(f"{source}: hidden_act {act!r} is not supported; only 'silu' (SwiGLU)")
+    if data.get("mlp_bias"):
+        raise ModelError(f"{source}: mlp_bias=True is not supported")
+    if data.get("use_sliding_window"):
+        raise ModelError(f"{source}: use_sliding_window=True is not supported")
+
+    hidden = _get(data, "hidden_size", source)
+    heads = _get(data, "num_attention_heads", source)
+    head_dim = data.get("head_dim") or hidden // heads
+    # transformers 5 writes `rope_parameters` (holding rope_theta); 4.x writes `rope_scaling` and
+    # a top-level `rope_theta`.
+    rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ModelError(f"{source}: rope_scaling must be an object, got {rope!r}")
+    rope = dict(rope)
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    theta = float(rope.pop("rope_theta", None) or data.get("rope_theta") or 10000.0)
+    rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
+
+    if model_type == "qwen2":
+        qkv_bias, out_bias = True, False
+    else:
+        qkv_bias = out_bias = bool(data.get("attention_bias", False))
+    try:
+        return ModelConfig(
+            vocab_size=_get(data, "vocab_size", source),
+            hidden_size=hidden,
+            intermediate_size=_get(data, "intermediate_size", source),
+            num_layers=_get(data, "num_hidden_layers", source),
+            num_heads=heads,
+            num_kv_heads=data.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(_get(data, "rms_norm_eps", source, 1e-6)),
+            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+            attention_bias=qkv_bias,
+            attention_out_bias=out_bias,
+            qk_norm=model_type == "qwen3",
+            max_position_embeddings=_get(data, "max_position_embeddings", source, 8192),
+            model_type=model_type,
+            initializer_range=float(data.get("initializer_range", 0.02)),
+            bos_token_id=data.get("bos_token_id"),
+            eos_token_id=data.get("eos_token_id"),
+        )
+    except ModelError as e:
+        raise ModelError(f"{source}: {e}") from None
+
+
+def _llama3_rope(factor: float) -> dict:
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+# Shapes from the models' published config.json files.
+PRESETS: dict[str, ModelConfig] = {
+    "llama-3.2-1b": ModelConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+        num_kv_heads=8, head_dim=64, rope_theta=500000.0, rope_scaling=_llama3_rope(32.0),
+        rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=131072,
+        model_type="llama", bos_token_id=128000, eos_token_id=128001,
+    ),
+    "llama-3.2-3b": ModelConfig(
+        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_layers=28, num_heads=24,
+        num_kv_heads=8, head_dim=128, rope_theta=500000.0, rope_scaling=_llama3_rope(32.0),
+        rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=131072,
+        model_type="llama", bos_token_id=128000, eos_token_id=128001,
+    ),
+    "llama-3.1-8b": ModelConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, rope_theta=500000.0, rope_scaling=_llama3_rope(8.0),
+        rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=131072,
+        model_type="llama", bos_token_id=128000, eos_token_id=128001,
+    ),
+    "qwen2.5-3b": ModelConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_layers=36, num_heads=16,
+        num_kv_heads=2, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, attention_bias=True, max_position_embeddings=32768,
+        model_type="qwen2", bos_token_id=151643, eos_token_id=151643,
+    ),
+    "qwen3-8b": ModelConfig(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+        num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, qk_norm=True, max_position_embeddings=40960,
+        model_type="qwen3", bos_token_id=151643, eos_token_id=151645,
+    ),
+    "qwen1.5-1.8b": ModelConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=5504, num_layers=24, num_heads=16,
+        num_kv_heads=16, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, attention_bias=True, max_position_embeddings=32768,
+        model_type="qwen2", bos_token_id=151643, eos_token_id=151643,
+    ),
+    # Small enough for tests and CPU demos; 8 query heads so sp in {1, 2, 4, 8} all work.
+    "tiny": ModelConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8,
+        num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, max_position_embeddings=4096, model_type="llama",
+    ),
+}
+
+
+def _hashable(value):
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
+def _config_hash(self) -> int:
+    return hash(tuple(_hashable(getattr(self, f.name)) for f in dataclasses.fields(self)))
+
+
+# The config rides on the NNX module as static data, so it must hash although rope_scaling is a dict.
+ModelConfig.__hash__ = _config_hash

@@ -1,0 +1,204 @@
+"""Hugging Face checkpoint interop: load a local model directory onto a mesh, save it back.
+
+The name mapping is mechanical because the modules use Hugging Face's attribute names:
+
+    ('embed_tokens', 'weight')                     <-> model.embed_tokens.weight
+    ('layers', i, 'self_attn', 'q_proj', 'kernel') <-> model.layers.{i}.self_attn.q_proj.weight  (T)
+    ('layers', i, 'self_attn', 'q_proj', 'bias')   <-> model.layers.{i}.self_attn.q_proj.bias
+    ('norm', 'weight')                             <-> model.norm.weight
+    ('lm_head', 'kernel')                          <-> lm_head.weight                            (T)
+
+(T): our kernels are [in, out]; Hugging Face Linear weights are [out, in].
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from basp_jax.sharding import param_sharding
+
+from .config import ModelConfig, ModelError
+from .safetensors_io import INDEX_FILE, SINGLE_FILE, Checkpoint, write_safetensors
+from .transformer import Transformer, abstract_model
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3  # transformers' default max_shard_size, "5GB"
+
+
+def hf_name(path: tuple) -> tuple[str, bool]:
+    """(Hugging Face tensor name, whether our array is the transpose of it) for a parameter path."""
+    parts = [str(p) for p in path]
+    transpose = parts[-1] == "kernel"
+    if transpose:
+        parts[-1] = "weight"
+    name = ".".join(parts)
+    return (name if parts[0] == "lm_head" else "model." + name), transpose
+
+
+def _param_leaves(state) -> list[tuple[tuple, object]]:
+    """(path, leaf) for every parameter of an nnx.State, in a stable order."""
+    return [(tuple(path), leaf) for path, leaf in nnx.to_flat_state(state)]
+
+
+def _leaf_value(leaf):
+    if isinstance(leaf, nnx.Variable):
+        return leaf.get_value() if hasattr(leaf, "get_value") else leaf.value
+    return leaf
+
+
+def load_hf_params(path: str, config: ModelConfig | None = None, *, mesh: Mesh | None = None,
+                   param_dtype=jnp.float32, param_sharding: str = "fsdp"):
+    """The parameters of a Hugging Face directory as an nnx.State matching
+    `nnx.state(Transformer(config, ...), nnx.Param)`.
+
+    With a mesh, each parameter is created with jax.make_array_from_callback under
+    basp_jax.sharding.param_sharding(shape, mesh, param_sharding): every device receives only its
+    slice, read from the memory-mapped file, so no device or host holds the whole checkpoint.
+    Without a mesh, arrays go to the default device. Use with nnx.update(model, params).
+    """
+    config = ModelConfig.from_hf(path) if config is None else config
+    checkpoint = Checkpoint(path)
+    state = nnx.state(abstract_model(config, param_dtype=param_dtype), nnx.Param)
+    dtype = np.dtype(param_dtype)
+    flat = []
+    for key, leaf in _param_leaves(state):
+        name, transpose = hf_name(key)
+        shape = tuple(_leaf_value(leaf).shape)
+        tensor = checkpoint.get(name)
+        hf_shape = shape[::-1] if transpose else shape
+        if tuple(tensor.shape) != hf_shape:
+            raise ModelError(
+                f"tensor {name} has shape {tuple(tensor.shape)} in {path} but this config needs "
+                f"{hf_shape}"
+            )
+        flat.append((key, _place(tensor, transpose, shape, dtype, mesh, param_sharding)))
+    return nnx.from_flat_state(flat)
+
+
+def _place(tensor: np.ndarray, transpose: bool, shape, dtype, mesh, strategy):
+    def read(index=None):
+        if transpose:
+            block = tensor.T if index is None else tensor[index[1], index[0]].T
+        else:
+            block = tensor if index is None else tensor[index]
+        return np.ascontiguousarray(block).astype(dtype)
+
+    if mesh is None:
+        return jnp.asarray(read())
+    sharding = param_sharding(shape, mesh, strategy)
+    return jax.make_array_from_callback(shape, sharding, lambda index: read(index))
+
+
+def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype=jnp.float32, param_dtype=None,
+                    attn_impl: str = "auto", param_sharding: str = "fsdp",
+                    remat: str = "none") -> Transformer:
+    """A Transformer with the weights of a local Hugging Face directory (config.json + safetensors).
+
+    dtype is the compute dtype; param_dtype the storage dtype (None: the same as dtype). With a
+    mesh, parameters are sharded by `param_sharding` ('fsdp' | 'hsdp' | 'replicated') and the model
+    computes on the mesh; its logits come back sharded P('group', 'seq', None).
+    """
+    config = ModelConfig.from_hf(path)
+    param_dtype = dtype if param_dtype is None else param_dtype
+    model = abstract_model(config, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
+                           attn_impl=attn_impl, remat=remat)
+    nnx.update(model, load_hf_params(path, config, mesh=mesh, param_dtype=param_dtype,
+                                     param_sharding=param_sharding))
+    return model
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def hf_state_dict(model_or_state) -> dict[str, np.ndarray]:
+    """{Hugging Face name: numpy array in Hugging Face layout}, gathered to host memory.
+
+    Takes a Transformer or its nnx.State of parameters. Every process must call it when the
+    parameters span several processes (it all-gathers).
+    """
+    state = model_or_state
+    if isinstance(model_or_state, nnx.Module):
+        state = nnx.state(model_or_state, nnx.Param)
+    out = {}
+    for key, leaf in _param_leaves(state):
+        name, transpose = hf_name(key)
+        array = _to_host(_leaf_value(leaf))
+        out[name] = np.ascontiguousarray(array.T) if transpose else array
+    return out
+
+
+def _parse_size(size) -> int:
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B)\s*", str(size), re.IGNORECASE)
+    if not match:
+        raise ModelError(f"max_shard_size must be bytes or like '5GB'/'500MB', got {size!r}")
+    unit = match.group(2).upper()
+    base = 1024 if "I" in unit else 1000
+    return int(float(match.group(1)) * base ** "KMG".index(unit[0]) * base)
+
+
+def save_pretrained(model: Transformer, path: str, *,
+                    max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES, params=None) -> None:
+    """Write config.json and model.safetensors (or shards + model.safetensors.index.json when the
+    weights exceed max_shard_size) in the layout `transformers` loads.
+
+    `params` (an nnx.State of parameters) overrides the model's own, e.g. the trainer's final state.
+    Tensors are written in the parameters' dtype. All processes must call it (parameters are
+    gathered one shard at a time); only process 0 writes.
+    """
+    config: ModelConfig = model.config
+    state = nnx.state(model, nnx.Param) if params is None else params
+    leaves = [(hf_name(key), _leaf_value(leaf)) for key, leaf in _param_leaves(state)]
+    limit = _parse_size(max_shard_size)
+    shards: list[list] = [[]]
+    size = 0
+    for item in leaves:
+        nbytes = int(np.prod(item[1].shape)) * np.dtype(item[1].dtype).itemsize
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += nbytes
+    writer = jax.process_index() == 0
+    if writer:
+        os.makedirs(path, exist_ok=True)
+        for stale in os.listdir(path):
+            if stale == INDEX_FILE or re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", stale):
+                os.remove(os.path.join(path, stale))
+    weight_map, total = {}, 0
+    dtypes = set()
+    for i, shard in enumerate(shards):
+        file_name = (SINGLE_FILE if len(shards) == 1
+                     else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+        tensors = {}
+        for (name, transpose), value in shard:
+            array = _to_host(value)
+            tensors[name] = array.T if transpose else array
+            weight_map[name] = file_name
+            total += array.nbytes
+            dtypes.add(str(np.dtype(array.dtype)))
+        if writer:
+            write_safetensors(os.path.join(path, file_name), tensors)
+    if not writer:
+        return
+    if len(shards) > 1:
+        with open(os.path.join(path, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    hf_config = config.to_hf()
+    dtype_name = dtypes.pop() if len(dtypes) == 1 else "float32"
+    hf_config["torch_dtype"] = hf_config["dtype"] = dtype_name
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)

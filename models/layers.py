@@ -1,0 +1,199 @@
+"""Decoder building blocks: Linear, Embed, RMSNorm, RoPE (incl. llama3 scaling), SwiGLU, attention.
+
+Parameters are stored in `param_dtype` and cast to the compute `dtype` at use. Every nnx.Param carries
+logical axis names (`out_sharding` metadata) from
+{'vocab', 'embed', 'mlp', 'heads', 'kv_heads', 'head_dim'};
+they are informational: the trainer shards parameters by shape (basp_jax.sharding), and nothing here
+reaches for a global mesh. Attribute names follow Hugging Face's so the checkpoint mapping is
+mechanical (see models/hf.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import basp_jax
+from basp_jax import kernels as basp_kernels
+
+from .config import ModelConfig
+
+# [B, S, ...] activations: rows over groups, sequence over the devices of a seq group.
+ACTIVATION_SPEC = P("group", "seq", None)
+
+
+def param(value: jax.Array, names: tuple[str | None, ...]) -> nnx.Param:
+    """An nnx.Param with logical axis names and no eager placement (there is no global mesh)."""
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def constrain(x: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """Constrain [B, S, ...] activations to P('group', 'seq', None, ...) (no-op without a mesh)."""
+    if mesh is None:
+        return x
+    spec = P("group", "seq", *([None] * (x.ndim - 2)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel [in, out] (Hugging Face stores the transpose, [out, in])."""
+
+    def __init__(self, in_features: int, out_features: int, names: tuple[str | None, str | None], *,
+                 use_bias: bool, rngs: nnx.Rngs, dtype, param_dtype, init_std: float):
+        self.kernel = param(
+            init_std * jax.random.normal(rngs.params(), (in_features, out_features), param_dtype),
+            names,
+        )
+        self.bias = param(jnp.zeros((out_features,), param_dtype), (names[1],)) if use_bias else None
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum("...i,io->...o", x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class Embed(nnx.Module):
+    """Token embedding table [vocab, embed]; `attend` reuses it as the output projection (tied)."""
+
+    def __init__(self, vocab: int, features: int, *, rngs: nnx.Rngs, dtype, param_dtype,
+                 init_std: float):
+        self.weight = param(
+            init_std * jax.random.normal(rngs.params(), (vocab, features), param_dtype),
+            ("vocab", "embed"),
+        )
+        self.dtype = dtype
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], tokens, axis=0).astype(self.dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Logits [..., vocab] in float32 from hidden states [..., embed]."""
+        return jnp.einsum("...d,vd->...v", x.astype(self.dtype), self.weight[...].astype(self.dtype),
+                          preferred_element_type=jnp.float32)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * weight, normalised in float32 and cast back (as transformers does)."""
+
+    def __init__(self, features: int, names: tuple[str | None], *, eps: float, dtype, param_dtype):
+        self.weight = param(jnp.ones((features,), param_dtype), names)
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embedding
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2] (float32), with llama3 or linear scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    inv_freq = inv_freq.astype(np.float32)
+    scaling = config.rope_scaling or {}
+    if config.rope_type == "linear":
+        return (inv_freq / scaling["factor"]).astype(np.float32)
+    if config.rope_type != "llama3":
+        return inv_freq
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate x [B, S, H, Dh] by positions [B, S] (rotate-half convention, as in Hugging Face)."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, S, Dh/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos + rotated * sin
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention and MLP
+
+
+def local_attention(q, k, v, *, segment_ids, impl: str):
+    """Single-device attention through the basp_jax kernels (no mesh, no all-to-all)."""
+    platform = jax.devices()[0].platform
+    name = basp_kernels.resolve_impl(impl, q, q.shape[1], platform, segment_ids is not None)
+    return basp_kernels.KERNELS[name](q, k, v, causal=True, segment_ids=segment_ids)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention: projections, optional per-head q/k norm, RoPE, BASP attention."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh: Mesh | None, dtype,
+                 param_dtype, attn_impl: str):
+        d, hd = config.hidden_size, config.head_dim
+        hq, hkv = config.num_heads, config.num_kv_heads
+        std = config.initializer_range
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, init_std=std)
+        self.q_proj = Linear(d, hq * hd, ("embed", "heads"), use_bias=config.attention_bias, **kw)
+        self.k_proj = Linear(d, hkv * hd, ("embed", "kv_heads"), use_bias=config.attention_bias, **kw)
+        self.v_proj = Linear(d, hkv * hd, ("embed", "kv_heads"), use_bias=config.attention_bias, **kw)
+        self.o_proj = Linear(hq * hd, d, ("heads", "embed"), use_bias=config.attention_out_bias, **kw)
+        if config.qk_norm:
+            nkw = dict(eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+            self.q_norm = RMSNorm(hd, ("head_dim",), **nkw)
+            self.k_norm = RMSNorm(hd, ("head_dim",), **nkw)
+        else:
+            self.q_norm = self.k_norm = None
+        self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, hd
+        self.inv_freq = tuple(float(f) for f in rope_inv_freq(config))  # static, hashable
+        self.mesh = mesh
+        self.attn_impl = attn_impl
+
+    def __call__(self, x, positions, segment_ids):
+        b, s, _ = x.shape
+        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = np.asarray(self.inv_freq, np.float32)
+        # Global (or per-document) positions, before the all-to-all.
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q, k, v = (constrain(t, self.mesh) for t in (q, k, v))
+        if self.mesh is None:
+            out = local_attention(q, k, v, segment_ids=segment_ids, impl=self.attn_impl)
+        else:
+            out = basp_jax.attention(q, k, v, mesh=self.mesh, causal=True,
+                                     segment_ids=segment_ids, impl=self.attn_impl)
+        out = constrain(out.reshape(b, s, self.num_heads * self.head_dim), self.mesh)
+        return self.o_proj(out)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
+        d, f = config.hidden_size, config.intermediate_size
+        kw = dict(use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                  init_std=config.initializer_range)
+        self.gate_proj = Linear(d, f, ("embed", "mlp"), **kw)
+        self.up_proj = Linear(d, f, ("embed", "mlp"), **kw)
+        self.down_proj = Linear(f, d, ("mlp", "embed"), **kw)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

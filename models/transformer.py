@@ -1,0 +1,171 @@
+"""The decoder: embed -> N x (RMSNorm, attention, RMSNorm, SwiGLU) -> RMSNorm -> logits.
+
+One implementation for Llama 3 and Qwen 2/2.5/3; the config's switches pick the family's details.
+With a mesh, activations are constrained to P('group', 'seq', None) and attention runs through
+basp_jax.attention (all-to-all over 'seq'); without one, everything runs on one device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from basp_jax.sharding import tree_shardings
+
+import basp_jax
+from basp_jax import kernels as basp_kernels
+
+from .config import ModelConfig, ModelError
+from .layers import MLP, Attention, Embed, Linear, RMSNorm, constrain
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # Save the projections (dots without batch dims); recompute attention scores and elementwise ops.
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Block(nnx.Module):
+    """One pre-norm decoder layer."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh: Mesh | None, dtype,
+                 param_dtype, attn_impl: str):
+        nkw = dict(eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, ("embed",), **nkw)
+        self.self_attn = Attention(config, rngs=rngs, mesh=mesh, dtype=dtype,
+                                   param_dtype=param_dtype, attn_impl=attn_impl)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, ("embed",), **nkw)
+        self.mlp = MLP(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.mesh = mesh
+
+    def __call__(self, x, positions, segment_ids):
+        x = x + self.self_attn(self.input_layernorm(x), positions, segment_ids)
+        x = constrain(x, self.mesh)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return constrain(x, self.mesh)
+
+
+def _run_block(block: Block, x, positions, segment_ids):
+    return block(x, positions, segment_ids)
+
+
+class Transformer(nnx.Module):
+    """A causal decoder LM. `model(tokens [B, S], segment_ids=None, positions=None)` -> logits
+    [B, S, vocab] float32.
+
+    segment_ids [B, S] (packed documents; tokens attend within their segment) and positions [B, S]
+    (default: 0..S-1, or restarting at each new segment) are optional. With `mesh`, B must be
+    divisible by the mesh's 'group' size and S by its 'seq' size; logits come back sharded
+    P('group', 'seq', None).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
+                 dtype=jnp.float32, param_dtype=jnp.float32, attn_impl: str = "auto",
+                 remat: str = "none"):
+        if remat not in REMAT_POLICIES:
+            raise ModelError(f"unknown remat {remat!r}; use one of {', '.join(REMAT_POLICIES)}")
+        if attn_impl not in basp_kernels.IMPLS:
+            raise ModelError(
+                f"unknown attn_impl {attn_impl!r}; use one of {', '.join(basp_kernels.IMPLS)}"
+            )
+        if mesh is not None and tuple(mesh.axis_names) != basp_jax.AXES:
+            raise ModelError(
+                f"the mesh must have axes {basp_jax.AXES}, got {tuple(mesh.axis_names)}; "
+                f"build it with basp_jax.make_mesh(layout)"
+            )
+        if mesh is not None and config.num_heads % mesh.shape["seq"]:
+            raise ModelError(
+                f"num_heads={config.num_heads} is not divisible by sp={mesh.shape['seq']}; use a "
+                f"layout whose sp divides {config.num_heads}"
+            )
+        self.config = config
+        self.mesh = mesh
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.attn_impl = attn_impl
+        self.remat = remat
+        std = config.initializer_range
+        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs, dtype=dtype,
+                                  param_dtype=param_dtype, init_std=std)
+        self.layers = nnx.List([
+            Block(config, rngs=rngs, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
+                  attn_impl=attn_impl)
+            for _ in range(config.num_layers)
+        ])
+        self.norm = RMSNorm(config.hidden_size, ("embed",), eps=config.rms_norm_eps, dtype=dtype,
+                            param_dtype=param_dtype)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, ("embed", "vocab"),
+                                  use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                                  init_std=std)
+
+    def hidden_states(self, tokens, segment_ids=None, positions=None):
+        """Final normalised hidden states [B, S, hidden] in the compute dtype."""
+        if tokens.ndim != 2:
+            raise ModelError(f"tokens must be [batch, seq], got shape {tokens.shape}")
+        b, s = tokens.shape
+        if positions is None:
+            positions = basp_jax.position_ids(b, s, segment_ids)
+        if self.mesh is not None:
+            tokens = constrain(tokens, self.mesh)
+            positions = constrain(positions, self.mesh)
+            if segment_ids is not None:
+                segment_ids = constrain(segment_ids, self.mesh)
+        x = constrain(self.embed_tokens(tokens), self.mesh)
+        block_fn = _run_block
+        if self.remat != "none":
+            block_fn = nnx.remat(_run_block, policy=REMAT_POLICIES[self.remat])
+        for layer in self.layers:
+            x = block_fn(layer, x, positions, segment_ids)
+        return self.norm(x)
+
+    def logits(self, x):
+        """Logits [B, S, vocab] float32 from hidden states."""
+        if self.lm_head is None:
+            out = self.embed_tokens.attend(x)
+        else:
+            out = jnp.einsum("...d,dv->...v", x.astype(self.dtype),
+                             self.lm_head.kernel[...].astype(self.dtype),
+                             preferred_element_type=jnp.float32)
+        return constrain(out.astype(jnp.float32), self.mesh)
+
+    def __call__(self, tokens, segment_ids=None, positions=None):
+        return self.logits(self.hidden_states(tokens, segment_ids, positions))
+
+
+def abstract_model(config: ModelConfig, *, mesh: Mesh | None = None, dtype=jnp.float32,
+                   param_dtype=jnp.float32, attn_impl: str = "auto", remat: str = "none"):
+    """The model with ShapeDtypeStructs in place of parameters (no memory, no compute)."""
+    return nnx.eval_shape(lambda: Transformer(
+        config, rngs=nnx.Rngs(0), mesh=mesh, dtype=dtype, param_dtype=param_dtype,
+        attn_impl=attn_impl, remat=remat,
+    ))
+
+
+def init_model(config: ModelConfig, *, mesh: Mesh | None = None, seed: int = 0,
+               param_sharding: str = "fsdp", dtype=jnp.float32, param_dtype=jnp.float32,
+               attn_impl: str = "auto", remat: str = "none") -> Transformer:
+    """A randomly initialised Transformer whose parameters are created already sharded.
+
+    With a mesh, initialisation runs under jit with out_shardings from
+    basp_jax.sharding.tree_shardings(..., param_sharding), so no device ever holds the whole model.
+    The values equal Transformer(config, rngs=nnx.Rngs(seed)) on one device (to the last ulp).
+    """
+    kwargs = dict(mesh=mesh, dtype=dtype, param_dtype=param_dtype, attn_impl=attn_impl, remat=remat)
+    if mesh is None:
+        return Transformer(config, rngs=nnx.Rngs(seed), **kwargs)
+    graphdef, abstract_state = nnx.split(abstract_model(config, **kwargs))
+    shardings = tree_shardings(abstract_state, mesh, param_sharding)
+
+    @functools.partial(jax.jit, out_shardings=shardings)
+    def init():
+        return nnx.state(Transformer(config, rngs=nnx.Rngs(seed), **kwargs))
+
+    return nnx.merge(graphdef, init())
