@@ -140,7 +140,7 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
     if latest is None and cfg.model.hf_path and cfg.model.load_weights:
         module = models.from_pretrained(
             cfg.model.hf_path, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
-            attn_impl=cfg.model.attn_impl, param_sharding=strategy,
+            attn_impl=cfg.model.attn_impl, param_sharding=strategy, remat=cfg.model.remat,
         )
         parts = from_module(module, mesh, strategy)
         del module
@@ -228,10 +228,9 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
         ckpt.wait()
         if cfg.checkpoint.export_hf:
             export_dir = os.path.abspath(cfg.checkpoint.export_hf)
-            gathered = jax.jit(lambda p: p, out_shardings=replicated)(params)
-            if is_writer:
-                models.save_pretrained(parts.module(jax.device_get(gathered)), export_dir)
-                logger.message(f"exported Hugging Face weights to {export_dir}")
+            # every process takes part (shards are gathered one at a time); process 0 writes
+            models.save_pretrained(parts.module(params), export_dir)
+            logger.message(f"exported Hugging Face weights to {export_dir}")
     finally:
         ckpt.close()
         logger.close()
