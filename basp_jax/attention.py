@@ -12,7 +12,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from . import kernels
-from .layout import LayoutError, kv_replication
+from .layout import LayoutError, head_padding, kv_replication
 from .mesh import ACTIVATION_SPEC, GROUP, SEQ
 
 
@@ -43,10 +43,22 @@ def _check_inputs(q, k, v, segment_ids, mesh: Mesh) -> None:
         raise LayoutError(f"batch {b} is not divisible by groups={groups}; use a multiple of {groups}")
     if s % sp:
         raise LayoutError(f"seq_len {s} is not divisible by sp={sp}; pad it to a multiple of {sp}")
-    if hq % sp:
-        raise LayoutError(
-            f"{hq} query heads are not divisible by sp={sp}; use a layout whose sp divides {hq}"
-        )
+
+
+def _pad_heads(q, k, v, kv_heads, group):
+    """Zero-pad to kv_heads kv groups of `group` query heads each (see layout.head_padding)."""
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    q = q.reshape(b, s, hkv, hq // hkv, d)
+    q = jnp.pad(q, [(0, 0), (0, 0), (0, kv_heads - hkv), (0, group - hq // hkv), (0, 0)])
+    pad_kv = [(0, 0), (0, 0), (0, kv_heads - hkv), (0, 0)]
+    return q.reshape(b, s, kv_heads * group, d), jnp.pad(k, pad_kv), jnp.pad(v, pad_kv)
+
+
+def _unpad_heads(out, num_heads, num_kv_heads, kv_heads, group):
+    b, s, _, d = out.shape
+    out = out.reshape(b, s, kv_heads, group, d)[:, :, :num_kv_heads, : num_heads // num_kv_heads]
+    return out.reshape(b, s, num_heads, d)
 
 
 def _seq_to_heads(x, sp):
@@ -79,12 +91,17 @@ def attention(
     q [B, S, Hq, Dh], k/v [B, S, Hkv, Dh] and segment_ids [B, S] are global arrays sharded
     P('group', 'seq'); returns [B, S, Hq, Dh] with the same sharding. Tokens attend only within
     their segment when segment_ids is given (packed sequences). When Hkv is not divisible by the
-    seq degree, each kv head is replicated the fewest times that make it so (k/v only).
+    seq degree, each kv head is replicated the fewest times that make it so (k/v only). When the
+    query heads are not divisible by it, zero heads are added and dropped again (exact; see
+    basp_jax.layout.head_padding).
     """
     _check_inputs(q, k, v, segment_ids, mesh)
     sp = mesh.shape[SEQ]
     hq, hkv = q.shape[2], k.shape[2]
-    copies = kv_replication(hq, hkv, sp)
+    kv_heads, group = head_padding(hq, hkv, sp) if hq % sp else (hkv, hq // hkv)
+    if hq % sp:
+        q, k, v = _pad_heads(q, k, v, kv_heads, group)
+    copies = kv_replication(kv_heads * group, kv_heads, sp)
     platform = mesh.devices.flat[0].platform
     kernel_name = kernels.resolve_impl(impl, q, q.shape[1], platform, segment_ids is not None)
     kernel = kernels.KERNELS[kernel_name]
@@ -107,4 +124,5 @@ def attention(
         out_specs=ACTIVATION_SPEC,
         check_vma=False,
     )
-    return sharded(q, k, v, segment_ids)
+    out = sharded(q, k, v, segment_ids)
+    return _unpad_heads(out, hq, hkv, kv_heads, group) if hq % sp else out

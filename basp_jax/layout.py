@@ -45,6 +45,27 @@ def kv_replication(num_heads: int, num_kv_heads: int, sp: int) -> int:
     return sp // math.gcd(num_kv_heads, sp)
 
 
+def head_padding(num_heads: int, num_kv_heads: int, sp: int) -> tuple[int, int]:
+    """(kv heads, query heads per kv head) after padding, so that the query heads divide sp.
+
+    Zero heads are added per kv group (more query heads per kv head) and/or as whole extra kv
+    groups, choosing the fewest padded query heads: 28 heads / 4 kv on sp=8 -> 4 x 8 = 32, and
+    28 heads of plain MHA on sp=8 -> 32 x 1. Padded heads have zero queries, keys and values and
+    their outputs are dropped, so results and gradients are exact. (num_kv_heads, group) when no
+    padding is needed.
+    """
+    group = num_heads // num_kv_heads
+    best = None
+    for kv in range(num_kv_heads, num_kv_heads + sp + 1):
+        for g in range(group, group + sp + 1):
+            if (kv * g) % sp == 0:
+                key = (kv * g, kv_replication(kv * g, kv, sp) * kv)
+                if best is None or key < best[0]:
+                    best = (key, (kv, g))
+                break
+    return best[1]
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """An immutable, validated split of a microbatch over devices. Build it with Layout.plan."""
@@ -58,6 +79,7 @@ class Layout:
     sp: int
     devices_per_host: int
     mode: str
+    pad_heads: bool = False
 
     @classmethod
     def plan(
@@ -70,6 +92,7 @@ class Layout:
         devices_per_host: int | None = None,
         mode: str = "basp",
         groups: int | None = None,
+        pad_heads: bool = False,
     ) -> "Layout":
         """Choose and validate a layout.
 
@@ -125,12 +148,14 @@ class Layout:
                 f"seq_len={seq_len} is not divisible by sp={sp}; use a multiple of {sp} "
                 f"(e.g. {seq_len} -> {padded} with padding) or a layout with sp in {fitting_sp}"
             )
-        if num_heads % sp:
+        if num_heads % sp and not pad_heads:
             fitting_sp = [d for d in _divisors(num_devices) if num_heads % d == 0]
+            kv, g = head_padding(num_heads, num_kv_heads, sp)
             raise LayoutError(
                 f"num_heads={num_heads} is not divisible by sp={sp}: each device of a group needs "
                 f"whole query heads; use a layout with sp in {fitting_sp} (more groups, e.g. a "
-                f"larger batch) or a model whose head count is a multiple of {sp}"
+                f"larger batch), or pad_heads=True to compute {kv * g} heads ({kv * g - num_heads} "
+                f"of them zero padding)"
             )
         return cls(
             num_devices=num_devices,
@@ -142,12 +167,21 @@ class Layout:
             sp=sp,
             devices_per_host=devices_per_host,
             mode=mode,
+            pad_heads=bool(num_heads % sp),
         )
 
     @property
     def kv_replication(self) -> int:
-        """Copies of each kv head sent through the all-to-all (1 unless num_kv_heads % sp != 0)."""
-        return kv_replication(self.num_heads, self.num_kv_heads, self.sp)
+        """Copies of each kv head sent through the all-to-all (1 unless the kv heads, padded
+        ones included, are not divisible by sp)."""
+        kv, g = head_padding(self.num_heads, self.num_kv_heads, self.sp)
+        return kv_replication(kv * g, kv, self.sp)
+
+    @property
+    def padded_heads(self) -> int:
+        """Query heads computed per layer, zero padding included (num_heads unless padded)."""
+        kv, g = head_padding(self.num_heads, self.num_kv_heads, self.sp)
+        return kv * g
 
     @property
     def rows_per_group(self) -> int:

@@ -1,0 +1,197 @@
+"""Collectives read from a compiled program: kind, bytes per device, and the device groups.
+
+    report = compiled_collectives(jax.jit(step), *args)     # or parse_collectives(hlo_text)
+    for c in report: print(c.kind, c.bytes, c.groups)
+
+The groups are logical device ids of the program (the order of the mesh's devices, flattened).
+Three printings of replica groups are understood: explicit lists `{{0,1,2,3},{4,5,6,7}}` (jax 0.10),
+the iota form `[2,4]<=[8]` / `[4,2]<=[2,4]T(1,0)`, and mesh axes
+`mesh['group'=2,'seq'=4] {'seq'}` (jax 0.12).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import defaultdict
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+    "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1,
+}
+_OP_RE = re.compile(
+    r"=\s*(?P<shape>.+?)\s+(?P<op>all-to-all|all-gather-start|all-gather|reduce-scatter|"
+    r"all-reduce-start|all-reduce|collective-permute-start|collective-permute)\("
+)
+_ARRAY_RE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a compiled program."""
+
+    kind: str  # one of KINDS
+    dtype: str
+    bytes: int  # the full (unsharded-within-group) buffer each device handles, see below
+    groups: tuple[tuple[int, ...], ...]  # logical device ids, one tuple per group
+
+    @property
+    def group_size(self) -> int:
+        return len(self.groups[0]) if self.groups else 1
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each device sends, for a bandwidth-optimal algorithm on its group.
+
+        all-to-all, all-gather, reduce-scatter: (n-1)/n of the buffer; all-reduce: 2(n-1)/n;
+        collective-permute: the whole buffer.
+        """
+        n = self.group_size
+        if self.kind == "collective-permute":
+            return float(self.bytes)
+        factor = 2.0 if self.kind == "all-reduce" else 1.0
+        return factor * self.bytes * (n - 1) / n
+
+
+def _array_sizes(shape_text: str) -> list[tuple[str, int]]:
+    out = []
+    for dtype, dims in _ARRAY_RE.findall(shape_text):
+        if dtype not in _DTYPE_BYTES:
+            continue
+        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        out.append((dtype, n * _DTYPE_BYTES[dtype]))
+    return out
+
+
+def _iota_groups(text: str) -> list[list[int]]:
+    m = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+    out_shape = [int(x) for x in m.group(1).split(",")]
+    dims = [int(x) for x in m.group(2).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(3):
+        ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+    return ids.reshape(out_shape).tolist()
+
+
+def _mesh_groups(text: str) -> list[list[int]]:
+    """`mesh['group'=2,'seq'=4] {'seq'}`: groups vary the named axes, the others fixed."""
+    m = re.match(r"mesh\[(.*?)\]\s*\{(.*?)\}", text)
+    axes = re.findall(r"'?(\w+)'?\s*=\s*(\d+)", m.group(1))
+    names = [a for a, _ in axes]
+    sizes = [int(s) for _, s in axes]
+    varying = re.findall(r"'?(\w+)'?", m.group(2))
+    ids = np.arange(int(np.prod(sizes))).reshape(sizes)
+    order = [i for i, a in enumerate(names) if a not in varying] + [names.index(a) for a in varying]
+    group_size = int(np.prod([sizes[names.index(a)] for a in varying])) if varying else 1
+    return ids.transpose(order).reshape(-1, group_size).tolist()
+
+
+def _parse_groups(line: str, num_devices: int | None) -> list[list[int]]:
+    if "source_target_pairs=" in line:
+        pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line).group(1)
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs)]
+    m = re.search(r"replica_groups=(mesh\[.*?\]\s*\{.*?\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|\{.*?\}\})", line)
+    if m is None:
+        m_empty = re.search(r"replica_groups=\{\}", line)
+        if m_empty is None or num_devices is None:
+            return []
+        return [list(range(num_devices))]
+    text = m.group(1)
+    if text.startswith("mesh["):
+        return _mesh_groups(text)
+    if text.startswith("["):
+        return _iota_groups(text)
+    return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", text[1:-1])]
+
+
+def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Collective]:
+    """Every collective in an HLO module's text (async start/done pairs counted once)."""
+    found = []
+    for line in hlo_text.splitlines():
+        m = _OP_RE.search(line)
+        if m is None:
+            continue
+        op = m.group("op").removesuffix("-start")
+        sizes = _array_sizes(m.group("shape"))
+        if not sizes:
+            continue
+        groups = _parse_groups(line, num_devices)
+        n = len(groups[0]) if groups else 1
+        if m.group("op") == "all-gather-start":
+            sizes = sizes[len(sizes) // 2:]  # (operands..., results...): keep the results
+        elif m.group("op") == "collective-permute-start":
+            sizes = sizes[1:2]  # (operand, result, contexts...): one buffer
+        dtype = sizes[0][0]
+        total = sum(b for _, b in sizes)
+        if op == "reduce-scatter":
+            total *= n  # the result is one shard of the reduced buffer
+        found.append(Collective(op, dtype, total, tuple(tuple(g) for g in groups)))
+    return found
+
+
+def compiled_collectives(fn: Callable, *args, **kwargs) -> list[Collective]:
+    """Lower and compile a jitted function for these arguments (arrays or ShapeDtypeStructs)."""
+    compiled = fn.lower(*args, **kwargs).compile()
+    return parse_collectives(compiled.as_text())
+
+
+def host_of(device_id: int, devices_per_host: int) -> int:
+    return device_id // devices_per_host
+
+
+def crosses_hosts(collective: Collective, devices_per_host: int) -> bool:
+    return any(len({host_of(d, devices_per_host) for d in g}) > 1 for g in collective.groups)
+
+
+def inter_host_wire_bytes(collective: Collective, devices_per_host: int) -> float:
+    """The part of a device's wire bytes that goes to peers on other hosts (direct exchange).
+
+    Each device sends an equal share to every peer of its group (all-to-all exactly; ring and tree
+    algorithms move the same total), so the remote share is (remote peers) / (peers). Averaged over
+    the devices of the program.
+    """
+    if collective.kind == "collective-permute":
+        pairs = collective.groups
+        remote = sum(host_of(a, devices_per_host) != host_of(b, devices_per_host) for a, b in pairs)
+        return collective.bytes * remote / max(len({a for a, _ in pairs}), 1)
+    shares = []
+    for g in collective.groups:
+        for d in g:
+            remote = sum(host_of(p, devices_per_host) != host_of(d, devices_per_host) for p in g)
+            shares.append(remote / max(len(g) - 1, 1))
+    return collective.wire_bytes * (float(np.mean(shares)) if shares else 0.0)
+
+
+def summarize(collectives: Iterable[Collective], devices_per_host: int | None = None) -> dict:
+    """Per kind: count, bytes per device, wire bytes per device, inter-host wire bytes per device."""
+    table: dict[str, dict[str, float]] = defaultdict(
+        lambda: {"count": 0, "bytes": 0, "wire_bytes": 0.0, "inter_host_wire_bytes": 0.0}
+    )
+    for c in collectives:
+        row = table[c.kind]
+        row["count"] += 1
+        row["bytes"] += c.bytes
+        row["wire_bytes"] += c.wire_bytes
+        if devices_per_host is not None:
+            row["inter_host_wire_bytes"] += inter_host_wire_bytes(c, devices_per_host)
+    return dict(table)
+
+
+def format_table(collectives: Sequence[Collective], devices_per_host: int | None = None) -> str:
+    """A plain-text table of the collectives, one row per kind."""
+    rows = summarize(collectives, devices_per_host)
+    lines = [f"{'kind':<20}{'count':>6}{'MiB/device':>12}{'wire MiB':>10}{'inter-host MiB':>16}"]
+    for kind in KINDS:
+        if kind in rows:
+            r = rows[kind]
+            lines.append(
+                f"{kind:<20}{r['count']:>6}{r['bytes'] / 2**20:>12.3f}{r['wire_bytes'] / 2**20:>10.3f}"
+                f"{r['inter_host_wire_bytes'] / 2**20:>16.3f}"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,254 @@
+"""A topology cost model: predicted communication and step time of a layout on given hardware.
+
+Alpha-beta per link class: a collective on a group costs `latency * (peers)` plus, for each device,
+`intra-host bytes / intra bandwidth + inter-host bytes / inter bandwidth per GPU` (the slower link
+class dominates; the two run concurrently, so the model takes the larger of the two byte terms plus
+latency). Compute is the model's training FLOPs at a stated efficiency. Communication is assumed
+not to overlap compute (the paper's Ulysses all-to-alls sit on the critical path); `overlap` in
+[0, 1] hides that share of the parameter collectives, which frameworks prefetch.
+
+Everything is per optimizer step per device: microbatches x layers x (attention all-to-alls +
+parameter gathers and gradient reductions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .layout import kv_replication
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float  # per device, bf16 dense
+    intra_bw: float  # bytes/s per device per direction inside a host (NVLink)
+    inter_bw: float  # bytes/s per device across hosts (its share of the NICs)
+    intra_latency: float = 5e-6
+    inter_latency: float = 10e-6
+    devices_per_host: int = 8
+    memory_bytes: float = 80e9
+    efficiency: float = 0.4  # achieved fraction of peak for the model's FLOPs
+
+
+HARDWARE = {
+    # The paper's testbed: 2 nodes x 4 A100 (NVLink3), 400 Gb/s InfiniBand per node.
+    "a100-ib400": Hardware("A100 SXM + NVLink3, 400 Gb/s IB per node", 312e12, 250e9, 400e9 / 8 / 4,
+                           devices_per_host=4, memory_bytes=80e9),
+    # H100/H200 HGX: NVLink4, one 400 Gb/s NIC per GPU.
+    "h100-ib400": Hardware("H100 SXM + NVLink4, 400 Gb/s IB per GPU", 989e12, 370e9, 400e9 / 8,
+                           devices_per_host=8, memory_bytes=80e9),
+    "h200-ib400": Hardware("H200 SXM + NVLink4, 400 Gb/s IB per GPU", 989e12, 370e9, 400e9 / 8,
+                           devices_per_host=8, memory_bytes=141e9),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the cost model needs of a decoder-only transformer."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+
+    @property
+    def layer_params(self) -> int:
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return attn + mlp + 2 * self.hidden_size
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+    @property
+    def num_params(self) -> int:
+        return self.num_layers * self.layer_params + self.embedding_params + self.hidden_size
+
+    def train_flops_per_token(self, seq_len: int) -> float:
+        """6 x (non-embedding params + lm head) plus causal attention scores and values."""
+        dense = 6 * (self.num_layers * self.layer_params + self.vocab_size * self.hidden_size)
+        attention = 6 * self.num_layers * self.num_heads * self.head_dim * seq_len  # causal: half of 12
+        return dense + attention
+
+
+# Shapes of the paper's models (as in their Hugging Face config.json); tests check them against
+# models.ModelConfig presets, so the two tables cannot drift apart.
+MODEL_SHAPES = {
+    "llama-3.2-1b": ModelShape(16, 2048, 8192, 32, 8, 64, 128256, tie_word_embeddings=True),
+    "llama-3.2-3b": ModelShape(28, 3072, 8192, 24, 8, 128, 128256, tie_word_embeddings=True),
+    "llama-3.1-8b": ModelShape(32, 4096, 14336, 32, 8, 128, 128256),
+    "qwen2.5-3b": ModelShape(36, 2048, 11008, 16, 2, 128, 151936, tie_word_embeddings=True),
+    "qwen3-8b": ModelShape(36, 4096, 12288, 32, 8, 128, 151936),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """Bytes one device sends, split by link class, and the number of collective launches."""
+
+    intra: float = 0.0
+    inter: float = 0.0
+    launches: int = 0
+
+    def __add__(self, other: "Traffic") -> "Traffic":
+        return Traffic(self.intra + other.intra, self.inter + other.inter, self.launches + other.launches)
+
+    def scale(self, factor: float) -> "Traffic":
+        return Traffic(self.intra * factor, self.inter * factor, int(self.launches * factor))
+
+    def time(self, hw: Hardware) -> float:
+        latency = self.launches * (hw.inter_latency if self.inter else hw.intra_latency)
+        return latency + max(self.intra / hw.intra_bw, self.inter / hw.inter_bw)
+
+
+def _remote_share(group_size: int, devices_per_host: int, spread: int = 1) -> float:
+    """Share of a device's peers on other hosts when its group of `group_size` members lies on
+    consecutive devices (spread=1), or one member per run of `spread` devices (strided groups)."""
+    if group_size <= 1:
+        return 0.0
+    span = group_size * spread
+    if span <= devices_per_host:
+        return 0.0
+    local = max(devices_per_host // spread, 1)
+    return (group_size - local) / (group_size - 1)
+
+
+def collective_traffic(kind: str, buffer_bytes: float, group_size: int, remote_share: float) -> Traffic:
+    """Wire bytes of one bandwidth-optimal collective over `group_size` devices."""
+    if group_size <= 1:
+        return Traffic()
+    factor = 2.0 if kind == "all-reduce" else 1.0
+    wire = factor * buffer_bytes * (group_size - 1) / group_size
+    return Traffic(wire * (1 - remote_share), wire * remote_share, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One way to run the step: a (groups, sp) split and a parameter sharding."""
+
+    groups: int
+    sp: int
+    param_sharding: str  # "fsdp" | "hsdp"
+    pad_rows: int = 0  # rows added to the microbatch to make a layout possible
+
+    @property
+    def name(self) -> str:
+        kind = "ulysses" if self.groups == 1 else "basp"
+        pad = f" +{self.pad_rows} pad rows" if self.pad_rows else ""
+        return f"{kind} ({self.groups},{self.sp}) {self.param_sharding}{pad}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    candidate: Candidate
+    all_to_all: Traffic
+    params: Traffic
+    compute_s: float
+    all_to_all_s: float
+    params_s: float
+    step_s: float
+    memory_bytes: float
+
+
+def predict(
+    shape: ModelShape,
+    candidate: Candidate,
+    *,
+    batch: int,
+    seq_len: int,
+    num_devices: int,
+    hw: Hardware,
+    grad_accum: int = 1,
+    act_bytes: int = 2,
+    param_bytes: int = 2,
+    overlap: float = 0.0,
+) -> Prediction:
+    """Predicted per-step time and memory of one candidate."""
+    g, sp = candidate.groups, candidate.sp
+    rows = batch + candidate.pad_rows
+    dph = hw.devices_per_host
+    tokens_per_device = rows * seq_len / num_devices
+
+    # Attention: q, k, v, out forward and their gradients backward, each [tokens, heads, Dh].
+    kv_heads = shape.num_kv_heads * kv_replication(shape.num_heads, shape.num_kv_heads, sp) \
+        if shape.num_kv_heads % sp else shape.num_kv_heads
+    share = _remote_share(sp, dph)
+    a2a = Traffic()
+    for _ in range(2):  # forward, backward
+        for heads in (shape.num_heads, kv_heads, kv_heads, shape.num_heads):
+            buf = tokens_per_device * heads * shape.head_dim * act_bytes
+            a2a = a2a + collective_traffic("all-to-all", buf, sp, share)
+    a2a = a2a.scale(shape.num_layers * grad_accum)
+
+    # Parameters: gathered forward and backward (ZeRO-3), gradients reduce-scattered, per
+    # microbatch; HSDP adds one cross-group all-reduce of the local shard per step.
+    all_params = shape.num_params * param_bytes
+    if candidate.param_sharding == "fsdp":
+        shard_group, shard_share = num_devices, _remote_share(num_devices, dph)
+    else:
+        shard_group, shard_share = sp, _remote_share(sp, dph)
+    per_micro = (
+        collective_traffic("all-gather", all_params, shard_group, shard_share).scale(2)
+        + collective_traffic("reduce-scatter", all_params * 2, shard_group, shard_share)  # fp32 grads
+    )
+    params = per_micro.scale(grad_accum)
+    if candidate.param_sharding == "hsdp" and g > 1:
+        params = params + collective_traffic(
+            "all-reduce", all_params * 2 / sp, g, _remote_share(g, dph, spread=sp)
+        )
+
+    flops = shape.train_flops_per_token(seq_len) * tokens_per_device * grad_accum
+    compute_s = flops / (hw.peak_flops * hw.efficiency)
+    a2a_s, params_s = a2a.time(hw), params.time(hw) * (1 - overlap)
+
+    # Memory: fp32 master + Adam (12 B/param) + bf16 copy and fp32 grads over the shard group,
+    # the gathered layer, and activations (~ 34 x hidden bytes per token per layer, with remat less).
+    state = shape.num_params * 18 / shard_group
+    activations = tokens_per_device * shape.hidden_size * shape.num_layers * 34 * act_bytes / 2
+    memory = state + activations + shape.layer_params * param_bytes * 2
+    return Prediction(candidate, a2a, params, compute_s, a2a_s, params_s,
+                      compute_s + a2a_s + params_s, memory)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
+               max_pad_rows: int = 0) -> list[Candidate]:
+    """Every (groups, sp) x {fsdp, hsdp} whose sp splits the heads and the sequence."""
+    out = []
+    for pad in range(0, max_pad_rows + 1):
+        rows = batch + pad
+        for g in _divisors(num_devices):
+            sp = num_devices // g
+            if rows % g or seq_len % sp or shape.num_heads % sp:
+                continue
+            if pad and math.gcd(batch + pad - 1, num_devices) >= g:
+                continue  # fewer pad rows already give this many groups
+            for sharding in ("fsdp", "hsdp"):
+                if g == 1 and sharding == "hsdp":
+                    continue  # one group: hsdp is fsdp
+                out.append(Candidate(g, sp, sharding, pad))
+    return out
+
+
+def plan_table(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int, hw: Hardware,
+               grad_accum: int = 1, memory_limit: float | None = None, max_pad_rows: int = 0,
+               overlap: float = 0.0) -> list[Prediction]:
+    """Predictions for every valid candidate, fastest first; those over memory last."""
+    limit = hw.memory_bytes if memory_limit is None else memory_limit
+    preds = [
+        predict(shape, c, batch=batch, seq_len=seq_len, num_devices=num_devices, hw=hw,
+                grad_accum=grad_accum, overlap=overlap)
+        for c in candidates(shape, batch=batch, seq_len=seq_len, num_devices=num_devices,
+                            max_pad_rows=max_pad_rows)
+    ]
+    return sorted(preds, key=lambda p: (p.memory_bytes > limit, p.step_s))

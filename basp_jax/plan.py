@@ -1,0 +1,78 @@
+"""Plan a layout from the command line: predicted communication and step time of every candidate.
+
+    python -m basp_jax.plan --model llama-3.1-8b --seq 16384 --batch 2 --devices 8 \
+        --devices-per-host 4 --hardware a100-ib400
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .cost import HARDWARE, MODEL_SHAPES, plan_table, Prediction
+
+GB = 1e9
+
+
+def format_plan(preds: list[Prediction], memory_limit: float) -> str:
+    header = (f"{'layout':<30}{'a2a GB':>8}{'a2a inter':>10}{'param GB':>9}{'param inter':>12}"
+              f"{'a2a s':>8}{'param s':>8}{'compute s':>10}{'step s':>8}{'mem GB':>8}")
+    lines = [header]
+    for p in preds:
+        over = "  (over memory)" if p.memory_bytes > memory_limit else ""
+        lines.append(
+            f"{p.candidate.name:<30}{(p.all_to_all.intra + p.all_to_all.inter) / GB:>8.2f}"
+            f"{p.all_to_all.inter / GB:>10.2f}{(p.params.intra + p.params.inter) / GB:>9.2f}"
+            f"{p.params.inter / GB:>12.2f}{p.all_to_all_s:>8.3f}{p.params_s:>8.3f}"
+            f"{p.compute_s:>10.3f}{p.step_s:>8.3f}{p.memory_bytes / GB:>8.1f}{over}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m basp_jax.plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, choices=sorted(MODEL_SHAPES))
+    parser.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    parser.add_argument("--batch", type=int, required=True, help="microbatch size (sequences)")
+    parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--devices-per-host", type=int, default=None)
+    parser.add_argument("--hardware", default="a100-ib400", choices=sorted(HARDWARE))
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--memory-gb", type=float, default=None, help="per-device memory limit")
+    parser.add_argument("--max-pad-rows", type=int, default=0,
+                        help="allow padding the microbatch with masked rows to form more groups")
+    parser.add_argument("--overlap", type=float, default=0.0,
+                        help="share of parameter collectives hidden behind compute (0..1)")
+    args = parser.parse_args(argv)
+    for name in ("seq", "batch", "devices", "grad_accum"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    hw = HARDWARE[args.hardware]
+    if args.devices_per_host is not None:
+        if args.devices % args.devices_per_host:
+            parser.error(f"--devices-per-host {args.devices_per_host} does not divide --devices {args.devices}")
+        hw = type(hw)(**{**hw.__dict__, "devices_per_host": args.devices_per_host})
+    limit = hw.memory_bytes if args.memory_gb is None else args.memory_gb * GB
+    shape = MODEL_SHAPES[args.model]
+    preds = plan_table(shape, batch=args.batch, seq_len=args.seq, num_devices=args.devices, hw=hw,
+                       grad_accum=args.grad_accum, memory_limit=limit,
+                       max_pad_rows=args.max_pad_rows, overlap=args.overlap)
+    if not preds:
+        print(f"error: no layout splits {shape.num_heads} heads and {args.seq} tokens over "
+              f"{args.devices} devices; try another --devices or --seq", file=sys.stderr)
+        return 2
+    print(f"{args.model}: {shape.num_params / 1e9:.2f}B params, batch {args.batch} x {args.seq} tokens, "
+          f"{args.devices} devices ({hw.devices_per_host} per host), {hw.name}")
+    print("bytes are per device per step; 'inter' = crossing hosts; times are predictions\n")
+    print(format_plan(preds, limit))
+    best = preds[0]
+    ulysses = next((p for p in preds if p.candidate.groups == 1), None)
+    line = f"\npick: {best.candidate.name}, predicted {best.step_s:.3f} s/step"
+    if ulysses is not None and best is not ulysses:
+        line += f" ({ulysses.step_s / best.step_s:.2f}x vs {ulysses.candidate.name})"
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""What the compiled attention communicates: all-to-alls inside each seq group, nothing else big."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from basp_jax import Layout, activation_sharding, attention, comm, make_mesh
+
+B, S, HQ, HKV, D = 2, 64, 8, 2, 16
+
+
+def _attention_collectives(groups, packed):
+    layout = Layout.plan(num_devices=8, batch=B, seq_len=S, num_heads=HQ, num_kv_heads=HKV, groups=groups)
+    mesh = make_mesh(layout)
+    sharding = activation_sharding(mesh)
+    q = jax.ShapeDtypeStruct((B, S, HQ, D), jnp.float32, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((B, S, HKV, D), jnp.float32, sharding=sharding)
+    seg = jax.ShapeDtypeStruct((B, S), jnp.int32, sharding=sharding) if packed else None
+
+    def forward_and_backward(q, k, v, seg):
+        out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, mesh=mesh, segment_ids=seg, impl="xla"), q, k, v)
+        return out, vjp(out)
+
+    step = jax.jit(forward_and_backward)
+    return comm.compiled_collectives(step, q, kv, kv, seg)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_basp_all_to_alls_stay_inside_each_group(packed):
+    found = _attention_collectives(groups=2, packed=packed)
+    all_to_all = [c for c in found if c.kind == "all-to-all"]
+    assert all_to_all, "no all-to-all compiled"
+    for c in all_to_all:
+        assert set(c.groups) == {(0, 1, 2, 3), (4, 5, 6, 7)}, c
+    float_gathers = [c for c in found if c.kind == "all-gather" and c.dtype.startswith(("f", "bf"))]
+    assert not float_gathers, f"activations were all-gathered: {float_gathers}"
+    assert {c.kind for c in found} <= {"all-to-all", "all-gather"}, found
+    # Host-local by construction: with 4 devices per host, nothing crosses.
+    assert not any(comm.crosses_hosts(c, devices_per_host=4) for c in found)
+
+
+def test_ulysses_all_to_all_spans_all_eight_devices():
+    found = _attention_collectives(groups=1, packed=True)
+    all_to_all = [c for c in found if c.kind == "all-to-all"]
+    assert all_to_all
+    for c in all_to_all:
+        assert c.groups == (tuple(range(8)),), c
+        assert comm.crosses_hosts(c, devices_per_host=4)
+    assert not [c for c in found if c.kind == "all-gather" and c.dtype.startswith(("f", "bf"))]
+
+
+def test_all_to_all_bytes_per_device_match_the_closed_form():
+    """Forward: q, k, v, out each move B*S/N tokens x heads x D floats per device (kv replicated
+    to sp heads when HKV < sp); the backward pass moves the same four again."""
+    for groups in (1, 2):
+        sp = 8 // groups
+        hkv_sent = max(HKV, sp) if HKV % sp else HKV
+        per_token = (2 * HQ + 2 * hkv_sent) * D * 4  # q, out + k, v
+        expected = 2 * (B * S // 8) * per_token  # forward + backward
+        found = [c for c in _attention_collectives(groups, packed=False) if c.kind == "all-to-all"]
+        assert sum(c.bytes for c in found) == expected, (groups, [c.bytes for c in found])
+
+
+HLO_SAMPLES = """
+%a = f32[4,8]{1,0} all-to-all(f32[4,8]{1,0} %x), channel_id=1, replica_groups=mesh['group'=2,'seq'=4] {'seq'}, dimensions={0}
+%b = bf16[16]{0} all-reduce(bf16[16]{0} %y), replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add
+%c = f32[8]{0} reduce-scatter(f32[32]{0} %z), replica_groups=[2,4]<=[8], dimensions={0}
+%d = f32[8]{0} collective-permute(f32[8]{0} %z), source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+%e = (f32[2]{0}, f32[8]{0}) all-gather-start(f32[2]{0} %z), replica_groups={{0,1,2,3}}, dimensions={0}
+%f = f32[8]{0} all-reduce(f32[8]{0} %y), replica_groups=mesh['group'=2,'seq'=4] {'group'}, to_apply=%add
+%g = f32[8]{0} add(f32[8]{0} %y, f32[8]{0} %y)
+"""
+
+
+def test_parser_understands_every_replica_group_printing():
+    a, b, c, d, e, f = comm.parse_collectives(HLO_SAMPLES)
+    assert (a.kind, a.bytes, a.groups) == ("all-to-all", 128, ((0, 1, 2, 3), (4, 5, 6, 7)))
+    assert (b.kind, b.dtype, b.bytes) == ("all-reduce", "bf16", 32)
+    assert b.groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert (c.kind, c.bytes, c.groups) == ("reduce-scatter", 128, ((0, 1, 2, 3), (4, 5, 6, 7)))
+    assert (d.kind, d.groups) == ("collective-permute", ((0, 1), (1, 2), (2, 3), (3, 0)))
+    assert (e.kind, e.bytes, e.groups) == ("all-gather", 32, ((0, 1, 2, 3),))
+    assert f.groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert comm.crosses_hosts(f, 4) and not comm.crosses_hosts(a, 4)
+    assert comm.inter_host_wire_bytes(f, 4) == f.wire_bytes == 2 * 32 * 1 / 2
+    assert comm.inter_host_wire_bytes(a, 4) == 0

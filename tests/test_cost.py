@@ -1,0 +1,62 @@
+"""The topology cost model and the plan CLI."""
+
+import pytest
+
+from basp_jax import cost, plan
+from basp_jax.cost import HARDWARE, MODEL_SHAPES, Candidate, predict
+
+
+def test_all_to_all_traffic_closed_form():
+    """Per device per layer: 2 passes x (2*Hq + 2*Hkv) x Dh x bytes x tokens x (sp-1)/sp."""
+    shape = MODEL_SHAPES["llama-3.1-8b"]
+    hw = HARDWARE["a100-ib400"]
+    tokens = 2 * 16384 / 8
+    for candidate, sp, inter_share in [(Candidate(1, 8, "fsdp"), 8, 4 / 7), (Candidate(2, 4, "fsdp"), 4, 0.0)]:
+        p = predict(shape, candidate, batch=2, seq_len=16384, num_devices=8, hw=hw)
+        per_layer = 2 * tokens * (2 * 32 + 2 * 8) * 128 * 2 * (sp - 1) / sp
+        total = per_layer * shape.num_layers
+        assert p.all_to_all.intra + p.all_to_all.inter == pytest.approx(total)
+        assert p.all_to_all.inter == pytest.approx(total * inter_share)
+
+
+def test_hsdp_moves_only_a_shard_across_hosts():
+    shape = MODEL_SHAPES["llama-3.2-1b"]
+    hw = HARDWARE["a100-ib400"]
+    fsdp = predict(shape, Candidate(2, 4, "fsdp"), batch=2, seq_len=16384, num_devices=8, hw=hw)
+    hsdp = predict(shape, Candidate(2, 4, "hsdp"), batch=2, seq_len=16384, num_devices=8, hw=hw)
+    # HSDP: one all-reduce of the fp32 gradient shard (1/sp) between the 2 groups: 2 * 1/2 of it.
+    assert hsdp.params.inter == pytest.approx(shape.num_params * 4 / 4 * 2 * (2 - 1) / 2)
+    assert fsdp.params.inter > 3 * hsdp.params.inter
+    assert hsdp.memory_bytes > fsdp.memory_bytes  # state is sharded over 4 devices, not 8
+
+
+def test_planner_picks_the_papers_layout_in_the_papers_case():
+    preds = cost.plan_table(MODEL_SHAPES["llama-3.1-8b"], batch=2, seq_len=16384, num_devices=8,
+                            hw=HARDWARE["a100-ib400"])
+    best = preds[0].candidate
+    assert (best.groups, best.sp) == (2, 4)
+    ulysses = next(p for p in preds if p.candidate.groups == 1)
+    basp_fsdp = next(p for p in preds if p.candidate == Candidate(2, 4, "fsdp"))
+    assert basp_fsdp.all_to_all_s < ulysses.all_to_all_s / 3  # no inter-host all-to-all at all
+
+
+def test_candidates_respect_heads_and_padding():
+    shape = MODEL_SHAPES["qwen2.5-3b"]  # 16 heads
+    names = {c.name for c in cost.candidates(shape, batch=3, seq_len=4096, num_devices=8)}
+    assert names == {"ulysses (1,8) fsdp"}  # gcd(3, 8) = 1
+    padded = cost.candidates(shape, batch=3, seq_len=4096, num_devices=8, max_pad_rows=1)
+    assert Candidate(4, 2, "hsdp", pad_rows=1) in padded
+
+
+def test_plan_cli_prints_a_table_and_a_pick(capsys):
+    assert plan.main(["--model", "llama-3.1-8b", "--seq", "16384", "--batch", "2", "--devices", "8",
+                      "--devices-per-host", "4", "--hardware", "a100-ib400"]) == 0
+    out = capsys.readouterr().out
+    assert "ulysses (1,8) fsdp" in out and "basp (2,4) hsdp" in out
+    assert "pick: basp (2,4)" in out
+
+
+def test_plan_cli_rejects_bad_numbers():
+    with pytest.raises(SystemExit) as err:
+        plan.main(["--model", "llama-3.1-8b", "--seq", "0", "--batch", "2", "--devices", "8"])
+    assert err.value.code == 2

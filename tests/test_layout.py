@@ -1,0 +1,151 @@
+"""Layout planning, mesh placement and every validation error (raised before anything compiles)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from basp_jax import Layout, LayoutError, activation_sharding, attention, make_mesh, mesh_groups
+from basp_jax.layout import kv_replication
+from basp_jax.sharding import param_spec, tree_shardings
+from jax.sharding import PartitionSpec as P
+
+
+def plan(**overrides):
+    args = dict(num_devices=8, batch=2, seq_len=4096, num_heads=32, num_kv_heads=8, devices_per_host=4)
+    args.update(overrides)
+    return Layout.plan(**args)
+
+
+def test_basp_takes_one_group_per_sequence_when_batch_divides_devices():
+    layout = plan(mode="basp")
+    assert (layout.groups, layout.sp) == (2, 4)
+    assert layout.group_within_host and layout.tokens_per_device == 2 * 4096 // 8
+    assert (plan(batch=4).groups, plan(batch=8).groups, plan(batch=1).groups) == (4, 8, 1)
+
+
+def test_ulysses_is_one_group_over_all_devices():
+    layout = plan(mode="ulysses")
+    assert (layout.groups, layout.sp) == (1, 8)
+    assert not layout.group_within_host
+    assert layout.tokens_per_device == plan(mode="basp").tokens_per_device  # same memory
+
+
+def test_batch_that_does_not_divide_devices_uses_the_gcd():
+    assert (plan(batch=6).groups, plan(batch=6).sp) == (2, 4)
+    assert (plan(batch=12).groups, plan(batch=3).groups) == (4, 1)
+
+
+def test_kv_replication_is_the_fewest_copies():
+    assert kv_replication(32, 8, 4) == 1
+    assert kv_replication(32, 8, 16) == 2
+    assert kv_replication(8, 2, 8) == 4
+    assert kv_replication(8, 1, 8) == 8
+    assert kv_replication(12, 6, 4) == 2  # 6 heads -> 12 copies, divisible by 4
+
+
+@pytest.mark.parametrize(
+    "overrides,fragment",
+    [
+        (dict(seq_len=1001, batch=1), "seq_len=1001 is not divisible by sp=8; use a multiple of 8 (e.g. 1001 -> 1008"),
+        (dict(num_heads=28, num_kv_heads=4, batch=1), "num_heads=28 is not divisible by sp=8"),
+        (dict(num_heads=32, num_kv_heads=6), "num_heads=32 is not a multiple of num_kv_heads=6"),
+        (dict(batch=3, groups=2), "batch=3 is not divisible by groups=2"),
+        (dict(groups=3), "groups=3 does not divide num_devices=8"),
+        (dict(devices_per_host=3), "devices_per_host=3 does not divide num_devices=8"),
+        (dict(batch=0), "batch must be a positive integer, got 0"),
+        (dict(num_devices=-8), "num_devices must be a positive integer, got -8"),
+        (dict(seq_len=2.5), "seq_len must be a positive integer, got 2.5"),
+        (dict(mode="ring"), "unknown parallel mode 'ring'"),
+        (dict(mode="ulysses", groups=2), "mode='ulysses' means groups=1"),
+    ],
+)
+def test_plan_rejects_impossible_layouts_with_one_line(overrides, fragment):
+    with pytest.raises(LayoutError) as err:
+        plan(**overrides)
+    message = str(err.value)
+    assert fragment in message and "\n" not in message
+
+
+def test_head_padding_is_opt_in_and_recorded():
+    with pytest.raises(LayoutError, match=r"or pad_heads=True to compute 32 heads \(4 of them zero padding\)"):
+        plan(num_heads=28, num_kv_heads=4, batch=1)
+    layout = plan(num_heads=28, num_kv_heads=4, batch=1, pad_heads=True)
+    assert (layout.sp, layout.pad_heads, layout.padded_heads, layout.kv_replication) == (8, True, 32, 2)
+    assert not plan(pad_heads=True).pad_heads  # nothing to pad
+
+
+def test_errors_suggest_what_would_work():
+    with pytest.raises(LayoutError, match=r"sp in \[1, 2, 4\]"):
+        plan(seq_len=1004, batch=1)  # 1004 = 4 * 251
+    with pytest.raises(LayoutError, match=r"sp in \[1, 2, 4\]"):
+        plan(num_heads=28, num_kv_heads=4, batch=1)
+
+
+def test_mesh_places_each_group_on_consecutive_devices():
+    mesh = make_mesh(plan(mode="basp"))
+    assert mesh.axis_names == ("group", "seq") and mesh.devices.shape == (2, 4)
+    assert mesh_groups(mesh) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert mesh_groups(make_mesh(plan(mode="ulysses"))) == [list(range(8))]
+    assert mesh_groups(make_mesh(plan(batch=4))) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_mesh_orders_devices_by_host_then_id():
+    shuffled = list(reversed(jax.devices()))
+    assert mesh_groups(make_mesh(plan(), devices=shuffled)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_mesh_rejects_a_layout_for_another_device_count():
+    with pytest.raises(LayoutError, match="the layout is for 8 devices but 4 were given"):
+        make_mesh(plan(), devices=jax.devices()[:4])
+
+
+def _mesh(groups):
+    return make_mesh(Layout.plan(8, batch=8, seq_len=64, num_heads=8, groups=groups))
+
+
+@pytest.mark.parametrize(
+    "shape,kwargs,fragment",
+    [
+        ((8, 64, 8, 16), dict(k_shape=(8, 64, 3, 16)), "query heads 8 are not a multiple of kv heads 3"),
+        ((8, 60, 8, 16), dict(), "seq_len 60 is not divisible by sp=8"),
+        ((6, 64, 8, 16), dict(groups=4), "batch 6 is not divisible by groups=4"),
+        ((8, 64, 8), dict(), "attention takes q, k, v of rank 4"),
+        ((8, 64, 8, 16), dict(seg_shape=(8, 32)), "segment_ids must have shape (8, 64)"),
+        ((8, 64, 8, 16), dict(seg_dtype=jnp.float32), "segment_ids must be integers"),
+    ],
+)
+def test_attention_rejects_bad_inputs_before_compiling(shape, kwargs, fragment):
+    mesh = _mesh(kwargs.get("groups", 1))
+    q = jax.ShapeDtypeStruct(shape, jnp.float32)
+    k = jax.ShapeDtypeStruct(kwargs.get("k_shape", shape), jnp.float32)
+    seg = None
+    if "seg_shape" in kwargs or "seg_dtype" in kwargs:
+        seg = jax.ShapeDtypeStruct(kwargs.get("seg_shape", shape[:2]), kwargs.get("seg_dtype", jnp.int32))
+    fn = jax.jit(lambda q, k, v, s: attention(q, k, v, mesh=mesh, segment_ids=s))
+    with pytest.raises(LayoutError) as err:
+        fn.trace(q, k, k, seg)  # tracing only: the error comes before lowering or compiling
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_unknown_or_unavailable_kernels_are_refused():
+    mesh = _mesh(1)
+    x = jnp.zeros((8, 64, 8, 16))
+    with pytest.raises(ValueError, match="unknown attention impl 'flash'"):
+        attention(x, x, x, mesh=mesh, impl="flash")
+    with pytest.raises(ValueError, match="impl='cudnn' needs a GPU but the mesh is on cpu"):
+        attention(x, x, x, mesh=mesh, impl="cudnn")
+
+
+def test_parameter_shardings():
+    mesh = _mesh(2)  # (2, 4)
+    assert param_spec((1024, 256), mesh, "fsdp") == P(("group", "seq"), None)
+    assert param_spec((256, 1024), mesh, "hsdp") == P(None, "seq")
+    assert param_spec((6, 12), mesh, "hsdp") == P(None, "seq")  # 12 % 4 == 0, 6 % 4 != 0
+    assert param_spec((7,), mesh, "fsdp") == P()  # nothing divides: replicated
+    assert param_spec((1024, 256), mesh, "replicated") == P()
+    with pytest.raises(ValueError, match="unknown parameter sharding 'zero'"):
+        param_spec((8,), mesh, "zero")
+    tree = {"w": jnp.zeros((64, 32)), "b": jnp.zeros((3,))}
+    shardings = tree_shardings(tree, mesh, "fsdp")
+    assert shardings["w"].spec == P(("group", "seq"), None) and shardings["b"].spec == P()
