@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import time
 import typing
 from typing import Any
@@ -15,7 +14,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import models
-from basp_jax import Layout, make_mesh
+from basp_jax import Layout, comm, make_mesh
 
 from . import runtime
 from .checkpoint import Checkpointer, abstract_tree
@@ -68,16 +67,15 @@ def select_devices(cfg: Config) -> list:
     return devices
 
 
-_COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
-
-
-def collective_counts(hlo_text: str) -> dict[str, int]:
-    """How many of each collective a compiled program runs (start ops counted once)."""
-    counts = {}
-    for name in _COLLECTIVES:
-        pattern = rf"= [^=\n]*\b{name}(-start)?\("
-        counts[name] = len(re.findall(pattern, hlo_text))
-    return counts
+def describe_collectives(collectives, devices_per_host: int) -> str:
+    """One line: per kind, the count and MiB per device (inter-host MiB where any)."""
+    parts = []
+    for kind, row in comm.summarize(collectives, devices_per_host).items():
+        text = f"{kind} {row['count']} ({row['bytes'] / 2**20:.2f} MiB"
+        if row["inter_host_wire_bytes"]:
+            text += f", {row['inter_host_wire_bytes'] / 2**20:.2f} MiB inter-host"
+        parts.append(text + ")")
+    return ", ".join(parts) or "none"
 
 
 def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
@@ -185,6 +183,7 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
     peak = peak_flops(cfg.metrics, getattr(devices[0], "device_kind", None))
     replicated = NamedSharding(mesh, P())
     compiled = None
+    collectives = []
     wall0 = time.perf_counter()
     step_times = []
     try:
@@ -196,10 +195,10 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
                 if compiled is None:
                     t = time.perf_counter()
                     compiled = step_fn.lower(params, opt_state, batch, step_arr).compile()
-                    counts = collective_counts(compiled.as_text())
+                    collectives = comm.parse_collectives(compiled.as_text(), len(devices))
                     logger.message(
-                        f"compiled the train step in {time.perf_counter() - t:.1f}s; collectives: "
-                        + ", ".join(f"{k} {v}" for k, v in counts.items() if v)
+                        f"compiled the train step in {time.perf_counter() - t:.1f}s; per step: "
+                        + describe_collectives(collectives, layout.devices_per_host)
                     )
                 t0 = time.perf_counter()
                 params, opt_state, metrics = compiled(params, opt_state, batch, step_arr)
@@ -243,6 +242,7 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
         "wall_s": wall,
         "params": params,
         "layout": layout,
+        "collectives": collectives,
     }
     if is_writer:
         if losses:
