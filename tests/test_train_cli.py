@@ -59,7 +59,8 @@ def test_missing_config_file(tmp_path):
 def test_demo_config_runs_shortened(tmp_path):
     run_dir = tmp_path / "demo"
     proc = _train("--config", "configs/demo_cpu.yaml", f"run.dir={run_dir}", "train.steps=12",
-                  "checkpoint.every=5", f"checkpoint.export_hf={tmp_path / 'hf'}")
+                  "optimizer.warmup_steps=2", "checkpoint.every=5",
+                  f"checkpoint.export_hf={tmp_path / 'hf'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == list(range(1, 13))

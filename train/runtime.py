@@ -2,7 +2,10 @@
 
     configure(cfg)   emulate runtime.cpu_devices CPU devices (used only when no accelerator is
                      present: the setting affects the CPU backend alone) and join a multi-process
-                     run through jax.distributed.initialize when the config or environment says so
+                     run through jax.distributed.initialize when the config or environment says so:
+                     runtime.distributed.{coordinator,num_processes,process_id}, or the variables
+                     JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a cluster that
+                     jax detects itself (SLURM, ...) with runtime.distributed.enabled=true
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ def configure(cfg: Config) -> None:
         pass  # backends already up (e.g. in-process tests); loop.run checks the device count
     if _want_distributed(cfg) and not jax.distributed.is_initialized():
         dist = cfg.runtime.distributed
+        env_int = lambda name: int(os.environ[name]) if os.environ.get(name) else None  # noqa: E731
         jax.distributed.initialize(
-            coordinator_address=dist.coordinator,
-            num_processes=dist.num_processes,
-            process_id=dist.process_id,
+            coordinator_address=dist.coordinator,  # None: JAX_COORDINATOR_ADDRESS or the cluster
+            num_processes=dist.num_processes if dist.num_processes is not None
+            else env_int("JAX_NUM_PROCESSES"),
+            process_id=dist.process_id if dist.process_id is not None else env_int("JAX_PROCESS_ID"),
         )
