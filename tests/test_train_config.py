@@ -70,3 +70,25 @@ def test_ulysses_with_groups_rejected(tmp_path):
 def test_missing_required(tmp_path):
     with pytest.raises(ConfigError, match="run.dir is required"):
         load_config(None, ["train.steps=1"])
+
+
+def test_shipped_configs_load_and_plan():
+    """Every config in configs/ parses; the GPU ones plan their layout for their model on 8 devices."""
+    from pathlib import Path
+
+    import models
+    from basp_jax import Layout
+
+    paths = sorted(Path(__file__).resolve().parent.parent.glob("configs/**/*.yaml"))
+    assert len(paths) >= 11
+    for path in paths:
+        cfg = load_config(str(path))
+        if "gpu" not in path.parts:
+            continue
+        preset = path.stem.rsplit("_", 1)[0]
+        mc = models.ModelConfig.preset(preset)
+        layout = Layout.plan(num_devices=8, batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len,
+                             num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
+                             mode=cfg.parallel.mode)
+        assert (layout.groups, layout.sp) == ((2, 4) if cfg.parallel.mode == "basp" else (1, 8))
+        assert cfg.data.eos_id < mc.vocab_size and cfg.data.seq_len == 16384

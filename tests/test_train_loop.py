@@ -154,3 +154,22 @@ def test_export_then_train_from_hf_dir(tmp_path):
     third = run(tiny_config(tmp_path / "c", "model.preset=null", f"model.hf_path={hf}",
                             "model.shape={}", "model.load_weights=false"))
     np.testing.assert_allclose(third["losses"], first["losses"], rtol=RTOL)
+
+
+def test_gpu_config_runs_scaled_down(tmp_path):
+    """configs/gpu/*: the same keys (bf16, remat, packed uint32 token file) on a tiny model."""
+    from train.config import load_config
+
+    stream = np.random.default_rng(0).integers(1, 512, size=20000).astype(np.uint32)
+    stream[::50] = 0
+    np.save(tmp_path / "train.npy", stream)
+    cfg = load_config("configs/gpu/llama-3.1-8b_basp.yaml", [
+        f"run.dir={tmp_path / 'r'}", "model.hf_path=null", "model.preset=tiny",
+        f"data.path={tmp_path / 'train.npy'}", "data.eos_id=0", "data.seq_len=256",
+        "train.steps=3", "optimizer.warmup_steps=1", "metrics.peak_flops=1e11",
+        "metrics.progress=false",
+    ])
+    summary = run(cfg)
+    assert len(summary["losses"]) == 3 and all(np.isfinite(summary["losses"]))
+    line = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert line["mfu"] > 0
