@@ -41,7 +41,7 @@ def test_round_trip(tmp_path):
         ("train.steps=2.5", "train.steps: expected an integer"),
         ("parallel.mode=ring", "parallel.mode: expected one of basp, ulysses"),
         ("data.pack=maybe", "data.pack: expected true or false"),
-        ("optimizer.lr=-1", "optimizer.lr must be > 0"),
+        ("optimizer.lr=-1", "optimizer.lr is required and must be > 0"),
         ("train.steps=0", "train.steps must be a positive integer"),
         ("runtime.cpu_devices=0", "runtime.cpu_devices must be a positive integer"),
         ("model.hf_path=/x", "set exactly one of model.preset"),
@@ -92,3 +92,18 @@ def test_shipped_configs_load_and_plan():
                              mode=cfg.parallel.mode)
         assert (layout.groups, layout.sp) == ((2, 4) if cfg.parallel.mode == "basp" else (1, 8))
         assert cfg.data.eos_id < mc.vocab_size and cfg.data.seq_len == 16384
+
+
+def test_required_keys_one_by_one(tmp_path):
+    full = tiny_overrides(tmp_path / "r")
+    required = {"run.dir": "run.dir is required", "train.steps": "train.steps must be",
+                "train.microbatch_size": "train.microbatch_size must be",
+                "train.grad_accum": "train.grad_accum must be", "parallel.mode": "parallel.mode is required",
+                "runtime.cpu_devices": "runtime.cpu_devices must be", "data.source": "data.source is required",
+                "data.seq_len": "data.seq_len must be", "optimizer.lr": "optimizer.lr is required",
+                "model.preset": "set exactly one of model.preset"}
+    for key, fragment in required.items():
+        args = [a for a in full if not a.startswith(key + "=")]
+        assert len(args) == len(full) - 1, key
+        with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
+            load_config(None, args)

@@ -41,7 +41,7 @@ class ModelSection:
 
 @dataclasses.dataclass
 class DataConfig:
-    source: Literal["synthetic", "tokens", "text", "jsonl"] = "synthetic"
+    source: Optional[Literal["synthetic", "tokens", "text", "jsonl"]] = None  # required
     path: Optional[str] = None  # tokens: .bin/.npy; text/jsonl: the file
     dtype: Literal["uint16", "uint32"] = "uint16"  # element type of a raw .bin token file
     tokenizer: Optional[str] = None  # text/jsonl: a local tokenizer.json
@@ -56,12 +56,12 @@ class DataConfig:
 class TrainSection:
     steps: int = 0  # required
     microbatch_size: int = 0  # required: rows per microbatch (B of the layout)
-    grad_accum: int = 1  # microbatches per optimizer step
+    grad_accum: int = 0  # required: microbatches per optimizer step (1: no accumulation)
 
 
 @dataclasses.dataclass
 class OptimizerConfig:
-    lr: float = 3e-4
+    lr: float = 0.0  # required: peak learning rate
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at train.steps
     weight_decay: float = 0.1  # not applied to norms and biases (parameters of rank < 2)
@@ -73,7 +73,7 @@ class OptimizerConfig:
 
 @dataclasses.dataclass
 class ParallelConfig:
-    mode: Literal["basp", "ulysses"] = "basp"
+    mode: Optional[Literal["basp", "ulysses"]] = None  # required
     groups: Optional[int] = None  # force a group count (basp); default gcd(microbatch, devices)
     devices_per_host: Optional[int] = None  # default: devices per process
     param_sharding: Literal["fsdp", "hsdp", "replicated"] = "fsdp"
@@ -157,6 +157,8 @@ def _coerce(key: str, value: Any, tp) -> Any:
                 return _coerce(key, value, arg)
             except ConfigError as e:
                 errors.append(e)
+        if len(errors) == 1:  # Optional[X]: X's own message says what was expected
+            raise errors[0]
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         choices = typing.get_args(tp)
@@ -330,12 +332,19 @@ def validate(cfg: Config) -> None:
             f"train.microbatch_size must be a positive integer, got {cfg.train.microbatch_size}"
         )
     if cfg.train.grad_accum <= 0:
-        raise ConfigError(f"train.grad_accum must be a positive integer, got {cfg.train.grad_accum}")
+        raise ConfigError(
+            f"train.grad_accum must be a positive integer (1: no accumulation), "
+            f"got {cfg.train.grad_accum}"
+        )
     if cfg.runtime.cpu_devices <= 0:
         raise ConfigError(
             f"runtime.cpu_devices must be a positive integer, got {cfg.runtime.cpu_devices} "
             f"(CPU devices to emulate when no accelerator is present)"
         )
+    if cfg.parallel.mode is None:
+        raise ConfigError("parallel.mode is required: basp or ulysses")
+    if cfg.data.source is None:
+        raise ConfigError("data.source is required: synthetic, tokens, text or jsonl")
     if cfg.data.seq_len <= 1:
         raise ConfigError(f"data.seq_len must be an integer > 1, got {cfg.data.seq_len}")
 
@@ -377,7 +386,7 @@ def validate(cfg: Config) -> None:
 
     o = cfg.optimizer
     if o.lr <= 0:
-        raise ConfigError(f"optimizer.lr must be > 0, got {o.lr}")
+        raise ConfigError(f"optimizer.lr is required and must be > 0, got {o.lr}")
     if o.warmup_steps < 0 or o.warmup_steps > cfg.train.steps:
         raise ConfigError(
             f"optimizer.warmup_steps={o.warmup_steps} must lie in [0, train.steps={cfg.train.steps}]"
