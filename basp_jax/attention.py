@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 from . import kernels
 from .layout import LayoutError, head_padding, kv_replication
 from .mesh import ACTIVATION_SPEC, GROUP, SEQ
+from .ring import ring_local_attention
 
 
 def _check_inputs(q, k, v, segment_ids, mesh: Mesh) -> None:
@@ -85,6 +86,7 @@ def attention(
     segment_ids: jax.Array | None = None,
     impl: str = "auto",
     block_size: int = kernels.DEFAULT_BLOCK,
+    ring: int = 1,
 ) -> jax.Array:
     """Sequence-parallel multi-head attention on a ('group', 'seq') mesh.
 
@@ -94,14 +96,21 @@ def attention(
     seq degree, each kv head is replicated the fewest times that make it so (k/v only). When the
     query heads are not divisible by it, zero heads are added and dropped again (exact; see
     basp_jax.layout.head_padding).
+
+    ring > 1 splits each seq group into `ring` runs of sp / ring devices: all-to-all inside a
+    run, ring attention across runs (basp_jax.ring), so sp may exceed the head count. The ring
+    path always uses the blockwise kernel.
     """
     _check_inputs(q, k, v, segment_ids, mesh)
     sp = mesh.shape[SEQ]
+    if not isinstance(ring, int) or ring < 1 or sp % ring:
+        raise LayoutError(f"ring={ring} must be a positive divisor of sp={sp}")
+    a2a = sp // ring  # devices that exchange heads for sequence
     hq, hkv = q.shape[2], k.shape[2]
-    kv_heads, group = head_padding(hq, hkv, sp) if hq % sp else (hkv, hq // hkv)
-    if hq % sp:
+    kv_heads, group = head_padding(hq, hkv, a2a) if hq % a2a else (hkv, hq // hkv)
+    if hq % a2a:
         q, k, v = _pad_heads(q, k, v, kv_heads, group)
-    copies = kv_replication(kv_heads * group, kv_heads, sp)
+    copies = kv_replication(kv_heads * group, kv_heads, a2a)
     platform = mesh.devices.flat[0].platform
     kernel_name = kernels.resolve_impl(impl, q, q.shape[1], platform, segment_ids is not None)
     kernel = kernels.KERNELS[kernel_name]
@@ -110,6 +119,9 @@ def attention(
     def local(q, k, v, seg):
         if copies > 1:
             k, v = jnp.repeat(k, copies, axis=2), jnp.repeat(v, copies, axis=2)
+        if ring > 1:
+            return ring_local_attention(q, k, v, seg, sp=sp, ring=ring, causal=causal,
+                                        block_size=block_size)
         q, k, v = (_seq_to_heads(x, sp) for x in (q, k, v))
         if seg is not None and sp > 1:
             seg = lax.all_gather(seg, SEQ, axis=1, tiled=True)  # small ints, never activations
@@ -125,4 +137,4 @@ def attention(
         check_vma=False,
     )
     out = sharded(q, k, v, segment_ids)
-    return _unpad_heads(out, hq, hkv, kv_heads, group) if hq % sp else out
+    return _unpad_heads(out, hq, hkv, kv_heads, group) if hq % a2a else out

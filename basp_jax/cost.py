@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .layout import kv_replication
+from .layout import Layout, head_padding, kv_replication
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +71,16 @@ class ModelShape:
     def num_params(self) -> int:
         return self.num_layers * self.layer_params + self.embedding_params + self.hidden_size
 
+    def dense_flops_per_token(self) -> float:
+        """6 x (layer params + lm head): matmuls forward and backward."""
+        return 6 * (self.num_layers * self.layer_params + self.vocab_size * self.hidden_size)
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """Causal attention scores and values, forward and backward (half of 12 L H Dh S)."""
+        return 6 * self.num_layers * self.num_heads * self.head_dim * seq_len
+
     def train_flops_per_token(self, seq_len: int) -> float:
-        """6 x (non-embedding params + lm head) plus causal attention scores and values."""
-        dense = 6 * (self.num_layers * self.layer_params + self.vocab_size * self.hidden_size)
-        attention = 6 * self.num_layers * self.num_heads * self.head_dim * seq_len  # causal: half of 12
-        return dense + attention
+        return self.dense_flops_per_token() + self.attention_flops_per_token(seq_len)
 
 
 # Shapes of the paper's models (as in their Hugging Face config.json); tests check them against
@@ -120,6 +125,13 @@ def _remote_share(group_size: int, devices_per_host: int, spread: int = 1) -> fl
     return (group_size - local) / (group_size - 1)
 
 
+def _ring_crossing_share(sp: int, ring: int, devices_per_host: int) -> float:
+    """Share of ring hops (device p -> same position in the next run) that change host."""
+    inner = sp // ring
+    hops = [(p, ((p // inner + 1) % ring) * inner + p % inner) for p in range(sp)]
+    return sum(a // devices_per_host != b // devices_per_host for a, b in hops) / sp
+
+
 def collective_traffic(kind: str, buffer_bytes: float, group_size: int, remote_share: float) -> Traffic:
     """Wire bytes of one bandwidth-optimal collective over `group_size` devices."""
     if group_size <= 1:
@@ -131,18 +143,23 @@ def collective_traffic(kind: str, buffer_bytes: float, group_size: int, remote_s
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One way to run the step: a (groups, sp) split and a parameter sharding."""
+    """One way to run the step: a (groups, sp) split, its ring part, and a parameter sharding."""
 
     groups: int
     sp: int
     param_sharding: str  # "fsdp" | "hsdp"
     pad_rows: int = 0  # rows added to the microbatch to make a layout possible
+    ring: int = 1  # sp = ring x all-to-all degree
+    pad_heads: bool = False  # zero query heads added so the all-to-all degree divides them
 
     @property
     def name(self) -> str:
         kind = "ulysses" if self.groups == 1 else "basp"
-        pad = f" +{self.pad_rows} pad rows" if self.pad_rows else ""
-        return f"{kind} ({self.groups},{self.sp}) {self.param_sharding}{pad}"
+        extras = [f"ring {self.ring}"] if self.ring > 1 else []
+        extras += ["pad heads"] if self.pad_heads else []
+        extras += [f"+{self.pad_rows} pad rows"] if self.pad_rows else []
+        extra = f" [{', '.join(extras)}]" if extras else ""
+        return f"{kind} ({self.groups},{self.sp}) {self.param_sharding}{extra}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,15 +193,27 @@ def predict(
     dph = hw.devices_per_host
     tokens_per_device = rows * seq_len / num_devices
 
-    # Attention: q, k, v, out forward and their gradients backward, each [tokens, heads, Dh].
-    kv_heads = shape.num_kv_heads * kv_replication(shape.num_heads, shape.num_kv_heads, sp) \
-        if shape.num_kv_heads % sp else shape.num_kv_heads
-    share = _remote_share(sp, dph)
+    # Attention: q, k, v, out forward and their gradients backward, each [tokens, heads, Dh],
+    # exchanged among sp / ring devices; zero heads padded where that degree does not divide.
+    degree = sp // candidate.ring
+    if shape.num_heads % degree:
+        kv_groups, per_group = head_padding(shape.num_heads, shape.num_kv_heads, degree)
+    else:
+        kv_groups, per_group = shape.num_kv_heads, shape.num_heads // shape.num_kv_heads
+    q_heads = kv_groups * per_group
+    kv_heads = kv_groups * kv_replication(q_heads, kv_groups, degree)
+    share = _remote_share(degree, dph)
     a2a = Traffic()
     for _ in range(2):  # forward, backward
-        for heads in (shape.num_heads, kv_heads, kv_heads, shape.num_heads):
+        for heads in (q_heads, kv_heads, kv_heads, q_heads):
             buf = tokens_per_device * heads * shape.head_dim * act_bytes
-            a2a = a2a + collective_traffic("all-to-all", buf, sp, share)
+            a2a = a2a + collective_traffic("all-to-all", buf, degree, share)
+    if candidate.ring > 1:
+        # k and v chunks hop ring - 1 times forward; their gradients hop back as many times.
+        kv_chunk = tokens_per_device * kv_heads * shape.head_dim * act_bytes
+        crossing = _ring_crossing_share(sp, candidate.ring, dph)
+        hop = Traffic(kv_chunk * (1 - crossing), kv_chunk * crossing, 1)
+        a2a = a2a + hop.scale(4 * (candidate.ring - 1))
     a2a = a2a.scale(shape.num_layers * grad_accum)
 
     # Parameters: gathered forward and backward (ZeRO-3), gradients reduce-scattered, per
@@ -204,7 +233,11 @@ def predict(
             "all-reduce", all_params * 2 / sp, g, _remote_share(g, dph, spread=sp)
         )
 
-    flops = shape.train_flops_per_token(seq_len) * tokens_per_device * grad_accum
+    attention_flops = shape.attention_flops_per_token(seq_len) * q_heads / shape.num_heads
+    if candidate.ring > 1:
+        # Contiguous causal chunks: each ring step waits for the busiest rank.
+        attention_flops *= 2 - 1 / candidate.ring
+    flops = (shape.dense_flops_per_token() + attention_flops) * tokens_per_device * grad_accum
     compute_s = flops / (hw.peak_flops * hw.efficiency)
     a2a_s, params_s = a2a.time(hw), params.time(hw) * (1 - overlap)
 
@@ -223,20 +256,26 @@ def _divisors(n: int) -> list[int]:
 
 def candidates(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
                max_pad_rows: int = 0) -> list[Candidate]:
-    """Every (groups, sp) x {fsdp, hsdp} whose sp splits the heads and the sequence."""
+    """Every layout the attention can run: (groups, sp) x ring split x {fsdp, hsdp}, with head
+    padding where no ring split divides the heads, and up to max_pad_rows masked rows."""
     out = []
     for pad in range(0, max_pad_rows + 1):
         rows = batch + pad
         for g in _divisors(num_devices):
             sp = num_devices // g
-            if rows % g or seq_len % sp or shape.num_heads % sp:
+            if rows % g or seq_len % sp:
                 continue
             if pad and math.gcd(batch + pad - 1, num_devices) >= g:
                 continue  # fewer pad rows already give this many groups
-            for sharding in ("fsdp", "hsdp"):
-                if g == 1 and sharding == "hsdp":
-                    continue  # one group: hsdp is fsdp
-                out.append(Candidate(g, sp, sharding, pad))
+            splits = [(r, False) for r in _divisors(sp) if shape.num_heads % (sp // r) == 0]
+            splits = splits[:1] if splits and splits[0][0] == 1 else splits
+            if not splits or splits[0][0] != 1:
+                splits.append((1, True))  # pad heads instead of a ring
+            for ring, pad_heads in splits:
+                for sharding in ("fsdp", "hsdp"):
+                    if g == 1 and sharding == "hsdp":
+                        continue  # one group: hsdp is fsdp
+                    out.append(Candidate(g, sp, sharding, pad, ring, pad_heads))
     return out
 
 
@@ -252,3 +291,42 @@ def plan_table(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
                             max_pad_rows=max_pad_rows)
     ]
     return sorted(preds, key=lambda p: (p.memory_bytes > limit, p.step_s))
+
+
+def default_pad_rows(batch: int, num_devices: int) -> int:
+    """How many masked rows the planner may add: enough to reach the next batch size that forms
+    more groups, never more than the batch itself."""
+    best = math.gcd(batch, num_devices)
+    for pad in range(1, batch + 1):
+        if math.gcd(batch + pad, num_devices) > best:
+            return pad
+    return 0
+
+
+def auto_layout(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int, hw: Hardware,
+                devices_per_host: int | None = None, grad_accum: int = 1,
+                memory_limit: float | None = None, max_pad_rows: int | None = None,
+                overlap: float = 0.0) -> tuple[Layout, Prediction]:
+    """mode="auto": the fastest predicted layout that fits in memory, as a validated Layout.
+
+    The Layout's batch includes any pad rows (the trainer masks them out of the loss); the
+    prediction says which parameter sharding it assumed.
+    """
+    if devices_per_host is not None:
+        hw = dataclasses.replace(hw, devices_per_host=devices_per_host)
+    if max_pad_rows is None:
+        max_pad_rows = default_pad_rows(batch, num_devices)
+    preds = plan_table(shape, batch=batch, seq_len=seq_len, num_devices=num_devices, hw=hw,
+                       grad_accum=grad_accum, memory_limit=memory_limit,
+                       max_pad_rows=max_pad_rows, overlap=overlap)
+    if not preds:
+        raise ValueError(
+            f"no layout splits seq_len={seq_len} over {num_devices} devices; use a multiple of "
+            f"{num_devices}"
+        )
+    best = preds[0]
+    c = best.candidate
+    layout = Layout.plan(num_devices, batch + c.pad_rows, seq_len, shape.num_heads,
+                         shape.num_kv_heads, devices_per_host=hw.devices_per_host, mode="basp",
+                         groups=c.groups, ring=c.ring, pad_heads=c.pad_heads)
+    return layout, best

@@ -70,35 +70,40 @@ def resolve_impl(impl: str, q_shape_dtype, full_seq_len: int, platform: str, has
 # ----------------------------------------------------------------------------------------------
 # Blockwise (flash) attention.
 #
-# Layout inside: q as [b, hkv, g, s, d] (g = hq // hkv query heads per kv head), k/v [b, hkv, s, d].
-# The sequence is padded to a multiple of the block size; padded keys are masked out and padded
-# query rows are sliced off. Masked scores are excluded with `where`, so a row that sees no key in
-# a block contributes nothing, and a row that sees no key at all gets output 0 (lse = +inf).
+# Layout inside: q as [b, hkv, g, sq, d] (g = hq // hkv query heads per kv head), k/v [b, hkv, sk, d].
+# Sequences are padded to a multiple of the block size; padded keys are masked out and padded
+# query rows are sliced off. Key positions are shifted by `k_shift` relative to query positions
+# (0 for self-attention; a ring step attends to another chunk of the sequence). Masked scores
+# are excluded with `where`; a row that sees no key gets output 0 and lse = -inf, and loops only
+# visit the key blocks a query block can see, so fully masked (causal-future) chunks cost nothing.
 
 
-def _block_mask(qi, kj, block_q, block_k, seq_len, causal, q_seg, k_seg):
+def _block_mask(qi, kj, block_q, block_k, k_len, k_shift, causal, q_seg, k_seg):
     """[b or 1, 1, 1, block_q, block_k] boolean: key valid, causal, same segment."""
-    q_pos = qi * block_q + jnp.arange(block_q)
-    k_pos = kj * block_k + jnp.arange(block_k)
-    mask = jnp.broadcast_to(k_pos[None, :] < seq_len, (block_q, block_k))
+    k_local = kj * block_k + jnp.arange(block_k)
+    mask = jnp.broadcast_to(k_local[None, :] < k_len, (block_q, block_k))
     if causal:
-        mask = mask & (q_pos[:, None] >= k_pos[None, :])
+        q_pos = qi * block_q + jnp.arange(block_q)
+        mask = mask & (q_pos[:, None] >= k_shift + k_local[None, :])
     mask = mask[None]
     if q_seg is not None:
         mask = mask & (q_seg[:, :, None] == k_seg[:, None, :])
     return mask[:, None, None]
 
 
-def _kv_block_range(qi, num_k, block_q, block_k, causal):
+def _kv_block_end(qi, num_k, block_q, block_k, k_shift, causal):
     """Key blocks [0, end) that query block qi can see."""
     if not causal:
         return num_k
-    return jnp.minimum(((qi + 1) * block_q - 1) // block_k + 1, num_k)
+    last_visible = (qi + 1) * block_q - 1 - k_shift  # local index of the last key it may see
+    return jnp.clip(last_visible // block_k + 1, 0, num_k)
 
 
-def _q_block_start(kj, block_q, block_k, causal):
+def _q_block_start(kj, num_q, block_q, block_k, k_shift, causal):
     """First query block that can see key block kj."""
-    return (kj * block_k) // block_q if causal else 0
+    if not causal:
+        return 0
+    return jnp.clip((k_shift + kj * block_k) // block_q, 0, num_q)
 
 
 def _slice(x, start, size, axis):
@@ -109,19 +114,19 @@ def _scores(q_blk, k_blk, scale):
     return jnp.einsum("bhgqd,bhkd->bhgqk", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
 
 
-def _flash_forward(q, k, v, seg, *, causal, seq_len, block_q, block_k, scale):
-    b, hkv, g, s_pad, d = q.shape
-    num_q, num_k = s_pad // block_q, s_pad // block_k
+def _flash_forward(q, k, v, q_seg, k_seg, k_shift, *, causal, k_len, block_q, block_k, scale):
+    b, hkv, g, sq, d = q.shape
+    num_q, num_k = sq // block_q, k.shape[2] // block_k
 
     def row(qi):
         q_blk = _slice(q, qi, block_q, 3)
-        q_seg = None if seg is None else _slice(seg, qi, block_q, 1)
+        q_seg_blk = None if q_seg is None else _slice(q_seg, qi, block_q, 1)
 
         def step(kj, carry):
             acc, m, l = carry
             k_blk, v_blk = _slice(k, kj, block_k, 2), _slice(v, kj, block_k, 2)
-            k_seg = None if seg is None else _slice(seg, kj, block_k, 1)
-            mask = _block_mask(qi, kj, block_q, block_k, seq_len, causal, q_seg, k_seg)
+            k_seg_blk = None if k_seg is None else _slice(k_seg, kj, block_k, 1)
+            mask = _block_mask(qi, kj, block_q, block_k, k_len, k_shift, causal, q_seg_blk, k_seg_blk)
             s = jnp.where(mask, _scores(q_blk, k_blk, scale), -jnp.inf)
             m_new = jnp.maximum(m, s.max(-1))
             # Rows that have seen no key yet keep m = -inf; shift by 0 there to avoid inf - inf.
@@ -138,28 +143,33 @@ def _flash_forward(q, k, v, seg, *, causal, seq_len, block_q, block_k, scale):
             jnp.full((b, hkv, g, block_q), -jnp.inf, jnp.float32),
             jnp.zeros((b, hkv, g, block_q), jnp.float32),
         )
-        acc, m, l = lax.fori_loop(0, _kv_block_range(qi, num_k, block_q, block_k, causal), step, init)
-        out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-        lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), jnp.inf)
+        end = _kv_block_end(qi, num_k, block_q, block_k, k_shift, causal)
+        acc, m, l = lax.fori_loop(0, end, step, init)
+        seen = l > 0
+        out = acc / jnp.where(seen, l, 1.0)[..., None]
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
         return out.astype(q.dtype), lse
 
     out, lse = lax.map(row, jnp.arange(num_q))  # [num_q, b, hkv, g, block_q, (d)]
-    out = jnp.moveaxis(out, 0, 3).reshape(b, hkv, g, s_pad, d)
-    lse = jnp.moveaxis(lse, 0, 3).reshape(b, hkv, g, s_pad)
+    out = jnp.moveaxis(out, 0, 3).reshape(b, hkv, g, sq, d)
+    lse = jnp.moveaxis(lse, 0, 3).reshape(b, hkv, g, sq)
     return out, lse
 
 
-def _flash_backward(q, k, v, seg, out, lse, d_out, *, causal, seq_len, block_q, block_k, scale):
-    b, hkv, g, s_pad, d = q.shape
-    num_q, num_k = s_pad // block_q, s_pad // block_k
+def _flash_backward(q, k, v, q_seg, k_seg, k_shift, out, lse, d_out, d_lse, *, causal, k_len,
+                    block_q, block_k, scale):
+    b, hkv, g, sq, d = q.shape
+    num_q, num_k = sq // block_q, k.shape[2] // block_k
+    # d lse / d score = p, so a cotangent on lse enters exactly like -delta.
     delta = jnp.einsum("bhgqd,bhgqd->bhgq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    delta = delta - d_lse
 
     def probs_and_dscores(qi, kj):
         q_blk, do_blk = _slice(q, qi, block_q, 3), _slice(d_out, qi, block_q, 3)
         k_blk, v_blk = _slice(k, kj, block_k, 2), _slice(v, kj, block_k, 2)
-        q_seg = None if seg is None else _slice(seg, qi, block_q, 1)
-        k_seg = None if seg is None else _slice(seg, kj, block_k, 1)
-        mask = _block_mask(qi, kj, block_q, block_k, seq_len, causal, q_seg, k_seg)
+        q_seg_blk = None if q_seg is None else _slice(q_seg, qi, block_q, 1)
+        k_seg_blk = None if k_seg is None else _slice(k_seg, kj, block_k, 1)
+        mask = _block_mask(qi, kj, block_q, block_k, k_len, k_shift, causal, q_seg_blk, k_seg_blk)
         s = _scores(q_blk, k_blk, scale)
         p = jnp.where(mask, jnp.exp(s - _slice(lse, qi, block_q, 3)[..., None]), 0.0)
         dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_blk, v_blk, preferred_element_type=jnp.float32)
@@ -174,7 +184,8 @@ def _flash_backward(q, k, v, seg, out, lse, d_out, *, causal, seq_len, block_q, 
                                    preferred_element_type=jnp.float32)
 
         init = jnp.zeros((b, hkv, g, block_q, d), jnp.float32)
-        return lax.fori_loop(0, _kv_block_range(qi, num_k, block_q, block_k, causal), step, init)
+        end = _kv_block_end(qi, num_k, block_q, block_k, k_shift, causal)
+        return lax.fori_loop(0, end, step, init)
 
     # Pass B: dk and dv, one key block at a time over the query blocks that see it.
     def dkv_col(kj):
@@ -188,7 +199,8 @@ def _flash_backward(q, k, v, seg, out, lse, d_out, *, causal, seq_len, block_q, 
             return dk, dv
 
         zeros = jnp.zeros((b, hkv, block_k, d), jnp.float32)
-        return lax.fori_loop(_q_block_start(kj, block_q, block_k, causal), num_q, step, (zeros, zeros))
+        start = _q_block_start(kj, num_q, block_q, block_k, k_shift, causal)
+        return lax.fori_loop(start, num_q, step, (zeros, zeros))
 
     dq = jnp.moveaxis(lax.map(dq_row, jnp.arange(num_q)), 0, 3).reshape(q.shape) * scale
     dk, dv = lax.map(dkv_col, jnp.arange(num_k))
@@ -197,45 +209,68 @@ def _flash_backward(q, k, v, seg, out, lse, d_out, *, causal, seq_len, block_q, 
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _flash(q, k, v, seg, causal, seq_len, block_q, block_k, scale):
-    out, _ = _flash_forward(q, k, v, seg, causal=causal, seq_len=seq_len,
-                            block_q=block_q, block_k=block_k, scale=scale)
-    return out
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _flash(q, k, v, q_seg, k_seg, k_shift, causal, k_len, block_q, block_k, scale):
+    return _flash_forward(q, k, v, q_seg, k_seg, k_shift, causal=causal, k_len=k_len,
+                          block_q=block_q, block_k=block_k, scale=scale)
 
 
-def _flash_fwd(q, k, v, seg, causal, seq_len, block_q, block_k, scale):
-    out, lse = _flash_forward(q, k, v, seg, causal=causal, seq_len=seq_len,
+def _flash_fwd(q, k, v, q_seg, k_seg, k_shift, causal, k_len, block_q, block_k, scale):
+    out, lse = _flash_forward(q, k, v, q_seg, k_seg, k_shift, causal=causal, k_len=k_len,
                               block_q=block_q, block_k=block_k, scale=scale)
-    return out, (q, k, v, seg, out, lse)
+    return (out, lse), (q, k, v, q_seg, k_seg, k_shift, out, lse)
 
 
-def _flash_bwd(causal, seq_len, block_q, block_k, scale, residuals, d_out):
-    q, k, v, seg, out, lse = residuals
-    dq, dk, dv = _flash_backward(q, k, v, seg, out, lse, d_out, causal=causal, seq_len=seq_len,
-                                 block_q=block_q, block_k=block_k, scale=scale)
-    return dq, dk, dv, None
+def _flash_bwd(causal, k_len, block_q, block_k, scale, residuals, cotangents):
+    q, k, v, q_seg, k_seg, k_shift, out, lse = residuals
+    d_out, d_lse = cotangents
+    dq, dk, dv = _flash_backward(q, k, v, q_seg, k_seg, k_shift, out, lse, d_out, d_lse,
+                                 causal=causal, k_len=k_len, block_q=block_q, block_k=block_k,
+                                 scale=scale)
+    return dq, dk, dv, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def blockwise_attention(q, k, v, *, causal: bool, segment_ids=None, block_size: int = DEFAULT_BLOCK):
-    """Flash attention in pure JAX: O(S * block) memory in forward and backward."""
-    b, s, hq, d = q.shape
-    hkv = k.shape[2]
-    block = min(block_size, s)
-    s_pad = -(-s // block) * block
-    pad = [(0, 0), (0, s_pad - s), (0, 0), (0, 0)]
-    q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
-    seg = None
-    if segment_ids is not None:
-        # Padded positions get segment -1; they are masked as keys by position anyway.
-        seg = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, s_pad - s)], constant_values=-1)
-    qg = q.reshape(b, s_pad, hkv, hq // hkv, d).transpose(0, 2, 3, 1, 4)
+def _pad_seq(x, length, axis, value=0):
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, length - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def blockwise_attention_with_lse(q, k, v, *, causal: bool, q_segment_ids=None, k_segment_ids=None,
+                                 k_shift=0, block_size: int = DEFAULT_BLOCK):
+    """Flash attention in pure JAX, returning (out [b, sq, hq, d], lse [b, sq, hq] float32).
+
+    Key j sits at position k_shift + j relative to query 0 (causal masking uses it). Both outputs
+    are differentiable, so chunks of a sequence can be merged by their log-sum-exp (ring attention).
+    Memory is O(S x block) in forward and backward.
+    """
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    block_q, block_k = min(block_size, sq), min(block_size, sk)
+    sq_pad, sk_pad = -(-sq // block_q) * block_q, -(-sk // block_k) * block_k
+    q = _pad_seq(q, sq_pad, 1)
+    k, v = _pad_seq(k, sk_pad, 1), _pad_seq(v, sk_pad, 1)
+    q_seg = k_seg = None
+    if q_segment_ids is not None:
+        q_seg = _pad_seq(q_segment_ids.astype(jnp.int32), sq_pad, 1, value=-1)
+        k_seg = _pad_seq(k_segment_ids.astype(jnp.int32), sk_pad, 1, value=-1)
+    qg = q.reshape(b, sq_pad, hkv, hq // hkv, d).transpose(0, 2, 3, 1, 4)
     kg, vg = (x.transpose(0, 2, 1, 3) for x in (k, v))
-    out = _flash(qg, kg, vg, seg, causal, s, block, block, 1.0 / math.sqrt(d))
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, s_pad, hq, d)[:, :s]
+    shift = jnp.asarray(k_shift, jnp.int32)
+    out, lse = _flash(qg, kg, vg, q_seg, k_seg, shift, causal, sk, block_q, block_k, 1.0 / math.sqrt(d))
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, sq_pad, hq, d)[:, :sq]
+    lse = lse.transpose(0, 3, 1, 2).reshape(b, sq_pad, hq)[:, :sq]
+    return out, lse
+
+
+def blockwise_attention(q, k, v, *, causal: bool, segment_ids=None, block_size: int = DEFAULT_BLOCK):
+    """Flash self-attention in pure JAX: O(S * block) memory in forward and backward."""
+    out, _ = blockwise_attention_with_lse(q, k, v, causal=causal, q_segment_ids=segment_ids,
+                                          k_segment_ids=segment_ids, block_size=block_size)
+    return out
 
 
 KERNELS = {"xla": xla_attention, "cudnn": cudnn_attention, "blockwise": blockwise_attention}

@@ -80,6 +80,7 @@ class Layout:
     devices_per_host: int
     mode: str
     pad_heads: bool = False
+    ring: int = 1
 
     @classmethod
     def plan(
@@ -93,6 +94,7 @@ class Layout:
         mode: str = "basp",
         groups: int | None = None,
         pad_heads: bool = False,
+        ring: int = 1,
     ) -> "Layout":
         """Choose and validate a layout.
 
@@ -110,6 +112,7 @@ class Layout:
             num_kv_heads=num_kv_heads,
             devices_per_host=devices_per_host,
             groups=groups,
+            ring=ring,
         )
         if mode not in MODES:
             raise LayoutError(f"unknown parallel mode {mode!r}; use one of {', '.join(MODES)}")
@@ -148,14 +151,21 @@ class Layout:
                 f"seq_len={seq_len} is not divisible by sp={sp}; use a multiple of {sp} "
                 f"(e.g. {seq_len} -> {padded} with padding) or a layout with sp in {fitting_sp}"
             )
-        if num_heads % sp and not pad_heads:
-            fitting_sp = [d for d in _divisors(num_devices) if num_heads % d == 0]
-            kv, g = head_padding(num_heads, num_kv_heads, sp)
+        if sp % ring:
             raise LayoutError(
-                f"num_heads={num_heads} is not divisible by sp={sp}: each device of a group needs "
-                f"whole query heads; use a layout with sp in {fitting_sp} (more groups, e.g. a "
-                f"larger batch), or pad_heads=True to compute {kv * g} heads ({kv * g - num_heads} "
-                f"of them zero padding)"
+                f"ring={ring} does not divide sp={sp}; use ring in {_divisors(sp)}"
+            )
+        a2a = sp // ring
+        if num_heads % a2a and not pad_heads:
+            fitting_sp = [d for d in _divisors(num_devices) if num_heads % d == 0]
+            kv, g = head_padding(num_heads, num_kv_heads, a2a)
+            ring_fit = sp // math.gcd(num_heads, sp)
+            raise LayoutError(
+                f"num_heads={num_heads} is not divisible by the all-to-all degree {a2a} (sp={sp}, "
+                f"ring={ring}): each device needs whole query heads; use a layout with sp in "
+                f"{fitting_sp} (more groups, e.g. a larger batch), ring={ring_fit} (ring attention "
+                f"across runs of {sp // ring_fit}), or pad_heads=True to compute {kv * g} heads "
+                f"({kv * g - num_heads} of them zero padding)"
             )
         return cls(
             num_devices=num_devices,
@@ -167,20 +177,26 @@ class Layout:
             sp=sp,
             devices_per_host=devices_per_host,
             mode=mode,
-            pad_heads=bool(num_heads % sp),
+            pad_heads=bool(num_heads % a2a),
+            ring=ring,
         )
 
     @property
     def kv_replication(self) -> int:
         """Copies of each kv head sent through the all-to-all (1 unless the kv heads, padded
         ones included, are not divisible by sp)."""
-        kv, g = head_padding(self.num_heads, self.num_kv_heads, self.sp)
-        return kv_replication(kv * g, kv, self.sp)
+        kv, g = head_padding(self.num_heads, self.num_kv_heads, self.a2a)
+        return kv_replication(kv * g, kv, self.a2a)
+
+    @property
+    def a2a(self) -> int:
+        """Devices that exchange sequence for heads in one all-to-all (sp / ring)."""
+        return self.sp // self.ring
 
     @property
     def padded_heads(self) -> int:
         """Query heads computed per layer, zero padding included (num_heads unless padded)."""
-        kv, g = head_padding(self.num_heads, self.num_kv_heads, self.sp)
+        kv, g = head_padding(self.num_heads, self.num_kv_heads, self.a2a)
         return kv * g
 
     @property
@@ -202,8 +218,9 @@ class Layout:
 
     def describe(self) -> str:
         where = "inside one host" if self.group_within_host else "across hosts"
+        ring = f" (ring {self.ring} x all-to-all {self.a2a})" if self.ring > 1 else ""
         return (
-            f"{self.mode}: {self.groups} group(s) x sp={self.sp} on {self.num_devices} devices "
+            f"{self.mode}: {self.groups} group(s) x sp={self.sp}{ring} on {self.num_devices} devices "
             f"({self.num_hosts} host(s)); {self.rows_per_group} row(s) per group, "
             f"{self.tokens_per_device} tokens per device; all-to-all {where}"
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cost import HARDWARE, MODEL_SHAPES, plan_table, Prediction
+from .cost import HARDWARE, MODEL_SHAPES, Prediction, default_pad_rows, plan_table
 
 GB = 1e9
 
@@ -39,8 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hardware", default="a100-ib400", choices=sorted(HARDWARE))
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--memory-gb", type=float, default=None, help="per-device memory limit")
-    parser.add_argument("--max-pad-rows", type=int, default=0,
-                        help="allow padding the microbatch with masked rows to form more groups")
+    parser.add_argument("--max-pad-rows", type=int, default=None,
+                        help="masked rows the microbatch may be padded with to form more groups "
+                             "(default: enough for the next batch size with more groups)")
     parser.add_argument("--overlap", type=float, default=0.0,
                         help="share of parameter collectives hidden behind compute (0..1)")
     args = parser.parse_args(argv)
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--devices-per-host {args.devices_per_host} does not divide --devices {args.devices}")
         hw = type(hw)(**{**hw.__dict__, "devices_per_host": args.devices_per_host})
     limit = hw.memory_bytes if args.memory_gb is None else args.memory_gb * GB
+    if args.max_pad_rows is None:
+        args.max_pad_rows = default_pad_rows(args.batch, args.devices)
     shape = MODEL_SHAPES[args.model]
     preds = plan_table(shape, batch=args.batch, seq_len=args.seq, num_devices=args.devices, hw=hw,
                        grad_accum=args.grad_accum, memory_limit=limit,

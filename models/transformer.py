@@ -34,11 +34,11 @@ class Block(nnx.Module):
     """One pre-norm decoder layer."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh: Mesh | None, dtype,
-                 param_dtype, attn_impl: str):
+                 param_dtype, attn_impl: str, ring: int = 1):
         nkw = dict(eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, ("embed",), **nkw)
         self.self_attn = Attention(config, rngs=rngs, mesh=mesh, dtype=dtype,
-                                   param_dtype=param_dtype, attn_impl=attn_impl)
+                                   param_dtype=param_dtype, attn_impl=attn_impl, ring=ring)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, ("embed",), **nkw)
         self.mlp = MLP(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.mesh = mesh
@@ -66,7 +66,7 @@ class Transformer(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
                  dtype=jnp.float32, param_dtype=jnp.float32, attn_impl: str = "auto",
-                 remat: str = "none"):
+                 remat: str = "none", ring: int = 1):
         if remat not in REMAT_POLICIES:
             raise ModelError(f"unknown remat {remat!r}; use one of {', '.join(REMAT_POLICIES)}")
         if attn_impl not in basp_kernels.IMPLS:
@@ -78,11 +78,8 @@ class Transformer(nnx.Module):
                 f"the mesh must have axes {basp_jax.AXES}, got {tuple(mesh.axis_names)}; "
                 f"build it with basp_jax.make_mesh(layout)"
             )
-        if mesh is not None and config.num_heads % mesh.shape["seq"]:
-            raise ModelError(
-                f"num_heads={config.num_heads} is not divisible by sp={mesh.shape['seq']}; use a "
-                f"layout whose sp divides {config.num_heads}"
-            )
+        if mesh is not None and (not isinstance(ring, int) or ring < 1 or mesh.shape["seq"] % ring):
+            raise ModelError(f"ring={ring} must be a positive divisor of sp={mesh.shape['seq']}")
         self.config = config
         self.mesh = mesh
         self.dtype = dtype
@@ -94,7 +91,7 @@ class Transformer(nnx.Module):
                                   param_dtype=param_dtype, init_std=std)
         self.layers = nnx.List([
             Block(config, rngs=rngs, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
-                  attn_impl=attn_impl)
+                  attn_impl=attn_impl, ring=ring)
             for _ in range(config.num_layers)
         ])
         self.norm = RMSNorm(config.hidden_size, ("embed",), eps=config.rms_norm_eps, dtype=dtype,
@@ -141,24 +138,26 @@ class Transformer(nnx.Module):
 
 
 def abstract_model(config: ModelConfig, *, mesh: Mesh | None = None, dtype=jnp.float32,
-                   param_dtype=jnp.float32, attn_impl: str = "auto", remat: str = "none"):
+                   param_dtype=jnp.float32, attn_impl: str = "auto", remat: str = "none",
+                   ring: int = 1):
     """The model with ShapeDtypeStructs in place of parameters (no memory, no compute)."""
     return nnx.eval_shape(lambda: Transformer(
         config, rngs=nnx.Rngs(0), mesh=mesh, dtype=dtype, param_dtype=param_dtype,
-        attn_impl=attn_impl, remat=remat,
+        attn_impl=attn_impl, remat=remat, ring=ring,
     ))
 
 
 def init_model(config: ModelConfig, *, mesh: Mesh | None = None, seed: int = 0,
                param_sharding: str = "fsdp", dtype=jnp.float32, param_dtype=jnp.float32,
-               attn_impl: str = "auto", remat: str = "none") -> Transformer:
+               attn_impl: str = "auto", remat: str = "none", ring: int = 1) -> Transformer:
     """A randomly initialised Transformer whose parameters are created already sharded.
 
     With a mesh, initialisation runs under jit with out_shardings from
     basp_jax.sharding.tree_shardings(..., param_sharding), so no device ever holds the whole model.
     The values equal Transformer(config, rngs=nnx.Rngs(seed)) on one device (to the last ulp).
     """
-    kwargs = dict(mesh=mesh, dtype=dtype, param_dtype=param_dtype, attn_impl=attn_impl, remat=remat)
+    kwargs = dict(mesh=mesh, dtype=dtype, param_dtype=param_dtype, attn_impl=attn_impl, remat=remat,
+                  ring=ring)
     if mesh is None:
         return Transformer(config, rngs=nnx.Rngs(seed), **kwargs)
     graphdef, abstract_state = nnx.split(abstract_model(config, **kwargs))

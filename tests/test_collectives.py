@@ -84,3 +84,18 @@ def test_parser_understands_every_replica_group_printing():
     assert comm.crosses_hosts(f, 4) and not comm.crosses_hosts(a, 4)
     assert comm.inter_host_wire_bytes(f, 4) == f.wire_bytes == 2 * 32 * 1 / 2
     assert comm.inter_host_wire_bytes(a, 4) == 0
+
+
+def test_ring_hybrid_keeps_all_to_alls_in_runs_and_passes_kv_around_the_ring():
+    layout = Layout.plan(num_devices=8, batch=2, seq_len=64, num_heads=4, num_kv_heads=4, groups=1, ring=2)
+    mesh = make_mesh(layout)
+    sharding = activation_sharding(mesh)
+    q = jax.ShapeDtypeStruct((2, 64, 4, 16), jnp.float32, sharding=sharding)
+    step = jax.jit(lambda q, k, v: attention(q, k, v, mesh=mesh, ring=2))
+    found = comm.compiled_collectives(step, q, q, q)
+    all_to_all = [c for c in found if c.kind == "all-to-all"]
+    permutes = [c for c in found if c.kind == "collective-permute"]
+    assert all_to_all and all(set(c.groups) == {(0, 1, 2, 3), (4, 5, 6, 7)} for c in all_to_all)
+    assert len(permutes) == 2  # k and v, one hop (ring - 1)
+    for c in permutes:
+        assert sorted(c.groups) == [(i, (i + 4) % 8) for i in range(8)]

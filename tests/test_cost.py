@@ -60,3 +60,51 @@ def test_plan_cli_rejects_bad_numbers():
     with pytest.raises(SystemExit) as err:
         plan.main(["--model", "llama-3.1-8b", "--seq", "0", "--batch", "2", "--devices", "8"])
     assert err.value.code == 2
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_SHAPES))
+def test_cost_model_shapes_equal_the_model_presets(name):
+    """basp_jax may not import models, so it keeps its own table of shapes; it must not drift."""
+    from models import ModelConfig
+
+    config = ModelConfig.preset(name)
+    shape = MODEL_SHAPES[name]
+    assert (shape.num_layers, shape.hidden_size, shape.intermediate_size, shape.num_heads,
+            shape.num_kv_heads, shape.head_dim, shape.vocab_size, shape.tie_word_embeddings) == (
+        config.num_layers, config.hidden_size, config.intermediate_size, config.num_heads,
+        config.num_kv_heads, config.head_dim, config.vocab_size, config.tie_word_embeddings)
+    assert abs(shape.num_params - config.num_params()) / config.num_params() < 1e-3
+
+
+def test_auto_picks_the_papers_layout_in_the_papers_case():
+    layout, pred = cost.auto_layout(MODEL_SHAPES["llama-3.1-8b"], batch=2, seq_len=16384,
+                                    num_devices=8, hw=HARDWARE["a100-ib400"])
+    assert (layout.groups, layout.sp, layout.batch, layout.ring) == (2, 4, 2, 1)
+    assert layout.group_within_host and pred.candidate.param_sharding == "hsdp"
+
+
+@pytest.mark.parametrize(
+    "batch,heads,kv_heads,per_host",
+    [(3, 8, 2, 4), (6, 8, 2, 4), (12, 8, 2, 4), (1, 28, 4, 8), (1, 4, 4, 8), (2, 4, 1, 4)],
+)
+def test_auto_finds_a_valid_exact_layout_beyond_the_paper(batch, heads, kv_heads, per_host):
+    """B not dividing N, 28 heads on 8 devices, fewer heads than devices: the chosen layout plans,
+    and attention under it equals the single-device reference."""
+    import jax
+    import numpy as np
+
+    from basp_jax import activation_sharding, attention, make_mesh
+    from reference import reference_attention
+
+    shape = cost.ModelShape(2, 256, 512, heads, kv_heads, 16, 1000)
+    layout, pred = cost.auto_layout(shape, batch=batch, seq_len=64, num_devices=8,
+                                    hw=HARDWARE["a100-ib400"], devices_per_host=per_host)
+    assert layout.batch >= batch and layout.batch - batch == pred.candidate.pad_rows
+    assert layout.groups * layout.sp == 8
+    mesh = make_mesh(layout)
+    q = jax.random.normal(jax.random.PRNGKey(batch), (layout.batch, 64, heads, 16))
+    k = jax.random.normal(jax.random.PRNGKey(1), (layout.batch, 64, kv_heads, 16))
+    sharding = activation_sharding(mesh)
+    out = jax.jit(lambda q, k: attention(q, k, k, mesh=mesh, ring=layout.ring, block_size=16))(
+        jax.device_put(q, sharding), jax.device_put(k, sharding))
+    np.testing.assert_allclose(out, reference_attention(q, k, k, causal=True), atol=5e-5, rtol=5e-5)

@@ -48,7 +48,7 @@ def test_kv_replication_is_the_fewest_copies():
     "overrides,fragment",
     [
         (dict(seq_len=1001, batch=1), "seq_len=1001 is not divisible by sp=8; use a multiple of 8 (e.g. 1001 -> 1008"),
-        (dict(num_heads=28, num_kv_heads=4, batch=1), "num_heads=28 is not divisible by sp=8"),
+        (dict(num_heads=28, num_kv_heads=4, batch=1), "num_heads=28 is not divisible by the all-to-all degree 8 (sp=8, ring=1)"),
         (dict(num_heads=32, num_kv_heads=6), "num_heads=32 is not a multiple of num_kv_heads=6"),
         (dict(batch=3, groups=2), "batch=3 is not divisible by groups=2"),
         (dict(groups=3), "groups=3 does not divide num_devices=8"),
@@ -58,6 +58,7 @@ def test_kv_replication_is_the_fewest_copies():
         (dict(seq_len=2.5), "seq_len must be a positive integer, got 2.5"),
         (dict(mode="ring"), "unknown parallel mode 'ring'"),
         (dict(mode="ulysses", groups=2), "mode='ulysses' means groups=1"),
+        (dict(ring=0), "ring must be a positive integer, got 0"),
     ],
 )
 def test_plan_rejects_impossible_layouts_with_one_line(overrides, fragment):
@@ -73,6 +74,15 @@ def test_head_padding_is_opt_in_and_recorded():
     layout = plan(num_heads=28, num_kv_heads=4, batch=1, pad_heads=True)
     assert (layout.sp, layout.pad_heads, layout.padded_heads, layout.kv_replication) == (8, True, 32, 2)
     assert not plan(pad_heads=True).pad_heads  # nothing to pad
+
+
+def test_ring_splits_sp_so_it_may_exceed_the_heads():
+    layout = plan(num_heads=4, num_kv_heads=4, batch=1, ring=2)
+    assert (layout.sp, layout.ring, layout.a2a, layout.pad_heads) == (8, 2, 4, False)
+    with pytest.raises(LayoutError, match=r"ring=2 \(ring attention across runs of 4\)"):
+        plan(num_heads=4, num_kv_heads=4, batch=1)
+    with pytest.raises(LayoutError, match=r"ring=3 does not divide sp=8; use ring in \[1, 2, 4, 8\]"):
+        plan(batch=1, ring=3)
 
 
 def test_errors_suggest_what_would_work():

@@ -186,10 +186,25 @@ def test_model_arguments_are_checked_with_one_line_errors():
     for kwargs, match in [({"remat": "some"}, "remat"), ({"attn_impl": "flash"}, "attn_impl")]:
         with pytest.raises(models.ModelError, match=match):
             models.Transformer(config, rngs=nnx.Rngs(0), **kwargs)
+    mesh = basp_jax.make_mesh(basp_jax.Layout.plan(8, 8, SEQ, 8, 2, groups=2))  # sp=4
+    with pytest.raises(models.ModelError, match="ring=3 must be a positive divisor of sp=4") as info:
+        models.Transformer(config, rngs=nnx.Rngs(0), mesh=mesh, ring=3)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("heads,kv_heads,groups,ring", [(6, 2, 2, 1), (4, 2, 1, 2)])
+def test_head_counts_that_sp_does_not_divide_run_exactly(heads, kv_heads, groups, ring):
+    """6 heads on sp=4 (zero heads padded) and 4 heads on sp=8 (ring of 2 x all-to-all of 4)."""
     import dataclasses
 
-    six_heads = dataclasses.replace(config, num_heads=6, num_kv_heads=2)
-    mesh = basp_jax.make_mesh(basp_jax.Layout.plan(8, 8, SEQ, 8, 2, groups=2))  # sp=4
-    with pytest.raises(models.ModelError, match="num_heads=6") as info:
-        models.Transformer(six_heads, rngs=nnx.Rngs(0), mesh=mesh)
-    assert "\n" not in str(info.value)
+    config = dataclasses.replace(models.ModelConfig.preset("tiny"), num_heads=heads,
+                                 num_kv_heads=kv_heads, head_dim=16)
+    tokens, segments = packed_batch(5)
+    single = models.init_model(config, seed=3)
+    want = forward(single, jnp.asarray(tokens), jnp.asarray(segments))
+    layout = basp_jax.Layout.plan(8, BATCH, SEQ, heads, kv_heads, groups=groups, ring=ring,
+                                  pad_heads=True)
+    model = models.init_model(config, mesh=basp_jax.make_mesh(layout), seed=3, ring=layout.ring,
+                              attn_impl="blockwise")
+    got = forward(model, jnp.asarray(tokens), jnp.asarray(segments))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=ATOL, rtol=0)
