@@ -38,7 +38,7 @@ def _train(*args, timeout=240):
         (["model.shape.hidden_sise=3"], "error: config: unknown config key 'model.shape.hidden_sise'"),
         (["data.seq_len=66"], "error: layout: seq_len=66 is not divisible by sp=4"),
         (["runtime.cpu_devices=6", "train.microbatch_size=4", "data.seq_len=48"],
-         "error: layout: num_heads=8 is not divisible by sp=3"),
+         "error: layout: num_heads=8 is not divisible by the all-to-all degree 3"),
     ],
 )
 def test_bad_config_exits_2_with_one_line(tmp_path, extra, fragment):

@@ -27,6 +27,19 @@ def _flat(params):
     return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(params)}
 
 
+def test_ring_and_padded_heads_match_single_device(tmp_path):
+    """parallel.ring and parallel.pad_heads reach the layout and the model (same losses)."""
+    single = run(tiny_config(tmp_path / "single", "runtime.cpu_devices=1"))
+    ring = run(tiny_config(tmp_path / "ring", "parallel.mode=ulysses", "parallel.ring=2"))
+    assert (ring["layout"].sp, ring["layout"].ring) == (8, 2)
+    np.testing.assert_allclose(ring["losses"], single["losses"], rtol=RTOL)
+    padded = run(tiny_config(tmp_path / "pad", "runtime.cpu_devices=6", "data.seq_len=48",
+                             "parallel.pad_heads=true", "parallel.groups=2"))
+    reference = run(tiny_config(tmp_path / "single48", "runtime.cpu_devices=1", "data.seq_len=48"))
+    assert padded["layout"].sp == 3
+    np.testing.assert_allclose(padded["losses"], reference["losses"], rtol=RTOL)
+
+
 @pytest.mark.parametrize("accum", [1, 2])
 def test_layouts_give_the_same_losses(tmp_path, accum):
     results = {}

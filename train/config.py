@@ -77,6 +77,8 @@ class ParallelConfig:
     groups: Optional[int] = None  # force a group count (basp); default gcd(microbatch, devices)
     devices_per_host: Optional[int] = None  # default: devices per process
     param_sharding: Literal["fsdp", "hsdp", "replicated"] = "fsdp"
+    ring: int = 1  # ring attention across sp/ring-device all-to-all runs (ring must divide sp)
+    pad_heads: bool = False  # allow zero-padded query heads when sp does not divide num_heads
 
 
 @dataclasses.dataclass
@@ -408,6 +410,8 @@ def validate(cfg: Config) -> None:
         )
     if p.groups is not None and p.groups <= 0:
         raise ConfigError(f"parallel.groups must be a positive integer, got {p.groups}")
+    if p.ring <= 0:
+        raise ConfigError(f"parallel.ring must be a positive integer (1: no ring), got {p.ring}")
     if p.devices_per_host is not None and p.devices_per_host <= 0:
         raise ConfigError(f"parallel.devices_per_host must be positive, got {p.devices_per_host}")
 

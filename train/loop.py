@@ -103,6 +103,8 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
         devices_per_host=per_host,
         mode=cfg.parallel.mode,
         groups=cfg.parallel.groups,
+        pad_heads=cfg.parallel.pad_heads,
+        ring=cfg.parallel.ring,
     )
     mesh = make_mesh(layout, devices)
     data = Pipeline(
@@ -123,7 +125,7 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
     def make():
         return models.Transformer(
             mcfg, rngs=nnx.Rngs(cfg.run.seed), mesh=mesh, dtype=dtype, param_dtype=param_dtype,
-            attn_impl=cfg.model.attn_impl, remat=cfg.model.remat,
+            attn_impl=cfg.model.attn_impl, remat=cfg.model.remat, ring=layout.ring,
         )
 
     ckpt = Checkpointer(run_dir, cfg.checkpoint, cfg.train.steps)
@@ -139,6 +141,7 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
         module = models.from_pretrained(
             cfg.model.hf_path, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
             attn_impl=cfg.model.attn_impl, param_sharding=strategy, remat=cfg.model.remat,
+            ring=layout.ring,
         )
         parts = from_module(module, mesh, strategy)
         del module
