@@ -186,3 +186,18 @@ def test_gpu_config_runs_scaled_down(tmp_path):
     assert len(summary["losses"]) == 3 and all(np.isfinite(summary["losses"]))
     line = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[-1])
     assert line["mfu"] > 0
+
+
+def test_async_checkpoint_taken_mid_run_resumes_exactly(tmp_path):
+    """A save at step 4 runs asynchronously while steps 5-6 update (donated) buffers: it still
+    holds step 4's state."""
+    import shutil
+
+    straight = run(tiny_config(tmp_path / "a", "train.steps=6", "checkpoint.every=2",
+                               "checkpoint.keep=3"))
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["2", "4", "6"]
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "4", tmp_path / "b" / "checkpoints" / "4")
+    resumed = run(tiny_config(tmp_path / "b", "train.steps=6"))
+    assert resumed["start_step"] == 4
+    np.testing.assert_allclose(resumed["losses"], straight["losses"][4:], rtol=1e-6)
