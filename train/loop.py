@@ -192,8 +192,8 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
     try:
         with jax.set_mesh(mesh):
             end = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
+            batch = data.global_batch(start, batch_sharding) if start < end else None
             for step in range(start, end):
-                batch = data.global_batch(step, batch_sharding)
                 step_arr = jax.device_put(np.int32(step), replicated)
                 if compiled is None:
                     t = time.perf_counter()
@@ -205,6 +205,8 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
                     )
                 t0 = time.perf_counter()
                 params, opt_state, metrics = compiled(params, opt_state, batch, step_arr)
+                if step + 1 < end:  # build the next batch while the device runs this step
+                    batch = data.global_batch(step + 1, batch_sharding)
                 metrics = jax.device_get(metrics)
                 dt = time.perf_counter() - t0
                 step_times.append(dt)
@@ -218,7 +220,7 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
                     "lr": float(metrics["lr"]),
                     "tokens_per_s": tps,
                     "step_time_s": dt,
-                    "tokens": int(metrics["tokens"]),
+                    "loss_tokens": int(metrics["tokens"]),  # targets that count (not masked)
                     "mfu": (flops_per_token * tps / (peak * len(devices))) if peak else None,
                 }
                 logger.log(record)
