@@ -49,7 +49,7 @@ class DataConfig:
     eos_id: Optional[int] = None  # document separator; text/jsonl: appended after each document
     seq_len: int = 0  # required
     pack: bool = False  # segment ids from eos_id: tokens attend only within their document
-    branching: int = 4  # synthetic: successors per token of the Markov chain (vocab: uniform noise)
+    branching: int = 4  # synthetic: successors per token of the Markov chain (probabilities halve)
 
 
 @dataclasses.dataclass
@@ -93,8 +93,8 @@ class CheckpointConfig:
 
 @dataclasses.dataclass
 class MetricsConfig:
-    peak_flops: Optional[float] = None  # peak FLOP/s of one device; null: from `device` or unknown
-    device: Optional[str] = None  # a preset for peak_flops: a100, h100, h200 (bf16 dense)
+    peak_flops: Optional[float] = None  # peak FLOP/s of one device, for mfu
+    device: Optional[str] = None  # or a preset: a100, h100, h200 (bf16 dense); null: from device kind
     progress: bool = True  # tqdm bar on the console
 
 
