@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from train.loop import run
 
@@ -22,7 +23,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_match_one(tmp_path):
+@pytest.mark.parametrize("mode", ["basp", "ulysses"])
+def test_two_processes_match_one(tmp_path, mode):
+    """basp: each process holds whole rows (its group); ulysses: half of every row's sequence."""
     reference = run(tiny_config(tmp_path / "single", "train.microbatch_size=2", "train.grad_accum=2"))
 
     port = _free_port()
@@ -33,6 +36,7 @@ def test_two_processes_match_one(tmp_path):
     for pid in range(2):
         args = tiny_overrides(
             run_dir, "train.microbatch_size=2", "train.grad_accum=2", "runtime.cpu_devices=4",
+            f"parallel.mode={mode}",
             f"runtime.distributed.coordinator=127.0.0.1:{port}",
             "runtime.distributed.num_processes=2", f"runtime.distributed.process_id={pid}",
         )
@@ -52,7 +56,8 @@ def test_two_processes_match_one(tmp_path):
         assert p.returncode == 0, err[-3000:]
     # process 0 logs; process 1 stays quiet
     assert "done:" in outputs[0][0] and "done:" not in outputs[1][0]
-    assert "layout: basp: 2 group(s) x sp=4 on 8 devices (2 host(s))" in outputs[0][1]
+    expected = {"basp": "basp: 2 group(s) x sp=4", "ulysses": "ulysses: 1 group(s) x sp=8"}[mode]
+    assert f"layout: {expected} on 8 devices (2 host(s))" in outputs[0][1]
     lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [l["loss"] for l in lines]
     np.testing.assert_allclose(losses, reference["losses"], rtol=2e-5)
