@@ -27,7 +27,7 @@ def _collectives(tmp_path, name, *extra):
 
 def _cross_group_only(c, sp):
     """An all-reduce whose groups pair devices across seq groups only ({i, i+sp, ...})."""
-    return c.kind == "all-reduce" and all(
+    return c.kind == "all-reduce" and bool(c.groups) and all(
         len(g) > 1 and len({d % sp for d in g}) == 1 for g in c.groups
     )
 
@@ -41,7 +41,7 @@ def test_all_to_all_stays_inside_a_host_under_basp(tmp_path):
 
 
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,  # XLA printing and partitioning differ across jax versions
     reason="models.Embed: the gradient of jnp.take over tokens sharded P('group','seq') is summed "
     "with one all-reduce per mesh axis, so the cross-group one carries the whole [vocab, d] "
     "gradient; flattening tokens to one dim sharded P(('group','seq')) before the take fixes it",
@@ -50,3 +50,17 @@ def test_no_full_gradient_crosses_groups_alone(tmp_path):
     collectives = _collectives(tmp_path, "fsdp")
     big = [c for c in collectives if _cross_group_only(c, sp=4) and c.bytes > 16 * 1024]
     assert not big, [(c.kind, c.bytes, c.groups[:2]) for c in big]
+
+
+@pytest.mark.parametrize("strategy", [
+    "fsdp",
+    pytest.param("hsdp", marks=pytest.mark.xfail(
+        strict=False,  # XLA printing and partitioning differ across jax versions
+        reason="basp_jax.comm does not parse replica_groups=mesh[...], device_ids=([2,4]T(1,0)) "
+        "{'axis_2'} (a transposed device order): such collectives get no groups, so their "
+        "inter-host bytes read as 0",
+    )),
+])
+def test_every_collective_has_device_groups(tmp_path, strategy):
+    collectives = _collectives(tmp_path, strategy, f"parallel.param_sharding={strategy}")
+    assert all(c.groups for c in collectives), [c.kind for c in collectives if not c.groups]
