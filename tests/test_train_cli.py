@@ -13,7 +13,7 @@ from train_helpers import tiny_overrides
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _env(cpu_devices=None):
+def _env():
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
     env.pop("XLA_FLAGS", None)  # let the trainer set the device count itself

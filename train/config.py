@@ -436,7 +436,9 @@ def validate(cfg: Config) -> None:
             "runtime.distributed.coordinator needs num_processes and process_id as well"
         )
     if dist.num_processes is not None and dist.num_processes <= 0:
-        raise ConfigError(f"runtime.distributed.num_processes must be positive, got {dist.num_processes}")
+        raise ConfigError(
+            f"runtime.distributed.num_processes must be positive, got {dist.num_processes}"
+        )
     if dist.process_id is not None and dist.num_processes is not None and not (
         0 <= dist.process_id < dist.num_processes
     ):

@@ -147,7 +147,8 @@ def _tokenize(cfg: DataConfig) -> np.ndarray:
 class Pipeline:
     """Builds the rows of each step for this process; `global_batch` places them on the mesh."""
 
-    def __init__(self, cfg: DataConfig, *, vocab_size: int, grad_accum: int, microbatch: int, seed: int):
+    def __init__(self, cfg: DataConfig, *, vocab_size: int, grad_accum: int, microbatch: int,
+                 seed: int):
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.accum = grad_accum
@@ -157,7 +158,9 @@ class Pipeline:
         self.pack = cfg.pack
         self.eos_id = cfg.eos_id
         if cfg.eos_id is not None and cfg.eos_id >= vocab_size:
-            raise DataError(f"data.eos_id={cfg.eos_id} is not below the model's vocab_size={vocab_size}")
+            raise DataError(
+                f"data.eos_id={cfg.eos_id} is not below the model's vocab_size={vocab_size}"
+            )
         if cfg.source == "synthetic":
             self.source = MarkovSource(vocab_size, cfg.branching, seed)
             self.name = f"synthetic Markov chain (branching {cfg.branching})"

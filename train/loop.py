@@ -255,7 +255,8 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
             mean_tps = tokens_per_step / (sum(steady) / len(steady))
             mfu = f", mfu {flops_per_token * mean_tps / (peak * len(devices)):.1%}" if peak else ""
             print(
-                f"done: steps {start + 1}-{start + len(losses)} of {cfg.train.steps} in {wall:.1f}s, loss {losses[0]:.4f} -> "
+                f"done: steps {start + 1}-{start + len(losses)} of {cfg.train.steps} in "
+                f"{wall:.1f}s, loss {losses[0]:.4f} -> "
                 f"{losses[-1]:.4f}, {mean_tps:,.0f} tokens/s{mfu}; outputs in {run_dir}",
                 flush=True,
             )

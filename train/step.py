@@ -107,7 +107,9 @@ def make_schedule(cfg: OptimizerConfig, steps: int) -> optax.Schedule:
     )
 
 
-def make_optimizer(cfg: OptimizerConfig, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(
+    cfg: OptimizerConfig, steps: int
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
     schedule = make_schedule(cfg, steps)
     parts = []
     if cfg.clip_norm is not None:
