@@ -87,6 +87,7 @@ def attention(
     impl: str = "auto",
     block_size: int = kernels.DEFAULT_BLOCK,
     ring: int = 1,
+    zigzag: bool = False,
 ) -> jax.Array:
     """Sequence-parallel multi-head attention on a ('group', 'seq') mesh.
 
@@ -99,12 +100,18 @@ def attention(
 
     ring > 1 splits each seq group into `ring` runs of sp / ring devices: all-to-all inside a
     run, ring attention across runs (basp_jax.ring), so sp may exceed the head count. The ring
-    path always uses the blockwise kernel.
+    path always uses the blockwise kernel. zigzag=True balances the causal work over the ring;
+    the sequence axis must then be in basp_jax.ring.zigzag_order(S, ring).
     """
     _check_inputs(q, k, v, segment_ids, mesh)
     sp = mesh.shape[SEQ]
     if not isinstance(ring, int) or ring < 1 or sp % ring:
         raise LayoutError(f"ring={ring} must be a positive divisor of sp={sp}")
+    if zigzag and (ring == 1 or q.shape[1] % (2 * sp)):
+        raise LayoutError(
+            f"zigzag needs ring > 1 and seq_len divisible by 2 * sp = {2 * sp}; got ring={ring}, "
+            f"seq_len={q.shape[1]}"
+        )
     a2a = sp // ring  # devices that exchange heads for sequence
     hq, hkv = q.shape[2], k.shape[2]
     kv_heads, group = head_padding(hq, hkv, a2a) if hq % a2a else (hkv, hq // hkv)
@@ -121,7 +128,7 @@ def attention(
             k, v = jnp.repeat(k, copies, axis=2), jnp.repeat(v, copies, axis=2)
         if ring > 1:
             return ring_local_attention(q, k, v, seg, sp=sp, ring=ring, causal=causal,
-                                        block_size=block_size)
+                                        block_size=block_size, zigzag=zigzag)
         q, k, v = (_seq_to_heads(x, sp) for x in (q, k, v))
         if seg is not None and sp > 1:
             seg = lax.all_gather(seg, SEQ, axis=1, tiled=True)  # small ints, never activations

@@ -4,9 +4,10 @@
     for c in report: print(c.kind, c.bytes, c.groups)
 
 The groups are logical device ids of the program (the order of the mesh's devices, flattened).
-Three printings of replica groups are understood: explicit lists `{{0,1,2,3},{4,5,6,7}}` (jax 0.10),
-the iota form `[2,4]<=[8]` / `[4,2]<=[2,4]T(1,0)`, and mesh axes
-`mesh['group'=2,'seq'=4] {'seq'}` (jax 0.12).
+Every printing of replica groups seen from jax 0.10 to 0.12 is understood: explicit lists
+`{{0,1,2,3},{4,5,6,7}}`, the iota form `[2,4]<=[8]` / `[4,2]<=[2,4]T(1,0)`, mesh axes
+`mesh['group'=2,'seq'=4] {'seq'}`, and mesh axes over permuted devices
+`mesh['axis_0'=4,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}`.
 """
 
 from __future__ import annotations
@@ -80,13 +81,26 @@ def _iota_groups(text: str) -> list[list[int]]:
 
 
 def _mesh_groups(text: str) -> list[list[int]]:
-    """`mesh['group'=2,'seq'=4] {'seq'}`: groups vary the named axes, the others fixed."""
-    m = re.match(r"mesh\[(.*?)\]\s*\{(.*?)\}", text)
+    """`mesh['a'=2,'b'=4] {'b'}`: groups vary the named axes with the others fixed. A
+    `device_ids=([2,4]T(1,0))` part gives the device at each mesh position (an iota reshaped and
+    transposed, or an explicit list); without it the devices are in order."""
+    m = re.match(r"mesh\[(.*?)\](?:,\s*device_ids=\((.*?)\))?\s*\{(.*?)\}", text)
     axes = re.findall(r"'?(\w+)'?\s*=\s*(\d+)", m.group(1))
     names = [a for a, _ in axes]
     sizes = [int(s) for _, s in axes]
-    varying = re.findall(r"'?(\w+)'?", m.group(2))
-    ids = np.arange(int(np.prod(sizes))).reshape(sizes)
+    total = int(np.prod(sizes))
+    ids = np.arange(total)
+    if m.group(2):
+        spec = m.group(2).strip()
+        iota = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", spec)
+        if iota:
+            ids = ids.reshape([int(x) for x in iota.group(1).split(",")])
+            if iota.group(2):
+                ids = ids.transpose([int(x) for x in iota.group(2).split(",")])
+        else:
+            ids = np.array([int(x) for x in re.findall(r"\d+", spec)])
+    ids = ids.reshape(sizes)
+    varying = re.findall(r"'?(\w+)'?", m.group(3))
     order = [i for i, a in enumerate(names) if a not in varying] + [names.index(a) for a in varying]
     group_size = int(np.prod([sizes[names.index(a)] for a in varying])) if varying else 1
     return ids.transpose(order).reshape(-1, group_size).tolist()
@@ -96,7 +110,7 @@ def _parse_groups(line: str, num_devices: int | None) -> list[list[int]]:
     if "source_target_pairs=" in line:
         pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line).group(1)
         return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs)]
-    m = re.search(r"replica_groups=(mesh\[.*?\]\s*\{.*?\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|\{.*?\}\})", line)
+    m = re.search(r"replica_groups=(mesh\[.*?\](?:,\s*device_ids=\(.*?\))?\s*\{.*?\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|\{.*?\}\})", line)
     if m is None:
         m_empty = re.search(r"replica_groups=\{\}", line)
         if m_empty is None or num_devices is None:

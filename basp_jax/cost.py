@@ -294,8 +294,11 @@ def plan_table(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
 
 
 def default_pad_rows(batch: int, num_devices: int) -> int:
-    """How many masked rows the planner may add: enough to reach the next batch size that forms
-    more groups, never more than the batch itself."""
+    """How many masked rows the planner may add: none when the batch divides the devices (the
+    paper's case), else enough to reach the next batch size that forms more groups, never more
+    than the batch itself."""
+    if num_devices % batch == 0:
+        return 0
     best = math.gcd(batch, num_devices)
     for pad in range(1, batch + 1):
         if math.gcd(batch + pad, num_devices) > best:

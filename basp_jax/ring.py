@@ -5,13 +5,19 @@ Inside a run, an all-to-all (over `inner` consecutive devices) turns sequence sh
 shards, exactly as in Ulysses; the run then holds one contiguous chunk of S / ring tokens. Across
 runs, k/v chunks travel around a ring with `ppermute` (ring - 1 hops) and each device merges the
 partial attention of its query chunk by log-sum-exp. Causal chunks entirely in the future are
-skipped by the kernel's loop bounds (no compute). The chunks are contiguous, so under causal
-masking later ranks do more work than earlier ones (no zig-zag load balancing yet).
+skipped by the kernel's loop bounds (no compute).
+
+Load balance under causal masking: with contiguous chunks, the last rank of the ring attends to
+every earlier chunk while the first attends only to its own, and each ring step waits for the
+busiest. With `zigzag=True` the sequence is cut into 2 x ring halves and rank r holds halves r and
+2 ring - 1 - r, so every rank does the same work at every step. The caller then feeds the tokens
+in `zigzag_order` (a permutation of the sequence axis, done once at data loading, not per layer).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .kernels import blockwise_attention_with_lse
@@ -30,6 +36,19 @@ def ring_permutation(sp: int, ring: int) -> list[tuple[int, int]]:
     return [(r * inner + i, ((r + 1) % ring) * inner + i) for r in range(ring) for i in range(inner)]
 
 
+def zigzag_order(seq_len: int, ring: int) -> np.ndarray:
+    """The sequence permutation for zigzag=True: positions in the order the devices hold them.
+
+    Feed `x[:, zigzag_order(S, ring)]` (tokens, targets, positions, segment ids alike); undo it
+    with `np.argsort` of the same order. Run r of the ring then holds halves r and 2*ring-1-r.
+    """
+    if seq_len % (2 * ring):
+        raise ValueError(f"seq_len={seq_len} must be divisible by 2 * ring = {2 * ring} for zigzag")
+    half = seq_len // (2 * ring)
+    halves = [j for r in range(ring) for j in (r, 2 * ring - 1 - r)]
+    return np.concatenate([np.arange(j * half, (j + 1) * half) for j in halves])
+
+
 def _merge(out, lse, out_t, lse_t):
     """Combine two partial softmax attentions of the same queries by their log-sum-exp."""
     m = jnp.maximum(lse, lse_t)
@@ -39,10 +58,12 @@ def _merge(out, lse, out_t, lse_t):
     return merged, m + jnp.log(total)
 
 
-def ring_local_attention(q, k, v, seg, *, sp: int, ring: int, causal: bool, block_size: int):
+def ring_local_attention(q, k, v, seg, *, sp: int, ring: int, causal: bool, block_size: int,
+                         zigzag: bool = False):
     """The per-device body inside shard_map: q [b, s/sp, h, d] -> [b, s/sp, h, d].
 
-    `seg` is this device's [b, s/sp] segment ids or None.
+    `seg` is this device's [b, s/sp] segment ids or None. With zigzag, the sequence axis is in
+    zigzag_order (see there).
     """
     groups = inner_groups(sp, ring)
     inner = sp // ring
@@ -65,17 +86,43 @@ def ring_local_attention(q, k, v, seg, *, sp: int, ring: int, causal: bool, bloc
     def chunk_seg(index):
         return None if full_seg is None else lax.dynamic_slice_in_dim(full_seg, index * chunk, chunk, axis=1)
 
-    q_seg = chunk_seg(rank)
+    # Pieces of a chunk with their position (in units of `piece` tokens) in the true sequence.
+    if zigzag:
+        piece = chunk // 2
+
+        def pieces(x, owner):
+            halves = (owner, 2 * ring - 1 - owner)
+            if x is None:
+                return [(None, h) for h in halves]
+            return [(x[:, :piece], halves[0]), (x[:, piece:], halves[1])]
+    else:
+        piece = chunk
+
+        def pieces(x, owner):
+            return [(x, owner)]
+
+    q_pieces = pieces(q, rank)
+    q_seg_pieces = pieces(chunk_seg(rank), rank)
     perm = ring_permutation(sp, ring)
-    out = lse = None
+    acc = [None] * len(q_pieces)  # (out, lse) per query piece
     for step in range(ring):
         source = (rank - step) % ring  # whose k/v chunk this device holds now
-        out_t, lse_t = blockwise_attention_with_lse(
-            q, k, v, causal=causal, q_segment_ids=q_seg, k_segment_ids=chunk_seg(source),
-            k_shift=(source - rank) * chunk, block_size=block_size,
-        )
-        # Step 0 is the diagonal chunk, where every query sees at least itself: lse is finite.
-        out, lse = (out_t.astype(jnp.float32), lse_t) if step == 0 else _merge(out, lse, out_t, lse_t)
+        kv_pieces = list(zip(pieces(k, source), pieces(v, source), pieces(chunk_seg(source), source)))
+        for n, ((q_piece, q_pos), (q_seg, _)) in enumerate(zip(q_pieces, q_seg_pieces)):
+            # At step 0, piece n of the own chunk is the diagonal of query piece n, where every
+            # query sees at least itself: take it first so the running log-sum-exp is finite
+            # before anything is merged into it.
+            order = kv_pieces if step else [kv_pieces[n]] + kv_pieces[:n] + kv_pieces[n + 1:]
+            for (k_piece, k_pos), (v_piece, _), (k_seg, _) in order:
+                out_t, lse_t = blockwise_attention_with_lse(
+                    q_piece, k_piece, v_piece, causal=causal, q_segment_ids=q_seg,
+                    k_segment_ids=k_seg, k_shift=(k_pos - q_pos) * piece, block_size=block_size,
+                )
+                if acc[n] is None:
+                    acc[n] = (out_t.astype(jnp.float32), lse_t)
+                else:
+                    acc[n] = _merge(*acc[n], out_t, lse_t)
         if step < ring - 1:
             k, v = lax.ppermute(k, SEQ, perm), lax.ppermute(v, SEQ, perm)
+    out = jnp.concatenate([o for o, _ in acc], axis=1)
     return heads_to_seq(out.astype(q.dtype))

@@ -63,15 +63,26 @@ class Embed(nnx.Module):
     """Token embedding table [vocab, embed]; `attend` reuses it as the output projection (tied)."""
 
     def __init__(self, vocab: int, features: int, *, rngs: nnx.Rngs, dtype, param_dtype,
-                 init_std: float):
+                 init_std: float, mesh: Mesh | None = None):
         self.weight = param(
             init_std * jax.random.normal(rngs.params(), (vocab, features), param_dtype),
             ("vocab", "embed"),
         )
         self.dtype = dtype
+        self.mesh = mesh
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.weight[...], tokens, axis=0).astype(self.dtype)
+        if self.mesh is None:
+            return jnp.take(self.weight[...], tokens, axis=0).astype(self.dtype)
+        # Gather over the tokens flattened to one axis sharded over the whole mesh: the gradient
+        # (a scatter-add) is then reduced over both mesh axes at once. Over [B, S] sharded
+        # P('group', 'seq') XLA reduces it one axis at a time, and the cross-group step carries
+        # the whole [vocab, embed] gradient.
+        b, s = tokens.shape
+        flat = jax.lax.with_sharding_constraint(
+            tokens.reshape(b * s), NamedSharding(self.mesh, P(("group", "seq"))))
+        out = jnp.take(self.weight[...], flat, axis=0).reshape(b, s, -1)
+        return constrain(out, self.mesh).astype(self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Logits [..., vocab] in float32 from hidden states [..., embed]."""

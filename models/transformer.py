@@ -88,7 +88,7 @@ class Transformer(nnx.Module):
         self.remat = remat
         std = config.initializer_range
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs, dtype=dtype,
-                                  param_dtype=param_dtype, init_std=std)
+                                  param_dtype=param_dtype, init_std=std, mesh=mesh)
         self.layers = nnx.List([
             Block(config, rngs=rngs, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
                   attn_impl=attn_impl, ring=ring)

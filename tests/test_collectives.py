@@ -69,11 +69,15 @@ HLO_SAMPLES = """
 %e = (f32[2]{0}, f32[8]{0}) all-gather-start(f32[2]{0} %z), replica_groups={{0,1,2,3}}, dimensions={0}
 %f = f32[8]{0} all-reduce(f32[8]{0} %y), replica_groups=mesh['group'=2,'seq'=4] {'group'}, to_apply=%add
 %g = f32[8]{0} add(f32[8]{0} %y, f32[8]{0} %y)
+%h = (f32[8]{0}, f32[4]{0}) all-reduce(f32[8]{0} %y, f32[4]{0} %z), replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, to_apply=%add
+%i = f32[8]{0} all-reduce(f32[8]{0} %y), replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_2'}, to_apply=%add
 """
 
 
 def test_parser_understands_every_replica_group_printing():
-    a, b, c, d, e, f = comm.parse_collectives(HLO_SAMPLES)
+    a, b, c, d, e, f, h, i = comm.parse_collectives(HLO_SAMPLES)
+    assert (h.bytes, h.groups) == (48, ((0, 1, 2, 3), (4, 5, 6, 7)))
+    assert i.groups == ((0, 4), (1, 5), (2, 6), (3, 7))
     assert (a.kind, a.bytes, a.groups) == ("all-to-all", 128, ((0, 1, 2, 3), (4, 5, 6, 7)))
     assert (b.kind, b.dtype, b.bytes) == ("all-reduce", "bf16", 32)
     assert b.groups == ((0, 4), (1, 5), (2, 6), (3, 7))
@@ -99,3 +103,32 @@ def test_ring_hybrid_keeps_all_to_alls_in_runs_and_passes_kv_around_the_ring():
     assert len(permutes) == 2  # k and v, one hop (ring - 1)
     for c in permutes:
         assert sorted(c.groups) == [(i, (i + 4) % 8) for i in range(8)]
+
+
+def test_embedding_gradient_is_not_reduced_one_mesh_axis_at_a_time():
+    """The token embedding's gradient (a scatter-add over tokens sharded on both mesh axes) must
+    be reduced over the whole mesh at once, never as a full [vocab, d] all-reduce across groups."""
+    from flax import nnx
+
+    import models
+    from basp_jax.sharding import tree_shardings
+
+    config = models.ModelConfig.preset("tiny")
+    layout = Layout.plan(8, 2, 2048, config.num_heads, config.num_kv_heads, devices_per_host=4)
+    mesh = make_mesh(layout)
+    graphdef, params, rest = nnx.split(models.abstract_model(config, mesh=mesh), nnx.Param, ...)
+    shardings = tree_shardings(params, mesh, "fsdp")
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
+
+    def loss(params, tokens):
+        total, count = models.causal_lm_loss(nnx.merge(graphdef, params, rest)(tokens), tokens)
+        return total / count
+
+    grads = jax.jit(lambda p, t: jax.lax.with_sharding_constraint(jax.grad(loss)(p, t), shardings))
+    tokens = jax.ShapeDtypeStruct((2, 2048), jnp.int32, sharding=activation_sharding(mesh))
+    embedding_bytes = config.vocab_size * config.hidden_size * 4
+    cross_group_only = [
+        c for c in comm.compiled_collectives(grads, params, tokens)
+        if c.kind == "all-reduce" and c.bytes >= embedding_bytes and all(len({d % 4 for d in g}) == 1 for g in c.groups)
+    ]
+    assert not cross_group_only, cross_group_only

@@ -1,0 +1,190 @@
+"""Measure BASP against Ulysses on an emulated two-node cluster (needs root; not part of the tests).
+
+Two JAX processes x 4 CPU devices, each process in its own network namespace, joined by a veth
+pair whose rate `tc tbf` limits: exchanges inside a process play NVLink, the veth plays the
+inter-node network. At each link rate it runs
+
+  1. the attention all-to-alls alone (benchmarks/a2a_worker.py), Ulysses (1,8) vs BASP (2,4);
+  2. real training steps of the trainer (`train.py`, optimizer update and parameter sharding
+     included) for ulysses+fsdp, basp+fsdp and basp+hsdp,
+
+and writes a JSON of everything, a markdown table and a PNG plot into --out.
+
+    sudo python benchmarks/emulated_cluster.py --rates none,400,160,80 --out bench/cluster
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from netns_cluster import Cluster, require_root  # noqa: E402
+
+TRAIN_CONFIG = ROOT / "benchmarks" / "cluster_train.yaml"
+SETUPS = [("ulysses", "fsdp"), ("basp", "fsdp"), ("basp", "hsdp")]
+
+
+def _launch(cluster: Cluster, argv_for_host, timeout: float) -> list[str]:
+    """Start one process per host, wait for all, return their outputs; fail loudly."""
+    procs = [subprocess.Popen(cluster.command(h, argv_for_host(h)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+             for h in range(2)]
+    outputs = []
+    deadline = time.time() + timeout
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(deadline - time.time(), 1))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise SystemExit(f"error: a worker ran past {timeout:.0f} s; see its output above")
+        outputs.append(out)
+        if proc.returncode:
+            sys.stderr.write(out[-4000:])
+            raise SystemExit(f"error: worker exited with {proc.returncode}")
+    return outputs
+
+
+def _port(i: int) -> str:
+    return f"{cluster_address(0)}:{12400 + i}"
+
+
+def cluster_address(host: int) -> str:
+    return f"10.77.0.{host + 1}"
+
+
+def time_all_to_alls(cluster: Cluster, args, run_index: int) -> dict:
+    def argv(host):
+        return [sys.executable, "benchmarks/a2a_worker.py", "--coordinator", _port(run_index),
+                "--process-id", str(host), "--batch", str(args.batch), "--seq-len", str(args.seq_len),
+                "--layers", str(args.layers), "--heads", str(args.heads), "--kv-heads", str(args.heads),
+                "--head-dim", str(args.hidden // args.heads)]
+
+    out = _launch(cluster, argv, timeout=args.timeout)[0]
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return {row["mode"]: row["a2a_s"] for row in rows}
+
+
+def train_steps(cluster: Cluster, args, run_index: int, mode: str, sharding: str, run_dir: Path) -> dict:
+    overrides = [
+        f"run.dir={run_dir}", f"parallel.mode={mode}", f"parallel.param_sharding={sharding}",
+        f"train.steps={args.steps}", f"train.microbatch_size={args.batch}",
+        f"data.seq_len={args.seq_len}", f"model.shape.num_layers={args.layers}",
+        f"model.shape.hidden_size={args.hidden}", f"model.shape.intermediate_size={4 * args.hidden}",
+        f"model.shape.num_heads={args.heads}", f"model.shape.num_kv_heads={args.heads}",
+        f"model.shape.head_dim={args.hidden // args.heads}",
+        f"runtime.distributed.coordinator={_port(run_index)}", "runtime.distributed.num_processes=2",
+    ]
+
+    def argv(host):
+        return [sys.executable, "train.py", "--config", str(TRAIN_CONFIG), *overrides,
+                f"runtime.distributed.process_id={host}"]
+
+    _launch(cluster, argv, timeout=args.timeout)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = [r["step_time_s"] for r in records[args.warmup:]]
+    result = {"step_s": statistics.median(timed), "step_times": timed,
+              "losses": [r["loss"] for r in records]}
+    comm_file = run_dir / "collectives.json"
+    if comm_file.exists():
+        result["collectives"] = json.loads(comm_file.read_text())
+    return result
+
+
+def _rate_label(rate) -> str:
+    return "unthrottled" if rate is None else f"{rate:g} Mbit/s"
+
+
+def write_report(results: list[dict], out: Path) -> str:
+    lines = ["| link | step ulysses+fsdp (s) | basp+fsdp (s) | basp+hsdp (s) | speedup fsdp | speedup hsdp "
+             "| a2a ulysses (s) | a2a basp (s) | a2a ratio | a2a share of ulysses step | losses equal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        u, bf, bh = (r["train"][f"{m}+{s}"] for m, s in SETUPS)
+        a2a_u, a2a_b = r["a2a"]["ulysses"], r["a2a"]["basp"]
+        same = all(max(abs(a - b) for a, b in zip(u["losses"], x["losses"])) < 1e-4 for x in (bf, bh))
+        lines.append(
+            f"| {_rate_label(r['rate'])} | {u['step_s']:.2f} | {bf['step_s']:.2f} | {bh['step_s']:.2f} "
+            f"| {u['step_s'] / bf['step_s']:.2f}x | {u['step_s'] / bh['step_s']:.2f}x "
+            f"| {a2a_u:.3f} | {a2a_b:.3f} | {a2a_u / a2a_b:.1f}x | {a2a_u / u['step_s']:.0%} "
+            f"| {'yes' if same else 'NO'} |"
+        )
+    table = "\n".join(lines)
+    (out / "table.md").write_text(table + "\n")
+    return table
+
+
+def plot(results: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [_rate_label(r["rate"]) for r in results]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for m, s in SETUPS:
+        left.plot(labels, [r["train"][f"{m}+{s}"]["step_s"] for r in results], marker="o", label=f"{m}+{s}")
+    left.set_ylabel("median step time (s)")
+    left.set_xlabel("inter-host link")
+    left.set_title("training step, 2 hosts x 4 devices")
+    left.legend()
+    for mode in ("ulysses", "basp"):
+        right.plot(labels, [r["a2a"][mode] for r in results], marker="o", label=mode)
+    right.set_ylabel("attention all-to-alls per step (s)")
+    right.set_xlabel("inter-host link")
+    right.set_title("all-to-alls alone")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(out / "emulated_cluster.png", dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="none,400,160,80",
+                        help="comma-separated link rates in Mbit/s; 'none' = unthrottled")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
+    parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--out", default="bench/emulated_cluster")
+    args = parser.parse_args()
+    require_root()
+    rates = [None if r.strip().lower() == "none" else float(r) for r in args.rates.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    with Cluster() as cluster, tempfile.TemporaryDirectory() as tmp:
+        run_index = 0
+        for rate in rates:
+            cluster.set_rate(rate)
+            entry = {"rate": rate, "batch": args.batch, "a2a": time_all_to_alls(cluster, args, run_index),
+                     "train": {}}
+            run_index += 1
+            for mode, sharding in SETUPS:
+                run_dir = Path(tmp) / f"{rate}-{mode}-{sharding}"
+                entry["train"][f"{mode}+{sharding}"] = train_steps(cluster, args, run_index, mode, sharding, run_dir)
+                run_index += 1
+                print(f"{_rate_label(rate)} {mode}+{sharding}: "
+                      f"{entry['train'][f'{mode}+{sharding}']['step_s']:.2f} s/step", flush=True)
+            results.append(entry)
+            (out / "results.json").write_text(json.dumps(results, indent=1))
+    print(write_report(results, out))
+    plot(results, out)
+    print(f"\nwrote {out}/results.json, table.md, emulated_cluster.png")
+
+
+if __name__ == "__main__":
+    main()
