@@ -198,10 +198,14 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
                 if compiled is None:
                     t = time.perf_counter()
                     compiled = step_fn.lower(params, opt_state, batch, step_arr).compile()
-                    collectives = comm.parse_collectives(compiled.as_text(), len(devices))
+                    try:  # a diagnostic: an HLO printing the parser does not know never stops a run
+                        collectives = comm.parse_collectives(compiled.as_text(), len(devices))
+                        described = describe_collectives(collectives, layout.devices_per_host)
+                    except Exception as e:  # noqa: BLE001
+                        collectives, described = [], f"(not parsed: {type(e).__name__}: {e})"
                     logger.message(
                         f"compiled the train step in {time.perf_counter() - t:.1f}s; per step: "
-                        + describe_collectives(collectives, layout.devices_per_host)
+                        + described
                     )
                 t0 = time.perf_counter()
                 params, opt_state, metrics = compiled(params, opt_state, batch, step_arr)
