@@ -67,6 +67,8 @@ def test_demo_config_runs_shortened(tmp_path):
     assert lines[-1]["loss"] < lines[0]["loss"] - 0.3
     assert "done: steps 1-12 of 12" in proc.stdout
     assert (run_dir / "config.yaml").exists()
+    table = json.loads((run_dir / "collectives.json").read_text())["per_kind"]
+    assert table["all-to-all"]["count"] > 0
     saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert saved == ["10", "12"]  # keep: 2
     assert (tmp_path / "hf" / "config.json").exists()

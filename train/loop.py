@@ -78,6 +78,17 @@ def describe_collectives(collectives, devices_per_host: int) -> str:
     return ", ".join(parts) or "none"
 
 
+def _write_collectives(run_dir: str, collectives, layout: Layout) -> None:
+    """{run.dir}/collectives.json: per kind, count and bytes per device (total, on the wire,
+    between hosts) of one compiled train step, for benchmarks."""
+    import json
+
+    table = comm.summarize(collectives, layout.devices_per_host)
+    with open(os.path.join(run_dir, "collectives.json"), "w") as f:
+        json.dump({"layout": layout.describe(), "devices_per_host": layout.devices_per_host,
+                   "per_kind": table}, f, indent=1)
+
+
 def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
     """Train as configured; returns a summary with the per-step losses of this invocation.
 
@@ -203,6 +214,8 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
                         described = describe_collectives(collectives, layout.devices_per_host)
                     except Exception as e:  # noqa: BLE001
                         collectives, described = [], f"(not parsed: {type(e).__name__}: {e})"
+                    if is_writer:
+                        _write_collectives(run_dir, collectives, layout)
                     logger.message(
                         f"compiled the train step in {time.perf_counter() - t:.1f}s; per step: "
                         + described
