@@ -1,0 +1,109 @@
+"""Config parsing: YAML + dotted overrides, type coercion, one-line errors."""
+
+import pytest
+import yaml
+
+from train.config import ConfigError, Config, load_config, replace, to_yaml
+
+from train_helpers import tiny_overrides
+
+
+def test_overrides_are_typed(tmp_path):
+    cfg = load_config(None, tiny_overrides(tmp_path / "r", "optimizer.lr=1e-3", "train.steps=7",
+                                          "data.pack=false", "optimizer.clip_norm=null",
+                                          "model.shape.hidden_size=32"))
+    assert isinstance(cfg, Config)
+    assert cfg.optimizer.lr == 1e-3 and cfg.train.steps == 7 and cfg.data.pack is False
+    assert cfg.optimizer.clip_norm is None
+    assert cfg.model.shape["hidden_size"] == "32"  # coerced against ModelConfig later
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"run": {"dir": str(tmp_path / "r")}, "train": {"steps": 3}}))
+    cfg = load_config(str(path), tiny_overrides(tmp_path / "r2")[1:] + ["train.steps=9"])
+    assert cfg.run.dir == str(tmp_path / "r") and cfg.train.steps == 9
+
+
+def test_round_trip(tmp_path):
+    cfg = load_config(None, tiny_overrides(tmp_path / "r"))
+    path = tmp_path / "saved.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(str(path)) == cfg
+    assert replace(cfg, "parallel.mode=ulysses").parallel.mode == "ulysses"
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("train.stepz=3", "unknown config key 'train.stepz'"),
+        ("train.steps=three", "train.steps: expected an integer"),
+        ("train.steps=2.5", "train.steps: expected an integer"),
+        ("parallel.mode=ring", "parallel.mode: expected one of basp, ulysses"),
+        ("data.pack=maybe", "data.pack: expected true or false"),
+        ("optimizer.lr=-1", "optimizer.lr is required and must be > 0"),
+        ("train.steps=0", "train.steps must be a positive integer"),
+        ("runtime.cpu_devices=0", "runtime.cpu_devices must be a positive integer"),
+        ("model.hf_path=/x", "set exactly one of model.preset"),
+        ("data.source=tokens", "data.source=tokens needs data.path"),
+        ("parallel.groups=2", None),  # fine with basp
+        ("optimizer.warmup_steps=99", "optimizer.warmup_steps=99 must lie in"),
+        ("noequals", "is not key.sub=value"),
+    ],
+)
+def test_bad_values_one_line(tmp_path, override, fragment):
+    args = tiny_overrides(tmp_path / "r", override)
+    if fragment is None:
+        load_config(None, args)
+        return
+    with pytest.raises(ConfigError) as info:
+        load_config(None, args)
+    assert fragment in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_ulysses_with_groups_rejected(tmp_path):
+    with pytest.raises(ConfigError, match="ulysses means one group"):
+        load_config(None, tiny_overrides(tmp_path / "r", "parallel.mode=ulysses", "parallel.groups=2"))
+
+
+def test_missing_required(tmp_path):
+    with pytest.raises(ConfigError, match="run.dir is required"):
+        load_config(None, ["train.steps=1"])
+
+
+def test_shipped_configs_load_and_plan():
+    """Every config in configs/ parses; the GPU ones plan their layout for their model on 8 devices."""
+    from pathlib import Path
+
+    import models
+    from basp_jax import Layout
+
+    paths = sorted(Path(__file__).resolve().parent.parent.glob("configs/**/*.yaml"))
+    assert len(paths) >= 11
+    for path in paths:
+        cfg = load_config(str(path))
+        if "gpu" not in path.parts:
+            continue
+        preset = path.stem.rsplit("_", 1)[0]
+        mc = models.ModelConfig.preset(preset)
+        layout = Layout.plan(num_devices=8, batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len,
+                             num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
+                             mode=cfg.parallel.mode)
+        assert (layout.groups, layout.sp) == ((2, 4) if cfg.parallel.mode == "basp" else (1, 8))
+        assert cfg.data.eos_id < mc.vocab_size and cfg.data.seq_len == 16384
+
+
+def test_required_keys_one_by_one(tmp_path):
+    full = tiny_overrides(tmp_path / "r")
+    required = {"run.dir": "run.dir is required", "train.steps": "train.steps must be",
+                "train.microbatch_size": "train.microbatch_size must be",
+                "train.grad_accum": "train.grad_accum must be", "parallel.mode": "parallel.mode is required",
+                "runtime.cpu_devices": "runtime.cpu_devices must be", "data.source": "data.source is required",
+                "data.seq_len": "data.seq_len must be", "optimizer.lr": "optimizer.lr is required",
+                "model.preset": "set exactly one of model.preset"}
+    for key, fragment in required.items():
+        args = [a for a in full if not a.startswith(key + "=")]
+        assert len(args) == len(full) - 1, key
+        with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
+            load_config(None, args)

@@ -1,0 +1,45 @@
+"""Shared tiny configs for the trainer tests (kept small: every run compiles in a few seconds)."""
+
+from __future__ import annotations
+
+TINY_SHAPE = (
+    "model.shape={vocab_size: 256, hidden_size: 64, intermediate_size: 128, num_layers: 2, "
+    "num_heads: 8, num_kv_heads: 4, head_dim: 8}"
+)
+
+
+def tiny_overrides(run_dir, *extra: str) -> list[str]:
+    return [
+        f"run.dir={run_dir}",
+        "run.seed=0",
+        "model.preset=tiny",
+        TINY_SHAPE,
+        "data.source=synthetic",
+        "data.seq_len=64",
+        "train.steps=5",
+        "train.microbatch_size=4",
+        "train.grad_accum=1",
+        "optimizer.lr=3e-3",
+        "optimizer.warmup_steps=1",
+        "parallel.mode=basp",
+        "checkpoint.every=0",
+        "checkpoint.async_save=true",
+        "metrics.progress=false",
+        "runtime.cpu_devices=8",
+        *extra,
+    ]
+
+
+def tiny_config(run_dir, *extra: str):
+    from train.config import load_config
+
+    return load_config(None, tiny_overrides(run_dir, *extra))
+
+
+def enable_compile_cache(path) -> None:
+    """Share compiled programs between the runs of one test session (many compile the same step)."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

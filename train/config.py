@@ -1,0 +1,456 @@
+"""Typed training config: dataclasses with defaults, read from YAML plus `key.sub=value` overrides.
+
+    cfg = load_config("configs/demo_cpu.yaml", ["train.steps=20", "parallel.mode=ulysses"])
+
+Unknown keys, values of the wrong type and impossible combinations raise a ConfigError whose one
+line names the key and what would work. Nothing here imports JAX: the CLI must read the config
+(runtime.cpu_devices, runtime.distributed) before JAX initialises its backends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the single-line message names the key and the fix."""
+
+
+@dataclasses.dataclass
+class RunConfig:
+    dir: str = ""  # required: outputs, checkpoints, metrics.jsonl, config.yaml
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class ModelSection:
+    preset: Optional[str] = None  # ModelConfig.preset name, e.g. tiny, llama-3.2-1b
+    hf_path: Optional[str] = None  # local Hugging Face directory (config.json [+ safetensors])
+    load_weights: bool = True  # with hf_path: load its safetensors (False: config only, random init)
+    shape: dict = dataclasses.field(default_factory=dict)  # ModelConfig field overrides
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    attn_impl: Literal["auto", "xla", "cudnn", "blockwise"] = "auto"
+    remat: str = "none"
+
+
+@dataclasses.dataclass
+class DataConfig:
+    source: Optional[Literal["synthetic", "tokens", "text", "jsonl"]] = None  # required
+    path: Optional[str] = None  # tokens: .bin/.npy; text/jsonl: the file
+    dtype: Literal["uint16", "uint32"] = "uint16"  # element type of a raw .bin token file
+    tokenizer: Optional[str] = None  # text/jsonl: a local tokenizer.json
+    text_key: str = "text"  # jsonl: the field holding each document
+    eos_id: Optional[int] = None  # document separator; text/jsonl: appended after each document
+    seq_len: int = 0  # required
+    pack: bool = False  # segment ids from eos_id: tokens attend only within their document
+    branching: int = 4  # synthetic: successors per token of the Markov chain (probabilities halve)
+
+
+@dataclasses.dataclass
+class TrainSection:
+    steps: int = 0  # required
+    microbatch_size: int = 0  # required: rows per microbatch (B of the layout)
+    grad_accum: int = 0  # required: microbatches per optimizer step (1: no accumulation)
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    lr: float = 0.0  # required: peak learning rate
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at train.steps
+    weight_decay: float = 0.1  # not applied to norms and biases (parameters of rank < 2)
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: Optional[float] = 1.0  # global gradient norm clip; null disables
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    mode: Optional[Literal["basp", "ulysses"]] = None  # required
+    groups: Optional[int] = None  # force a group count (basp); default gcd(microbatch, devices)
+    devices_per_host: Optional[int] = None  # default: devices per process
+    param_sharding: Literal["fsdp", "hsdp", "replicated"] = "fsdp"
+    ring: int = 1  # ring attention across sp/ring-device all-to-all runs (ring must divide sp)
+    pad_heads: bool = False  # allow zero-padded query heads when sp does not divide num_heads
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    every: int = 0  # save every k steps (0: only at the end)
+    keep: int = 3  # keep the last n
+    async_save: bool = True
+    save_final: bool = True
+    resume: bool = True  # continue from the latest checkpoint in run.dir/checkpoints
+    export_hf: Optional[str] = None  # write final weights as HF safetensors to this directory
+
+
+@dataclasses.dataclass
+class MetricsConfig:
+    peak_flops: Optional[float] = None  # peak FLOP/s of one device, for mfu
+    device: Optional[str] = None  # or a preset: a100, h100, h200 (bf16 dense); null: from device kind
+    progress: bool = True  # tqdm bar on the console
+
+
+@dataclasses.dataclass
+class DistributedConfig:
+    enabled: Optional[bool] = None  # null: when coordinator is set or JAX_COORDINATOR_ADDRESS is
+    coordinator: Optional[str] = None  # host:port of process 0
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
+
+
+@dataclasses.dataclass
+class RuntimeConfig:
+    cpu_devices: int = 0  # required: CPU devices (per process) to use when no accelerator exists
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+
+
+@dataclasses.dataclass
+class Config:
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
+
+
+# --------------------------------------------------------------------------- coercion
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+_NULL = {"null", "none", "~", ""}
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(str(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp) -> Any:
+    """Convert a YAML value or a command-line string to the field type, or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None or (isinstance(value, str) and value.strip().lower() in _NULL):
+            if type(None) in args:
+                return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError as e:
+                errors.append(e)
+        if len(errors) == 1:  # Optional[X]: X's own message says what was expected
+            raise errors[0]
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value in choices:
+            return value
+        if isinstance(value, str) and value.strip() in choices:
+            return value.strip()
+        raise ConfigError(f"{key}: expected one of {', '.join(map(str, choices))}, got {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.strip().replace("_", ""))
+            except ValueError:
+                try:
+                    f = float(value)
+                    if f.is_integer():
+                        return int(f)
+                except ValueError:
+                    pass
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    if tp is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+    raise ConfigError(f"{key}: unsupported field type {tp!r}")  # pragma: no cover
+
+
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _build(cls, data: Any, prefix: str):
+    """A dataclass instance from a (possibly partial) nested dict; unknown keys are errors."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            where = f"{prefix}.{key}" if prefix else str(key)
+            raise ConfigError(
+                f"unknown config key {where!r}; {prefix or 'the top level'} has: {', '.join(names)}"
+            )
+    kwargs = {}
+    for name in names:
+        if name not in data:
+            continue
+        tp = hints[name]
+        key = f"{prefix}.{name}" if prefix else name
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, data[name], key)
+        else:
+            kwargs[name] = _coerce(key, data[name], tp)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    if not all(parts):
+        raise ConfigError(f"bad override key {dotted!r}; write section.key=value")
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not key.sub=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    # Keep plain strings as typed on the command line (e.g. 1e-3, which YAML 1.1 leaves a string),
+    # coercion by field type handles them; mappings and lists come from YAML.
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        value = raw.strip() if raw.strip() else None
+    return key, value
+
+
+def load_config(path: Optional[str], overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config, apply `key.sub=value` overrides, type-check and validate it."""
+    tree: dict = {}
+    if path is not None:
+        try:
+            with open(path) as f:
+                loaded = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path!r} does not exist") from None
+        except yaml.YAMLError as e:
+            line = str(e).replace("\n", " ")
+            raise ConfigError(f"config file {path!r} is not valid YAML: {line}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path!r} must hold a mapping of sections")
+        tree = loaded or {}
+    for item in overrides:
+        key, value = _parse_override(item)
+        _set_dotted(tree, key, value)
+    return from_dict(tree)
+
+
+def from_dict(tree: dict) -> Config:
+    cfg = _build(Config, tree, "")
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def replace(cfg: Config, *overrides: str) -> Config:
+    """A copy of cfg with `key.sub=value` overrides applied (validated again)."""
+    tree = to_dict(cfg)
+    for item in overrides:
+        key, value = _parse_override(item)
+        _set_dotted(tree, key, value)
+    return from_dict(tree)
+
+
+def validate(cfg: Config) -> None:
+    """Required keys and impossible combinations; model/layout checks come later, still pre-compile."""
+    if not cfg.run.dir:
+        raise ConfigError("run.dir is required: where checkpoints and metrics.jsonl go")
+    if cfg.train.steps <= 0:
+        raise ConfigError(f"train.steps must be a positive integer, got {cfg.train.steps}")
+    if cfg.train.microbatch_size <= 0:
+        raise ConfigError(
+            f"train.microbatch_size must be a positive integer, got {cfg.train.microbatch_size}"
+        )
+    if cfg.train.grad_accum <= 0:
+        raise ConfigError(
+            f"train.grad_accum must be a positive integer (1: no accumulation), "
+            f"got {cfg.train.grad_accum}"
+        )
+    if cfg.runtime.cpu_devices <= 0:
+        raise ConfigError(
+            f"runtime.cpu_devices must be a positive integer, got {cfg.runtime.cpu_devices} "
+            f"(CPU devices to emulate when no accelerator is present)"
+        )
+    if cfg.parallel.mode is None:
+        raise ConfigError("parallel.mode is required: basp or ulysses")
+    if cfg.data.source is None:
+        raise ConfigError("data.source is required: synthetic, tokens, text or jsonl")
+    if cfg.data.seq_len <= 1:
+        raise ConfigError(f"data.seq_len must be an integer > 1, got {cfg.data.seq_len}")
+
+    m = cfg.model
+    if (m.preset is None) == (m.hf_path is None):
+        raise ConfigError(
+            "set exactly one of model.preset (e.g. tiny, llama-3.2-1b) and model.hf_path "
+            f"(a local Hugging Face directory); got preset={m.preset!r}, hf_path={m.hf_path!r}"
+        )
+    if m.hf_path is not None and m.load_weights and m.shape:
+        raise ConfigError(
+            "model.shape overrides change the architecture and cannot apply to pretrained weights "
+            "from model.hf_path; set model.load_weights=false to train that shape from scratch"
+        )
+
+    d = cfg.data
+    if d.source == "tokens":
+        if not d.path:
+            raise ConfigError("data.source=tokens needs data.path: a .bin or .npy token file")
+        if not (d.path.endswith(".bin") or d.path.endswith(".npy")):
+            raise ConfigError(f"data.path {d.path!r}: token files must end in .bin or .npy")
+    if d.source in ("text", "jsonl"):
+        if not d.path:
+            raise ConfigError(f"data.source={d.source} needs data.path")
+        if not d.tokenizer:
+            raise ConfigError(f"data.source={d.source} needs data.tokenizer: a local tokenizer.json")
+        if d.eos_id is None:
+            raise ConfigError(
+                f"data.source={d.source} needs data.eos_id: the token id that separates documents"
+            )
+    if d.pack and d.source != "synthetic" and d.eos_id is None:
+        raise ConfigError("data.pack=true needs data.eos_id: documents end at that token")
+    if d.pack and d.source == "synthetic":
+        raise ConfigError("data.pack=true needs documents; synthetic data is one stream (pack=false)")
+    if d.branching <= 0:
+        raise ConfigError(f"data.branching must be a positive integer, got {d.branching}")
+    if d.eos_id is not None and d.eos_id < 0:
+        raise ConfigError(f"data.eos_id must be >= 0, got {d.eos_id}")
+
+    o = cfg.optimizer
+    if o.lr <= 0:
+        raise ConfigError(f"optimizer.lr is required and must be > 0, got {o.lr}")
+    if o.warmup_steps < 0 or o.warmup_steps > cfg.train.steps:
+        raise ConfigError(
+            f"optimizer.warmup_steps={o.warmup_steps} must lie in [0, train.steps={cfg.train.steps}]"
+        )
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optimizer.min_lr_ratio must lie in [0, 1], got {o.min_lr_ratio}")
+    if o.weight_decay < 0:
+        raise ConfigError(f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
+    if not (0 <= o.b1 < 1 and 0 <= o.b2 < 1):
+        raise ConfigError(f"optimizer.b1 and b2 must lie in [0, 1), got {o.b1}, {o.b2}")
+    if o.clip_norm is not None and o.clip_norm <= 0:
+        raise ConfigError(f"optimizer.clip_norm must be > 0 or null, got {o.clip_norm}")
+
+    p = cfg.parallel
+    if p.mode == "ulysses" and p.groups not in (None, 1):
+        raise ConfigError(
+            f"parallel.mode=ulysses means one group; got parallel.groups={p.groups} "
+            "(use parallel.mode=basp)"
+        )
+    if p.groups is not None and p.groups <= 0:
+        raise ConfigError(f"parallel.groups must be a positive integer, got {p.groups}")
+    if p.ring <= 0:
+        raise ConfigError(f"parallel.ring must be a positive integer (1: no ring), got {p.ring}")
+    if p.devices_per_host is not None and p.devices_per_host <= 0:
+        raise ConfigError(f"parallel.devices_per_host must be positive, got {p.devices_per_host}")
+
+    c = cfg.checkpoint
+    if c.every < 0:
+        raise ConfigError(f"checkpoint.every must be >= 0 (0: only at the end), got {c.every}")
+    if c.keep <= 0:
+        raise ConfigError(f"checkpoint.keep must be a positive integer, got {c.keep}")
+
+    mt = cfg.metrics
+    if mt.peak_flops is not None and mt.peak_flops <= 0:
+        raise ConfigError(f"metrics.peak_flops must be > 0 or null, got {mt.peak_flops}")
+    if mt.device is not None and mt.device.lower() not in PEAK_FLOPS:
+        raise ConfigError(
+            f"metrics.device {mt.device!r} has no known peak; use one of "
+            f"{', '.join(PEAK_FLOPS)} or set metrics.peak_flops"
+        )
+
+    dist = cfg.runtime.distributed
+    if dist.coordinator and (dist.num_processes is None or dist.process_id is None):
+        raise ConfigError(
+            "runtime.distributed.coordinator needs num_processes and process_id as well"
+        )
+    if dist.num_processes is not None and dist.num_processes <= 0:
+        raise ConfigError(
+            f"runtime.distributed.num_processes must be positive, got {dist.num_processes}"
+        )
+    if dist.process_id is not None and dist.num_processes is not None and not (
+        0 <= dist.process_id < dist.num_processes
+    ):
+        raise ConfigError(
+            f"runtime.distributed.process_id={dist.process_id} must lie in "
+            f"[0, num_processes={dist.num_processes})"
+        )
+
+
+# Peak dense bf16 FLOP/s per device (no sparsity), for MFU.
+PEAK_FLOPS = {
+    "a100": 312e12,
+    "h100": 989e12,
+    "h200": 989e12,
+}

@@ -1,0 +1,239 @@
+"""Training batches: synthetic tokens, token files, or tokenized text / JSONL, one step at a time.
+
+The batch of step t is [grad_accum, microbatch, seq_len] and a pure function of (seed, t): each
+global row r = a * microbatch + b is drawn from its own (seed, t, r) stream, so any process can
+build exactly the rows its devices hold and nothing else, and a resumed run continues from step t
+with the same rows. Sources:
+
+    synthetic   a fixed random Markov chain over the vocabulary (learnable: the loss falls to the
+                chain's entropy), `branching` successors per token
+    tokens      one long stream in a .bin (raw uint16/uint32) or .npy file, memory-mapped; a row is
+                a window at a random offset (the nanoGPT / Megatron convention)
+    text/jsonl  documents (non-empty lines / the `text_key` field of each JSON line) tokenized with
+                a local tokenizer.json, joined with eos_id into one stream
+
+With pack=true, documents end at eos_id: each row gets segment ids (a token attends only within its
+document, positions restart) and the prediction across a document boundary is masked out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+import numpy as np
+
+from .config import DataConfig
+
+
+class DataError(ValueError):
+    """Data that cannot be used as configured; the message is one line."""
+
+
+def _rng(*keys: int) -> np.random.Generator:
+    return np.random.default_rng([int(k) for k in keys])
+
+
+class MarkovSource:
+    """Rows walked on a fixed random Markov chain; each token has `branching` likely successors."""
+
+    def __init__(self, vocab_size: int, branching: int, seed: int):
+        branching = min(branching, vocab_size)
+        table_rng = _rng(seed, 0x5EED)
+        self.table = np.stack(
+            [table_rng.choice(vocab_size, size=branching, replace=False) for _ in range(vocab_size)]
+        )
+        weights = 0.5 ** np.arange(branching, dtype=np.float64)  # skewed: lower entropy
+        self.probs = weights / weights.sum()
+        self.entropy = float(-(self.probs * np.log(self.probs)).sum())
+        self.vocab_size = vocab_size
+        self.seed = seed
+
+    def rows(self, step: int, row_ids: np.ndarray, length: int) -> np.ndarray:
+        out = np.empty((len(row_ids), length), dtype=np.int64)
+        for i, r in enumerate(row_ids):
+            rng = _rng(self.seed, step, r)
+            choice = rng.choice(len(self.probs), size=length - 1, p=self.probs)
+            tok = int(rng.integers(self.vocab_size))
+            out[i, 0] = tok
+            for j in range(1, length):
+                tok = self.table[tok, choice[j - 1]]
+                out[i, j] = tok
+        return out
+
+
+class StreamSource:
+    """Windows of one long token stream at offsets drawn from (seed, step)."""
+
+    def __init__(self, stream: np.ndarray, seed: int, num_rows: int, name: str):
+        self.stream = stream
+        self.seed = seed
+        self.num_rows = num_rows
+        self.name = name
+
+    def rows(self, step: int, row_ids: np.ndarray, length: int) -> np.ndarray:
+        n = len(self.stream)
+        if n < length:
+            raise DataError(
+                f"{self.name} holds {n} tokens, fewer than one row of seq_len+1={length}"
+            )
+        offsets = _rng(self.seed, step).integers(0, n - length + 1, size=self.num_rows)
+        out = np.stack([np.asarray(self.stream[o : o + length]) for o in offsets[row_ids]])
+        return out.astype(np.int64)
+
+
+def _load_token_file(path: str, dtype: str) -> np.ndarray:
+    if not os.path.isfile(path):
+        raise DataError(f"token file {path!r} does not exist")
+    if path.endswith(".npy"):
+        try:
+            arr = np.load(path, mmap_mode="r")
+        except ValueError as e:
+            raise DataError(f"cannot read {path!r} as .npy: {str(e).splitlines()[0]}") from None
+        if arr.ndim != 1 or arr.dtype not in (np.uint16, np.uint32, np.int32, np.int64):
+            raise DataError(
+                f"{path!r} must hold one 1-D stream of uint16/uint32 token ids, got "
+                f"{arr.dtype} of shape {arr.shape}"
+            )
+        return arr
+    size = os.path.getsize(path)
+    itemsize = np.dtype(dtype).itemsize
+    if size % itemsize:
+        raise DataError(f"{path!r} has {size} bytes, not a multiple of {dtype} ({itemsize} bytes)")
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _read_documents(path: str, source: str, text_key: str) -> list[str]:
+    if not os.path.isfile(path):
+        raise DataError(f"data file {path!r} does not exist")
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if source == "text":
+                docs.append(line.rstrip("\n"))
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
+                raise DataError(f"{path}:{lineno}: no string field {text_key!r}")
+            docs.append(obj[text_key])
+    if not docs:
+        raise DataError(f"{path!r} holds no documents")
+    return docs
+
+
+def _tokenize(cfg: DataConfig) -> np.ndarray:
+    from tokenizers import Tokenizer
+
+    if not os.path.isfile(cfg.tokenizer):
+        raise DataError(f"tokenizer file {cfg.tokenizer!r} does not exist")
+    try:
+        tok = Tokenizer.from_file(cfg.tokenizer)
+    except Exception as e:  # tokenizers raises a bare Exception on a bad file
+        raise DataError(f"cannot load tokenizer {cfg.tokenizer!r}: {str(e).splitlines()[0]}") from None
+    docs = _read_documents(cfg.path, cfg.source, cfg.text_key)
+    ids = []
+    for enc in tok.encode_batch(docs, add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(cfg.eos_id)
+    return np.asarray(ids, dtype=np.uint32)
+
+
+class Pipeline:
+    """Builds the rows of each step for this process; `global_batch` places them on the mesh."""
+
+    def __init__(self, cfg: DataConfig, *, vocab_size: int, grad_accum: int, microbatch: int,
+                 seed: int):
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.accum = grad_accum
+        self.batch = microbatch
+        self.seq_len = cfg.seq_len
+        self.num_rows = grad_accum * microbatch
+        self.pack = cfg.pack
+        self.eos_id = cfg.eos_id
+        if cfg.eos_id is not None and cfg.eos_id >= vocab_size:
+            raise DataError(
+                f"data.eos_id={cfg.eos_id} is not below the model's vocab_size={vocab_size}"
+            )
+        if cfg.source == "synthetic":
+            self.source = MarkovSource(vocab_size, cfg.branching, seed)
+            self.name = f"synthetic Markov chain (branching {cfg.branching})"
+        elif cfg.source == "tokens":
+            stream = _load_token_file(cfg.path, cfg.dtype)
+            self.source = StreamSource(stream, seed, self.num_rows, cfg.path)
+            self.name = f"{cfg.path} ({len(stream):,} tokens)"
+        else:
+            stream = _tokenize(cfg)
+            too_big = stream >= vocab_size
+            if too_big.any():
+                bad = int(stream[too_big][0])
+                raise DataError(
+                    f"tokenizer {cfg.tokenizer!r} produced id {bad} >= the model's "
+                    f"vocab_size={vocab_size}; use the model's own tokenizer"
+                )
+            self.source = StreamSource(stream, seed, self.num_rows, cfg.path)
+            self.name = f"{cfg.path} ({len(stream):,} tokens after tokenization)"
+        # Fail now, not at step 0 of a compiled run, when the stream is too short.
+        self.rows(0, np.arange(1))
+
+    def rows(self, step: int, row_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """tokens, targets (-1: no loss) and segment_ids [len(row_ids), seq_len] int32."""
+        row_ids = np.asarray(row_ids)
+        raw = self.source.rows(step, row_ids, self.seq_len + 1)
+        if raw.size and (raw.max() >= self.vocab_size or raw.min() < 0):
+            bad = int(raw[(raw >= self.vocab_size) | (raw < 0)][0])
+            raise DataError(
+                f"{self.name}: token id {bad} at step {step} is outside the model's vocabulary "
+                f"[0, {self.vocab_size}); the data was tokenized for another model"
+            )
+        tokens, targets = raw[:, :-1], raw[:, 1:].copy()
+        if self.pack:
+            is_eos = raw == self.eos_id
+            # a token's document = number of eos strictly before it; eos ends its own document
+            seg = np.concatenate(
+                [np.zeros((len(raw), 1), np.int64), np.cumsum(is_eos, axis=1)[:, :-1]], axis=1
+            )
+            targets[seg[:, 1:] != seg[:, :-1]] = -1  # no prediction across a document boundary
+            segment_ids = seg[:, :-1]
+        else:
+            segment_ids = np.zeros_like(tokens)
+        return {
+            "tokens": tokens.astype(np.int32),
+            "targets": targets.astype(np.int32),
+            "segment_ids": segment_ids.astype(np.int32),
+        }
+
+    def global_batch(self, step: int, sharding) -> dict:
+        """The step's [accum, B, S] arrays on `sharding`; this process builds only its rows."""
+        import jax
+
+        shape = (self.accum, self.batch, self.seq_len)
+        index_map = sharding.addressable_devices_indices_map(shape)
+        wanted = set()
+        for index in index_map.values():
+            a_range = range(*index[0].indices(self.accum))
+            b_range = range(*index[1].indices(self.batch))
+            wanted.update(a * self.batch + b for a in a_range for b in b_range)
+        row_ids = np.array(sorted(wanted), dtype=np.int64)
+        local = self.rows(step, row_ids)
+        position = {int(r): i for i, r in enumerate(row_ids)}
+
+        def make(name: str) -> Callable:
+            data = local[name]
+
+            def callback(index):
+                a_range = range(*index[0].indices(self.accum))
+                b_range = range(*index[1].indices(self.batch))
+                picks = [[position[a * self.batch + b] for b in b_range] for a in a_range]
+                return data[np.asarray(picks)][..., index[2]]
+
+            return callback
+
+        names = ("tokens", "targets", "segment_ids") if self.pack else ("tokens", "targets")
+        return {n: jax.make_array_from_callback(shape, sharding, make(n)) for n in names}

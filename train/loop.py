@@ -1,0 +1,282 @@
+"""`run(config)`: plan the layout, build or restore the state, train, checkpoint, log, export."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import typing
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import models
+from basp_jax import Layout, comm, make_mesh
+
+from . import runtime
+from .checkpoint import Checkpointer, abstract_tree
+from .config import Config, ConfigError, _coerce, to_yaml
+from .data import Pipeline
+from .metrics import MetricsLogger, peak_flops
+from .step import DTYPES, build_model, from_module, init_opt_state, make_optimizer, make_train_step
+from .step import opt_state_shardings
+from basp_jax.sharding import tree_shardings
+
+
+def model_config(cfg: Config) -> "models.ModelConfig":
+    """The ModelConfig from a preset or an HF directory, with model.shape overrides applied."""
+    m = cfg.model
+    base = models.ModelConfig.preset(m.preset) if m.preset else models.ModelConfig.from_hf(m.hf_path)
+    if not m.shape:
+        return base
+    fields = {f.name: f for f in dataclasses.fields(base)}
+    hints = typing.get_type_hints(type(base))
+    changes = {}
+    for key, value in m.shape.items():
+        if key not in fields:
+            raise ConfigError(
+                f"unknown config key 'model.shape.{key}'; model fields: {', '.join(fields)}"
+            )
+        tp = hints[key]
+        if tp in (int, float, bool, str):
+            value = _coerce(f"model.shape.{key}", value, tp)
+        elif isinstance(value, str):
+            import yaml
+
+            value = yaml.safe_load(value)
+        changes[key] = value
+    return dataclasses.replace(base, **changes)
+
+
+def select_devices(cfg: Config) -> list:
+    """All devices; on a single-process CPU run, the first runtime.cpu_devices of them."""
+    devices = jax.devices()
+    want = cfg.runtime.cpu_devices
+    if devices[0].platform == "cpu":
+        local = jax.local_device_count()
+        if local < want:
+            raise ConfigError(
+                f"runtime.cpu_devices={want} but JAX started with {local} CPU devices per process; "
+                "set it before JAX initialises (python train.py does) or lower it"
+            )
+        if jax.process_count() == 1:
+            devices = devices[:want]
+    return devices
+
+
+def describe_collectives(collectives, devices_per_host: int) -> str:
+    """One line: per kind, the count and MiB per device (inter-host MiB where any)."""
+    parts = []
+    for kind, row in comm.summarize(collectives, devices_per_host).items():
+        text = f"{kind} {row['count']} ({row['bytes'] / 2**20:.2f} MiB"
+        if row["inter_host_wire_bytes"]:
+            text += f", {row['inter_host_wire_bytes'] / 2**20:.2f} MiB inter-host"
+        parts.append(text + ")")
+    return ", ".join(parts) or "none"
+
+
+def _write_collectives(run_dir: str, collectives, layout: Layout) -> None:
+    """{run.dir}/collectives.json: per kind, count and bytes per device (total, on the wire,
+    between hosts) of one compiled train step, for benchmarks."""
+    import json
+
+    table = comm.summarize(collectives, layout.devices_per_host)
+    with open(os.path.join(run_dir, "collectives.json"), "w") as f:
+        json.dump({"layout": layout.describe(), "devices_per_host": layout.devices_per_host,
+                   "per_kind": table}, f, indent=1)
+
+
+def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
+    """Train as configured; returns a summary with the per-step losses of this invocation.
+
+    stop_at ends the invocation after that many completed steps (with a checkpoint), as a
+    preemption would; running again resumes from it.
+    """
+    runtime.configure(cfg)
+    is_writer = jax.process_index() == 0
+    run_dir = os.path.abspath(cfg.run.dir)
+    if is_writer:
+        os.makedirs(run_dir, exist_ok=True)
+
+    # ---- everything that can be wrong is checked here, before anything compiles
+    mcfg = model_config(cfg)
+    devices = select_devices(cfg)
+    per_host = cfg.parallel.devices_per_host or len(devices) // jax.process_count()
+    layout = Layout.plan(
+        num_devices=len(devices),
+        batch=cfg.train.microbatch_size,
+        seq_len=cfg.data.seq_len,
+        num_heads=mcfg.num_heads,
+        num_kv_heads=mcfg.num_kv_heads,
+        devices_per_host=per_host,
+        mode=cfg.parallel.mode,
+        groups=cfg.parallel.groups,
+        pad_heads=cfg.parallel.pad_heads,
+        ring=cfg.parallel.ring,
+    )
+    mesh = make_mesh(layout, devices)
+    data = Pipeline(
+        cfg.data,
+        vocab_size=mcfg.vocab_size,
+        grad_accum=cfg.train.grad_accum,
+        microbatch=cfg.train.microbatch_size,
+        seed=cfg.run.seed,
+    )
+    strategy = cfg.parallel.param_sharding
+    dtype, param_dtype = DTYPES[cfg.model.dtype], DTYPES[cfg.model.param_dtype]
+
+    if is_writer:
+        print(to_yaml(cfg), end="", flush=True)
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+            f.write(to_yaml(cfg))
+
+    def make():
+        return models.Transformer(
+            mcfg, rngs=nnx.Rngs(cfg.run.seed), mesh=mesh, dtype=dtype, param_dtype=param_dtype,
+            attn_impl=cfg.model.attn_impl, remat=cfg.model.remat, ring=layout.ring,
+        )
+
+    ckpt = Checkpointer(run_dir, cfg.checkpoint, cfg.train.steps)
+    latest = ckpt.latest_step() if cfg.checkpoint.resume else None
+    if latest is not None and latest > cfg.train.steps:
+        raise ConfigError(
+            f"run.dir holds a checkpoint of step {latest}, beyond train.steps={cfg.train.steps}; "
+            "raise train.steps or use a new run.dir"
+        )
+
+    tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
+    if latest is None and cfg.model.hf_path and cfg.model.load_weights:
+        module = models.from_pretrained(
+            cfg.model.hf_path, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
+            attn_impl=cfg.model.attn_impl, param_sharding=strategy, remat=cfg.model.remat,
+            ring=layout.ring,
+        )
+        parts = from_module(module, mesh, strategy)
+        del module
+    else:
+        parts = build_model(make, mesh, strategy, init_params=latest is None)
+    param_sh = tree_shardings(parts.params, mesh, strategy)
+    abs_opt, opt_sh = opt_state_shardings(tx, parts.params, mesh, strategy)
+
+    start = 0
+    if latest is not None:
+        params, opt_state, meta = ckpt.restore(
+            latest, abstract_tree(parts.params, param_sh), abstract_tree(abs_opt, opt_sh)
+        )
+        parts.params = params
+        start = int(meta["data_step"])
+        if int(meta.get("seed", cfg.run.seed)) != cfg.run.seed:
+            raise ConfigError(
+                f"run.seed={cfg.run.seed} differs from the checkpoint's seed {meta['seed']}; "
+                "a resumed run must keep its seed (or use a new run.dir)"
+            )
+    else:
+        opt_state = init_opt_state(tx, parts.params, opt_sh)
+    params = parts.params
+
+    step_fn, batch_sharding = make_train_step(
+        parts, tx, schedule, mesh, param_sh, opt_sh,
+        loss_fn=models.causal_lm_loss, packed=cfg.data.pack,
+    )
+    logger = MetricsLogger(run_dir, cfg.metrics, total_steps=cfg.train.steps, start_step=start,
+                           is_writer=is_writer)
+    logger.message(f"layout: {layout.describe()}")
+    logger.message(
+        f"model: {mcfg.model_type} {mcfg.num_params() / 1e6:.2f}M params, {strategy} parameters; "
+        f"data: {data.name}"
+    )
+    if latest is not None:
+        logger.message(f"resumed from {ckpt.directory} at step {start}")
+
+    losses: list[float] = []
+    tokens_per_step = cfg.train.grad_accum * cfg.train.microbatch_size * cfg.data.seq_len
+    flops_per_token = mcfg.flops_per_token(cfg.data.seq_len)
+    peak = peak_flops(cfg.metrics, getattr(devices[0], "device_kind", None))
+    replicated = NamedSharding(mesh, P())
+    compiled = None
+    collectives = []
+    wall0 = time.perf_counter()
+    step_times = []
+    try:
+        with jax.set_mesh(mesh):
+            end = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
+            batch = data.global_batch(start, batch_sharding) if start < end else None
+            for step in range(start, end):
+                step_arr = jax.device_put(np.int32(step), replicated)
+                if compiled is None:
+                    t = time.perf_counter()
+                    compiled = step_fn.lower(params, opt_state, batch, step_arr).compile()
+                    try:  # a diagnostic: an HLO printing the parser does not know never stops a run
+                        collectives = comm.parse_collectives(compiled.as_text(), len(devices))
+                        described = describe_collectives(collectives, layout.devices_per_host)
+                    except Exception as e:  # noqa: BLE001
+                        collectives, described = [], f"(not parsed: {type(e).__name__}: {e})"
+                    if is_writer:
+                        _write_collectives(run_dir, collectives, layout)
+                    logger.message(
+                        f"compiled the train step in {time.perf_counter() - t:.1f}s; per step: "
+                        + described
+                    )
+                t0 = time.perf_counter()
+                params, opt_state, metrics = compiled(params, opt_state, batch, step_arr)
+                if step + 1 < end:  # build the next batch while the device runs this step
+                    batch = data.global_batch(step + 1, batch_sharding)
+                metrics = jax.device_get(metrics)
+                dt = time.perf_counter() - t0
+                step_times.append(dt)
+                loss = float(metrics["loss"])
+                losses.append(loss)
+                tps = tokens_per_step / dt
+                record = {
+                    "step": step + 1,
+                    "loss": loss,
+                    "grad_norm": float(metrics["grad_norm"]),
+                    "lr": float(metrics["lr"]),
+                    "tokens_per_s": tps,
+                    "step_time_s": dt,
+                    "loss_tokens": int(metrics["tokens"]),  # targets that count (not masked)
+                    "mfu": (flops_per_token * tps / (peak * len(devices))) if peak else None,
+                }
+                logger.log(record)
+                meta = {"step": step + 1, "data_step": step + 1, "seed": cfg.run.seed,
+                        "layout": layout.describe()}
+                last = step + 1 == end
+                ckpt.save(step + 1, params, opt_state, meta,
+                          force=last and (cfg.checkpoint.save_final or step + 1 < cfg.train.steps))
+        ckpt.wait()
+        if cfg.checkpoint.export_hf:
+            export_dir = os.path.abspath(cfg.checkpoint.export_hf)
+            # every process takes part (shards are gathered one at a time); process 0 writes
+            models.save_pretrained(parts.module(params), export_dir)
+            logger.message(f"exported Hugging Face weights to {export_dir}")
+    finally:
+        ckpt.close()
+        logger.close()
+
+    wall = time.perf_counter() - wall0
+    summary = {
+        "steps": start + len(losses),
+        "start_step": start,
+        "losses": losses,
+        "wall_s": wall,
+        "params": params,
+        "layout": layout,
+        "collectives": collectives,
+    }
+    if is_writer:
+        if losses:
+            steady = step_times[1:] or step_times
+            mean_tps = tokens_per_step / (sum(steady) / len(steady))
+            mfu = f", mfu {flops_per_token * mean_tps / (peak * len(devices)):.1%}" if peak else ""
+            print(
+                f"done: steps {start + 1}-{start + len(losses)} of {cfg.train.steps} in "
+                f"{wall:.1f}s, loss {losses[0]:.4f} -> "
+                f"{losses[-1]:.4f}, {mean_tps:,.0f} tokens/s{mfu}; outputs in {run_dir}",
+                flush=True,
+            )
+        else:
+            print(f"done: {run_dir} already holds step {start} of {cfg.train.steps}", flush=True)
+    return summary

@@ -1,0 +1,89 @@
+"""Per-step metrics: one JSON object per line in run.dir/metrics.jsonl, a progress bar, a summary.
+
+Only process 0 writes. On resume, lines of steps after the checkpoint are dropped first, so the
+file always holds one line per step of the run that is being continued.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Any
+
+from .config import PEAK_FLOPS, MetricsConfig
+
+
+def peak_flops(cfg: MetricsConfig, device_kind: str | None = None) -> float | None:
+    """Peak FLOP/s of one device: configured, or a preset named by metrics.device, else None."""
+    if cfg.peak_flops is not None:
+        return cfg.peak_flops
+    if cfg.device is not None:
+        return PEAK_FLOPS[cfg.device.lower()]
+    if device_kind:
+        kind = device_kind.lower()
+        for name, value in PEAK_FLOPS.items():
+            if name in kind:
+                return value
+    return None
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str, cfg: MetricsConfig, *, total_steps: int, start_step: int,
+                 is_writer: bool):
+        self.is_writer = is_writer
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.bar = None
+        self.file = None
+        if not is_writer:
+            return
+        kept = []
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                for line in f:
+                    try:
+                        if json.loads(line)["step"] <= start_step:
+                            kept.append(line)
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        continue
+        self.file = open(self.path, "w")
+        self.file.writelines(kept)
+        self.file.flush()
+        if cfg.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                            file=sys.stderr)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.is_writer:
+            return
+        self.file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        self.file.flush()
+        if self.bar is not None:
+            postfix = {"loss": f"{record['loss']:.4f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
+            if record.get("mfu") is not None:
+                postfix["mfu"] = f"{record['mfu']:.1%}"
+            self.bar.set_postfix(postfix, refresh=False)
+            self.bar.update(1)
+
+    def message(self, text: str) -> None:
+        if not self.is_writer:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.file is not None:
+            self.file.close()

@@ -1,0 +1,198 @@
+"""The model as pure pytrees on the mesh, the optimizer, and the jitted train step.
+
+The NNX model is split once into a graphdef and its parameters; parameters and optimizer state are
+plain pytrees of jax arrays placed by `basp_jax.sharding.tree_shardings` (FSDP over the whole mesh
+by default, never replicated unless asked). `train_step(params, opt_state, batch)` runs the
+microbatches of one step under `lax.scan`, sums loss and gradients, divides by the token count of
+the whole step, constrains the gradients to the parameters' sharding and applies the optax update,
+all in one jit with params and optimizer state donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from basp_jax import position_ids
+from basp_jax.mesh import GROUP, SEQ
+from basp_jax.sharding import tree_shardings
+
+from .config import OptimizerConfig
+
+BATCH_SPEC = P(None, GROUP, SEQ)  # [accum, B, S]: rows over groups, sequence over a group
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass
+class ModelParts:
+    """A model split for training: params (trainable) and rest (other state) as pure pytrees."""
+
+    graphdef: Any
+    abstract_state: Any  # nnx.State of ShapeDtypeStructs, to rebuild the module
+    params: Any  # pure dict of jax arrays
+    rest: Any  # pure dict of non-Param variables (usually empty)
+
+    def module(self, params=None):
+        """An nnx module with `params` (default: the current ones) merged in."""
+        params_state, rest_state = self.abstract_state
+        params_state = _with_values(params_state, self.params if params is None else params)
+        rest_state = _with_values(rest_state, self.rest)
+        return nnx.merge(self.graphdef, params_state, rest_state)
+
+
+def _with_values(abstract_state, pure):
+    state = jax.tree.map(lambda x: x, abstract_state)  # a copy to fill
+    nnx.replace_by_pure_dict(state, pure)
+    return state
+
+
+def build_model(make: Callable[[], nnx.Module], mesh: Mesh, strategy: str, *,
+                init_params: bool = True) -> ModelParts:
+    """Initialise `make()` directly onto the mesh: every parameter created already sharded.
+
+    With init_params=False the params are ShapeDtypeStructs carrying their shardings (a restore
+    target); only the (usually empty) non-parameter state is computed.
+    """
+    abstract = nnx.eval_shape(make)
+    graphdef, abs_params, abs_rest = nnx.split(abstract, nnx.Param, ...)
+    pure_params, pure_rest = nnx.to_pure_dict(abs_params), nnx.to_pure_dict(abs_rest)
+    param_sh = tree_shardings(pure_params, mesh, strategy)
+    rest_sh = tree_shardings(pure_rest, mesh, strategy)
+
+    def init():
+        _, params, rest = nnx.split(make(), nnx.Param, ...)
+        return (nnx.to_pure_dict(params) if init_params else None), nnx.to_pure_dict(rest)
+
+    params, rest = jax.jit(init, out_shardings=(param_sh if init_params else None, rest_sh))()
+    if not init_params:
+        params = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), pure_params, param_sh
+        )
+    return ModelParts(graphdef, (abs_params, abs_rest), params, rest)
+
+
+def from_module(model: nnx.Module, mesh: Mesh, strategy: str) -> ModelParts:
+    """Split an existing (e.g. pretrained) module and place its parameters on the mesh."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    abs_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    abs_rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rest)
+    pure_params, pure_rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+    pure_params = jax.device_put(pure_params, tree_shardings(pure_params, mesh, strategy))
+    pure_rest = jax.device_put(pure_rest, tree_shardings(pure_rest, mesh, strategy))
+    return ModelParts(graphdef, (abs_params, abs_rest), pure_params, pure_rest)
+
+
+def decay_mask(params):
+    """Weight decay on matrices only: norms and biases (rank < 2) are not decayed."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_schedule(cfg: OptimizerConfig, steps: int) -> optax.Schedule:
+    """Linear warmup from 0 to lr, then cosine decay to lr * min_lr_ratio at `steps`."""
+    if cfg.warmup_steps >= steps:
+        return optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if cfg.warmup_steps else cfg.lr,
+        peak_value=cfg.lr,
+        warmup_steps=cfg.warmup_steps,
+        decay_steps=steps,
+        end_value=cfg.lr * cfg.min_lr_ratio,
+    )
+
+
+def make_optimizer(
+    cfg: OptimizerConfig, steps: int
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    schedule = make_schedule(cfg, steps)
+    parts = []
+    if cfg.clip_norm is not None:
+        parts.append(optax.clip_by_global_norm(cfg.clip_norm))
+    parts.append(
+        optax.adamw(
+            schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+            mask=decay_mask,
+        )
+    )
+    return optax.chain(*parts), schedule
+
+
+def opt_state_shardings(tx, params, mesh: Mesh, strategy: str):
+    """Optimizer state sharded like the parameters it mirrors (same shapes, same rule)."""
+    abstract = jax.eval_shape(tx.init, params)
+    return abstract, tree_shardings(abstract, mesh, strategy)
+
+
+def init_opt_state(tx, params, shardings):
+    return jax.jit(tx.init, out_shardings=shardings)(params)
+
+
+def make_train_step(
+    parts: ModelParts,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    mesh: Mesh,
+    param_shardings,
+    opt_shardings,
+    *,
+    loss_fn: Callable,
+    packed: bool,
+):
+    """jit(train_step)(params, opt_state, batch, step) -> (params, opt_state, metrics)."""
+    batch_sharding = NamedSharding(mesh, BATCH_SPEC)
+    replicated = NamedSharding(mesh, P())
+    graphdef, (abs_params, abs_rest), rest = parts.graphdef, parts.abstract_state, parts.rest
+
+    def micro_loss(params, tokens, targets, segment_ids):
+        model = nnx.merge(graphdef, _with_values(abs_params, params), _with_values(abs_rest, rest))
+        b, s = tokens.shape
+        positions = position_ids(b, s, segment_ids)
+        logits = model(tokens, segment_ids=segment_ids, positions=positions)
+        loss_sum, count = loss_fn(logits, targets)
+        return loss_sum, count
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def train_step(params, opt_state, batch, step):
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zeros = jax.lax.with_sharding_constraint(zeros, param_shardings)
+
+        def body(carry, micro):
+            grad_sum, loss_sum, count = carry
+            segment_ids = micro["segment_ids"] if packed else None
+            (loss, n), grads = grad_fn(params, micro["tokens"], micro["targets"], segment_ids)
+            grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+            grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
+            return (grad_sum, loss_sum + loss, count + n), None
+
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+        (grad_sum, loss_sum, count), _ = jax.lax.scan(body, init, batch)
+        denom = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grad_sum, params)
+        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = {
+            "loss": loss_sum / denom,
+            "grad_norm": grad_norm,
+            "lr": schedule(step),
+            "tokens": count,
+        }
+        return params, opt_state, metrics
+
+    batch_shardings = {"tokens": batch_sharding, "targets": batch_sharding}
+    if packed:
+        batch_shardings["segment_ids"] = batch_sharding
+    return jax.jit(
+        train_step,
+        in_shardings=(param_shardings, opt_shardings, batch_shardings, replicated),
+        out_shardings=(param_shardings, opt_shardings, replicated),
+        donate_argnums=(0, 1),
+    ), batch_sharding
