@@ -100,7 +100,18 @@ def _mesh_groups(text: str) -> list[list[int]]:
         else:
             ids = np.array([int(x) for x in re.findall(r"\d+", spec)])
     ids = ids.reshape(sizes)
-    varying = re.findall(r"'?(\w+)'?", m.group(3))
+    # Varying axes are 'name' or a sub-axis 'name':(pre)size: the axis split as
+    # [pre, size, rest] with the middle factor varying.
+    varying = []
+    for name, pre, size in re.findall(r"'?(\w+)'?(?::\((\d+)\)(\d+))?", m.group(3)):
+        axis = names.index(name)
+        if pre:
+            pre, size = int(pre), int(size)
+            split = [pre, size, sizes[axis] // (pre * size)]
+            ids = ids.reshape(sizes[:axis] + split + sizes[axis + 1:])
+            names = names[:axis] + [f"{name}<", name, f"{name}>"] + names[axis + 1:]
+            sizes = sizes[:axis] + split + sizes[axis + 1:]
+        varying.append(name)
     order = [i for i, a in enumerate(names) if a not in varying] + [names.index(a) for a in varying]
     group_size = int(np.prod([sizes[names.index(a)] for a in varying])) if varying else 1
     return ids.transpose(order).reshape(-1, group_size).tolist()

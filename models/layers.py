@@ -77,11 +77,14 @@ class Embed(nnx.Module):
         # Gather over the tokens flattened to one axis sharded over the whole mesh: the gradient
         # (a scatter-add) is then reduced over both mesh axes at once. Over [B, S] sharded
         # P('group', 'seq') XLA reduces it one axis at a time, and the cross-group step carries
-        # the whole [vocab, embed] gradient.
+        # the whole [vocab, embed] gradient. The flat order is (group, seq, row, position), so
+        # each device's slice of the flat axis is exactly the tokens it already holds: no moves.
         b, s = tokens.shape
-        flat = jax.lax.with_sharding_constraint(
-            tokens.reshape(b * s), NamedSharding(self.mesh, P(("group", "seq"))))
-        out = jnp.take(self.weight[...], flat, axis=0).reshape(b, s, -1)
+        g, sp = self.mesh.shape["group"], self.mesh.shape["seq"]
+        flat = tokens.reshape(g, b // g, sp, s // sp).transpose(0, 2, 1, 3).reshape(-1)
+        flat = jax.lax.with_sharding_constraint(flat, NamedSharding(self.mesh, P(("group", "seq"))))
+        out = jnp.take(self.weight[...], flat, axis=0)
+        out = out.reshape(g, sp, b // g, s // sp, -1).transpose(0, 2, 1, 3, 4).reshape(b, s, -1)
         return constrain(out, self.mesh).astype(self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:

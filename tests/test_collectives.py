@@ -71,11 +71,16 @@ HLO_SAMPLES = """
 %g = f32[8]{0} add(f32[8]{0} %y, f32[8]{0} %y)
 %h = (f32[8]{0}, f32[4]{0}) all-reduce(f32[8]{0} %y, f32[4]{0} %z), replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, to_apply=%add
 %i = f32[8]{0} all-reduce(f32[8]{0} %y), replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_2'}, to_apply=%add
+%j = f32[8]{0} all-to-all(f32[8]{0} %y), replica_groups=mesh['axis_0'=2,'axis_1'=4,'axis_2'=1], device_ids=([2,2,2]T(0,2,1)) {'axis_1':(2)2}, dimensions={0}
 """
 
 
 def test_parser_understands_every_replica_group_printing():
-    a, b, c, d, e, f, h, i = comm.parse_collectives(HLO_SAMPLES)
+    a, b, c, d, e, f, h, i, j = comm.parse_collectives(HLO_SAMPLES)
+    # device_ids = iota(8).reshape(2,2,2).transpose(0,2,1) = [0,2,1,3,4,6,5,7] on a (2,4,1) mesh;
+    # axis_1 = 4 split as [pre 2, size 2, rest 1], the size-2 factor varying: within row
+    # [0, 2, 1, 3] that pairs (0, 2) and (1, 3).
+    assert j.groups == ((0, 2), (1, 3), (4, 6), (5, 7))
     assert (h.bytes, h.groups) == (48, ((0, 1, 2, 3), (4, 5, 6, 7)))
     assert i.groups == ((0, 4), (1, 5), (2, 6), (3, 7))
     assert (a.kind, a.bytes, a.groups) == ("all-to-all", 128, ((0, 1, 2, 3), (4, 5, 6, 7)))

@@ -41,13 +41,6 @@ def test_all_to_all_stays_inside_a_host_under_basp(tmp_path):
     assert attention and all(comm.crosses_hosts(c, HOST) for c in attention)
 
 
-@pytest.mark.xfail(
-    strict=False,  # XLA printing and partitioning differ across jax versions
-    reason="models.Embed flattens tokens [B, S] row-major onto P(('group','seq')); unless "
-    "groups == B that order differs from P('group','seq'), so the tokens and the [B, S, d] "
-    "embeddings are resharded with extra all-to-alls (under ulysses: the baseline pays, BASP "
-    "with groups == B does not). Flattening in (group, seq, row, pos) order avoids it",
-)
 def test_only_attention_all_to_alls_under_ulysses(tmp_path):
     ulysses = _collectives(tmp_path, "ulysses", "parallel.mode=ulysses")
     extra = [c for c in ulysses if c.kind == "all-to-all" and c.group_size != 8]
