@@ -48,7 +48,7 @@ def test_only_attention_all_to_alls_under_ulysses(tmp_path):
 
 
 def test_no_full_gradient_crosses_groups_alone(tmp_path):
-    collectives = _collectives(tmp_path, "fsdp")
+    collectives = _collectives(tmp_path, "fsdp", "parallel.param_sharding=fsdp")
     big = [c for c in collectives if _cross_group_only(c, sp=4) and c.bytes > 16 * 1024]
     assert not big, [(c.kind, c.bytes, c.groups[:2]) for c in big]
 

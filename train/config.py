@@ -73,10 +73,13 @@ class OptimizerConfig:
 
 @dataclasses.dataclass
 class ParallelConfig:
-    mode: Optional[Literal["basp", "ulysses"]] = None  # required
+    mode: Optional[Literal["basp", "ulysses", "auto"]] = None  # required; auto: the planner picks
     groups: Optional[int] = None  # force a group count (basp); default gcd(microbatch, devices)
     devices_per_host: Optional[int] = None  # default: devices per process
-    param_sharding: Literal["fsdp", "hsdp", "replicated"] = "fsdp"
+    # auto: hsdp (parameters sharded inside each seq group) where it fits in memory, else fsdp
+    param_sharding: Literal["auto", "fsdp", "hsdp", "replicated"] = "auto"
+    hardware: str = "h100-ib400"  # cost-model preset for mode=auto and param_sharding=auto
+    memory_gb: Optional[float] = None  # per-device memory limit for the planner (default: preset)
     ring: int = 1  # ring attention across sp/ring-device all-to-all runs (ring must divide sp)
     pad_heads: bool = False  # allow zero-padded query heads when sp does not divide num_heads
 
@@ -344,7 +347,7 @@ def validate(cfg: Config) -> None:
             f"(CPU devices to emulate when no accelerator is present)"
         )
     if cfg.parallel.mode is None:
-        raise ConfigError("parallel.mode is required: basp or ulysses")
+        raise ConfigError("parallel.mode is required: basp, ulysses or auto")
     if cfg.data.source is None:
         raise ConfigError("data.source is required: synthetic, tokens, text or jsonl")
     if cfg.data.seq_len <= 1:
@@ -410,6 +413,13 @@ def validate(cfg: Config) -> None:
         )
     if p.groups is not None and p.groups <= 0:
         raise ConfigError(f"parallel.groups must be a positive integer, got {p.groups}")
+    if p.mode == "auto" and (p.groups is not None or p.ring != 1 or p.pad_heads):
+        raise ConfigError(
+            "parallel.mode=auto chooses groups, ring and head padding itself; drop "
+            "parallel.groups/ring/pad_heads or use parallel.mode=basp"
+        )
+    if p.memory_gb is not None and p.memory_gb <= 0:
+        raise ConfigError(f"parallel.memory_gb must be > 0, got {p.memory_gb}")
     if p.ring <= 0:
         raise ConfigError(f"parallel.ring must be a positive integer (1: no ring), got {p.ring}")
     if p.devices_per_host is not None and p.devices_per_host <= 0:

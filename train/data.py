@@ -148,11 +148,15 @@ class Pipeline:
     """Builds the rows of each step for this process; `global_batch` places them on the mesh."""
 
     def __init__(self, cfg: DataConfig, *, vocab_size: int, grad_accum: int, microbatch: int,
-                 seed: int):
+                 seed: int, pad_rows: int = 0):
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.accum = grad_accum
         self.batch = microbatch
+        # Masked rows appended to each microbatch when the layout needs more rows than the data
+        # gives (e.g. B=3 on 8 devices padded to 4 rows for 4 groups): token 0, target -1, so they
+        # add nothing to the loss, its token count or the gradients.
+        self.pad_rows = pad_rows
         self.seq_len = cfg.seq_len
         self.num_rows = grad_accum * microbatch
         self.pack = cfg.pack
@@ -210,28 +214,35 @@ class Pipeline:
         }
 
     def global_batch(self, step: int, sharding) -> dict:
-        """The step's [accum, B, S] arrays on `sharding`; this process builds only its rows."""
+        """The step's [accum, B + pad_rows, S] arrays on `sharding`; this process builds only its
+        rows (pad rows are made on the spot)."""
         import jax
 
-        shape = (self.accum, self.batch, self.seq_len)
+        rows_per_micro = self.batch + self.pad_rows
+        shape = (self.accum, rows_per_micro, self.seq_len)
         index_map = sharding.addressable_devices_indices_map(shape)
         wanted = set()
         for index in index_map.values():
             a_range = range(*index[0].indices(self.accum))
-            b_range = range(*index[1].indices(self.batch))
-            wanted.update(a * self.batch + b for a in a_range for b in b_range)
+            b_range = range(*index[1].indices(rows_per_micro))
+            wanted.update(a * self.batch + b for a in a_range for b in b_range if b < self.batch)
         row_ids = np.array(sorted(wanted), dtype=np.int64)
         local = self.rows(step, row_ids)
         position = {int(r): i for i, r in enumerate(row_ids)}
+        fill = {"tokens": 0, "targets": -1, "segment_ids": 0}
 
         def make(name: str) -> Callable:
             data = local[name]
 
             def callback(index):
                 a_range = range(*index[0].indices(self.accum))
-                b_range = range(*index[1].indices(self.batch))
-                picks = [[position[a * self.batch + b] for b in b_range] for a in a_range]
-                return data[np.asarray(picks)][..., index[2]]
+                b_range = range(*index[1].indices(rows_per_micro))
+                out = np.full((len(a_range), len(b_range), self.seq_len), fill[name], np.int32)
+                for i, a in enumerate(a_range):
+                    for j, b in enumerate(b_range):
+                        if b < self.batch:
+                            out[i, j] = data[position[a * self.batch + b]]
+                return out[..., index[2]]
 
             return callback
 

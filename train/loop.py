@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import models
 from basp_jax import Layout, comm, make_mesh
 
-from . import runtime
+from . import planning, runtime
 from .checkpoint import Checkpointer, abstract_tree
 from .config import Config, ConfigError, _coerce, to_yaml
 from .data import Pipeline
@@ -105,18 +105,7 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
     mcfg = model_config(cfg)
     devices = select_devices(cfg)
     per_host = cfg.parallel.devices_per_host or len(devices) // jax.process_count()
-    layout = Layout.plan(
-        num_devices=len(devices),
-        batch=cfg.train.microbatch_size,
-        seq_len=cfg.data.seq_len,
-        num_heads=mcfg.num_heads,
-        num_kv_heads=mcfg.num_kv_heads,
-        devices_per_host=per_host,
-        mode=cfg.parallel.mode,
-        groups=cfg.parallel.groups,
-        pad_heads=cfg.parallel.pad_heads,
-        ring=cfg.parallel.ring,
-    )
+    layout, strategy = planning.plan(cfg, mcfg, len(devices), per_host)
     mesh = make_mesh(layout, devices)
     data = Pipeline(
         cfg.data,
@@ -124,8 +113,8 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
         grad_accum=cfg.train.grad_accum,
         microbatch=cfg.train.microbatch_size,
         seed=cfg.run.seed,
+        pad_rows=layout.batch - cfg.train.microbatch_size,
     )
-    strategy = cfg.parallel.param_sharding
     dtype, param_dtype = DTYPES[cfg.model.dtype], DTYPES[cfg.model.param_dtype]
 
     if is_writer:
