@@ -35,8 +35,9 @@ SETUPS = [("ulysses", "fsdp"), ("basp", "fsdp"), ("basp", "hsdp")]
 
 def _launch(cluster: Cluster, argv_for_host, timeout: float) -> list[str]:
     """Start one process per host, wait for all, return their outputs; fail loudly."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     procs = [subprocess.Popen(cluster.command(h, argv_for_host(h)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+                              stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
              for h in range(2)]
     outputs = []
     deadline = time.time() + timeout
