@@ -57,3 +57,30 @@ def test_no_full_gradient_crosses_groups_alone(tmp_path):
 def test_every_collective_has_device_groups(tmp_path, strategy):
     collectives = _collectives(tmp_path, strategy, f"parallel.param_sharding={strategy}")
     assert all(c.groups for c in collectives), [c.kind for c in collectives if not c.groups]
+
+
+def test_compiled_step_all_to_alls_equal_the_closed_form():
+    """The trainer's step for a small Llama shape: the attention all-to-alls are exactly the
+    closed form of basp_jax.cost (BENCHMARKS.md section 1), there are no others, and under HSDP no
+    parameter gather leaves a host. A change that adds a collective to the step fails here."""
+    import dataclasses
+
+    import models
+    from basp_jax import cost
+    from train.collectives import step_collectives
+    from train.planning import model_shape
+
+    mcfg = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=2)
+    shape = model_shape(mcfg)
+    for mode, strategy in [("ulysses", "fsdp"), ("basp", "fsdp"), ("basp", "hsdp")]:
+        layout, found = step_collectives(mcfg, mode=mode, strategy=strategy, batch=2, seq_len=2048)
+        a2a = [c for c in found if c.kind == "all-to-all"]
+        closed = cost.predict(shape, cost.Candidate(layout.groups, layout.sp, strategy), batch=2,
+                              seq_len=2048, num_devices=8, hw=cost.HARDWARE["a100-ib400"], act_bytes=4)
+        assert len(a2a) == 8 * mcfg.num_layers, (mode, len(a2a))
+        assert sum(c.wire_bytes for c in a2a) == pytest.approx(closed.all_to_all.intra + closed.all_to_all.inter)
+        assert sum(comm.inter_host_wire_bytes(c, HOST) for c in a2a) == pytest.approx(closed.all_to_all.inter)
+        assert {c.kind for c in found} <= {"all-to-all", "all-gather", "all-reduce", "reduce-scatter"}
+        if strategy == "hsdp":
+            gathers = [c for c in found if c.kind == "all-gather"]
+            assert gathers and not any(comm.crosses_hosts(c, HOST) for c in gathers)
