@@ -98,7 +98,8 @@ def _place(tensor: np.ndarray, transpose: bool, shape, dtype, mesh, strategy):
 
 def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype=jnp.float32, param_dtype=None,
                     attn_impl: str = "auto", param_sharding: str = "fsdp",
-                    remat: str = "none", ring: int = 1) -> Transformer:
+                    remat: str = "none", ring: int = 1,
+                    zigzag: bool = False) -> Transformer:
     """A Transformer with the weights of a local Hugging Face directory (config.json + safetensors).
 
     dtype is the compute dtype; param_dtype the storage dtype (None: the same as dtype). With a
@@ -108,7 +109,8 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype=jnp.float32, p
     config = ModelConfig.from_hf(path)
     param_dtype = dtype if param_dtype is None else param_dtype
     model = abstract_model(config, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
-                           attn_impl=attn_impl, remat=remat, ring=ring)
+                           attn_impl=attn_impl, remat=remat, ring=ring,
+                           zigzag=zigzag)
     nnx.update(model, load_hf_params(path, config, mesh=mesh, param_dtype=param_dtype,
                                      param_sharding=param_sharding))
     return model

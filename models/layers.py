@@ -158,7 +158,8 @@ class Attention(nnx.Module):
     """Grouped-query self-attention: projections, optional per-head q/k norm, RoPE, BASP attention."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh: Mesh | None, dtype,
-                 param_dtype, attn_impl: str, ring: int = 1):
+                 param_dtype, attn_impl: str, ring: int = 1,
+                 zigzag: bool = False):
         d, hd = config.hidden_size, config.head_dim
         hq, hkv = config.num_heads, config.num_kv_heads
         std = config.initializer_range
@@ -178,6 +179,7 @@ class Attention(nnx.Module):
         self.mesh = mesh
         self.attn_impl = attn_impl
         self.ring = ring
+        self.zigzag = zigzag  # the sequence axis is in basp_jax.ring.zigzag_order
 
     def __call__(self, x, positions, segment_ids):
         b, s, _ = x.shape
@@ -194,7 +196,8 @@ class Attention(nnx.Module):
             out = local_attention(q, k, v, segment_ids=segment_ids, impl=self.attn_impl)
         else:
             out = basp_jax.attention(q, k, v, mesh=self.mesh, causal=True,
-                                     segment_ids=segment_ids, impl=self.attn_impl, ring=self.ring)
+                                     segment_ids=segment_ids, impl=self.attn_impl, ring=self.ring,
+                                     zigzag=self.zigzag)
         out = constrain(out.reshape(b, s, self.num_heads * self.head_dim), self.mesh)
         return self.o_proj(out)
 

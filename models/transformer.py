@@ -34,11 +34,12 @@ class Block(nnx.Module):
     """One pre-norm decoder layer."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh: Mesh | None, dtype,
-                 param_dtype, attn_impl: str, ring: int = 1):
+                 param_dtype, attn_impl: str, ring: int = 1, zigzag: bool = False):
         nkw = dict(eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, ("embed",), **nkw)
         self.self_attn = Attention(config, rngs=rngs, mesh=mesh, dtype=dtype,
-                                   param_dtype=param_dtype, attn_impl=attn_impl, ring=ring)
+                                   param_dtype=param_dtype, attn_impl=attn_impl, ring=ring,
+                                   zigzag=zigzag)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, ("embed",), **nkw)
         self.mlp = MLP(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.mesh = mesh
@@ -66,7 +67,7 @@ class Transformer(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
                  dtype=jnp.float32, param_dtype=jnp.float32, attn_impl: str = "auto",
-                 remat: str = "none", ring: int = 1):
+                 remat: str = "none", ring: int = 1, zigzag: bool = False):
         if remat not in REMAT_POLICIES:
             raise ModelError(f"unknown remat {remat!r}; use one of {', '.join(REMAT_POLICIES)}")
         if attn_impl not in basp_kernels.IMPLS:
@@ -91,7 +92,7 @@ class Transformer(nnx.Module):
                                   param_dtype=param_dtype, init_std=std, mesh=mesh)
         self.layers = nnx.List([
             Block(config, rngs=rngs, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
-                  attn_impl=attn_impl, ring=ring)
+                  attn_impl=attn_impl, ring=ring, zigzag=zigzag)
             for _ in range(config.num_layers)
         ])
         self.norm = RMSNorm(config.hidden_size, ("embed",), eps=config.rms_norm_eps, dtype=dtype,
@@ -139,17 +140,18 @@ class Transformer(nnx.Module):
 
 def abstract_model(config: ModelConfig, *, mesh: Mesh | None = None, dtype=jnp.float32,
                    param_dtype=jnp.float32, attn_impl: str = "auto", remat: str = "none",
-                   ring: int = 1):
+                   ring: int = 1, zigzag: bool = False):
     """The model with ShapeDtypeStructs in place of parameters (no memory, no compute)."""
     return nnx.eval_shape(lambda: Transformer(
         config, rngs=nnx.Rngs(0), mesh=mesh, dtype=dtype, param_dtype=param_dtype,
-        attn_impl=attn_impl, remat=remat, ring=ring,
+        attn_impl=attn_impl, remat=remat, ring=ring, zigzag=zigzag,
     ))
 
 
 def init_model(config: ModelConfig, *, mesh: Mesh | None = None, seed: int = 0,
                param_sharding: str = "fsdp", dtype=jnp.float32, param_dtype=jnp.float32,
-               attn_impl: str = "auto", remat: str = "none", ring: int = 1) -> Transformer:
+               attn_impl: str = "auto", remat: str = "none", ring: int = 1,
+               zigzag: bool = False) -> Transformer:
     """A randomly initialised Transformer whose parameters are created already sharded.
 
     With a mesh, initialisation runs under jit with out_shardings from
@@ -157,7 +159,7 @@ def init_model(config: ModelConfig, *, mesh: Mesh | None = None, seed: int = 0,
     The values equal Transformer(config, rngs=nnx.Rngs(seed)) on one device (to the last ulp).
     """
     kwargs = dict(mesh=mesh, dtype=dtype, param_dtype=param_dtype, attn_impl=attn_impl, remat=remat,
-                  ring=ring)
+                  ring=ring, zigzag=zigzag)
     if mesh is None:
         return Transformer(config, rngs=nnx.Rngs(seed), **kwargs)
     graphdef, abstract_state = nnx.split(abstract_model(config, **kwargs))

@@ -30,7 +30,7 @@ def test_masked_pad_rows_leave_losses_unchanged(tmp_path):
     np.testing.assert_allclose(auto["losses"], _single(tmp_path, 3)["losses"], rtol=RTOL)
 
 
-@pytest.mark.parametrize("batch,groups", [(6, 2), (3, 1)])
+@pytest.mark.parametrize("batch,groups", [(6, 2), (3, 1), (12, 4)])
 def test_batch_that_does_not_divide_the_devices(tmp_path, batch, groups):
     basp = run(tiny_config(tmp_path / f"basp{batch}", f"train.microbatch_size={batch}", "train.steps=3"))
     assert basp["layout"].groups == groups
@@ -77,3 +77,17 @@ def test_auto_refuses_manual_layout_keys(tmp_path):
 
         cfg = tiny_config(tmp_path / "y", "parallel.hardware=tpu")
         planning.plan(cfg, model_config(cfg), 8, 4)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_zigzag_ring_in_the_trainer_equals_one_device(tmp_path, packed):
+    """basp (2,4) with ring 2: tokens, targets, segment ids and positions in zig-zag order."""
+    data = []
+    if packed:
+        from test_train_loop import _packed_stream
+
+        _packed_stream(tmp_path / "docs.bin")
+        data = ["data.source=tokens", f"data.path={tmp_path / 'docs.bin'}", "data.pack=true", "data.eos_id=0"]
+    ring = run(tiny_config(tmp_path / "ring", "parallel.ring=2", "train.steps=3", *data))
+    single = run(tiny_config(tmp_path / "one", "runtime.cpu_devices=1", "train.steps=3", *data))
+    np.testing.assert_allclose(ring["losses"], single["losses"], rtol=RTOL)

@@ -82,6 +82,7 @@ class ParallelConfig:
     memory_gb: Optional[float] = None  # per-device memory limit for the planner (default: preset)
     ring: int = 1  # ring attention across sp/ring-device all-to-all runs (ring must divide sp)
     pad_heads: bool = False  # allow zero-padded query heads when sp does not divide num_heads
+    zigzag: bool = True  # with ring > 1: zig-zag token order, balancing the causal ring work
 
 
 @dataclasses.dataclass

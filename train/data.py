@@ -148,7 +148,7 @@ class Pipeline:
     """Builds the rows of each step for this process; `global_batch` places them on the mesh."""
 
     def __init__(self, cfg: DataConfig, *, vocab_size: int, grad_accum: int, microbatch: int,
-                 seed: int, pad_rows: int = 0):
+                 seed: int, pad_rows: int = 0, seq_order=None):
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.accum = grad_accum
@@ -157,6 +157,9 @@ class Pipeline:
         # gives (e.g. B=3 on 8 devices padded to 4 rows for 4 groups): token 0, target -1, so they
         # add nothing to the loss, its token count or the gradients.
         self.pad_rows = pad_rows
+        # A permutation of the sequence axis applied to every row (zig-zag ring attention);
+        # tokens, targets and segment ids move together, so every (token, target) pair is kept.
+        self.seq_order = seq_order
         self.seq_len = cfg.seq_len
         self.num_rows = grad_accum * microbatch
         self.pack = cfg.pack
@@ -207,11 +210,14 @@ class Pipeline:
             segment_ids = seg[:, :-1]
         else:
             segment_ids = np.zeros_like(tokens)
-        return {
+        out = {
             "tokens": tokens.astype(np.int32),
             "targets": targets.astype(np.int32),
             "segment_ids": segment_ids.astype(np.int32),
         }
+        if self.seq_order is not None:
+            out = {name: x[:, self.seq_order] for name, x in out.items()}
+        return out
 
     def global_batch(self, step: int, sharding) -> dict:
         """The step's [accum, B + pad_rows, S] arrays on `sharding`; this process builds only its

@@ -107,6 +107,8 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
     per_host = cfg.parallel.devices_per_host or len(devices) // jax.process_count()
     layout, strategy = planning.plan(cfg, mcfg, len(devices), per_host)
     mesh = make_mesh(layout, devices)
+    seq_order = planning.sequence_order(cfg, layout)
+    zigzag = seq_order is not None
     data = Pipeline(
         cfg.data,
         vocab_size=mcfg.vocab_size,
@@ -114,6 +116,7 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
         microbatch=cfg.train.microbatch_size,
         seed=cfg.run.seed,
         pad_rows=layout.batch - cfg.train.microbatch_size,
+        seq_order=seq_order,
     )
     dtype, param_dtype = DTYPES[cfg.model.dtype], DTYPES[cfg.model.param_dtype]
 
@@ -125,7 +128,7 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
     def make():
         return models.Transformer(
             mcfg, rngs=nnx.Rngs(cfg.run.seed), mesh=mesh, dtype=dtype, param_dtype=param_dtype,
-            attn_impl=cfg.model.attn_impl, remat=cfg.model.remat, ring=layout.ring,
+            attn_impl=cfg.model.attn_impl, remat=cfg.model.remat, ring=layout.ring, zigzag=zigzag,
         )
 
     ckpt = Checkpointer(run_dir, cfg.checkpoint, cfg.train.steps)
@@ -141,7 +144,7 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
         module = models.from_pretrained(
             cfg.model.hf_path, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
             attn_impl=cfg.model.attn_impl, param_sharding=strategy, remat=cfg.model.remat,
-            ring=layout.ring,
+            ring=layout.ring, zigzag=zigzag,
         )
         parts = from_module(module, mesh, strategy)
         del module
@@ -168,7 +171,7 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
 
     step_fn, batch_sharding = make_train_step(
         parts, tx, schedule, mesh, param_sh, opt_sh,
-        loss_fn=models.causal_lm_loss, packed=cfg.data.pack,
+        loss_fn=models.causal_lm_loss, packed=cfg.data.pack, seq_order=seq_order,
     )
     logger = MetricsLogger(run_dir, cfg.metrics, total_steps=cfg.train.steps, start_step=start,
                            is_writer=is_writer)

@@ -13,6 +13,7 @@ import dataclasses
 
 from basp_jax import Layout
 from basp_jax import cost
+from basp_jax.ring import zigzag_order
 
 from .config import Config, ConfigError
 
@@ -66,3 +67,16 @@ def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[La
                                pad_heads=layout.pad_heads)
     predicted = cost.predict(shape, candidate, **common)
     return layout, "hsdp" if predicted.memory_bytes <= hw.memory_bytes else "fsdp"
+
+
+def sequence_order(cfg: Config, layout: Layout):
+    """The token order along the sequence: None (natural), or basp_jax.ring.zigzag_order when a
+    ring splits the sequence (parallel.zigzag, on by default), so the causal work is balanced."""
+    if layout.ring == 1 or not cfg.parallel.zigzag:
+        return None
+    if cfg.data.seq_len % (2 * layout.sp):
+        raise ConfigError(
+            f"zig-zag ring attention needs data.seq_len divisible by 2 * sp = {2 * layout.sp}, got "
+            f"{cfg.data.seq_len}; change seq_len or set parallel.zigzag=false"
+        )
+    return zigzag_order(cfg.data.seq_len, layout.ring)

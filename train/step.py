@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import optax
 from flax import nnx
@@ -143,6 +144,7 @@ def make_train_step(
     *,
     loss_fn: Callable,
     packed: bool,
+    seq_order=None,
 ):
     """jit(train_step)(params, opt_state, batch, step) -> (params, opt_state, metrics)."""
     batch_sharding = NamedSharding(mesh, BATCH_SPEC)
@@ -152,7 +154,13 @@ def make_train_step(
     def micro_loss(params, tokens, targets, segment_ids):
         model = nnx.merge(graphdef, _with_values(abs_params, params), _with_values(abs_rest, rest))
         b, s = tokens.shape
-        positions = position_ids(b, s, segment_ids)
+        if seq_order is None:
+            positions = position_ids(b, s, segment_ids)
+        elif segment_ids is None:
+            positions = jnp.broadcast_to(jnp.asarray(seq_order, jnp.int32), (b, s))
+        else:  # document positions in the natural order, then permuted like the tokens
+            natural = segment_ids[:, np.argsort(seq_order)]
+            positions = position_ids(b, s, natural)[:, seq_order]
         logits = model(tokens, segment_ids=segment_ids, positions=positions)
         loss_sum, count = loss_fn(logits, targets)
         return loss_sum, count
