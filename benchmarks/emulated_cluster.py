@@ -119,6 +119,17 @@ def write_report(results: list[dict], out: Path) -> str:
             f"| {a2a_u:.3f} | {a2a_b:.3f} | {a2a_u / a2a_b:.1f}x | {a2a_u / u['step_s']:.0%} "
             f"| {'yes' if same else 'NO'} |"
         )
+    lines += ["", "Inter-host wire MiB per device per step, from the compiled program (all-to-all / "
+              "parameter gathers / gradient reductions):", "",
+              "| setup | all-to-all | all-gather | all-reduce + reduce-scatter |", "|---|---|---|---|"]
+    for m, s in SETUPS:
+        per_kind = results[0]["train"][f"{m}+{s}"].get("collectives", {}).get("per_kind", {})
+
+        def mib(*kinds):
+            return sum(per_kind.get(k, {}).get("inter_host_wire_bytes", 0.0) for k in kinds) / 2**20
+
+        lines.append(f"| {m}+{s} | {mib('all-to-all'):.2f} | {mib('all-gather'):.2f} "
+                     f"| {mib('all-reduce', 'reduce-scatter'):.2f} |")
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     return table
