@@ -6,7 +6,7 @@ inter-node network. At each link rate it runs
 
   1. the attention all-to-alls alone (benchmarks/a2a_worker.py), Ulysses (1,8) vs BASP (2,4);
   2. real training steps of the trainer (`train.py`, optimizer update and parameter sharding
-     included) for ulysses+fsdp, basp+fsdp and basp+hsdp,
+     included) for ulysses+fsdp and basp with every parameter sharding (fsdp, hsdp, replicated),
 
 and writes a JSON of everything, a markdown table and a PNG plot into --out.
 
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from netns_cluster import Cluster, require_root  # noqa: E402
 
 TRAIN_CONFIG = ROOT / "benchmarks" / "cluster_train.yaml"
-SETUPS = [("ulysses", "fsdp"), ("basp", "fsdp"), ("basp", "hsdp")]
+SETUPS = [("ulysses", "fsdp"), ("basp", "fsdp"), ("basp", "hsdp"), ("basp", "replicated")]
 
 
 def _launch(cluster: Cluster, argv_for_host, timeout: float) -> list[str]:
@@ -106,29 +106,33 @@ def _rate_label(rate) -> str:
 
 
 def write_report(results: list[dict], out: Path) -> str:
-    lines = ["| link | step ulysses+fsdp (s) | basp+fsdp (s) | basp+hsdp (s) | speedup fsdp | speedup hsdp "
-             "| a2a ulysses (s) | a2a basp (s) | a2a ratio | a2a share of ulysses step | losses equal |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    setups = list(results[0]["train"])  # "mode+sharding", the first is the baseline
+    base_name = setups[0]
+    head = [f"step {name} (s)" for name in setups] + [f"speedup {name}" for name in setups[1:]]
+    lines = ["| link | " + " | ".join(head) + " | a2a ulysses (s) | a2a basp (s) | a2a ratio "
+             "| a2a share of ulysses step | losses equal |",
+             "|---" * (len(head) + 6) + "|"]
     for r in results:
-        u, bf, bh = (r["train"][f"{m}+{s}"] for m, s in SETUPS)
+        runs = [r["train"][name] for name in setups]
+        base = runs[0]
         a2a_u, a2a_b = r["a2a"]["ulysses"], r["a2a"]["basp"]
-        same = all(max(abs(a - b) for a, b in zip(u["losses"], x["losses"])) < 1e-4 for x in (bf, bh))
+        same = all(max(abs(a - b) for a, b in zip(base["losses"], x["losses"])) < 1e-4 for x in runs[1:])
+        cells = [f"{x['step_s']:.2f}" for x in runs] + [f"{base['step_s'] / x['step_s']:.2f}x" for x in runs[1:]]
         lines.append(
-            f"| {_rate_label(r['rate'])} | {u['step_s']:.2f} | {bf['step_s']:.2f} | {bh['step_s']:.2f} "
-            f"| {u['step_s'] / bf['step_s']:.2f}x | {u['step_s'] / bh['step_s']:.2f}x "
-            f"| {a2a_u:.3f} | {a2a_b:.3f} | {a2a_u / a2a_b:.1f}x | {a2a_u / u['step_s']:.0%} "
+            f"| {_rate_label(r['rate'])} | " + " | ".join(cells)
+            + f" | {a2a_u:.3f} | {a2a_b:.3f} | {a2a_u / a2a_b:.1f}x | {a2a_u / base['step_s']:.0%} "
             f"| {'yes' if same else 'NO'} |"
         )
     lines += ["", "Inter-host wire MiB per device per step, from the compiled program (all-to-all / "
               "parameter gathers / gradient reductions):", "",
               "| setup | all-to-all | all-gather | all-reduce + reduce-scatter |", "|---|---|---|---|"]
-    for m, s in SETUPS:
-        per_kind = results[0]["train"][f"{m}+{s}"].get("collectives", {}).get("per_kind", {})
+    for name in setups:
+        per_kind = results[0]["train"][name].get("collectives", {}).get("per_kind", {})
 
         def mib(*kinds):
             return sum(per_kind.get(k, {}).get("inter_host_wire_bytes", 0.0) for k in kinds) / 2**20
 
-        lines.append(f"| {m}+{s} | {mib('all-to-all'):.2f} | {mib('all-gather'):.2f} "
+        lines.append(f"| {name} | {mib('all-to-all'):.2f} | {mib('all-gather'):.2f} "
                      f"| {mib('all-reduce', 'reduce-scatter'):.2f} |")
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
@@ -143,8 +147,8 @@ def plot(results: list[dict], out: Path) -> None:
 
     labels = [_rate_label(r["rate"]) for r in results]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for m, s in SETUPS:
-        left.plot(labels, [r["train"][f"{m}+{s}"]["step_s"] for r in results], marker="o", label=f"{m}+{s}")
+    for name in results[0]["train"]:
+        left.plot(labels, [r["train"][name]["step_s"] for r in results], marker="o", label=name)
     left.set_ylabel("median step time (s)")
     left.set_xlabel("inter-host link")
     left.set_title("training step, 2 hosts x 4 devices")
