@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from models import ModelError
 
     from .data import DataError
-    from .loop import run
+    from .loop import NonFiniteError, run
 
     try:
         run(cfg)
@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         return _fail("model", e)
     except DataError as e:
         return _fail("data", e)
+    except NonFiniteError as e:
+        _fail("training", e)
+        return 1
     return 0
 
 

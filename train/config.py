@@ -57,6 +57,9 @@ class TrainSection:
     steps: int = 0  # required
     microbatch_size: int = 0  # required: rows per microbatch (B of the layout)
     grad_accum: int = 0  # required: microbatches per optimizer step (1: no accumulation)
+    # A step whose loss or gradient norm is NaN/Inf never changes the parameters; then: skip it
+    # and go on, or stop the run (exit status 1). Non-finite state is never checkpointed either way.
+    on_nonfinite: Literal["skip", "stop"] = "skip"
 
 
 @dataclasses.dataclass

@@ -67,6 +67,10 @@ def select_devices(cfg: Config) -> list:
     return devices
 
 
+class NonFiniteError(RuntimeError):
+    """The loss or gradients became NaN/Inf and the config says to stop."""
+
+
 def describe_collectives(collectives, devices_per_host: int) -> str:
     """One line: per kind, the count and MiB per device (inter-host MiB where any)."""
     parts = []
@@ -232,7 +236,17 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
                     "loss_tokens": int(metrics["tokens"]),  # targets that count (not masked)
                     "mfu": (flops_per_token * tps / (peak * len(devices))) if peak else None,
                 }
+                finite = bool(metrics["finite"])
+                record["skipped"] = not finite
                 logger.log(record)
+                if not finite:
+                    message = (f"step {step + 1}: loss {loss} / grad norm {record['grad_norm']} is "
+                               "not finite; the parameters were left unchanged")
+                    if cfg.train.on_nonfinite == "stop":
+                        raise NonFiniteError(
+                            f"{message}; stopping (train.on_nonfinite=stop). The last checkpoint "
+                            "holds finite state; lower optimizer.lr or set optimizer.clip_norm")
+                    logger.message(f"{message}; skipped (train.on_nonfinite=skip)")
                 meta = {"step": step + 1, "data_step": step + 1, "seed": cfg.run.seed,
                         "layout": layout.describe()}
                 last = step + 1 == end

@@ -185,9 +185,15 @@ def make_train_step(
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grad_sum, params)
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        # A NaN/Inf loss or gradient leaves parameters and optimizer state as they were.
+        finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        params = jax.tree.map(keep, new_params, params)
+        opt_state = jax.tree.map(keep, new_opt_state, opt_state)
         metrics = {
+            "finite": finite,
             "loss": loss_sum / denom,
             "grad_norm": grad_norm,
             "lr": schedule(step),

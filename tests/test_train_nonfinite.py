@@ -1,0 +1,43 @@
+"""NaN/Inf loss or gradients: the step never changes the parameters; skip or stop by config; a
+non-finite state is never checkpointed. (A learning rate of 1e6 without clipping makes the
+gradient norm NaN after a step or two.)"""
+
+import jax
+import numpy as np
+
+from test_train_cli import _train
+from train.loop import run
+from train_helpers import tiny_config, tiny_overrides
+
+BLOW_UP = ("optimizer.lr=1e6", "optimizer.clip_norm=null", "optimizer.warmup_steps=0")
+
+
+def _finite(tree) -> bool:
+    return all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(tree))
+
+
+def test_skip_keeps_training_on_finite_parameters_and_checkpoints(tmp_path):
+    cfg = tiny_config(tmp_path / "run", *BLOW_UP, "train.steps=4", "checkpoint.every=1",
+                      "checkpoint.async_save=false")
+    summary = run(cfg)
+    assert summary["steps"] == 4 and _finite(summary["params"])
+    records = [__import__("json").loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r["skipped"] for r in records]
+    assert not skipped[0] and any(skipped), skipped
+    assert all(r["skipped"] == (not np.isfinite(float(r["grad_norm"]))) for r in records)
+    # The checkpoints hold the finite state: resuming for one more step starts from it.
+    again = run(tiny_config(tmp_path / "run", *BLOW_UP, "train.steps=5", "checkpoint.every=1"))
+    assert again["start_step"] == 4 and _finite(again["params"])
+
+
+def test_stop_exits_1_with_one_line_and_keeps_the_last_finite_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    result = _train(*tiny_overrides(run_dir, *BLOW_UP, "train.steps=4", "checkpoint.every=1",
+                                    "train.on_nonfinite=stop"))
+    assert result.returncode == 1, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: training: step ") and "train.on_nonfinite=stop" in last, last
+    assert "Traceback" not in result.stderr
+    bad_step = int(last.split("step ")[1].split(":")[0])
+    steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps and max(steps) == bad_step - 1, (steps, bad_step)  # the bad step was never saved
