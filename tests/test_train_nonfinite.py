@@ -41,3 +41,35 @@ def test_stop_exits_1_with_one_line_and_keeps_the_last_finite_checkpoint(tmp_pat
     bad_step = int(last.split("step ")[1].split(":")[0])
     steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
     assert steps and max(steps) == bad_step - 1, (steps, bad_step)  # the bad step was never saved
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_resumes(tmp_path):
+    """SIGTERM mid-run: exit 0 after a checkpoint of the last finished step; the same command
+    then resumes from it."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from test_train_cli import ROOT, _env
+
+    run_dir = tmp_path / "run"
+    args = [sys.executable, str(ROOT / "train.py"),
+            *tiny_overrides(run_dir, "train.steps=400", "checkpoint.every=1000")]
+    proc = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "received SIGTERM" in err
+    done = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert done[-1] < 400
+    steps = [int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
+    assert max(steps) == done[-1]
+    resumed = run(tiny_config(run_dir, "train.steps=400", "checkpoint.every=1000"), stop_at=done[-1] + 2)
+    assert resumed["start_step"] == done[-1]

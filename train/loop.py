@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import threading
 import time
 import typing
 from typing import Any
@@ -65,6 +67,30 @@ def select_devices(cfg: Config) -> list:
         if jax.process_count() == 1:
             devices = devices[:want]
     return devices
+
+
+class StopRequest:
+    """SIGINT/SIGTERM while training: remember it, let the current step finish, then checkpoint
+    and leave the loop (instead of dying mid-step). Handlers are installed only in the main
+    thread and restored on exit."""
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        self.requested = signal.Signals(signum).name
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
 
 
 class NonFiniteError(RuntimeError):
@@ -196,8 +222,9 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
     collectives = []
     wall0 = time.perf_counter()
     step_times = []
+    stop = StopRequest()
     try:
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh), stop:
             end = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
             batch = data.global_batch(start, batch_sharding) if start < end else None
             for step in range(start, end):
@@ -251,9 +278,15 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
                         "layout": layout.describe()}
                 last = step + 1 == end
                 ckpt.save(step + 1, params, opt_state, meta,
-                          force=last and (cfg.checkpoint.save_final or step + 1 < cfg.train.steps))
+                          force=stop.requested
+                          or (last and (cfg.checkpoint.save_final or step + 1 < cfg.train.steps)))
+                if stop.requested and not last:
+                    logger.message(
+                        f"received {stop.requested}: finished step {step + 1} and saved a "
+                        "checkpoint; run the same command again to resume")
+                    break
         ckpt.wait()
-        if cfg.checkpoint.export_hf:
+        if cfg.checkpoint.export_hf and not stop.requested:
             export_dir = os.path.abspath(cfg.checkpoint.export_hf)
             # every process takes part (shards are gathered one at a time); process 0 writes
             models.save_pretrained(parts.module(params), export_dir)
