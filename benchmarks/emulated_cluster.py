@@ -107,7 +107,6 @@ def _rate_label(rate) -> str:
 
 def write_report(results: list[dict], out: Path) -> str:
     setups = list(results[0]["train"])  # "mode+sharding", the first is the baseline
-    base_name = setups[0]
     head = [f"step {name} (s)" for name in setups] + [f"speedup {name}" for name in setups[1:]]
     lines = ["| link | " + " | ".join(head) + " | a2a ulysses (s) | a2a basp (s) | a2a ratio "
              "| a2a share of ulysses step | losses equal |",

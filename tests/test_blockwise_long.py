@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from basp_jax.kernels import blockwise_attention, xla_attention
-from reference import reference_attention
 
 S, SHAPE = 32768, (1, 32768, 1, 32)
 

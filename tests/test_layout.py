@@ -2,10 +2,9 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from basp_jax import Layout, LayoutError, activation_sharding, attention, make_mesh, mesh_groups
+from basp_jax import Layout, LayoutError, attention, make_mesh, mesh_groups
 from basp_jax.layout import kv_replication
 from basp_jax.sharding import param_spec, tree_shardings
 from jax.sharding import PartitionSpec as P

@@ -124,7 +124,7 @@ def _packed_stream(path, vocab=256, seed=0):
 
 def test_packed_documents_agree_across_layouts(tmp_path):
     _packed_stream(tmp_path / "docs.bin")
-    data = [f"data.source=tokens", f"data.path={tmp_path / 'docs.bin'}", "data.pack=true",
+    data = ["data.source=tokens", f"data.path={tmp_path / 'docs.bin'}", "data.pack=true",
             "data.eos_id=0"]
     single = run(tiny_config(tmp_path / "single", *data, "runtime.cpu_devices=1"))
     basp = run(tiny_config(tmp_path / "basp", *data, "parallel.groups=2"))
