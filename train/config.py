@@ -116,6 +116,7 @@ class DistributedConfig:
 @dataclasses.dataclass
 class RuntimeConfig:
     cpu_devices: int = 0  # required: CPU devices (per process) to use when no accelerator exists
+    devices: Optional[int] = None  # use the first N devices of all processes (null: all of them)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
 
@@ -349,6 +350,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"runtime.cpu_devices must be a positive integer, got {cfg.runtime.cpu_devices} "
             f"(CPU devices to emulate when no accelerator is present)"
+        )
+    if cfg.runtime.devices is not None and cfg.runtime.devices <= 0:
+        raise ConfigError(
+            f"runtime.devices must be a positive integer or null (all devices), "
+            f"got {cfg.runtime.devices}"
         )
     if cfg.parallel.mode is None:
         raise ConfigError("parallel.mode is required: basp, ulysses or auto")

@@ -54,7 +54,8 @@ def model_config(cfg: Config) -> "models.ModelConfig":
 
 
 def select_devices(cfg: Config) -> list:
-    """All devices; on a single-process CPU run, the first runtime.cpu_devices of them."""
+    """The devices to train on: all of them, or the first runtime.devices; on a single-process CPU
+    run at most runtime.cpu_devices."""
     devices = jax.devices()
     want = cfg.runtime.cpu_devices
     if devices[0].platform == "cpu":
@@ -66,6 +67,19 @@ def select_devices(cfg: Config) -> list:
             )
         if jax.process_count() == 1:
             devices = devices[:want]
+    n = cfg.runtime.devices
+    if n is not None:
+        if n > len(devices):
+            raise ConfigError(
+                f"runtime.devices={n} but only {len(devices)} {devices[0].platform} device(s) are "
+                f"visible; lower runtime.devices or leave it null (all devices)"
+            )
+        if jax.process_count() > 1 and n != len(devices):
+            raise ConfigError(
+                f"runtime.devices={n} would leave some of the {jax.process_count()} processes' "
+                f"{len(devices)} devices idle; leave it null in multi-process runs"
+            )
+        devices = devices[:n]
     return devices
 
 
