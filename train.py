@@ -1,8 +1,6 @@
 """python train.py --config configs/NAME.yaml [key.sub=value ...]  (see train/cli.py)"""
 
-import sys
-
-from train.cli import main
+from train.cli import exit_with, main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -8,6 +8,7 @@
 
 from .config import MODEL_TYPES, PRESETS, ModelConfig, ModelError
 from .hf import (
+    check_pretrained,
     from_pretrained,
     hf_name,
     hf_state_dict,
@@ -25,6 +26,7 @@ __all__ = [
     "ModelError",
     "Transformer",
     "abstract_model",
+    "check_pretrained",
     "causal_lm_loss",
     "from_pretrained",
     "hf_name",

@@ -65,21 +65,39 @@ def load_hf_params(path: str, config: ModelConfig | None = None, *, mesh: Mesh |
     """
     config = ModelConfig.from_hf(path) if config is None else config
     checkpoint = Checkpoint(path)
-    state = nnx.state(abstract_model(config, param_dtype=param_dtype), nnx.Param)
     dtype = np.dtype(param_dtype)
     flat = []
+    for key, name, transpose, shape in _expected_tensors(checkpoint, config, param_dtype):
+        tensor = checkpoint.get(name)
+        flat.append((key, _place(tensor, transpose, shape, dtype, mesh, param_sharding)))
+    return nnx.from_flat_state(flat)
+
+
+def _expected_tensors(checkpoint: Checkpoint, config: ModelConfig, param_dtype=jnp.float32):
+    """(state key, HF name, transposed?, our shape) of every parameter of `config`, after checking
+    that the directory holds each tensor with the matching shape (reads only the headers)."""
+    state = nnx.state(abstract_model(config, param_dtype=param_dtype), nnx.Param)
+    out = []
     for key, leaf in _param_leaves(state):
         name, transpose = hf_name(key)
         shape = tuple(_leaf_value(leaf).shape)
-        tensor = checkpoint.get(name)
         hf_shape = shape[::-1] if transpose else shape
-        if tuple(tensor.shape) != hf_shape:
+        found = checkpoint.shape(name)
+        if found != hf_shape:
             raise ModelError(
-                f"tensor {name} has shape {tuple(tensor.shape)} in {path} but this config needs "
-                f"{hf_shape}"
+                f"tensor {name} has shape {found} in {checkpoint.directory} but its config.json "
+                f"needs {hf_shape}; the weights belong to another model"
             )
-        flat.append((key, _place(tensor, transpose, shape, dtype, mesh, param_sharding)))
-    return nnx.from_flat_state(flat)
+        out.append((key, name, transpose, shape))
+    return out
+
+
+def check_pretrained(path: str, config: ModelConfig | None = None) -> ModelConfig:
+    """The directory's ModelConfig, after checking that every tensor it needs is present with the
+    right shape; reads config.json and the safetensors headers only (nothing is loaded)."""
+    config = ModelConfig.from_hf(path) if config is None else config
+    _expected_tensors(Checkpoint(path), config)
+    return config
 
 
 def _place(tensor: np.ndarray, transpose: bool, shape, dtype, mesh, strategy):

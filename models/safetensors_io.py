@@ -119,13 +119,20 @@ class Checkpoint:
     def keys(self) -> list[str]:
         return list(self._where)
 
-    def get(self, name: str) -> np.ndarray:
+    def _file_of(self, name: str) -> SafetensorsFile:
         if name not in self._where:
             raise ModelError(f"checkpoint {self.directory} lacks tensor {name}")
         file = self._open(self._where[name])
         if name not in file.keys():
             raise ModelError(f"{file.path} lacks tensor {name}, which {INDEX_FILE} places there")
-        return file.get(name)
+        return file
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape from its file's header (no data is read)."""
+        return self._file_of(name).shape(name)
+
+    def get(self, name: str) -> np.ndarray:
+        return self._file_of(name).get(name)
 
 
 def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:

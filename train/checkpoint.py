@@ -1,8 +1,13 @@
 """Orbax checkpoints of (params, optimizer state, step, data position, rng) in run.dir/checkpoints.
 
-Saves are asynchronous and atomic (orbax writes to a temporary directory and renames); the manager
-keeps the last n. Restore takes abstract arrays that carry the *target* shardings, so a checkpoint
-written under one layout or device count lands directly on another mesh.
+Saves are asynchronous and atomic (orbax writes to `N.orbax-checkpoint-tmp` and renames it to `N`
+when complete), so a crash mid-save leaves only a temporary directory, which listing ignores and
+the next save of that step replaces; the manager keeps the last n. Restore takes abstract arrays
+that carry the *target* shardings, so a checkpoint written under one layout or device count lands
+directly on another mesh.
+
+Before anything is built, `inspect_latest` reads (never writes) the newest complete checkpoint's
+metadata and refuses one that cannot be read or holds another model's shapes.
 """
 
 from __future__ import annotations
@@ -14,6 +19,75 @@ import jax
 import orbax.checkpoint as ocp
 
 from .config import CheckpointConfig
+
+
+ITEMS = ("params", "opt_state", "meta")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint in run.dir that cannot be resumed; the message is one line and names the fix."""
+
+
+def checkpoint_dir(run_dir: str) -> str:
+    return os.path.join(os.path.abspath(run_dir), "checkpoints")
+
+
+def _read_only_manager(directory: str) -> ocp.CheckpointManager:
+    handlers = {"params": ocp.StandardCheckpointHandler(),
+                "opt_state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(
+        # create=False and no save: nothing is written (read_only=True would log warnings)
+        directory, options=ocp.CheckpointManagerOptions(create=False),
+        item_handlers=handlers,
+    )
+
+
+def _path_name(path) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _param_shapes(tree) -> dict[str, tuple]:
+    return {_path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def inspect_latest(run_dir: str, expected_params) -> int | None:
+    """The newest complete checkpoint step in run_dir (None: none), after checking that it can be
+    read and holds parameters of the shapes in `expected_params` (a tree of arrays or
+    ShapeDtypeStructs). Raises CheckpointError naming the checkpoint and what to do."""
+    directory = checkpoint_dir(run_dir)
+    if not os.path.exists(directory):
+        return None
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{directory} is a file, not a checkpoint directory; move it away")
+    manager = _read_only_manager(directory)
+    try:
+        steps = sorted(manager.all_steps())
+        if not steps:
+            return None
+        step = steps[-1]
+        earlier = (f"move {directory}/{step} out of the way to resume from step {steps[-2]}"
+                   if len(steps) > 1 else "use a new run.dir to start afresh")
+        try:
+            metadata = manager.item_metadata(step)
+            present = set(metadata.keys())
+            # the arrays' metadata must read back; json items report none
+            missing = [n for n in ITEMS if n not in present or (n != "meta" and metadata[n] is None)]
+        except Exception as e:  # noqa: BLE001 (orbax/tensorstore raise many kinds)
+            missing, detail = None, " ".join(str(e).split())[:200]
+        if missing is None or missing:
+            what = f"lacks {', '.join(missing)}" if missing else f"cannot be read ({detail})"
+            raise CheckpointError(
+                f"checkpoint {directory}/{step} {what}: it is corrupt or half-written; {earlier}")
+        found, wanted = _param_shapes(metadata["params"]), _param_shapes(expected_params)
+        for name in sorted(set(found) | set(wanted)):
+            if found.get(name) != wanted.get(name):
+                raise CheckpointError(
+                    f"checkpoint {directory}/{step} holds another model: parameter {name} has "
+                    f"shape {found.get(name, 'absent')} there and {wanted.get(name, 'absent')} in "
+                    "this config; use the model it was trained with, or a new run.dir")
+        return step
+    finally:
+        manager.close()
 
 
 class Checkpointer:
@@ -28,7 +102,7 @@ class Checkpointer:
             create=True,
         )
         self.manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("params", "opt_state", "meta")
+            self.directory, options=options, item_names=ITEMS
         )
 
     def latest_step(self) -> int | None:
@@ -50,14 +124,21 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_params, abstract_opt_state):
         """(params, opt_state, meta) of `step`, placed as the abstract trees' shardings say."""
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(abstract_params),
-                opt_state=ocp.args.StandardRestore(abstract_opt_state),
-                meta=ocp.args.JsonRestore(),
-            ),
-        )
+        try:
+            restored = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardRestore(abstract_params),
+                    opt_state=ocp.args.StandardRestore(abstract_opt_state),
+                    meta=ocp.args.JsonRestore(),
+                ),
+            )
+        except Exception as e:  # noqa: BLE001 (orbax/tensorstore raise many kinds)
+            detail = " ".join(str(e).split())[:300]
+            raise CheckpointError(
+                f"checkpoint {self.directory}/{step} cannot be restored ({type(e).__name__}: "
+                f"{detail}); if it is damaged, move it out of {self.directory} to resume from an "
+                "earlier one") from None
         return restored["params"], restored["opt_state"], dict(restored["meta"])
 
     def wait(self) -> None:

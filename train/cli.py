@@ -1,12 +1,15 @@
 """Command line: python train.py --config configs/NAME.yaml [key.sub=value ...]
 
-Exit status 0 on success, 2 with one line on stderr for a config, layout, model or data error
-(no traceback), detected before anything compiles.
+Exit status 0 on success (also after SIGINT/SIGTERM: the current step finishes and is
+checkpointed); 2 with one line on stderr for a config, layout, model, data or checkpoint error (no
+traceback), detected before anything compiles or is written to run.dir; 1 when training stops on
+a non-finite loss (train.on_nonfinite=stop); 3 when a peer process of a multi-process run fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .config import ConfigError, load_config
@@ -45,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from basp_jax import LayoutError
     from models import ModelError
 
+    from .checkpoint import CheckpointError
     from .data import DataError
     from .loop import NonFiniteError, run
 
@@ -58,11 +62,25 @@ def main(argv: list[str] | None = None) -> int:
         return _fail("model", e)
     except DataError as e:
         return _fail("data", e)
+    except CheckpointError as e:
+        return _fail("checkpoint", e)
     except NonFiniteError as e:
         _fail("training", e)
         return 1
     return 0
 
 
+def exit_with(status: int) -> None:
+    """Leave the process with `status`. After an error (status 2 or more) nothing remains to be
+    saved, so skip the interpreter's shutdown: library threads (orbax's asyncio loop after a failed
+    read, a distributed client whose peer died) can print tracebacks or hang there, which would
+    break the one-line promise or the exit itself."""
+    if status >= 2:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -296,6 +296,9 @@ def load_config(path: Optional[str], overrides: list[str] | tuple[str, ...] = ()
                 loaded = yaml.safe_load(f)
         except FileNotFoundError:
             raise ConfigError(f"config file {path!r} does not exist") from None
+        except (OSError, UnicodeDecodeError) as e:
+            reason = getattr(e, "strerror", None) or getattr(e, "reason", None) or str(e)
+            raise ConfigError(f"cannot read config file {path!r}: {reason}") from None
         except yaml.YAMLError as e:
             line = str(e).replace("\n", " ")
             raise ConfigError(f"config file {path!r} is not valid YAML: {line}") from None

@@ -83,9 +83,17 @@ class StreamSource:
         return out.astype(np.int64)
 
 
-def _load_token_file(path: str, dtype: str) -> np.ndarray:
+def _check_file(path: str, what: str) -> None:
+    if not os.path.exists(path):
+        raise DataError(f"{what} {path!r} does not exist")
     if not os.path.isfile(path):
-        raise DataError(f"token file {path!r} does not exist")
+        raise DataError(f"{what} {path!r} is not a regular file")
+    if not os.access(path, os.R_OK):
+        raise DataError(f"{what} {path!r} is not readable (check its permissions)")
+
+
+def _load_token_file(path: str, dtype: str) -> np.ndarray:
+    _check_file(path, "token file")
     if path.endswith(".npy"):
         try:
             arr = np.load(path, mmap_mode="r")
@@ -105,15 +113,18 @@ def _load_token_file(path: str, dtype: str) -> np.ndarray:
 
 
 def _read_documents(path: str, source: str, text_key: str) -> list[str]:
-    if not os.path.isfile(path):
-        raise DataError(f"data file {path!r} does not exist")
+    _check_file(path, "data file")
     docs = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # decoded line by line, so an error names its line
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not UTF-8 text ({e.reason})") from None
             if not line.strip():
                 continue
             if source == "text":
-                docs.append(line.rstrip("\n"))
+                docs.append(line.rstrip("\r\n"))
                 continue
             try:
                 obj = json.loads(line)
@@ -127,21 +138,44 @@ def _read_documents(path: str, source: str, text_key: str) -> list[str]:
     return docs
 
 
-def _tokenize(cfg: DataConfig) -> np.ndarray:
+def _tokenize(cfg: DataConfig, vocab_size: int) -> np.ndarray:
     from tokenizers import Tokenizer
 
-    if not os.path.isfile(cfg.tokenizer):
-        raise DataError(f"tokenizer file {cfg.tokenizer!r} does not exist")
+    _check_file(cfg.tokenizer, "tokenizer file")
     try:
         tok = Tokenizer.from_file(cfg.tokenizer)
     except Exception as e:  # tokenizers raises a bare Exception on a bad file
         raise DataError(f"cannot load tokenizer {cfg.tokenizer!r}: {str(e).splitlines()[0]}") from None
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size > vocab_size:
+        raise DataError(
+            f"tokenizer {cfg.tokenizer!r} has {size} tokens, more than the model's "
+            f"vocab_size={vocab_size}; use the model's own tokenizer"
+        )
     docs = _read_documents(cfg.path, cfg.source, cfg.text_key)
     ids = []
     for enc in tok.encode_batch(docs, add_special_tokens=False):
         ids.extend(enc.ids)
         ids.append(cfg.eos_id)
     return np.asarray(ids, dtype=np.uint32)
+
+
+def _check_ids(stream: np.ndarray, vocab_size: int, name: str, chunk: int = 1 << 26) -> None:
+    """Every id of a token stream lies in [0, vocab_size): one pass over the file at start-up
+    (chunked, memory-mapped), so a file tokenized for another model stops the run before anything
+    compiles rather than at the step that happens to draw a bad id. Skipped when the element type
+    cannot hold an id that large."""
+    if np.issubdtype(stream.dtype, np.unsignedinteger) and np.iinfo(stream.dtype).max < vocab_size:
+        return
+    for start in range(0, len(stream), chunk):
+        block = np.asarray(stream[start:start + chunk])
+        bad = (block >= vocab_size) | (block < 0)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise DataError(
+                f"{name}: token id {int(block[i])} at position {start + i} is outside the model's "
+                f"vocabulary [0, {vocab_size}); the data was tokenized for another model"
+            )
 
 
 class Pipeline:
@@ -173,10 +207,11 @@ class Pipeline:
             self.name = f"synthetic Markov chain (branching {cfg.branching})"
         elif cfg.source == "tokens":
             stream = _load_token_file(cfg.path, cfg.dtype)
+            _check_ids(stream, vocab_size, cfg.path)
             self.source = StreamSource(stream, seed, self.num_rows, cfg.path)
             self.name = f"{cfg.path} ({len(stream):,} tokens)"
         else:
-            stream = _tokenize(cfg)
+            stream = _tokenize(cfg, vocab_size)
             too_big = stream >= vocab_size
             if too_big.any():
                 bad = int(stream[too_big][0])

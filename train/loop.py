@@ -19,7 +19,7 @@ import models
 from basp_jax import Layout, comm, make_mesh
 
 from . import planning, runtime
-from .checkpoint import Checkpointer, abstract_tree
+from .checkpoint import Checkpointer, abstract_tree, checkpoint_dir, inspect_latest
 from .config import Config, ConfigError, _coerce, to_yaml
 from .data import Pipeline
 from .metrics import MetricsLogger, peak_flops
@@ -83,6 +83,26 @@ def select_devices(cfg: Config) -> list:
     return devices
 
 
+def check_output_paths(cfg: Config, run_dir: str) -> None:
+    """run.dir (and checkpoint.export_hf) must be directories or not exist yet."""
+    for key, path in (("run.dir", run_dir), ("checkpoint.export_hf", cfg.checkpoint.export_hf)):
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(f"{key} {path!r} is a file, not a directory; choose another path")
+    parent = os.path.dirname(run_dir)
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if parent and not os.access(parent, os.W_OK):
+        raise ConfigError(f"run.dir {run_dir!r} cannot be created: {parent} is not writable")
+
+
+def existing_checkpoints(run_dir: str) -> list[int]:
+    """Complete checkpoint steps in run_dir (directory names that are integers)."""
+    directory = checkpoint_dir(run_dir)
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+
+
 class StopRequest:
     """SIGINT/SIGTERM while training: remember it, let the current step finish, then checkpoint
     and leave the loop (instead of dying mid-step). Handlers are installed only in the main
@@ -142,11 +162,12 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
     runtime.configure(cfg)
     is_writer = jax.process_index() == 0
     run_dir = os.path.abspath(cfg.run.dir)
-    if is_writer:
-        os.makedirs(run_dir, exist_ok=True)
 
-    # ---- everything that can be wrong is checked here, before anything compiles
+    # ---- everything that can be wrong is checked here, before anything compiles or is written
+    check_output_paths(cfg, run_dir)
     mcfg = model_config(cfg)
+    if cfg.model.hf_path and cfg.model.load_weights:
+        models.check_pretrained(cfg.model.hf_path, mcfg)  # tensor names and shapes, headers only
     devices = select_devices(cfg)
     per_host = cfg.parallel.devices_per_host or len(devices) // jax.process_count()
     layout, strategy = planning.plan(cfg, mcfg, len(devices), per_host)
@@ -164,54 +185,72 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
     )
     dtype, param_dtype = DTYPES[cfg.model.dtype], DTYPES[cfg.model.param_dtype]
 
-    if is_writer:
-        print(to_yaml(cfg), end="", flush=True)
-        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-            f.write(to_yaml(cfg))
-
     def make():
         return models.Transformer(
             mcfg, rngs=nnx.Rngs(cfg.run.seed), mesh=mesh, dtype=dtype, param_dtype=param_dtype,
             attn_impl=cfg.model.attn_impl, remat=cfg.model.remat, ring=layout.ring, zigzag=zigzag,
         )
 
-    ckpt = Checkpointer(run_dir, cfg.checkpoint, cfg.train.steps)
-    latest = ckpt.latest_step() if cfg.checkpoint.resume else None
-    if latest is not None and latest > cfg.train.steps:
-        raise ConfigError(
-            f"run.dir holds a checkpoint of step {latest}, beyond train.steps={cfg.train.steps}; "
-            "raise train.steps or use a new run.dir"
-        )
-
-    tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
-    if latest is None and cfg.model.hf_path and cfg.model.load_weights:
-        module = models.from_pretrained(
-            cfg.model.hf_path, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
-            attn_impl=cfg.model.attn_impl, param_sharding=strategy, remat=cfg.model.remat,
-            ring=layout.ring, zigzag=zigzag,
-        )
-        parts = from_module(module, mesh, strategy)
-        del module
-    else:
-        parts = build_model(make, mesh, strategy, init_params=latest is None)
-    param_sh = tree_shardings(parts.params, mesh, strategy)
-    abs_opt, opt_sh = opt_state_shardings(tx, parts.params, mesh, strategy)
-
-    start = 0
-    if latest is not None:
-        params, opt_state, meta = ckpt.restore(
-            latest, abstract_tree(parts.params, param_sh), abstract_tree(abs_opt, opt_sh)
-        )
-        parts.params = params
-        start = int(meta["data_step"])
-        if int(meta.get("seed", cfg.run.seed)) != cfg.run.seed:
+    latest = None
+    if cfg.checkpoint.resume:
+        expected = nnx.to_pure_dict(
+            nnx.state(models.abstract_model(mcfg, param_dtype=param_dtype), nnx.Param))
+        latest = inspect_latest(run_dir, expected)
+        if latest is not None and latest > cfg.train.steps:
             raise ConfigError(
-                f"run.seed={cfg.run.seed} differs from the checkpoint's seed {meta['seed']}; "
-                "a resumed run must keep its seed (or use a new run.dir)"
+                f"run.dir holds a checkpoint of step {latest}, beyond train.steps={cfg.train.steps}; "
+                "raise train.steps or use a new run.dir"
             )
     else:
-        opt_state = init_opt_state(tx, parts.params, opt_sh)
-    params = parts.params
+        existing = existing_checkpoints(run_dir)
+        if existing:
+            raise ConfigError(
+                f"checkpoint.resume=false but {checkpoint_dir(run_dir)} holds steps "
+                f"{existing}, which a fresh run would overwrite or prune; use a new run.dir, "
+                "or resume (checkpoint.resume=true)"
+            )
+
+    ckpt = Checkpointer(run_dir, cfg.checkpoint, cfg.train.steps)  # creates run.dir/checkpoints
+
+    try:  # close the manager (its threads) when loading fails
+        tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
+        if latest is None and cfg.model.hf_path and cfg.model.load_weights:
+            module = models.from_pretrained(
+                cfg.model.hf_path, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
+                attn_impl=cfg.model.attn_impl, param_sharding=strategy, remat=cfg.model.remat,
+                ring=layout.ring, zigzag=zigzag,
+            )
+            parts = from_module(module, mesh, strategy)
+            del module
+        else:
+            parts = build_model(make, mesh, strategy, init_params=latest is None)
+        param_sh = tree_shardings(parts.params, mesh, strategy)
+        abs_opt, opt_sh = opt_state_shardings(tx, parts.params, mesh, strategy)
+
+        start = 0
+        if latest is not None:
+            params, opt_state, meta = ckpt.restore(
+                latest, abstract_tree(parts.params, param_sh), abstract_tree(abs_opt, opt_sh)
+            )
+            parts.params = params
+            start = int(meta["data_step"])
+            if int(meta.get("seed", cfg.run.seed)) != cfg.run.seed:
+                raise ConfigError(
+                    f"run.seed={cfg.run.seed} differs from the checkpoint's seed {meta['seed']}; "
+                    "a resumed run must keep its seed (or use a new run.dir)"
+                )
+        else:
+            opt_state = init_opt_state(tx, parts.params, opt_sh)
+        params = parts.params
+    except BaseException:
+        ckpt.close()
+        raise
+
+    # ---- the checks passed and the state is in place: only now is run.dir written
+    if is_writer:
+        print(to_yaml(cfg), end="", flush=True)
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+            f.write(to_yaml(cfg))
 
     step_fn, batch_sharding = make_train_step(
         parts, tx, schedule, mesh, param_sh, opt_sh,
