@@ -88,7 +88,9 @@ def test_sigkill_at_several_points_then_rerun_gives_the_uninterrupted_losses(tmp
     assert proc.returncode == -9
     assert "resumed" not in (tmp_path / "2.log").read_text()  # started afresh after crash 1
     newest = max(_complete(run_dir))
-    assert newest >= 2
+    assert newest in (1, 2)  # orbax saves step 1 first; step 2's async save may still be running
+    seen = _records(run_dir)  # a resume drops the lines after its checkpoint: keep them here
+    redone = [r["step"] for r in seen if r["step"] > newest]
     outcomes.append(f"killed after step {len(_records(run_dir))}: newest checkpoint {newest}")
 
     # 3. while the asynchronous checkpoint of step 6 is being written
@@ -100,6 +102,8 @@ def test_sigkill_at_several_points_then_rerun_gives_the_uninterrupted_losses(tmp
     assert 6 not in _complete(run_dir), "the interrupted checkpoint must not look complete"
     assert any(name.startswith("6.") for name in _partial(run_dir)), _partial(run_dir)
     assert max(_complete(run_dir)) == 4
+    seen += _records(run_dir)
+    redone += [r["step"] for r in _records(run_dir) if r["step"] > 4]
     outcomes.append(f"killed while writing checkpoint 6: left {_partial(run_dir)}, newest complete 4")
 
     # 4. the same command again: resumes from 4 (ignoring the partial 6) and finishes
@@ -110,10 +114,10 @@ def test_sigkill_at_several_points_then_rerun_gives_the_uninterrupted_losses(tmp
     assert f"resumed from {run_dir / 'checkpoints'} at step 4" in log
     assert _complete(run_dir)[-1] == 10 and _partial(run_dir) == []
 
-    records = _records(run_dir)
-    assert sorted({r["step"] for r in records}) == list(range(1, 11))
-    for r in records:  # every logged loss, including steps redone after a resume
+    final = _records(run_dir)
+    assert [r["step"] for r in final] == list(range(1, 11))  # one line per step
+    for r in seen + final:  # every logged loss, including those of steps redone after a resume
         assert r["loss"] == reference[r["step"] - 1], (r["step"], r["loss"], reference[r["step"] - 1])
-    redone = len(records) - 10
-    assert redone > 0  # some steps really were trained twice
-    print("; ".join(outcomes) + f"; rerun finished, {redone} steps redone, losses identical")
+    assert redone  # some steps really were trained twice
+    print("; ".join(outcomes) + f"; rerun finished; steps trained twice: {redone}; all losses "
+          "bit-identical to the uninterrupted run")

@@ -53,9 +53,12 @@ class MetricsLogger:
                             kept.append(line)
                     except (json.JSONDecodeError, KeyError, TypeError):
                         continue
-        self.file = open(self.path, "w")
-        self.file.writelines(kept)
-        self.file.flush()
+        # rewrite through a temporary file: a crash here must not lose the kept lines
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, self.path)
+        self.file = open(self.path, "a")
         if cfg.progress:
             from tqdm import tqdm
 
