@@ -2,9 +2,11 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -62,3 +64,70 @@ def test_two_processes_match_one(tmp_path, mode):
     losses = [l["loss"] for l in lines]
     np.testing.assert_allclose(losses, reference["losses"], rtol=2e-5)
     assert (run_dir / "checkpoints" / "5").is_dir()
+
+
+def _start_pair(run_dir, port, *extra):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    procs = []
+    for pid in range(2):
+        args = tiny_overrides(
+            run_dir, "train.steps=100000", "train.microbatch_size=2", "runtime.cpu_devices=4",
+            "checkpoint.every=3", f"runtime.distributed.coordinator=127.0.0.1:{port}",
+            "runtime.distributed.num_processes=2", f"runtime.distributed.process_id={pid}", *extra,
+        )
+        procs.append(subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        ))
+    return procs
+
+
+# (victim, signal, the survivor's exit status, a fragment of its message)
+PEER_FAILURES = [
+    # the survivor's next collective fails at once (gloo: connection closed by peer)
+    (1, signal.SIGKILL, 3, "error: peer: a collective failed"),
+    # a frozen peer sends nothing: train.peers notices the silence after peer_timeout_s
+    (1, signal.SIGSTOP, 3, "error: peer: process 1 of 2 has sent no heartbeat for 10 s"),
+    # the coordinator dies: JAX's own client aborts the survivor within a second (SIGABRT), with
+    # its message; it runs in a C++ thread, before any Python handler could speak
+    (0, signal.SIGKILL, -signal.SIGABRT, "This most likely indicates that another task died"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim, sig, status, fragment", PEER_FAILURES,
+                         ids=["kill-worker", "freeze-worker", "kill-coordinator"])
+def test_a_failed_peer_stops_the_other_process_with_a_clear_message(tmp_path, victim, sig, status,
+                                                                   fragment):
+    """Kill or freeze one process mid-training: the other exits non-zero with a message that says
+    what happened, within two minutes (not a hang)."""
+    run_dir = tmp_path / "run"
+    procs = _start_pair(run_dir, _free_port(), "runtime.distributed.peer_timeout_s=10")
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+            assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.05)
+        procs[victim].send_signal(sig)
+        hit_at = time.monotonic()
+        survivor = procs[1 - victim]
+        _, err = survivor.communicate(timeout=120)
+        elapsed = time.monotonic() - hit_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    assert survivor.returncode == status, err[-3000:]
+    assert elapsed < 120
+    assert fragment in err, err[-3000:]
+    if status == 3:  # our own message: one line, with what to do
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+        assert "Rerun the same command on every host to resume (the newest checkpoint is step" \
+            in errors[0], errors[0]
+    print(f"{sig.name} process {victim}: the other exited {survivor.returncode} after "
+          f"{elapsed:.1f} s")

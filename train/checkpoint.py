@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from .config import CheckpointConfig
 
@@ -32,16 +33,6 @@ def checkpoint_dir(run_dir: str) -> str:
     return os.path.join(os.path.abspath(run_dir), "checkpoints")
 
 
-def _read_only_manager(directory: str) -> ocp.CheckpointManager:
-    handlers = {"params": ocp.StandardCheckpointHandler(),
-                "opt_state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
-    return ocp.CheckpointManager(
-        # create=False and no save: nothing is written (read_only=True would log warnings)
-        directory, options=ocp.CheckpointManagerOptions(create=False),
-        item_handlers=handlers,
-    )
-
-
 def _path_name(path) -> str:
     return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
@@ -50,44 +41,52 @@ def _param_shapes(tree) -> dict[str, tuple]:
     return {_path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
+def complete_steps(directory: str) -> list[int]:
+    """Steps with a finished checkpoint: orbax renames `N.orbax-checkpoint-tmp` to `N` only once
+    every file is written, so a partial save never has a plain integer name."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(n) for n in os.listdir(directory)
+                  if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+
+
 def inspect_latest(run_dir: str, expected_params) -> int | None:
     """The newest complete checkpoint step in run_dir (None: none), after checking that it can be
     read and holds parameters of the shapes in `expected_params` (a tree of arrays or
-    ShapeDtypeStructs). Raises CheckpointError naming the checkpoint and what to do."""
+    ShapeDtypeStructs). Raises CheckpointError naming the checkpoint and what to do.
+
+    Reads files only: no CheckpointManager (its constructor synchronises the processes of a
+    multi-process run, which must not depend on what each process happens to see here)."""
     directory = checkpoint_dir(run_dir)
-    if not os.path.exists(directory):
-        return None
-    if not os.path.isdir(directory):
+    if os.path.exists(directory) and not os.path.isdir(directory):
         raise CheckpointError(f"{directory} is a file, not a checkpoint directory; move it away")
-    manager = _read_only_manager(directory)
+    steps = complete_steps(directory)
+    if not steps:
+        return None
+    step = steps[-1]
+    path = os.path.join(directory, str(step))
+    earlier = (f"move {path} out of the way to resume from step {steps[-2]}"
+               if len(steps) > 1 else "use a new run.dir to start afresh")
+    missing = [name for name in ITEMS if not os.path.isdir(os.path.join(path, name))]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path} lacks {', '.join(missing)}: it is corrupt or half-written; {earlier}")
     try:
-        steps = sorted(manager.all_steps())
-        if not steps:
-            return None
-        step = steps[-1]
-        earlier = (f"move {directory}/{step} out of the way to resume from step {steps[-2]}"
-                   if len(steps) > 1 else "use a new run.dir to start afresh")
-        try:
-            metadata = manager.item_metadata(step)
-            present = set(metadata.keys())
-            # the arrays' metadata must read back; json items report none
-            missing = [n for n in ITEMS if n not in present or (n != "meta" and metadata[n] is None)]
-        except Exception as e:  # noqa: BLE001 (orbax/tensorstore raise many kinds)
-            missing, detail = None, " ".join(str(e).split())[:200]
-        if missing is None or missing:
-            what = f"lacks {', '.join(missing)}" if missing else f"cannot be read ({detail})"
+        metadata = ocp.StandardCheckpointHandler().metadata(epath.Path(path) / "params")
+        found = _param_shapes(metadata)
+    except Exception as e:  # noqa: BLE001 (orbax/tensorstore raise many kinds)
+        detail = " ".join(str(e).split())[:200]
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read ({detail}): it is corrupt or half-written; {earlier}"
+        ) from None
+    wanted = _param_shapes(expected_params)
+    for name in sorted(set(found) | set(wanted)):
+        if found.get(name) != wanted.get(name):
             raise CheckpointError(
-                f"checkpoint {directory}/{step} {what}: it is corrupt or half-written; {earlier}")
-        found, wanted = _param_shapes(metadata["params"]), _param_shapes(expected_params)
-        for name in sorted(set(found) | set(wanted)):
-            if found.get(name) != wanted.get(name):
-                raise CheckpointError(
-                    f"checkpoint {directory}/{step} holds another model: parameter {name} has "
-                    f"shape {found.get(name, 'absent')} there and {wanted.get(name, 'absent')} in "
-                    "this config; use the model it was trained with, or a new run.dir")
-        return step
-    finally:
-        manager.close()
+                f"checkpoint {path} holds another model: parameter {name} has shape "
+                f"{found.get(name, 'absent')} there and {wanted.get(name, 'absent')} in this "
+                "config; use the model it was trained with, or a new run.dir")
+    return step
 
 
 class Checkpointer:

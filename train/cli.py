@@ -33,6 +33,27 @@ def _fail(kind: str, err: Exception) -> int:
     return 2
 
 
+class _HeldUnraisable:
+    """Holds 'Exception ignored in ...' reports while training. After a failed checkpoint read,
+    orbax's asyncio callbacks report 'Event loop is closed' from background threads; on an error
+    exit those would bury the one-line message, so they are dropped then and replayed otherwise."""
+
+    def __init__(self):
+        self.reports = []
+
+    def __enter__(self):
+        self._previous = sys.unraisablehook
+        sys.unraisablehook = self.reports.append
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        sys.unraisablehook = self._previous
+        if exc_type is None:
+            for report in self.reports:
+                self._previous(report)
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -50,10 +71,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from .checkpoint import CheckpointError
     from .data import DataError
-    from .loop import NonFiniteError, run
+    from .loop import NonFiniteError, PeerFailure, run
+    from .peers import PEER_FAILURE_STATUS
 
+    held = _HeldUnraisable()
     try:
-        run(cfg)
+        with held:
+            run(cfg)
     except ConfigError as e:
         return _fail("config", e)
     except LayoutError as e:
@@ -64,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         return _fail("data", e)
     except CheckpointError as e:
         return _fail("checkpoint", e)
+    except PeerFailure as e:
+        _fail("peer", e)
+        return PEER_FAILURE_STATUS  # exit_with leaves through os._exit: no shutdown barrier wait
     except NonFiniteError as e:
         _fail("training", e)
         return 1

@@ -111,6 +111,9 @@ class DistributedConfig:
     coordinator: Optional[str] = None  # host:port of process 0
     num_processes: Optional[int] = None
     process_id: Optional[int] = None
+    # multi-process: when a peer (or the coordinator) is silent this long, stop with exit status 3
+    # instead of hanging in a collective; 0 disables
+    peer_timeout_s: float = 30.0
 
 
 @dataclasses.dataclass
@@ -454,6 +457,9 @@ def validate(cfg: Config) -> None:
         )
 
     dist = cfg.runtime.distributed
+    if dist.peer_timeout_s < 0:
+        raise ConfigError(
+            f"runtime.distributed.peer_timeout_s must be >= 0 (0 disables), got {dist.peer_timeout_s}")
     if dist.coordinator and (dist.num_processes is None or dist.process_id is None):
         raise ConfigError(
             "runtime.distributed.coordinator needs num_processes and process_id as well"

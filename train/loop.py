@@ -19,10 +19,12 @@ import models
 from basp_jax import Layout, comm, make_mesh
 
 from . import planning, runtime
-from .checkpoint import Checkpointer, abstract_tree, checkpoint_dir, inspect_latest
+from .checkpoint import (Checkpointer, abstract_tree, checkpoint_dir, complete_steps,
+                         inspect_latest)
 from .config import Config, ConfigError, _coerce, to_yaml
 from .data import Pipeline
 from .metrics import MetricsLogger, peak_flops
+from .peers import PeerWatchdog
 from .step import DTYPES, build_model, from_module, init_opt_state, make_optimizer, make_train_step
 from .step import opt_state_shardings
 from basp_jax.sharding import tree_shardings
@@ -95,14 +97,6 @@ def check_output_paths(cfg: Config, run_dir: str) -> None:
         raise ConfigError(f"run.dir {run_dir!r} cannot be created: {parent} is not writable")
 
 
-def existing_checkpoints(run_dir: str) -> list[int]:
-    """Complete checkpoint steps in run_dir (directory names that are integers)."""
-    directory = checkpoint_dir(run_dir)
-    if not os.path.isdir(directory):
-        return []
-    return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
-
-
 class StopRequest:
     """SIGINT/SIGTERM while training: remember it, let the current step finish, then checkpoint
     and leave the loop (instead of dying mid-step). Handlers are installed only in the main
@@ -157,9 +151,35 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
     """Train as configured; returns a summary with the per-step losses of this invocation.
 
     stop_at ends the invocation after that many completed steps (with a checkpoint), as a
-    preemption would; running again resumes from it.
+    preemption would; running again resumes from it. In a multi-process run a peer that dies ends
+    this process too (train.peers, exit status 3) instead of leaving it blocked in a collective.
     """
     runtime.configure(cfg)
+    directory = checkpoint_dir(cfg.run.dir)
+
+    def resume_advice() -> str:
+        steps = complete_steps(directory)
+        where = f"the newest checkpoint is step {steps[-1]} in {directory}" if steps else \
+            "no checkpoint was written yet"
+        return f"Rerun the same command on every host to resume ({where})."
+
+    with PeerWatchdog(cfg.runtime.distributed.peer_timeout_s, resume_advice):
+        try:
+            return _run(cfg, stop_at)
+        except jax.errors.JaxRuntimeError as e:
+            if jax.process_count() == 1:
+                raise
+            first = " ".join(str(e).split())[:300]
+            raise PeerFailure(
+                f"a collective failed ({first}): another process has probably crashed or was "
+                f"killed; see its log. {resume_advice()}") from None
+
+
+class PeerFailure(RuntimeError):
+    """A multi-process run lost a peer (train.peers catches silent ones; this, failed collectives)."""
+
+
+def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
     is_writer = jax.process_index() == 0
     run_dir = os.path.abspath(cfg.run.dir)
 
@@ -202,7 +222,7 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
                 "raise train.steps or use a new run.dir"
             )
     else:
-        existing = existing_checkpoints(run_dir)
+        existing = complete_steps(checkpoint_dir(run_dir))
         if existing:
             raise ConfigError(
                 f"checkpoint.resume=false but {checkpoint_dir(run_dir)} holds steps "
