@@ -225,9 +225,6 @@ def layouts_figure(devices: int, devices_per_host: int, batch: int, out: str | P
 
 def _save(fig, out: str | Path) -> Path:
     out = Path(out)
-    if out.suffix.lower() != ".png":
-        plt.close(fig)
-        raise PlotError(f"output {out}: expected a .png file name")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
@@ -239,9 +236,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse whose errors are one line and exit status 2, like the rest of the project."""
 
     def error(self, message: str):
-        self.exit(2, f"error: plot: {message} (see python -m train.plot {self._sub}--help)\n")
-
-    _sub = ""
+        self.exit(2, f"error: plot: {message} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -257,15 +252,16 @@ def _parser() -> argparse.ArgumentParser:
     layouts.add_argument("--devices", type=int, default=8)
     layouts.add_argument("--devices-per-host", type=int, default=4)
     layouts.add_argument("--batch", type=int, default=2, help="microbatch size B")
-    for name, p in (("losses", losses), ("bench", bench), ("layouts", layouts)):
+    for p in (losses, bench, layouts):
         p.add_argument("-o", "--out", required=True, help="PNG file to write")
-        p._sub = f"{name} "
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if Path(args.out).suffix.lower() != ".png":
+            raise PlotError(f"output {args.out}: expected a .png file name")
         if args.command == "losses":
             out = losses_figure(args.run_dirs, args.out, args.metrics or ["loss"])
         elif args.command == "bench":
