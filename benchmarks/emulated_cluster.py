@@ -27,7 +27,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
 from netns_cluster import Cluster, require_root  # noqa: E402
+
+from train.plot import bench_figure, rate_label  # noqa: E402  (one drawing for this and the CLI)
 
 TRAIN_CONFIG = ROOT / "benchmarks" / "cluster_train.yaml"
 SETUPS = [("ulysses", "fsdp"), ("basp", "fsdp"), ("basp", "hsdp"), ("basp", "replicated")]
@@ -101,10 +104,6 @@ def train_steps(cluster: Cluster, args, run_index: int, mode: str, sharding: str
     return result
 
 
-def _rate_label(rate) -> str:
-    return "unthrottled" if rate is None else f"{rate:g} Mbit/s"
-
-
 def write_report(results: list[dict], out: Path) -> str:
     setups = list(results[0]["train"])  # "mode+sharding", the first is the baseline
     head = [f"step {name} (s)" for name in setups] + [f"speedup {name}" for name in setups[1:]]
@@ -118,7 +117,7 @@ def write_report(results: list[dict], out: Path) -> str:
         same = all(max(abs(a - b) for a, b in zip(base["losses"], x["losses"])) < 1e-4 for x in runs[1:])
         cells = [f"{x['step_s']:.2f}" for x in runs] + [f"{base['step_s'] / x['step_s']:.2f}x" for x in runs[1:]]
         lines.append(
-            f"| {_rate_label(r['rate'])} | " + " | ".join(cells)
+            f"| {rate_label(r['rate'])} | " + " | ".join(cells)
             + f" | {a2a_u:.3f} | {a2a_b:.3f} | {a2a_u / a2a_b:.1f}x | {a2a_u / base['step_s']:.0%} "
             f"| {'yes' if same else 'NO'} |"
         )
@@ -136,30 +135,6 @@ def write_report(results: list[dict], out: Path) -> str:
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     return table
-
-
-def plot(results: list[dict], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [_rate_label(r["rate"]) for r in results]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for name in results[0]["train"]:
-        left.plot(labels, [r["train"][name]["step_s"] for r in results], marker="o", label=name)
-    left.set_ylabel("median step time (s)")
-    left.set_xlabel("inter-host link")
-    left.set_title("training step, 2 hosts x 4 devices")
-    left.legend()
-    for mode in ("ulysses", "basp"):
-        right.plot(labels, [r["a2a"][mode] for r in results], marker="o", label=mode)
-    right.set_ylabel("attention all-to-alls per step (s)")
-    right.set_xlabel("inter-host link")
-    right.set_title("all-to-alls alone")
-    right.legend()
-    fig.tight_layout()
-    fig.savefig(out / "emulated_cluster.png", dpi=120)
 
 
 def main() -> None:
@@ -192,12 +167,12 @@ def main() -> None:
                 run_dir = Path(tmp) / f"{rate}-{mode}-{sharding}"
                 entry["train"][f"{mode}+{sharding}"] = train_steps(cluster, args, run_index, mode, sharding, run_dir)
                 run_index += 1
-                print(f"{_rate_label(rate)} {mode}+{sharding}: "
+                print(f"{rate_label(rate)} {mode}+{sharding}: "
                       f"{entry['train'][f'{mode}+{sharding}']['step_s']:.2f} s/step", flush=True)
             results.append(entry)
             (out / "results.json").write_text(json.dumps(results, indent=1))
     print(write_report(results, out))
-    plot(results, out)
+    bench_figure(results, out / "emulated_cluster.png")
     print(f"\nwrote {out}/results.json, table.md, emulated_cluster.png")
 
 

@@ -1,0 +1,279 @@
+"""Figures as PNG files: training curves of runs, the emulated-cluster benchmark, the two layouts.
+
+    python -m train.plot losses RUN_DIR [RUN_DIR ...] -o losses.png [--metric loss --metric grad_norm]
+    python -m train.plot bench bench/emulated_b2/results.json -o bench.png
+    python -m train.plot layouts --devices 8 --devices-per-host 4 --batch 2 -o layouts.png
+
+Each command prints the path it wrote. Bad input (no metrics.jsonl, an empty one, an unknown metric,
+an impossible layout) is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+try:
+    import matplotlib
+except ImportError:  # not a dependency of training itself
+    sys.stderr.write("error: plot: needs matplotlib: pip install -e '.[plot]'\n")
+    raise SystemExit(2) from None
+
+matplotlib.use("Agg")  # files only: no display on clusters and in CI
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import FancyBboxPatch, Rectangle  # noqa: E402
+
+METRICS = ("loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu")
+METRIC_LABELS = {"loss": "loss (nats/token)", "grad_norm": "gradient norm", "lr": "learning rate",
+                 "tokens_per_s": "tokens/s", "step_time_s": "step time (s)", "mfu": "MFU"}
+LINESTYLES = ("-", "--", ":", "-.")
+
+
+class PlotError(ValueError):
+    """Input that cannot be drawn; the one-line message says which file and why."""
+
+
+# --------------------------------------------------------------------------- training curves
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The records of run_dir/metrics.jsonl, one per step in step order.
+
+    A resumed run logs the steps after its last checkpoint again: the last record of a step wins.
+    Unreadable lines (a run killed mid-write) are skipped with a warning, as the trainer does.
+    """
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise PlotError(f"{path}: no such file; is {run_dir} a run directory (run.dir)?")
+    by_step: dict[int, dict] = {}
+    unreadable = 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            by_step[int(record["step"])] = record
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            unreadable += 1
+    if unreadable:
+        print(f"warning: skipped {unreadable} unreadable line(s) in {path}", file=sys.stderr)
+    if not by_step:
+        raise PlotError(f"{path} holds no step records")
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def _number(value) -> float:
+    """A metric value as a float; null (e.g. mfu without a known peak) becomes a gap."""
+    try:
+        return float(value)  # the trainer writes non-finite values as "nan"/"inf" strings
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def run_label(run_dir: str | Path) -> str:
+    """The run directory's name, with its layout from collectives.json when the run wrote one."""
+    run_dir = Path(run_dir)
+    name = run_dir.resolve().name
+    try:
+        layout = json.loads((run_dir / "collectives.json").read_text())["layout"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return name
+    # "basp: 2 group(s) x sp=4 on 8 devices (2 host(s)); ..." -> "basp: 2 group(s) x sp=4"
+    return f"{name} ({str(layout).split(' on ')[0]})"
+
+
+def losses_figure(run_dirs: list[str], out: str | Path, metrics: list[str]) -> Path:
+    """One panel per metric, one curve per run, against the optimizer step."""
+    unknown = [m for m in metrics if m not in METRICS]
+    if unknown:
+        raise PlotError(f"unknown metric {unknown[0]!r}; use one of {', '.join(METRICS)}")
+    runs = [(run_label(d), read_metrics(d)) for d in run_dirs]
+    fig, axes = plt.subplots(len(metrics), 1, figsize=(7, 2.2 + 1.8 * len(metrics)), sharex=True,
+                             squeeze=False)
+    for ax, metric in zip(axes[:, 0], metrics):
+        for i, (label, records) in enumerate(runs):
+            values = [_number(r.get(metric)) for r in records]
+            if all(math.isnan(v) for v in values):
+                raise PlotError(f"{label}: no values of {metric!r} in its metrics.jsonl")
+            # runs that should agree (basp vs ulysses) overlap: dashes keep both visible
+            ax.plot([r["step"] for r in records], values, label=label, linestyle=LINESTYLES[i % 4])
+        ax.set_ylabel(METRIC_LABELS[metric])
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("step")
+    axes[0, 0].legend()
+    return _save(fig, out)
+
+
+# --------------------------------------------------------------------------- benchmark
+
+
+def rate_label(rate) -> str:
+    """An emulated inter-host link rate in Mbit/s; None is the unthrottled link."""
+    return "unthrottled" if rate is None else f"{rate:g} Mbit/s"
+
+
+def bench_figure(results: list[dict], out: str | Path) -> Path:
+    """Step time per setup and all-to-all time per mode against the inter-host link rate, from
+    the results of benchmarks/emulated_cluster.py."""
+    try:
+        labels = [rate_label(r["rate"]) for r in results]
+        setups = list(results[0]["train"])
+        step_times = {name: [r["train"][name]["step_s"] for r in results] for name in setups}
+        a2a_times = {mode: [r["a2a"][mode] for r in results] for mode in ("ulysses", "basp")}
+    except (KeyError, IndexError, TypeError) as e:
+        raise PlotError(f"not a results list of benchmarks/emulated_cluster.py (missing {e})") from None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, times in step_times.items():
+        left.plot(labels, times, marker="o", label=name)
+    left.set_ylabel("median step time (s)")
+    left.set_xlabel("inter-host link")
+    left.set_title("training step, 2 hosts x 4 devices")
+    left.legend()
+    for mode, times in a2a_times.items():
+        right.plot(labels, times, marker="o", label=mode)
+    right.set_ylabel("attention all-to-alls per step (s)")
+    right.set_xlabel("inter-host link")
+    right.set_title("all-to-alls alone")
+    right.legend()
+    return _save(fig, out)
+
+
+def read_bench(path: str | Path) -> list[dict]:
+    path = Path(path)
+    try:
+        results = json.loads(path.read_text())
+    except OSError as e:
+        raise PlotError(f"{path}: {e.strerror.lower()}") from None
+    except json.JSONDecodeError as e:
+        raise PlotError(f"{path}: not JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(results, list) or not results:
+        raise PlotError(f"{path}: expected a non-empty list of results per link rate")
+    return results
+
+
+# --------------------------------------------------------------------------- layouts
+
+DEVICE_W, HOST_GAP = 1.0, 0.5  # box pitch and the extra space between hosts, in device widths
+
+
+def _device_x(device: int, devices_per_host: int) -> float:
+    return device * DEVICE_W + (device // devices_per_host) * HOST_GAP
+
+
+def _draw_layout(ax, layout) -> None:
+    """Hosts as grey frames, devices as boxes coloured by group, one bar per all-to-all span."""
+    colours = plt.get_cmap("tab10").colors
+    per_host, sp = layout.devices_per_host, layout.sp
+    for host in range(layout.num_hosts):
+        first = host * per_host
+        x0 = _device_x(first, per_host) - 0.15
+        ax.add_patch(FancyBboxPatch((x0, -0.2), per_host * DEVICE_W + 0.1, 1.45,
+                                    boxstyle="round,pad=0.02", facecolor="0.93", edgecolor="0.5"))
+        ax.text(x0 + 0.05, 1.12, f"host {host}", fontsize=9, color="0.3", va="center")
+    for device in range(layout.num_devices):
+        group = device // sp  # make_mesh: each group is a run of sp consecutive host-major devices
+        ax.add_patch(Rectangle((_device_x(device, per_host), 0), 0.8, 0.8,
+                               facecolor=colours[group % len(colours)], edgecolor="black"))
+        ax.text(_device_x(device, per_host) + 0.4, 0.4, f"d{device}", ha="center", va="center",
+                color="white", fontsize=10, weight="bold")
+    rows = layout.rows_per_group
+    for group in range(layout.groups):
+        first, last = group * sp, group * sp + sp - 1
+        hosts = {first // per_host, last // per_host}
+        x0, x1 = _device_x(first, per_host), _device_x(last, per_host) + 0.8
+        crosses = len(hosts) > 1
+        style = dict(color="crimson" if crosses else colours[group % len(colours)], lw=2.5)
+        ax.plot([x0, x0, x1, x1], [-0.4, -0.5, -0.5, -0.4], **style)
+        row_text = (f"sequence {group * rows}" if rows == 1
+                    else f"sequences {group * rows}-{group * rows + rows - 1}")
+        where = "crosses hosts" if crosses else "inside a host"
+        ax.text((x0 + x1) / 2, -0.75, f"{row_text}: {sp}-way all-to-all, {where}", ha="center",
+                va="top", fontsize=9, color=style["color"])
+    name = "Ulysses" if layout.mode == "ulysses" else "BASP"
+    ax.set_title(f"{name}: {layout.groups} group{'s' if layout.groups > 1 else ''} x sp={sp}")
+    ax.set_xlim(-0.4, _device_x(layout.num_devices - 1, per_host) + 1.2)
+    ax.set_ylim(-1.0, 1.45)
+    ax.set_aspect("equal")
+    ax.axis("off")
+
+
+def layouts_figure(devices: int, devices_per_host: int, batch: int, out: str | Path) -> Path:
+    """Ulysses (one group of all devices) and BASP (batch-many groups) side by side."""
+    from basp_jax.layout import Layout, LayoutError
+
+    try:
+        # Only groups, sp and hosts are drawn; heads and tokens = devices always divide evenly.
+        layouts = [Layout.plan(devices, batch, seq_len=devices, num_heads=devices,
+                               devices_per_host=devices_per_host, mode=mode)
+                   for mode in ("ulysses", "basp")]
+    except LayoutError as e:
+        raise PlotError(f"layout: {e}") from None
+    width = _device_x(devices - 1, devices_per_host) + 1.6
+    fig, axes = plt.subplots(1, 2, figsize=(max(2 * 0.75 * width, 8), 2.6))
+    for ax, layout in zip(axes, layouts):
+        _draw_layout(ax, layout)
+    tokens = f"batch {batch}: each device holds 1/{devices} of the tokens in both layouts"
+    fig.suptitle(f"{devices} devices, {devices_per_host} per host, {tokens}", fontsize=10)
+    return _save(fig, out)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _save(fig, out: str | Path) -> Path:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line and exit status 2, like the rest of the project."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: plot: {message} (see {self.prog} --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m train.plot", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    losses = sub.add_parser("losses", help="curves from each run's metrics.jsonl")
+    losses.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    losses.add_argument("--metric", action="append", dest="metrics", metavar="NAME",
+                        help=f"one of {', '.join(METRICS)}; repeat for more panels (default: loss)")
+    bench = sub.add_parser("bench", help="the figure of benchmarks/emulated_cluster.py")
+    bench.add_argument("results", metavar="RESULTS_JSON")
+    layouts = sub.add_parser("layouts", help="Ulysses and BASP device layouts side by side")
+    layouts.add_argument("--devices", type=int, default=8)
+    layouts.add_argument("--devices-per-host", type=int, default=4)
+    layouts.add_argument("--batch", type=int, default=2, help="microbatch size B")
+    for p in (losses, bench, layouts):
+        p.add_argument("-o", "--out", required=True, help="PNG file to write")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if Path(args.out).suffix.lower() != ".png":
+            raise PlotError(f"output {args.out}: expected a .png file name")
+        if args.command == "losses":
+            out = losses_figure(args.run_dirs, args.out, args.metrics or ["loss"])
+        elif args.command == "bench":
+            out = bench_figure(read_bench(args.results), args.out)
+        else:
+            out = layouts_figure(args.devices, args.devices_per_host, args.batch, args.out)
+    except PlotError as e:
+        print(f"error: plot: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
