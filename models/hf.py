@@ -88,13 +88,15 @@ def _expected_tensors(checkpoint: Checkpoint, config: ModelConfig, param_dtype=j
                 f"tensor {name} has shape {found} in {checkpoint.directory} but its config.json "
                 f"needs {hf_shape}; the weights belong to another model"
             )
+        checkpoint.check(name)
         out.append((key, name, transpose, shape))
     return out
 
 
 def check_pretrained(path: str, config: ModelConfig | None = None) -> ModelConfig:
     """The directory's ModelConfig, after checking that every tensor it needs is present with the
-    right shape; reads config.json and the safetensors headers only (nothing is loaded)."""
+    right shape, a readable dtype and all its bytes in the file; reads config.json, the
+    safetensors headers and file sizes only (nothing is loaded)."""
     config = ModelConfig.from_hf(path) if config is None else config
     _expected_tensors(Checkpoint(path), config)
     return config

@@ -57,6 +57,22 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._header[name]["shape"])
 
+    def check(self, name: str) -> None:
+        """The tensor's dtype is readable and its bytes lie inside the file (header only)."""
+        info = self._header[name]
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ModelError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        expected = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(dtype).itemsize
+        if end - start != expected:
+            raise ModelError(f"{self.path}: tensor {name} spans {end - start} bytes; its shape "
+                             f"{tuple(info['shape'])} needs {expected}")
+        size = os.path.getsize(self.path)
+        if self._data_start + end > size:
+            raise ModelError(f"{self.path} is truncated: tensor {name} ends at byte "
+                             f"{self._data_start + end} of a {size}-byte file")
+
     def get(self, name: str) -> np.ndarray:
         """A read-only memory-mapped view of the tensor: slicing it reads only those bytes."""
         info = self._header[name]
@@ -130,6 +146,10 @@ class Checkpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's shape from its file's header (no data is read)."""
         return self._file_of(name).shape(name)
+
+    def check(self, name: str) -> None:
+        """The tensor's dtype is readable and its bytes lie inside its file (header only)."""
+        self._file_of(name).check(name)
 
     def get(self, name: str) -> np.ndarray:
         return self._file_of(name).get(name)

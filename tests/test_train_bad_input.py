@@ -71,6 +71,11 @@ def inputs(tmp_path_factory, good_run):
     shape = yaml.safe_load(TINY_SHAPE.split("=", 1)[1])
     module = models.init_model(dataclasses.replace(mcfg, **shape), seed=0)
     models.save_pretrained(module, str(d / "hf_good"))
+    shutil.copytree(d / "hf_good", d / "hf_truncated")
+    weights = d / "hf_truncated" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])  # an interrupted download or copy
+    np.save(d / "empty.npy", np.zeros(0, np.uint16))
+    (d / "empty.npy").write_bytes(b"")
     for name, change in (("hf_gpt2", {"model_type": "gpt2"}),
                          ("hf_shapes", {"intermediate_size": 96})):
         shutil.copytree(d / "hf_good", d / name)
@@ -90,6 +95,11 @@ def _corrupt_newest(run_dir: Path) -> None:
             path = Path(root) / name
             if "/d" in root and path.stat().st_size > 64:
                 path.write_bytes(path.read_bytes()[:64])
+
+
+def _fresh(run_dir: Path) -> None:
+    """No run.dir yet: a failing first run must not even create it."""
+    shutil.rmtree(run_dir)
 
 
 def _half_written(run_dir: Path) -> None:
@@ -147,6 +157,19 @@ CASES = [
     ("half-written checkpoint", [],
      "error: checkpoint: checkpoint {run}/checkpoints/4 lacks params: it is corrupt or "
      "half-written; move {run}/checkpoints/4 out of the way to resume from step 2", _half_written),
+    ("empty .npy", ["data.source=tokens", "data.path={inputs}/empty.npy"],
+     "error: data: cannot read '{inputs}/empty.npy' as .npy"),
+    ("truncated HF weights, fresh run.dir", ["model.preset=null", "model.shape={}",
+                                             "model.hf_path={inputs}/hf_truncated"],
+     "error: model: {inputs}/hf_truncated/model.safetensors is truncated: tensor", _fresh),
+    ("HF dir of another type, fresh run.dir", ["model.preset=null", "model.shape={}",
+                                               "model.hf_path={inputs}/hf_gpt2"],
+     "unknown model_type 'gpt2'", _fresh),
+    ("changed seed on resume", ["run.seed=1"],
+     "error: config: run.seed=1 differs from the checkpoint's seed 0"),
+    ("changed optimizer on resume", ["optimizer.clip_norm=null"],
+     "error: checkpoint: checkpoint {run}/checkpoints/4 holds another optimizer state: "
+     "0.0.count has shape absent there and () in this config; the optimizer settings changed"),
     ("resume=false over checkpoints", ["checkpoint.resume=false"],
      "error: config: checkpoint.resume=false but {run}/checkpoints holds steps [1, 2, 4]"),
     ("checkpoint beyond train.steps", ["train.steps=3"],
@@ -203,9 +226,11 @@ def test_bad_input_exits_2_with_one_line_and_touches_nothing(case, good_run, inp
     if extra[:1] == ["--config"]:
         config, extra = extra[:2], extra[2:]
     argv = config + tiny_overrides(run_dir, *BASE, *extra)
+    existed = run_dir.exists()
     before = _snapshot(run_dir, inputs)
     capsys.readouterr()
 
+    jax.clear_caches()  # a program compiled by an earlier case would otherwise go unseen
     compiles.active, compiles.count = True, 0
     try:
         status = cli.main(argv)
@@ -220,6 +245,7 @@ def test_bad_input_exits_2_with_one_line_and_touches_nothing(case, good_run, inp
     assert fill(fragment) in lines[0], lines[0]
     assert "Traceback" not in err
     assert compiles.count == 0, f"{name}: {compiles.count} XLA compilations before the error"
+    assert run_dir.exists() == existed, f"{name}: run.dir was created"
     assert _snapshot(run_dir, inputs) == before, f"{name}: run.dir or inputs changed"
 
 

@@ -39,6 +39,8 @@ def test_two_processes_match_one(tmp_path, mode):
         args = tiny_overrides(
             run_dir, "train.microbatch_size=2", "train.grad_accum=2", "runtime.cpu_devices=4",
             f"parallel.mode={mode}",
+            # a tight watchdog: no false alarm while compiling, exporting or finishing unevenly
+            "runtime.distributed.peer_timeout_s=2", f"checkpoint.export_hf={tmp_path / 'hf'}",
             f"runtime.distributed.coordinator=127.0.0.1:{port}",
             "runtime.distributed.num_processes=2", f"runtime.distributed.process_id={pid}",
         )
@@ -131,3 +133,38 @@ def test_a_failed_peer_stops_the_other_process_with_a_clear_message(tmp_path, vi
             in errors[0], errors[0]
     print(f"{sig.name} process {victim}: the other exited {survivor.returncode} after "
           f"{elapsed:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_process_that_stops_on_bad_input_stops_the_other(tmp_path):
+    """Process 1 alone has a bad data path: it exits 2 with its own line; process 0, waiting for it
+    in a collective, exits 3 naming process 1 and its error (instead of waiting for ever)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    port = _free_port()
+    np.arange(5000, dtype=np.uint16).__mod__(256).astype(np.uint16).tofile(tmp_path / "ok.bin")
+    procs = []
+    for pid, path in ((0, tmp_path / "ok.bin"), (1, tmp_path / "missing.bin")):
+        args = tiny_overrides(
+            tmp_path / "run", "train.microbatch_size=2", "runtime.cpu_devices=4",
+            "data.source=tokens", f"data.path={path}", "runtime.distributed.peer_timeout_s=10",
+            f"runtime.distributed.coordinator=127.0.0.1:{port}",
+            "runtime.distributed.num_processes=2", f"runtime.distributed.process_id={pid}",
+        )
+        procs.append(subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        ))
+    try:
+        errs = [p.communicate(timeout=180)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[1].returncode == 2, errs[1][-3000:]
+    assert errs[1].strip().splitlines() == [
+        f"error: data: token file '{tmp_path / 'missing.bin'}' does not exist"], errs[1][-3000:]
+    assert procs[0].returncode == 3, errs[0][-3000:]
+    lines = [line for line in errs[0].splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "error: peer: process 1 of 2 stopped with an error (DataError: " \
+        "token file" in lines[0], errs[0][-3000:]

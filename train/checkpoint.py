@@ -12,6 +12,7 @@ metadata and refuses one that cannot be read or holds another model's shapes.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -50,10 +51,11 @@ def complete_steps(directory: str) -> list[int]:
                   if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
 
 
-def inspect_latest(run_dir: str, expected_params) -> int | None:
-    """The newest complete checkpoint step in run_dir (None: none), after checking that it can be
-    read and holds parameters of the shapes in `expected_params` (a tree of arrays or
-    ShapeDtypeStructs). Raises CheckpointError naming the checkpoint and what to do.
+def inspect_latest(run_dir: str, expected_params, expected_opt_state) -> tuple[int | None, dict]:
+    """(step, meta) of the newest complete checkpoint in run_dir ((None, {}): none), after checking
+    that its metadata can be read and that its parameters and optimizer state have the shapes of
+    `expected_params` / `expected_opt_state` (trees of arrays or ShapeDtypeStructs). Raises
+    CheckpointError naming the checkpoint and what to do.
 
     Reads files only: no CheckpointManager (its constructor synchronises the processes of a
     multi-process run, which must not depend on what each process happens to see here)."""
@@ -62,7 +64,7 @@ def inspect_latest(run_dir: str, expected_params) -> int | None:
         raise CheckpointError(f"{directory} is a file, not a checkpoint directory; move it away")
     steps = complete_steps(directory)
     if not steps:
-        return None
+        return None, {}
     step = steps[-1]
     path = os.path.join(directory, str(step))
     earlier = (f"move {path} out of the way to resume from step {steps[-2]}"
@@ -72,21 +74,37 @@ def inspect_latest(run_dir: str, expected_params) -> int | None:
         raise CheckpointError(
             f"checkpoint {path} lacks {', '.join(missing)}: it is corrupt or half-written; {earlier}")
     try:
-        metadata = ocp.StandardCheckpointHandler().metadata(epath.Path(path) / "params")
-        found = _param_shapes(metadata)
-    except Exception as e:  # noqa: BLE001 (orbax/tensorstore raise many kinds)
-        detail = " ".join(str(e).split())[:200]
+        handler = ocp.StandardCheckpointHandler()
+        found = _param_shapes(handler.metadata(epath.Path(path) / "params"))
+        found_opt = _param_shapes(handler.metadata(epath.Path(path) / "opt_state"))
+        with open(os.path.join(path, "meta", "metadata")) as f:
+            meta = json.load(f)
+        int(meta["data_step"]), int(meta.get("seed", 0))
+    except Exception as e:  # noqa: BLE001 (orbax/tensorstore/json raise many kinds)
+        detail = " ".join(f"{type(e).__name__}: {e}".split())[:200]
         raise CheckpointError(
             f"checkpoint {path} cannot be read ({detail}): it is corrupt or half-written; {earlier}"
         ) from None
-    wanted = _param_shapes(expected_params)
+    mismatch = _first_difference(found, _param_shapes(expected_params))
+    if mismatch:
+        raise CheckpointError(
+            f"checkpoint {path} holds another model: parameter {mismatch}; use the model it was "
+            "trained with, or a new run.dir")
+    mismatch = _first_difference(found_opt, _param_shapes(expected_opt_state))
+    if mismatch:
+        raise CheckpointError(
+            f"checkpoint {path} holds another optimizer state: {mismatch}; the optimizer settings "
+            "changed since it was written (e.g. optimizer.clip_norm); restore them or use a new "
+            "run.dir")
+    return step, meta
+
+
+def _first_difference(found: dict, wanted: dict) -> str | None:
     for name in sorted(set(found) | set(wanted)):
         if found.get(name) != wanted.get(name):
-            raise CheckpointError(
-                f"checkpoint {path} holds another model: parameter {name} has shape "
-                f"{found.get(name, 'absent')} there and {wanted.get(name, 'absent')} in this "
-                "config; use the model it was trained with, or a new run.dir")
-    return step
+            return (f"{name} has shape {found.get(name, 'absent')} there and "
+                    f"{wanted.get(name, 'absent')} in this config")
+    return None
 
 
 class Checkpointer:

@@ -3,7 +3,8 @@
 Exit status 0 on success (also after SIGINT/SIGTERM: the current step finishes and is
 checkpointed); 2 with one line on stderr for a config, layout, model, data or checkpoint error (no
 traceback), detected before anything compiles or is written to run.dir; 1 when training stops on
-a non-finite loss (train.on_nonfinite=stop); 3 when a peer process of a multi-process run fails.
+a non-finite loss (train.on_nonfinite=stop); 3 when a peer process of a multi-process run fails
+(train.peers; when the coordinator process dies, JAX aborts the others itself: SIGABRT).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 
 from .config import ConfigError, load_config
 
@@ -39,18 +41,26 @@ class _HeldUnraisable:
     exit those would bury the one-line message, so they are dropped then and replayed otherwise."""
 
     def __init__(self):
-        self.reports = []
+        self.reports: list[str] = []
+
+    def _hold(self, report) -> None:
+        # kept as text: the report's traceback would keep its frames (and their arrays) alive
+        text = "".join(traceback.format_exception(report.exc_type, report.exc_value,
+                                                  report.exc_traceback))
+        self.reports.append(f"Exception ignored in: {report.object!r}\n{text}")
 
     def __enter__(self):
         self._previous = sys.unraisablehook
-        sys.unraisablehook = self.reports.append
+        sys.unraisablehook = self._hold
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        sys.unraisablehook = self._previous
         if exc_type is None:
-            for report in self.reports:
-                self._previous(report)
+            sys.unraisablehook = self._previous
+            for text in self.reports:
+                sys.stderr.write(text)
+        else:  # the process is about to exit with its one line: stay quiet until it has
+            sys.unraisablehook = lambda report: None
         return False
 
 

@@ -457,9 +457,10 @@ def validate(cfg: Config) -> None:
         )
 
     dist = cfg.runtime.distributed
-    if dist.peer_timeout_s < 0:
+    if dist.peer_timeout_s != 0 and dist.peer_timeout_s < 2:
         raise ConfigError(
-            f"runtime.distributed.peer_timeout_s must be >= 0 (0 disables), got {dist.peer_timeout_s}")
+            f"runtime.distributed.peer_timeout_s must be 0 (off) or at least 2 seconds, got "
+            f"{dist.peer_timeout_s:g}")
     if dist.coordinator and (dist.num_processes is None or dist.process_id is None):
         raise ConfigError(
             "runtime.distributed.coordinator needs num_processes and process_id as well"

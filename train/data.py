@@ -97,7 +97,7 @@ def _load_token_file(path: str, dtype: str) -> np.ndarray:
     if path.endswith(".npy"):
         try:
             arr = np.load(path, mmap_mode="r")
-        except ValueError as e:
+        except (ValueError, EOFError, OSError) as e:  # not .npy, empty, truncated
             raise DataError(f"cannot read {path!r} as .npy: {str(e).splitlines()[0]}") from None
         if arr.ndim != 1 or arr.dtype not in (np.uint16, np.uint32, np.int32, np.int64):
             raise DataError(
@@ -118,7 +118,7 @@ def _read_documents(path: str, source: str, text_key: str) -> list[str]:
     with open(path, "rb") as f:  # decoded line by line, so an error names its line
         for lineno, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # drop a leading BOM
             except UnicodeDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not UTF-8 text ({e.reason})") from None
             if not line.strip():

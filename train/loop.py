@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import threading
 import time
@@ -90,11 +91,19 @@ def check_output_paths(cfg: Config, run_dir: str) -> None:
     for key, path in (("run.dir", run_dir), ("checkpoint.export_hf", cfg.checkpoint.export_hf)):
         if path and os.path.exists(path) and not os.path.isdir(path):
             raise ConfigError(f"{key} {path!r} is a file, not a directory; choose another path")
-    parent = os.path.dirname(run_dir)
-    while parent and not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if parent and not os.access(parent, os.W_OK):
-        raise ConfigError(f"run.dir {run_dir!r} cannot be created: {parent} is not writable")
+    for key, path in (("run.dir", run_dir), ("checkpoint.export_hf", cfg.checkpoint.export_hf)):
+        if not path:
+            continue
+        if os.path.isdir(path):
+            if not os.access(path, os.W_OK):
+                raise ConfigError(f"{key} {path!r} is not writable; fix its permissions or "
+                                  "choose another path")
+            continue
+        parent = os.path.dirname(os.path.abspath(path))
+        while parent and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if parent and not os.access(parent, os.W_OK):
+            raise ConfigError(f"{key} {path!r} cannot be created: {parent} is not writable")
 
 
 class StopRequest:
@@ -167,12 +176,17 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
         try:
             return _run(cfg, stop_at)
         except jax.errors.JaxRuntimeError as e:
-            if jax.process_count() == 1:
-                raise
             first = " ".join(str(e).split())[:300]
+            if jax.process_count() == 1 or not LOST_PEER.search(first):
+                raise  # e.g. out of memory: not a peer's fault
             raise PeerFailure(
                 f"a collective failed ({first}): another process has probably crashed or was "
                 f"killed; see its log. {resume_advice()}") from None
+
+
+# How a collective reports a peer that went away (gloo on CPU, NCCL on GPU, the gRPC transport).
+LOST_PEER = re.compile(r"gloo|nccl|connection (closed|reset|refused)|closed by peer|socket closed|"
+                       r"UNAVAILABLE|broken pipe|peer", re.IGNORECASE)
 
 
 class PeerFailure(RuntimeError):
@@ -211,15 +225,21 @@ def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
             attn_impl=cfg.model.attn_impl, remat=cfg.model.remat, ring=layout.ring, zigzag=zigzag,
         )
 
+    tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
     latest = None
     if cfg.checkpoint.resume:
         expected = nnx.to_pure_dict(
             nnx.state(models.abstract_model(mcfg, param_dtype=param_dtype), nnx.Param))
-        latest = inspect_latest(run_dir, expected)
+        latest, meta = inspect_latest(run_dir, expected, jax.eval_shape(tx.init, expected))
         if latest is not None and latest > cfg.train.steps:
             raise ConfigError(
                 f"run.dir holds a checkpoint of step {latest}, beyond train.steps={cfg.train.steps}; "
                 "raise train.steps or use a new run.dir"
+            )
+        if latest is not None and int(meta.get("seed", cfg.run.seed)) != cfg.run.seed:
+            raise ConfigError(
+                f"run.seed={cfg.run.seed} differs from the checkpoint's seed {meta['seed']}; "
+                "a resumed run must keep its seed (or use a new run.dir)"
             )
     else:
         existing = complete_steps(checkpoint_dir(run_dir))
@@ -230,10 +250,10 @@ def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
                 "or resume (checkpoint.resume=true)"
             )
 
-    ckpt = Checkpointer(run_dir, cfg.checkpoint, cfg.train.steps)  # creates run.dir/checkpoints
-
-    try:  # close the manager (its threads) when loading fails
-        tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
+    # ---- build or load the state; a checkpoint that fails to restore (damaged array data, which
+    # no metadata shows) still stops here, before the train step compiles and before any write
+    ckpt = None
+    try:
         if latest is None and cfg.model.hf_path and cfg.model.load_weights:
             module = models.from_pretrained(
                 cfg.model.hf_path, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
@@ -246,6 +266,7 @@ def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
             parts = build_model(make, mesh, strategy, init_params=latest is None)
         param_sh = tree_shardings(parts.params, mesh, strategy)
         abs_opt, opt_sh = opt_state_shardings(tx, parts.params, mesh, strategy)
+        ckpt = Checkpointer(run_dir, cfg.checkpoint, cfg.train.steps)  # creates run.dir/checkpoints
 
         start = 0
         if latest is not None:
@@ -254,16 +275,12 @@ def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
             )
             parts.params = params
             start = int(meta["data_step"])
-            if int(meta.get("seed", cfg.run.seed)) != cfg.run.seed:
-                raise ConfigError(
-                    f"run.seed={cfg.run.seed} differs from the checkpoint's seed {meta['seed']}; "
-                    "a resumed run must keep its seed (or use a new run.dir)"
-                )
         else:
             opt_state = init_opt_state(tx, parts.params, opt_sh)
         params = parts.params
     except BaseException:
-        ckpt.close()
+        if ckpt is not None:
+            ckpt.close()  # its threads
         raise
 
     # ---- the checks passed and the state is in place: only now is run.dir written

@@ -1,13 +1,18 @@
-"""Notice a dead peer in a multi-process run instead of hanging in a collective.
+"""Notice a dead, frozen or failed peer in a multi-process run instead of hanging in a collective.
 
-When one process of a multi-process run dies, the others block in their next collective and wait
-forever (gloo on CPU, and NCCL on GPU without a timeout); JAX's own heartbeat kills them only after
+When one process of a multi-process run dies, the others block in their next collective and may
+wait forever (a frozen peer never closes its connections); JAX's own heartbeat ends them only after
 minutes, with a C++ stack trace. Here every process bumps its own counter in the JAX distributed
-key-value store from a daemon thread and watches the others' counters. A peer whose counter has not
-moved for `timeout_s`, or a coordinator (process 0, which hosts the store) that stops answering
-for that long, ends this process with one line on stderr and exit status 3. It leaves through
-os._exit because the main thread may be stuck in a collective that can never complete; checkpoint
-saves are atomic, so the newest complete checkpoint is intact and a rerun resumes from it.
+key-value store and watches the others':
+
+    a peer whose counter has not moved for timeout_s          -> exit status 3, one line
+    a peer that reported an error (failed/<rank> in the store) -> exit status 3, with its error line
+    the store (hosted by process 0) unanswered for timeout_s   -> exit status 3, one line
+
+Two daemon threads: the beater talks to the store (a call to a frozen coordinator may block) and
+the judge only compares timestamps, so a verdict never waits on the network. The process leaves
+through os._exit because its main thread may be stuck in a collective that can never complete;
+checkpoint saves are atomic, so the newest complete checkpoint is intact and a rerun resumes.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import time
 from typing import Callable
 
 PEER_FAILURE_STATUS = 3
+MIN_TIMEOUT_S = 2.0
 _PREFIX = "basp_jax/peers"
 
 
@@ -28,79 +34,152 @@ def _client():
     return distributed.global_state.client
 
 
+def _try_get(client, key: str) -> str | None:
+    try:
+        return client.key_value_try_get(key)
+    except Exception:  # noqa: BLE001 (NOT_FOUND: the key does not exist yet)
+        return None
+
+
 class PeerWatchdog:
     """Context manager: watches the peers while the block runs (no-op in a single process).
 
-    describe_resume() returns the advice printed with the error (e.g. the newest checkpoint).
+    describe_resume() returns the advice printed with the error (e.g. the newest checkpoint). A
+    peer that has not beaten yet gets max(timeout_s, startup_grace_s) (imports and the first
+    compile take longer on some hosts). On leaving the block each process records `done` or
+    `failed` (with its error line) in the store; process 0, which hosts the store, then waits up
+    to exit_grace_s for the others to record theirs, so a bad input every host hits gives every
+    host its own message rather than an abort when the coordinator vanishes.
     """
 
-    def __init__(self, timeout_s: float, describe_resume: Callable[[], str], interval_s: float = 1.0):
+    def __init__(self, timeout_s: float, describe_resume: Callable[[], str], *,
+                 interval_s: float = 1.0, startup_grace_s: float = 120.0,
+                 exit_grace_s: float = 30.0):
         import jax
 
         self.timeout_s = timeout_s
-        self.interval_s = min(interval_s, timeout_s / 4)
+        self.interval_s = min(interval_s, timeout_s / 4) if timeout_s > 0 else interval_s
+        self.startup_grace_s = max(startup_grace_s, timeout_s)
+        self.exit_grace_s = exit_grace_s
         self.describe_resume = describe_resume
         self.process = jax.process_index()
         self.count = jax.process_count()
+        self.peers = [p for p in range(self.count) if p != self.process]
+        self.active = self.count > 1 and timeout_s > 0
         self._stop = threading.Event()
-        self._thread = None
+        self._lock = threading.Lock()
+        self._store_ok = time.monotonic()
+        self._last_change: dict[int, float | None] = {p: None for p in self.peers}
+        self._finished: set[int] = set()
+        self._failed: dict[int, str] = {}
+        self._threads: list[threading.Thread] = []
+
+    # ---------------------------------------------------------------- lifecycle
 
     def __enter__(self):
-        if self.count > 1 and self.timeout_s > 0:
-            self._thread = threading.Thread(target=self._watch, name="peer-watchdog", daemon=True)
-            self._thread.start()
+        if self.active:
+            self._started = time.monotonic()
+            self._store_ok = self._started
+            for target, name in ((self._beat, "peer-beater"), (self._judge, "peer-judge")):
+                thread = threading.Thread(target=target, name=name, daemon=True)
+                thread.start()
+                self._threads.append(thread)
         return self
 
-    def __exit__(self, *exc):
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            try:  # tell the others this process ended on purpose (it stops beating now)
-                _client().key_value_set(f"{_PREFIX}/done/{self.process}", "1", allow_overwrite=True)
-            except Exception:  # noqa: BLE001 (the run is over either way)
-                pass
+    def __exit__(self, exc_type, exc, tb):
+        if not self.active:
+            return False
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        key, value = ("done", "1") if exc_type is None else \
+            ("failed", " ".join(f"{exc_type.__name__}: {exc}".split())[:500])
+        self._in_background(lambda c: c.key_value_set(f"{_PREFIX}/{key}/{self.process}", value,
+                                                       allow_overwrite=True), timeout=5)
+        if self.process == 0:
+            self._in_background(self._wait_for_peers_to_end, timeout=self.exit_grace_s + 5)
         return False
 
+    def _in_background(self, fn, timeout: float) -> None:
+        """fn(client) on a daemon thread, waited for at most `timeout` s (the store may hang)."""
+        def call():
+            try:
+                fn(_client())
+            except Exception:  # noqa: BLE001 (the run is ending either way)
+                pass
+        thread = threading.Thread(target=call, daemon=True)
+        thread.start()
+        thread.join(timeout=timeout)
+
+    def _wait_for_peers_to_end(self, client) -> None:
+        deadline = time.monotonic() + self.exit_grace_s
+        pending = set(self.peers)
+        while pending and time.monotonic() < deadline:
+            pending = {p for p in pending if _try_get(client, f"{_PREFIX}/done/{p}") is None
+                       and _try_get(client, f"{_PREFIX}/failed/{p}") is None}
+            time.sleep(0.2)
+
+    # ---------------------------------------------------------------- threads
+
+    def _beat(self) -> None:
+        client = _client()
+        beat = 0
+        last_value = {p: None for p in self.peers}
+        while not self._stop.wait(self.interval_s):
+            try:
+                beat += 1
+                client.key_value_set(f"{_PREFIX}/beat/{self.process}", str(beat),
+                                     allow_overwrite=True)
+                for peer in self.peers:
+                    failed = _try_get(client, f"{_PREFIX}/failed/{peer}")
+                    done = _try_get(client, f"{_PREFIX}/done/{peer}")
+                    value = _try_get(client, f"{_PREFIX}/beat/{peer}")
+                    now = time.monotonic()
+                    with self._lock:
+                        if failed is not None:
+                            self._failed[peer] = failed
+                        if done is not None:
+                            self._finished.add(peer)
+                        if value is not None and value != last_value[peer]:
+                            last_value[peer] = value
+                            self._last_change[peer] = now
+                with self._lock:
+                    self._store_ok = time.monotonic()
+            except Exception:  # noqa: BLE001 (the store is unreachable: the judge decides)
+                continue
+
+    def _judge(self) -> None:
+        while not self._stop.wait(self.interval_s / 2):
+            now = time.monotonic()
+            with self._lock:
+                failed = dict(self._failed)
+                silent = [p for p in self.peers if p not in self._finished and p not in failed
+                          and self._silent_for(p, now) > self._allowed(p)]
+                store_silent = now - self._store_ok
+            if failed:
+                peer, reason = sorted(failed.items())[0]
+                self._fail(f"process {peer} of {self.count} stopped with an error ({reason})")
+            if store_silent > self.timeout_s:
+                self._fail(f"the coordinator (process 0 of {self.count}) has not answered for "
+                           f"{self.timeout_s:g} s; it has probably crashed, frozen or was killed")
+            if silent:
+                names = ", ".join(str(p) for p in silent)
+                self._fail(f"process {names} of {self.count} has sent no heartbeat for "
+                           f"{self.timeout_s:g} s; it has probably crashed, frozen or was killed")
+
+    def _silent_for(self, peer: int, now: float) -> float:
+        last = self._last_change[peer]
+        return now - (self._started if last is None else last)
+
+    def _allowed(self, peer: int) -> float:
+        return self.startup_grace_s if self._last_change[peer] is None else self.timeout_s
+
     def _fail(self, what: str) -> None:
+        # tell the others (and let process 0 stop waiting for us) before leaving
+        self._in_background(lambda c: c.key_value_set(f"{_PREFIX}/failed/{self.process}",
+                                                       f"it lost a peer: {what}"[:500],
+                                                       allow_overwrite=True), timeout=2)
         print(f"error: peer: {what}; this process stops too (exit status {PEER_FAILURE_STATUS}). "
               f"{self.describe_resume()}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(PEER_FAILURE_STATUS)
-
-    def _watch(self) -> None:
-        client = _client()
-        beat = 0
-        now = time.monotonic()
-        last_value = {p: None for p in range(self.count) if p != self.process}
-        last_change = {p: now for p in last_value}
-        store_ok = now
-        while not self._stop.wait(self.interval_s):
-            now = time.monotonic()
-            try:
-                beat += 1
-                client.key_value_set(f"{_PREFIX}/beat/{self.process}", str(beat), allow_overwrite=True)
-                for peer in last_value:
-                    try:
-                        if client.key_value_try_get(f"{_PREFIX}/done/{peer}"):
-                            last_change[peer] = now  # it finished normally
-                            continue
-                    except Exception:  # noqa: BLE001 (not done: the key does not exist)
-                        pass
-                    try:
-                        value = client.key_value_try_get(f"{_PREFIX}/beat/{peer}")
-                    except Exception:  # noqa: BLE001 (no beat yet)
-                        value = None
-                    if value != last_value[peer]:
-                        last_value[peer], last_change[peer] = value, now
-                store_ok = now
-            except Exception as e:  # noqa: BLE001 (the store itself is unreachable)
-                if now - store_ok > self.timeout_s:
-                    self._fail(f"the coordinator (process 0 of {self.count}) has not answered for "
-                               f"{self.timeout_s:.0f} s ({type(e).__name__}); it has probably "
-                               "crashed or was killed")
-                continue
-            dead = [p for p in last_value if now - last_change[p] > self.timeout_s]
-            if dead:
-                names = ", ".join(str(p) for p in dead)
-                self._fail(f"process {names} of {self.count} has sent no heartbeat for "
-                           f"{self.timeout_s:.0f} s; it has probably crashed or was killed")

@@ -19,8 +19,7 @@ from pathlib import Path
 try:
     import matplotlib
 except ImportError:  # not a dependency of training itself
-    sys.stderr.write("error: plot: needs matplotlib: pip install -e '.[plot]'\n")
-    raise SystemExit(2) from None
+    raise ImportError("train.plot needs matplotlib: pip install -e '.[plot]'") from None
 
 matplotlib.use("Agg")  # files only: no display on clusters and in CI
 import matplotlib.pyplot as plt  # noqa: E402

@@ -71,7 +71,10 @@ def build_model(make: Callable[[], nnx.Module], mesh: Mesh, strategy: str, *,
         _, params, rest = nnx.split(make(), nnx.Param, ...)
         return (nnx.to_pure_dict(params) if init_params else None), nnx.to_pure_dict(rest)
 
-    params, rest = jax.jit(init, out_shardings=(param_sh if init_params else None, rest_sh))()
+    if not init_params and not jax.tree.leaves(abs_rest):
+        params, rest = None, pure_rest  # a restore target alone: nothing to compute or compile
+    else:
+        params, rest = jax.jit(init, out_shardings=(param_sh if init_params else None, rest_sh))()
     if not init_params:
         params = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), pure_params, param_sh
