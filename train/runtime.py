@@ -5,7 +5,10 @@
                      run through jax.distributed.initialize when the config or environment says so:
                      runtime.distributed.{coordinator,num_processes,process_id}, or the variables
                      JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a cluster that
-                     jax detects itself (SLURM, ...) with runtime.distributed.enabled=true
+                     jax detects itself (SLURM, Open MPI) with runtime.distributed.enabled=true.
+                     Under such a launcher JAX assumes one process per GPU; with one process per
+                     node set JAX_LOCAL_DEVICE_IDS to all of the node's GPUs (as
+                     scripts/slurm_train.sbatch does), or each process gets one GPU.
 """
 
 from __future__ import annotations
