@@ -30,24 +30,12 @@ def test_two_processes_match_one(tmp_path, mode):
     """basp: each process holds whole rows (its group); ulysses: half of every row's sequence."""
     reference = run(tiny_config(tmp_path / "single", "train.microbatch_size=2", "train.grad_accum=2"))
 
-    port = _free_port()
     run_dir = tmp_path / "multi"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    procs = []
-    for pid in range(2):
-        args = tiny_overrides(
-            run_dir, "train.microbatch_size=2", "train.grad_accum=2", "runtime.cpu_devices=4",
-            f"parallel.mode={mode}",
-            # a tight watchdog: no false alarm while compiling, exporting or finishing unevenly
-            "runtime.distributed.peer_timeout_s=2", f"checkpoint.export_hf={tmp_path / 'hf'}",
-            f"runtime.distributed.coordinator=127.0.0.1:{port}",
-            "runtime.distributed.num_processes=2", f"runtime.distributed.process_id={pid}",
-        )
-        procs.append(subprocess.Popen(
-            [sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))
+    procs = _launch(
+        run_dir, "train.grad_accum=2", f"parallel.mode={mode}",
+        # a tight watchdog: no false alarm while compiling, exporting or finishing unevenly
+        "runtime.distributed.peer_timeout_s=2", f"checkpoint.export_hf={tmp_path / 'hf'}",
+    )
     outputs = []
     try:
         for p in procs:
@@ -68,19 +56,23 @@ def test_two_processes_match_one(tmp_path, mode):
     assert (run_dir / "checkpoints" / "5").is_dir()
 
 
-def _start_pair(run_dir, port, *extra):
+def _launch(run_dir, *extra, per_process=((), ())) -> list[subprocess.Popen]:
+    """Processes 0 and 1 of a 2 x 4-device run (jax.distributed on localhost, gloo) with `extra`
+    overrides, and per_process[i] for process i alone."""
+    port = _free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     procs = []
     for pid in range(2):
         args = tiny_overrides(
-            run_dir, "train.steps=100000", "train.microbatch_size=2", "runtime.cpu_devices=4",
-            "checkpoint.every=3", f"runtime.distributed.coordinator=127.0.0.1:{port}",
-            "runtime.distributed.num_processes=2", f"runtime.distributed.process_id={pid}", *extra,
+            run_dir, "train.microbatch_size=2", "runtime.cpu_devices=4",
+            f"runtime.distributed.coordinator=127.0.0.1:{port}",
+            "runtime.distributed.num_processes=2", f"runtime.distributed.process_id={pid}",
+            *extra, *per_process[pid],
         )
         procs.append(subprocess.Popen(
             [sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         ))
     return procs
 
@@ -105,7 +97,8 @@ def test_a_failed_peer_stops_the_other_process_with_a_clear_message(tmp_path, vi
     """Kill or freeze one process mid-training: the other exits non-zero with a message that says
     what happened, within two minutes (not a hang)."""
     run_dir = tmp_path / "run"
-    procs = _start_pair(run_dir, _free_port(), "runtime.distributed.peer_timeout_s=10")
+    procs = _launch(run_dir, "train.steps=100000", "checkpoint.every=3",
+                    "runtime.distributed.peer_timeout_s=10")
     try:
         metrics = run_dir / "metrics.jsonl"
         deadline = time.monotonic() + 240
@@ -139,22 +132,12 @@ def test_a_failed_peer_stops_the_other_process_with_a_clear_message(tmp_path, vi
 def test_a_process_that_stops_on_bad_input_stops_the_other(tmp_path):
     """Process 1 alone has a bad data path: it exits 2 with its own line; process 0, waiting for it
     in a collective, exits 3 naming process 1 and its error (instead of waiting for ever)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    port = _free_port()
     np.arange(5000, dtype=np.uint16).__mod__(256).astype(np.uint16).tofile(tmp_path / "ok.bin")
-    procs = []
-    for pid, path in ((0, tmp_path / "ok.bin"), (1, tmp_path / "missing.bin")):
-        args = tiny_overrides(
-            tmp_path / "run", "train.microbatch_size=2", "runtime.cpu_devices=4",
-            "data.source=tokens", f"data.path={path}", "runtime.distributed.peer_timeout_s=10",
-            f"runtime.distributed.coordinator=127.0.0.1:{port}",
-            "runtime.distributed.num_processes=2", f"runtime.distributed.process_id={pid}",
-        )
-        procs.append(subprocess.Popen(
-            [sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        ))
+    procs = _launch(
+        tmp_path / "run", "data.source=tokens", "runtime.distributed.peer_timeout_s=10",
+        per_process=([f"data.path={tmp_path / 'ok.bin'}"],
+                     [f"data.path={tmp_path / 'missing.bin'}"]),
+    )
     try:
         errs = [p.communicate(timeout=180)[1] for p in procs]
     finally:

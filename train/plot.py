@@ -125,19 +125,18 @@ def bench_figure(results: list[dict], out: str | Path) -> Path:
     except (KeyError, IndexError, TypeError) as e:
         raise PlotError(f"not a results list of benchmarks/emulated_cluster.py (missing {e})") from None
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, times in step_times.items():
-        left.plot(labels, times, marker="o", label=name)
-    left.set_ylabel("median step time (s)")
-    left.set_xlabel("inter-host link")
-    left.set_title("training step, 2 hosts x 4 devices")
-    left.legend()
-    for mode, times in a2a_times.items():
-        right.plot(labels, times, marker="o", label=mode)
-    right.set_ylabel("attention all-to-alls per step (s)")
-    right.set_xlabel("inter-host link")
-    right.set_title("all-to-alls alone")
-    right.legend()
+    _rate_panel(left, labels, step_times, "median step time (s)", "training step, 2 hosts x 4 devices")
+    _rate_panel(right, labels, a2a_times, "attention all-to-alls per step (s)", "all-to-alls alone")
     return _save(fig, out)
+
+
+def _rate_panel(ax, labels: list[str], series: dict[str, list[float]], ylabel: str, title: str):
+    for name, times in series.items():
+        ax.plot(labels, times, marker="o", label=name)
+    ax.set_ylabel(ylabel)
+    ax.set_xlabel("inter-host link")
+    ax.set_title(title)
+    ax.legend()
 
 
 def read_bench(path: str | Path) -> list[dict]:
