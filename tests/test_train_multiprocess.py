@@ -1,6 +1,7 @@
 """2 processes x 4 CPU devices (jax.distributed on localhost, gloo) train like 1 process x 8."""
 
 import json
+import re
 import os
 import signal
 import socket
@@ -151,3 +152,45 @@ def test_a_process_that_stops_on_bad_input_stops_the_other(tmp_path):
     lines = [line for line in errs[0].splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "error: peer: process 1 of 2 stopped with an error (DataError: " \
         "token file" in lines[0], errs[0][-3000:]
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resumes(tmp_path):
+    """A scheduler's SIGTERM may reach one process only (or first): both finish the same step,
+    save it, exit 0; the same command again resumes there and ends with the reference losses."""
+    steps = 40
+    reference = run(tiny_config(tmp_path / "single", "train.microbatch_size=2",
+                                f"train.steps={steps}"))["losses"]
+    run_dir = tmp_path / "run"
+    args = (f"train.steps={steps}", "checkpoint.every=1000")
+    procs = _launch(run_dir, *args)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.02)
+        procs[1].send_signal(signal.SIGTERM)
+        outputs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    match = re.search(r"received a stop signal on another process: finished step (\d+) and saved",
+                      outputs[0][1])
+    assert match, outputs[0][1][-3000:]
+    stopped = int(match.group(1))
+    assert 3 <= stopped < steps
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()
+                  if p.name.isdigit())[-1] == stopped
+
+    procs = _launch(run_dir, *args)
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    assert f"at step {stopped}" in outputs[0][1]
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    np.testing.assert_allclose(losses, reference, rtol=2e-5)

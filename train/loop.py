@@ -112,8 +112,23 @@ class StopRequest:
     thread and restored on exit."""
 
     def __init__(self):
-        self.requested: str | None = None
+        self.requested: str | None = None  # the signal this process received
+        self.stopped = False  # all processes agreed to stop
         self._previous = {}
+
+    def agreed(self) -> bool:
+        """Whether to stop after this step. In a multi-process run every process must stop after
+        the same step (the checkpoint save is collective, and a process that left early would
+        strand the others in the next step's collectives), yet a scheduler's signals reach the
+        processes at different moments: so they exchange their flags once per step (a few bytes
+        between hosts) and stop together when any of them was signalled."""
+        flag = self.requested is not None
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            flag = bool(np.any(multihost_utils.process_allgather(np.array(flag))))
+        self.stopped = flag
+        return flag
 
     def _handle(self, signum, frame):
         self.requested = signal.Signals(signum).name
@@ -367,16 +382,18 @@ def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
                 meta = {"step": step + 1, "data_step": step + 1, "seed": cfg.run.seed,
                         "layout": layout.describe()}
                 last = step + 1 == end
+                stopping = stop.agreed()
                 ckpt.save(step + 1, params, opt_state, meta,
-                          force=stop.requested
+                          force=stopping
                           or (last and (cfg.checkpoint.save_final or step + 1 < cfg.train.steps)))
-                if stop.requested and not last:
+                if stopping and not last:
                     logger.message(
-                        f"received {stop.requested}: finished step {step + 1} and saved a "
-                        "checkpoint; run the same command again to resume")
+                        f"received {stop.requested or 'a stop signal on another process'}: "
+                        f"finished step {step + 1} and saved a checkpoint; run the same command "
+                        "again to resume")
                     break
         ckpt.wait()
-        if cfg.checkpoint.export_hf and not stop.requested:
+        if cfg.checkpoint.export_hf and not stop.stopped:
             export_dir = os.path.abspath(cfg.checkpoint.export_hf)
             # every process takes part (shards are gathered one at a time); process 0 writes
             models.save_pretrained(parts.module(params), export_dir)
