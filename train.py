@@ -3,4 +3,4 @@
 from train.cli import exit_with, main
 
 if __name__ == "__main__":
-    exit_with(main())
+    exit_with(main(exiting=True))

@@ -35,7 +35,7 @@ def test_two_processes_match_one(tmp_path, mode):
     procs = _launch(
         run_dir, "train.grad_accum=2", f"parallel.mode={mode}",
         # a tight watchdog: no false alarm while compiling, exporting or finishing unevenly
-        "runtime.distributed.peer_timeout_s=2", f"checkpoint.export_hf={tmp_path / 'hf'}",
+        "runtime.distributed.peer_timeout_s=5", f"checkpoint.export_hf={tmp_path / 'hf'}",
     )
     outputs = []
     try:
@@ -118,7 +118,9 @@ def test_a_failed_peer_stops_the_other_process_with_a_clear_message(tmp_path, vi
                 p.kill()
             p.wait()
     assert survivor.returncode == status, err[-3000:]
-    assert elapsed < 120
+    # peer_timeout_s (10 s, for the frozen peer) + at most 5 s that process 0 waits to see a
+    # peer's end before leaving + slack for a loaded machine; well below the two-minute bound
+    assert elapsed < 30, elapsed
     assert fragment in err, err[-3000:]
     if status == 3:  # our own message: one line, with what to do
         errors = [line for line in err.splitlines() if line.startswith("error:")]

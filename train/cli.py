@@ -38,9 +38,13 @@ def _fail(kind: str, err: Exception) -> int:
 class _HeldUnraisable:
     """Holds 'Exception ignored in ...' reports while training. After a failed checkpoint read,
     orbax's asyncio callbacks report 'Event loop is closed' from background threads; on an error
-    exit those would bury the one-line message, so they are dropped then and replayed otherwise."""
+    with a one-line message those would bury it, so they are dropped then, and replayed after
+    success or an unexpected exception. With `exiting` (python train.py, which ends right after)
+    reports stay silenced after a one-line error until the process is gone."""
 
-    def __init__(self):
+    def __init__(self, expected: tuple[type, ...], exiting: bool):
+        self.expected = expected
+        self.exiting = exiting
         self.reports: list[str] = []
 
     def _hold(self, report) -> None:
@@ -55,16 +59,18 @@ class _HeldUnraisable:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            sys.unraisablehook = self._previous
+        one_line_error = exc_type is not None and issubclass(exc_type, self.expected)
+        sys.unraisablehook = (lambda report: None) if one_line_error and self.exiting \
+            else self._previous
+        if not one_line_error:
             for text in self.reports:
                 sys.stderr.write(text)
-        else:  # the process is about to exit with its one line: stay quiet until it has
-            sys.unraisablehook = lambda report: None
         return False
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
+    """Run the command line; returns the exit status. exiting: the process ends right after (the
+    script entry), so library threads are kept quiet after an error line."""
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -84,9 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     from .loop import NonFiniteError, PeerFailure, run
     from .peers import PEER_FAILURE_STATUS
 
-    held = _HeldUnraisable()
+    one_line = (ConfigError, LayoutError, ModelError, DataError, CheckpointError, PeerFailure,
+                NonFiniteError)
     try:
-        with held:
+        with _HeldUnraisable(one_line, exiting):
             run(cfg)
     except ConfigError as e:
         return _fail("config", e)
@@ -120,4 +127,4 @@ def exit_with(status: int) -> None:
 
 
 if __name__ == "__main__":
-    exit_with(main())
+    exit_with(main(exiting=True))

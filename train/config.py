@@ -457,10 +457,10 @@ def validate(cfg: Config) -> None:
         )
 
     dist = cfg.runtime.distributed
-    if dist.peer_timeout_s != 0 and dist.peer_timeout_s < 2:
+    if dist.peer_timeout_s != 0 and dist.peer_timeout_s < MIN_PEER_TIMEOUT_S:
         raise ConfigError(
-            f"runtime.distributed.peer_timeout_s must be 0 (off) or at least 2 seconds, got "
-            f"{dist.peer_timeout_s:g}")
+            f"runtime.distributed.peer_timeout_s must be 0 (off) or at least {MIN_PEER_TIMEOUT_S:g} "
+            f"seconds, got {dist.peer_timeout_s:g}")
     if dist.coordinator and (dist.num_processes is None or dist.process_id is None):
         raise ConfigError(
             "runtime.distributed.coordinator needs num_processes and process_id as well"
@@ -477,6 +477,9 @@ def validate(cfg: Config) -> None:
             f"[0, num_processes={dist.num_processes})"
         )
 
+
+# train.peers polls the peers every min(1 s, timeout / 4); shorter timeouts would fire on noise
+MIN_PEER_TIMEOUT_S = 2.0
 
 # Peak dense bf16 FLOP/s per device (no sparsity), for MFU.
 PEAK_FLOPS = {

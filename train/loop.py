@@ -200,8 +200,8 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
 
 
 # How a collective reports a peer that went away (gloo on CPU, NCCL on GPU, the gRPC transport).
-LOST_PEER = re.compile(r"gloo|nccl|connection (closed|reset|refused)|closed by peer|socket closed|"
-                       r"UNAVAILABLE|broken pipe|peer", re.IGNORECASE)
+LOST_PEER = re.compile(r"connection (closed|reset|refused)|closed by peer|socket closed|"
+                       r"broken pipe|remote process exited|UNAVAILABLE|heartbeat", re.IGNORECASE)
 
 
 class PeerFailure(RuntimeError):

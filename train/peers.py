@@ -24,21 +24,14 @@ import time
 from typing import Callable
 
 PEER_FAILURE_STATUS = 3
-MIN_TIMEOUT_S = 2.0
 _PREFIX = "basp_jax/peers"
+_generation = 0  # watchdogs made by this process: keys of an earlier run() in it stay apart
 
 
 def _client():
     from jax._src import distributed  # the client of jax.distributed.initialize
 
     return distributed.global_state.client
-
-
-def _try_get(client, key: str) -> str | None:
-    try:
-        return client.key_value_try_get(key)
-    except Exception:  # noqa: BLE001 (NOT_FOUND: the key does not exist yet)
-        return None
 
 
 class PeerWatchdog:
@@ -57,9 +50,13 @@ class PeerWatchdog:
                  exit_grace_s: float = 30.0):
         import jax
 
+        global _generation
+        _generation += 1  # every process makes its watchdogs in the same order
+        self.prefix = f"{_PREFIX}/{_generation}"
         self.timeout_s = timeout_s
         self.interval_s = min(interval_s, timeout_s / 4) if timeout_s > 0 else interval_s
         self.startup_grace_s = max(startup_grace_s, timeout_s)
+        self.failure_grace_s = 3.0
         self.exit_grace_s = exit_grace_s
         self.describe_resume = describe_resume
         self.process = jax.process_index()
@@ -72,6 +69,7 @@ class PeerWatchdog:
         self._last_change: dict[int, float | None] = {p: None for p in self.peers}
         self._finished: set[int] = set()
         self._failed: dict[int, str] = {}
+        self._failed_seen: dict[int, float] = {}
         self._threads: list[threading.Thread] = []
 
     # ---------------------------------------------------------------- lifecycle
@@ -94,8 +92,8 @@ class PeerWatchdog:
             thread.join(timeout=5)
         key, value = ("done", "1") if exc_type is None else \
             ("failed", " ".join(f"{exc_type.__name__}: {exc}".split())[:500])
-        self._in_background(lambda c: c.key_value_set(f"{_PREFIX}/{key}/{self.process}", value,
-                                                       allow_overwrite=True), timeout=5)
+        self._in_background(lambda c: c.key_value_set(f"{self.prefix}/{key}/{self.process}",
+                                                       value, allow_overwrite=True), timeout=5)
         if self.process == 0:
             self._in_background(self._wait_for_peers_to_end, timeout=self.exit_grace_s + 5)
         return False
@@ -112,39 +110,60 @@ class PeerWatchdog:
         thread.join(timeout=timeout)
 
     def _wait_for_peers_to_end(self, client) -> None:
+        """Until every peer has recorded done/failed, or stopped beating (it is dead: a live
+        peer's beater thread beats every interval_s), or exit_grace_s passed."""
         deadline = time.monotonic() + self.exit_grace_s
+        dead_after = max(5.0, 5 * self.interval_s)
+        beats: dict[int, tuple[str | None, float]] = {}
         pending = set(self.peers)
         while pending and time.monotonic() < deadline:
-            pending = {p for p in pending if _try_get(client, f"{_PREFIX}/done/{p}") is None
-                       and _try_get(client, f"{_PREFIX}/failed/{p}") is None}
+            state = self._read_store(client)
+            now = time.monotonic()
+            for p in list(pending):
+                if p in state["done"] or p in state["failed"]:
+                    pending.discard(p)
+                    continue
+                beat = state["beat"].get(p)
+                if p not in beats or beats[p][0] != beat:
+                    beats[p] = (beat, now)
+                elif now - beats[p][1] > dead_after:
+                    pending.discard(p)
             time.sleep(0.2)
+
+    def _read_store(self, client) -> dict[str, dict[int, str]]:
+        """{'beat'|'done'|'failed': {process: value}} from one directory read of the store."""
+        state: dict[str, dict[int, str]] = {"beat": {}, "done": {}, "failed": {}}
+        for key, value in client.key_value_dir_get(f"{self.prefix}/"):
+            kind, process = key.rstrip("/").split("/")[-2:]  # .../<kind>/<process>
+            if kind in state and process.isdigit():
+                state[kind][int(process)] = value
+        return state
 
     # ---------------------------------------------------------------- threads
 
     def _beat(self) -> None:
         client = _client()
         beat = 0
-        last_value = {p: None for p in self.peers}
+        last_value: dict[int, str] = {}
         while not self._stop.wait(self.interval_s):
             try:
                 beat += 1
-                client.key_value_set(f"{_PREFIX}/beat/{self.process}", str(beat),
+                client.key_value_set(f"{self.prefix}/beat/{self.process}", str(beat),
                                      allow_overwrite=True)
-                for peer in self.peers:
-                    failed = _try_get(client, f"{_PREFIX}/failed/{peer}")
-                    done = _try_get(client, f"{_PREFIX}/done/{peer}")
-                    value = _try_get(client, f"{_PREFIX}/beat/{peer}")
-                    now = time.monotonic()
-                    with self._lock:
-                        if failed is not None:
-                            self._failed[peer] = failed
-                        if done is not None:
+                state = self._read_store(client)  # one request, whatever the process count
+                now = time.monotonic()
+                with self._lock:
+                    for peer in self.peers:
+                        if peer in state["failed"]:
+                            self._failed[peer] = state["failed"][peer]
+                            self._failed_seen.setdefault(peer, now)
+                        if peer in state["done"]:
                             self._finished.add(peer)
-                        if value is not None and value != last_value[peer]:
+                        value = state["beat"].get(peer)
+                        if value is not None and value != last_value.get(peer):
                             last_value[peer] = value
                             self._last_change[peer] = now
-                with self._lock:
-                    self._store_ok = time.monotonic()
+                    self._store_ok = now
             except Exception:  # noqa: BLE001 (the store is unreachable: the judge decides)
                 continue
 
@@ -152,7 +171,10 @@ class PeerWatchdog:
         while not self._stop.wait(self.interval_s / 2):
             now = time.monotonic()
             with self._lock:
-                failed = dict(self._failed)
+                # a peer's error is acted on after failure_grace_s: when every process hits the
+                # same error, each should leave with its own message, not quote the fastest one
+                failed = {p: r for p, r in self._failed.items()
+                          if now - self._failed_seen[p] > self.failure_grace_s}
                 silent = [p for p in self.peers if p not in self._finished and p not in failed
                           and self._silent_for(p, now) > self._allowed(p)]
                 store_silent = now - self._store_ok
@@ -176,10 +198,12 @@ class PeerWatchdog:
 
     def _fail(self, what: str) -> None:
         # tell the others (and let process 0 stop waiting for us) before leaving
-        self._in_background(lambda c: c.key_value_set(f"{_PREFIX}/failed/{self.process}",
+        self._in_background(lambda c: c.key_value_set(f"{self.prefix}/failed/{self.process}",
                                                        f"it lost a peer: {what}"[:500],
                                                        allow_overwrite=True), timeout=2)
         print(f"error: peer: {what}; this process stops too (exit status {PEER_FAILURE_STATUS}). "
               f"{self.describe_resume()}", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        if self.process == 0:  # it hosts the store: let the live peers read this and leave first
+            self._in_background(self._wait_for_peers_to_end, timeout=self.exit_grace_s + 5)
         os._exit(PEER_FAILURE_STATUS)
