@@ -329,75 +329,76 @@ def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
     step_times = []
     stop = StopRequest()
     try:
-        with jax.set_mesh(mesh), stop:
-            end = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
-            batch = data.global_batch(start, batch_sharding) if start < end else None
-            for step in range(start, end):
-                step_arr = jax.device_put(np.int32(step), replicated)
-                if compiled is None:
-                    t = time.perf_counter()
-                    compiled = step_fn.lower(params, opt_state, batch, step_arr).compile()
-                    try:  # a diagnostic: an HLO printing the parser does not know never stops a run
-                        collectives = comm.parse_collectives(compiled.as_text(), len(devices))
-                        described = describe_collectives(collectives, layout.devices_per_host)
-                    except Exception as e:  # noqa: BLE001
-                        collectives, described = [], f"(not parsed: {type(e).__name__}: {e})"
-                    if is_writer:
-                        _write_collectives(run_dir, collectives, layout)
-                    logger.message(
-                        f"compiled the train step in {time.perf_counter() - t:.1f}s; per step: "
-                        + described
-                    )
-                t0 = time.perf_counter()
-                params, opt_state, metrics = compiled(params, opt_state, batch, step_arr)
-                if step + 1 < end:  # build the next batch while the device runs this step
-                    batch = data.global_batch(step + 1, batch_sharding)
-                metrics = jax.device_get(metrics)
-                dt = time.perf_counter() - t0
-                step_times.append(dt)
-                loss = float(metrics["loss"])
-                losses.append(loss)
-                tps = tokens_per_step / dt
-                record = {
-                    "step": step + 1,
-                    "loss": loss,
-                    "grad_norm": float(metrics["grad_norm"]),
-                    "lr": float(metrics["lr"]),
-                    "tokens_per_s": tps,
-                    "step_time_s": dt,
-                    "loss_tokens": int(metrics["tokens"]),  # targets that count (not masked)
-                    "mfu": (flops_per_token * tps / (peak * len(devices))) if peak else None,
-                }
-                finite = bool(metrics["finite"])
-                record["skipped"] = not finite
-                logger.log(record)
-                if not finite:
-                    message = (f"step {step + 1}: loss {loss} / grad norm {record['grad_norm']} is "
-                               "not finite; the parameters were left unchanged")
-                    if cfg.train.on_nonfinite == "stop":
-                        raise NonFiniteError(
-                            f"{message}; stopping (train.on_nonfinite=stop). The last checkpoint "
-                            "holds finite state; lower optimizer.lr or set optimizer.clip_norm")
-                    logger.message(f"{message}; skipped (train.on_nonfinite=skip)")
-                meta = {"step": step + 1, "data_step": step + 1, "seed": cfg.run.seed,
-                        "layout": layout.describe()}
-                last = step + 1 == end
-                stopping = stop.agreed()
-                ckpt.save(step + 1, params, opt_state, meta,
-                          force=stopping
-                          or (last and (cfg.checkpoint.save_final or step + 1 < cfg.train.steps)))
-                if stopping and not last:
-                    logger.message(
-                        f"received {stop.requested or 'a stop signal on another process'}: "
-                        f"finished step {step + 1} and saved a checkpoint; run the same command "
-                        "again to resume")
-                    break
-        ckpt.wait()
-        if cfg.checkpoint.export_hf and not stop.stopped:
-            export_dir = os.path.abspath(cfg.checkpoint.export_hf)
-            # every process takes part (shards are gathered one at a time); process 0 writes
-            models.save_pretrained(parts.module(params), export_dir)
-            logger.message(f"exported Hugging Face weights to {export_dir}")
+        with stop:  # to the end: a signal while saving or exporting waits for them
+            with jax.set_mesh(mesh):
+                end = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
+                batch = data.global_batch(start, batch_sharding) if start < end else None
+                for step in range(start, end):
+                    step_arr = jax.device_put(np.int32(step), replicated)
+                    if compiled is None:
+                        t = time.perf_counter()
+                        compiled = step_fn.lower(params, opt_state, batch, step_arr).compile()
+                        try:  # a diagnostic: an HLO printing the parser does not know never stops a run
+                            collectives = comm.parse_collectives(compiled.as_text(), len(devices))
+                            described = describe_collectives(collectives, layout.devices_per_host)
+                        except Exception as e:  # noqa: BLE001
+                            collectives, described = [], f"(not parsed: {type(e).__name__}: {e})"
+                        if is_writer:
+                            _write_collectives(run_dir, collectives, layout)
+                        logger.message(
+                            f"compiled the train step in {time.perf_counter() - t:.1f}s; per step: "
+                            + described
+                        )
+                    t0 = time.perf_counter()
+                    params, opt_state, metrics = compiled(params, opt_state, batch, step_arr)
+                    if step + 1 < end:  # build the next batch while the device runs this step
+                        batch = data.global_batch(step + 1, batch_sharding)
+                    metrics = jax.device_get(metrics)
+                    dt = time.perf_counter() - t0
+                    step_times.append(dt)
+                    loss = float(metrics["loss"])
+                    losses.append(loss)
+                    tps = tokens_per_step / dt
+                    record = {
+                        "step": step + 1,
+                        "loss": loss,
+                        "grad_norm": float(metrics["grad_norm"]),
+                        "lr": float(metrics["lr"]),
+                        "tokens_per_s": tps,
+                        "step_time_s": dt,
+                        "loss_tokens": int(metrics["tokens"]),  # targets that count (not masked)
+                        "mfu": (flops_per_token * tps / (peak * len(devices))) if peak else None,
+                    }
+                    finite = bool(metrics["finite"])
+                    record["skipped"] = not finite
+                    logger.log(record)
+                    if not finite:
+                        message = (f"step {step + 1}: loss {loss} / grad norm {record['grad_norm']} is "
+                                   "not finite; the parameters were left unchanged")
+                        if cfg.train.on_nonfinite == "stop":
+                            raise NonFiniteError(
+                                f"{message}; stopping (train.on_nonfinite=stop). The last checkpoint "
+                                "holds finite state; lower optimizer.lr or set optimizer.clip_norm")
+                        logger.message(f"{message}; skipped (train.on_nonfinite=skip)")
+                    meta = {"step": step + 1, "data_step": step + 1, "seed": cfg.run.seed,
+                            "layout": layout.describe()}
+                    last = step + 1 == end
+                    stopping = stop.agreed()
+                    ckpt.save(step + 1, params, opt_state, meta,
+                              force=stopping
+                              or (last and (cfg.checkpoint.save_final or step + 1 < cfg.train.steps)))
+                    if stopping and not last:
+                        logger.message(
+                            f"received {stop.requested or 'a stop signal on another process'}: "
+                            f"finished step {step + 1} and saved a checkpoint; run the same command "
+                            "again to resume")
+                        break
+            ckpt.wait()
+            if cfg.checkpoint.export_hf and not stop.stopped:
+                export_dir = os.path.abspath(cfg.checkpoint.export_hf)
+                # every process takes part (shards are gathered one at a time); process 0 writes
+                models.save_pretrained(parts.module(params), export_dir)
+                logger.message(f"exported Hugging Face weights to {export_dir}")
     finally:
         ckpt.close()
         logger.close()
