@@ -42,9 +42,7 @@ def test_two_processes_match_one(tmp_path, mode):
         for p in procs:
             outputs.append(p.communicate(timeout=300))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        _kill_leftovers(procs)
     for p, (out, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-3000:]
     # process 0 logs; process 1 stays quiet
@@ -78,6 +76,23 @@ def _launch(run_dir, *extra, per_process=((), ())) -> list[subprocess.Popen]:
     return procs
 
 
+def _wait_for_steps(procs, run_dir, steps: int, timeout: float = 240) -> None:
+    """Until metrics.jsonl holds `steps` lines (training is under way); fails if a process ends."""
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.02)
+
+
+def _kill_leftovers(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
 # (victim, signal, the survivor's exit status, a fragment of its message)
 PEER_FAILURES = [
     # the survivor's next collective fails at once (gloo: connection closed by peer)
@@ -101,22 +116,14 @@ def test_a_failed_peer_stops_the_other_process_with_a_clear_message(tmp_path, vi
     procs = _launch(run_dir, "train.steps=100000", "checkpoint.every=3",
                     "runtime.distributed.peer_timeout_s=10")
     try:
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 240
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
-            assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
-            assert time.monotonic() < deadline, "training did not start"
-            time.sleep(0.05)
+        _wait_for_steps(procs, run_dir, 5)
         procs[victim].send_signal(sig)
         hit_at = time.monotonic()
         survivor = procs[1 - victim]
         _, err = survivor.communicate(timeout=120)
         elapsed = time.monotonic() - hit_at
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        _kill_leftovers(procs)
     assert survivor.returncode == status, err[-3000:]
     # peer_timeout_s (10 s, for the frozen peer) + at most 5 s that process 0 waits to see a
     # peer's end before leaving + slack for a loaded machine; well below the two-minute bound
@@ -144,9 +151,7 @@ def test_a_process_that_stops_on_bad_input_stops_the_other(tmp_path):
     try:
         errs = [p.communicate(timeout=180)[1] for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        _kill_leftovers(procs)
     assert procs[1].returncode == 2, errs[1][-3000:]
     assert errs[1].strip().splitlines() == [
         f"error: data: token file '{tmp_path / 'missing.bin'}' does not exist"], errs[1][-3000:]
@@ -166,19 +171,13 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resumes(tmp_p
     run_dir = tmp_path / "run"
     args = (f"train.steps={steps}", "checkpoint.every=1000")
     procs = _launch(run_dir, *args)
+    metrics = run_dir / "metrics.jsonl"
     try:
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 240
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-            assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
-            assert time.monotonic() < deadline, "training did not start"
-            time.sleep(0.02)
+        _wait_for_steps(procs, run_dir, 3)
         procs[1].send_signal(signal.SIGTERM)
         outputs = [p.communicate(timeout=120) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        _kill_leftovers(procs)
     for p, (_, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-3000:]
     match = re.search(r"received a stop signal on another process: finished step (\d+) and saved",
