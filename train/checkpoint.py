@@ -79,7 +79,7 @@ def inspect_latest(run_dir: str, expected_params, expected_opt_state) -> tuple[i
         found_opt = _param_shapes(handler.metadata(epath.Path(path) / "opt_state"))
         with open(os.path.join(path, "meta", "metadata")) as f:
             meta = json.load(f)
-        int(meta["data_step"]), int(meta.get("seed", 0))
+        int(meta["data_step"]), int(meta.get("seed", 0))  # the fields a resume reads
     except Exception as e:  # noqa: BLE001 (orbax/tensorstore/json raise many kinds)
         detail = " ".join(f"{type(e).__name__}: {e}".split())[:200]
         raise CheckpointError(
@@ -110,7 +110,7 @@ def _first_difference(found: dict, wanted: dict) -> str | None:
 class Checkpointer:
     def __init__(self, run_dir: str, cfg: CheckpointConfig, total_steps: int):
         self.cfg = cfg
-        self.directory = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+        self.directory = checkpoint_dir(run_dir)
         self.total_steps = total_steps
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=cfg.every if cfg.every > 0 else total_steps + 1,
@@ -121,9 +121,6 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=ITEMS
         )
-
-    def latest_step(self) -> int | None:
-        return self.manager.latest_step()
 
     def save(self, step: int, params, opt_state, meta: dict[str, Any], *, force: bool = False) -> bool:
         """Save after `step` completed steps when the interval says so (or `force`)."""

@@ -30,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _fail(kind: str, err: Exception) -> int:
+    """Print the one line for `err`; returns 2, the status of bad input."""
     msg = " ".join(str(err).split()) or type(err).__name__
     print(f"error: {kind}: {msg}", file=sys.stderr)
     return 2
@@ -90,27 +91,18 @@ def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
     from .loop import NonFiniteError, PeerFailure, run
     from .peers import PEER_FAILURE_STATUS
 
-    one_line = (ConfigError, LayoutError, ModelError, DataError, CheckpointError, PeerFailure,
-                NonFiniteError)
+    # each error that ends the run with one line: its label and the exit status
+    one_line = ((ConfigError, "config", 2), (LayoutError, "layout", 2), (ModelError, "model", 2),
+                (DataError, "data", 2), (CheckpointError, "checkpoint", 2),
+                (PeerFailure, "peer", PEER_FAILURE_STATUS), (NonFiniteError, "training", 1))
+    kinds = tuple(cls for cls, _, _ in one_line)
     try:
-        with _HeldUnraisable(one_line, exiting):
+        with _HeldUnraisable(kinds, exiting):
             run(cfg)
-    except ConfigError as e:
-        return _fail("config", e)
-    except LayoutError as e:
-        return _fail("layout", e)
-    except ModelError as e:
-        return _fail("model", e)
-    except DataError as e:
-        return _fail("data", e)
-    except CheckpointError as e:
-        return _fail("checkpoint", e)
-    except PeerFailure as e:
-        _fail("peer", e)
-        return PEER_FAILURE_STATUS  # exit_with leaves through os._exit: no shutdown barrier wait
-    except NonFiniteError as e:
-        _fail("training", e)
-        return 1
+    except kinds as e:
+        kind, status = next((k, st) for cls, k, st in one_line if isinstance(e, cls))
+        _fail(kind, e)
+        return status  # with status >= 2, exit_with leaves through os._exit (no shutdown waits)
     return 0
 
 

@@ -212,13 +212,7 @@ class Pipeline:
             self.name = f"{cfg.path} ({len(stream):,} tokens)"
         else:
             stream = _tokenize(cfg, vocab_size)
-            too_big = stream >= vocab_size
-            if too_big.any():
-                bad = int(stream[too_big][0])
-                raise DataError(
-                    f"tokenizer {cfg.tokenizer!r} produced id {bad} >= the model's "
-                    f"vocab_size={vocab_size}; use the model's own tokenizer"
-                )
+            _check_ids(stream, vocab_size, f"{cfg.path} tokenized with {cfg.tokenizer}")
             self.source = StreamSource(stream, seed, self.num_rows, cfg.path)
             self.name = f"{cfg.path} ({len(stream):,} tokens after tokenization)"
         # Fail now, not at step 0 of a compiled run, when the stream is too short.
@@ -227,13 +221,7 @@ class Pipeline:
     def rows(self, step: int, row_ids: np.ndarray) -> dict[str, np.ndarray]:
         """tokens, targets (-1: no loss) and segment_ids [len(row_ids), seq_len] int32."""
         row_ids = np.asarray(row_ids)
-        raw = self.source.rows(step, row_ids, self.seq_len + 1)
-        if raw.size and (raw.max() >= self.vocab_size or raw.min() < 0):
-            bad = int(raw[(raw >= self.vocab_size) | (raw < 0)][0])
-            raise DataError(
-                f"{self.name}: token id {bad} at step {step} is outside the model's vocabulary "
-                f"[0, {self.vocab_size}); the data was tokenized for another model"
-            )
+        raw = self.source.rows(step, row_ids, self.seq_len + 1)  # ids checked once, at start-up
         tokens, targets = raw[:, :-1], raw[:, 1:].copy()
         if self.pack:
             is_eos = raw == self.eos_id

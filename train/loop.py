@@ -89,11 +89,10 @@ def select_devices(cfg: Config) -> list:
 def check_output_paths(cfg: Config, run_dir: str) -> None:
     """run.dir (and checkpoint.export_hf) must be directories or not exist yet."""
     for key, path in (("run.dir", run_dir), ("checkpoint.export_hf", cfg.checkpoint.export_hf)):
-        if path and os.path.exists(path) and not os.path.isdir(path):
-            raise ConfigError(f"{key} {path!r} is a file, not a directory; choose another path")
-    for key, path in (("run.dir", run_dir), ("checkpoint.export_hf", cfg.checkpoint.export_hf)):
         if not path:
             continue
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(f"{key} {path!r} is a file, not a directory; choose another path")
         if os.path.isdir(path):
             if not os.access(path, os.W_OK):
                 raise ConfigError(f"{key} {path!r} is not writable; fix its permissions or "
