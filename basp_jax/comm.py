@@ -19,6 +19,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from . import hlo
+
 KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 
 _DTYPE_BYTES = {
@@ -26,10 +28,7 @@ _DTYPE_BYTES = {
     "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
     "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1,
 }
-_OP_RE = re.compile(
-    r"=\s*(?P<shape>.+?)\s+(?P<op>all-to-all|all-gather-start|all-gather|reduce-scatter|"
-    r"all-reduce-start|all-reduce|collective-permute-start|collective-permute)\("
-)
+_OP_RE = re.compile(r"^(all-to-all|all-gather|reduce-scatter|all-reduce|collective-permute)(-start)?$")
 _ARRAY_RE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
 
 
@@ -41,6 +40,7 @@ class Collective:
     dtype: str
     bytes: int  # the full (unsharded-within-group) buffer each device handles, see below
     groups: tuple[tuple[int, ...], ...]  # logical device ids, one tuple per group
+    executions: int = 1  # times it runs per program execution (inside loops: the trip count)
 
     @property
     def group_size(self) -> int:
@@ -135,28 +135,64 @@ def _parse_groups(line: str, num_devices: int | None) -> list[list[int]]:
     return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", text[1:-1])]
 
 
+def _top_level(shape_text: str) -> list[str]:
+    """The elements of a tuple shape `(a, (b, c), d)` (layouts dropped); [shape] if not a tuple."""
+    text = re.sub(r"\{[^{}]*\}", "", shape_text).strip()
+    if not text.startswith("("):
+        return [text]
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(text):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth == 0:
+                parts.append(text[start:i])
+                break
+        elif ch == "," and depth == 1:
+            parts.append(text[start:i])
+            start = i + 1
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _buffers(kind: str, async_start: bool, shape: str) -> tuple[list[tuple[str, int]], bool]:
+    """(arrays of the buffer that counts, whether those are the operands) of one collective.
+
+    Synchronous ops (CPU programs) print their result. Async starts (GPU programs) print a tuple:
+    all-to-all, all-gather and reduce-scatter starts hold (operands, results[, context]);
+    collective-permute starts (operand, result, contexts...); all-reduce starts only the results.
+    The counted buffer is the results, except for reduce-scatter: its operands (the full buffer).
+    """
+    if not async_start or kind == "all-reduce":
+        return _array_sizes(shape), False
+    parts = _top_level(shape)
+    if len(parts) < 2:
+        return _array_sizes(shape), False
+    if kind == "reduce-scatter":
+        return _array_sizes(parts[0]), True
+    return _array_sizes(parts[1]), False
+
+
 def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Collective]:
-    """Every collective in an HLO module's text (async start/done pairs counted once)."""
+    """Every collective in an HLO module's text, CPU (synchronous) or GPU (async start/done pairs,
+    counted once at the start), each with how often it runs per program execution (loop bodies
+    with a known trip count run that many times, see basp_jax.hlo)."""
     found = []
-    for line in hlo_text.splitlines():
-        m = _OP_RE.search(line)
+    for inst in hlo.instructions(hlo_text):
+        m = _OP_RE.match(inst.op)
         if m is None:
             continue
-        op = m.group("op").removesuffix("-start")
-        sizes = _array_sizes(m.group("shape"))
+        kind, async_start = m.group(1), bool(m.group(2))
+        sizes, operands = _buffers(kind, async_start, inst.shape)
         if not sizes:
             continue
-        groups = _parse_groups(line, num_devices)
+        groups = _parse_groups(inst.line, num_devices)
         n = len(groups[0]) if groups else 1
-        if m.group("op") == "all-gather-start":
-            sizes = sizes[len(sizes) // 2:]  # (operands..., results...): keep the results
-        elif m.group("op") == "collective-permute-start":
-            sizes = sizes[1:2]  # (operand, result, contexts...): one buffer
-        dtype = sizes[0][0]
         total = sum(b for _, b in sizes)
-        if op == "reduce-scatter":
+        if kind == "reduce-scatter" and not operands:
             total *= n  # the result is one shard of the reduced buffer
-        found.append(Collective(op, dtype, total, tuple(tuple(g) for g in groups)))
+        found.append(Collective(kind, sizes[0][0], total, tuple(tuple(g) for g in groups),
+                                inst.executions))
     return found
 
 
@@ -200,11 +236,11 @@ def summarize(collectives: Iterable[Collective], devices_per_host: int | None = 
     )
     for c in collectives:
         row = table[c.kind]
-        row["count"] += 1
-        row["bytes"] += c.bytes
-        row["wire_bytes"] += c.wire_bytes
+        row["count"] += c.executions
+        row["bytes"] += c.bytes * c.executions
+        row["wire_bytes"] += c.wire_bytes * c.executions
         if devices_per_host is not None:
-            row["inter_host_wire_bytes"] += inter_host_wire_bytes(c, devices_per_host)
+            row["inter_host_wire_bytes"] += inter_host_wire_bytes(c, devices_per_host) * c.executions
     return dict(table)
 
 

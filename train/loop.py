@@ -14,21 +14,19 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import models
-from basp_jax import Layout, comm, make_mesh
+from basp_jax import Layout, comm
 
-from . import planning, runtime
+from . import runtime
 from .checkpoint import (Checkpointer, abstract_tree, checkpoint_dir, complete_steps,
                          inspect_latest)
 from .config import Config, ConfigError, _coerce, to_yaml
 from .data import Pipeline
 from .metrics import MetricsLogger, peak_flops
 from .peers import PeerWatchdog
-from .step import DTYPES, build_model, from_module, init_opt_state, make_optimizer, make_train_step
-from .step import opt_state_shardings
-from basp_jax.sharding import tree_shardings
+from .program import build_program, model_factory, plan_run
+from .step import DTYPES, build_model, from_module, init_opt_state, make_optimizer
 
 
 def model_config(cfg: Config) -> "models.ModelConfig":
@@ -218,10 +216,9 @@ def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
         models.check_pretrained(cfg.model.hf_path, mcfg)  # tensor names and shapes, headers only
     devices = select_devices(cfg)
     per_host = cfg.parallel.devices_per_host or len(devices) // jax.process_count()
-    layout, strategy = planning.plan(cfg, mcfg, len(devices), per_host)
-    mesh = make_mesh(layout, devices)
-    seq_order = planning.sequence_order(cfg, layout)
-    zigzag = seq_order is not None
+    run_plan = plan_run(cfg, mcfg, devices, per_host)
+    layout, strategy, mesh, seq_order = (run_plan.layout, run_plan.strategy, run_plan.mesh,
+                                         run_plan.seq_order)
     data = Pipeline(
         cfg.data,
         vocab_size=mcfg.vocab_size,
@@ -232,14 +229,7 @@ def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
         seq_order=seq_order,
     )
     dtype, param_dtype = DTYPES[cfg.model.dtype], DTYPES[cfg.model.param_dtype]
-
-    def make():
-        return models.Transformer(
-            mcfg, rngs=nnx.Rngs(cfg.run.seed), mesh=mesh, dtype=dtype, param_dtype=param_dtype,
-            attn_impl=cfg.model.attn_impl, remat=cfg.model.remat, ring=layout.ring, zigzag=zigzag,
-        )
-
-    tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
+    tx, _ = make_optimizer(cfg.optimizer, cfg.train.steps)  # its state's structure, for inspection
     latest = None
     if cfg.checkpoint.resume:
         expected = nnx.to_pure_dict(
@@ -272,14 +262,16 @@ def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
             module = models.from_pretrained(
                 cfg.model.hf_path, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
                 attn_impl=cfg.model.attn_impl, param_sharding=strategy, remat=cfg.model.remat,
-                ring=layout.ring, zigzag=zigzag,
+                ring=layout.ring, zigzag=run_plan.zigzag,
             )
             parts = from_module(module, mesh, strategy)
             del module
         else:
-            parts = build_model(make, mesh, strategy, init_params=latest is None)
-        param_sh = tree_shardings(parts.params, mesh, strategy)
-        abs_opt, opt_sh = opt_state_shardings(tx, parts.params, mesh, strategy)
+            parts = build_model(model_factory(cfg, mcfg, run_plan), mesh, strategy,
+                                init_params=latest is None)
+        program = build_program(cfg, run_plan, parts)
+        param_sh, abs_opt, opt_sh = (program.param_shardings, program.abstract_opt_state,
+                                     program.opt_shardings)
         ckpt = Checkpointer(run_dir, cfg.checkpoint, cfg.train.steps)  # creates run.dir/checkpoints
 
         start = 0
@@ -290,7 +282,7 @@ def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
             parts.params = params
             start = int(meta["data_step"])
         else:
-            opt_state = init_opt_state(tx, parts.params, opt_sh)
+            opt_state = init_opt_state(program.tx, parts.params, opt_sh)
         params = parts.params
     except BaseException:
         if ckpt is not None:
@@ -303,10 +295,7 @@ def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))
 
-    step_fn, batch_sharding = make_train_step(
-        parts, tx, schedule, mesh, param_sh, opt_sh,
-        loss_fn=models.causal_lm_loss, packed=cfg.data.pack, seq_order=seq_order,
-    )
+    batch_sharding = program.batch_sharding
     logger = MetricsLogger(run_dir, cfg.metrics, total_steps=cfg.train.steps, start_step=start,
                            is_writer=is_writer)
     logger.message(f"layout: {layout.describe()}")
@@ -321,7 +310,6 @@ def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
     tokens_per_step = cfg.train.grad_accum * cfg.train.microbatch_size * cfg.data.seq_len
     flops_per_token = mcfg.flops_per_token(cfg.data.seq_len)
     peak = peak_flops(cfg.metrics, getattr(devices[0], "device_kind", None))
-    replicated = NamedSharding(mesh, P())
     compiled = None
     collectives = []
     wall0 = time.perf_counter()
@@ -333,10 +321,10 @@ def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
                 end = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
                 batch = data.global_batch(start, batch_sharding) if start < end else None
                 for step in range(start, end):
-                    step_arr = jax.device_put(np.int32(step), replicated)
+                    step_arr = program.step_index(step)
                     if compiled is None:
                         t = time.perf_counter()
-                        compiled = step_fn.lower(params, opt_state, batch, step_arr).compile()
+                        compiled = program.lower(params, opt_state).compile()
                         try:  # a diagnostic: an HLO printing the parser does not know never stops a run
                             collectives = comm.parse_collectives(compiled.as_text(), len(devices))
                             described = describe_collectives(collectives, layout.devices_per_host)

@@ -1,0 +1,123 @@
+"""The GPUs this project plans and compiles for: one table of facts per GPU model.
+
+    gpus.GPUS["a100-40gb"].memory_bytes           # what the device reports as total memory
+    gpus.target_config("h100-80gb")               # XLA's GpuTargetConfig text proto, for
+                                                  # compiling without a GPU (train.aot)
+    gpus.usable_memory_bytes(gpus.GPUS["a100-40gb"])   # what JAX may take of it
+
+The planner (basp_jax.cost), the compile-for-GPU command (train.aot) and the trainer's peak FLOP/s
+read this table, so a GPU's memory and speed are written once. Memory sizes are the totals the
+CUDA driver reports (a little less than the marketing GB); peak FLOP/s are dense bf16 without
+sparsity (NVIDIA's data sheets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    name: str  # the key: a100-40gb, ...
+    device_kind: str  # what jax.Device.device_kind says on this GPU
+    compute_capability: tuple[int, int]
+    memory_bytes: int  # total device memory as the driver reports it
+    peak_bf16_flops: float  # dense
+    memory_bandwidth: float  # bytes/s
+    sm_count: int
+    clock_ghz: float  # boost clock
+    l2_cache_bytes: int
+    fp32_cores_per_sm: int
+    shared_memory_per_sm: int
+    shared_memory_per_block_optin: int
+
+
+GPUS = {
+    g.name: g
+    for g in (
+        Gpu("a100-40gb", "NVIDIA A100-SXM4-40GB", (8, 0), 42_505_273_344, 312e12, 1.555e12,
+            108, 1.41, 40 * 2**20, 64, 167_936, 166_912),
+        Gpu("a100-80gb", "NVIDIA A100-SXM4-80GB", (8, 0), 85_198_045_184, 312e12, 2.039e12,
+            108, 1.41, 40 * 2**20, 64, 167_936, 166_912),
+        Gpu("h100-80gb", "NVIDIA H100 80GB HBM3", (9, 0), 84_929_347_584, 989e12, 3.35e12,
+            132, 1.98, 50 * 2**20, 128, 233_472, 232_448),
+        Gpu("h200-141gb", "NVIDIA H200", (9, 0), 150_754_820_096, 989e12, 4.8e12,
+            132, 1.98, 50 * 2**20, 128, 233_472, 232_448),
+    )
+}
+
+# The CUDA runtime and cuDNN versions the compiled program assumes (XLA picks kernels by them).
+CUDA_VERSION = (12, 8)
+CUDNN_VERSION = (9, 8)
+
+# JAX preallocates this share of GPU memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise.
+DEFAULT_MEM_FRACTION = 0.75
+
+
+def get(name: str) -> Gpu:
+    """The GPU called `name`, or a ValueError listing the known ones."""
+    try:
+        return GPUS[name]
+    except KeyError:
+        raise ValueError(f"unknown GPU {name!r}; use one of {', '.join(GPUS)}") from None
+
+
+def memory_fraction() -> float:
+    """The share of device memory JAX's allocator may use in this environment."""
+    raw = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    if raw is None:
+        return DEFAULT_MEM_FRACTION
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={raw!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={raw!r} must lie in (0, 1]")
+    return value
+
+
+def usable_memory_bytes(gpu: Gpu) -> float:
+    return gpu.memory_bytes * memory_fraction()
+
+
+def target_config(name: str) -> str:
+    """XLA's GpuTargetConfig (text proto) for `name`: what
+    jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=...) needs to
+    compile for this GPU on a machine without one."""
+    g = get(name)
+    major, minor = g.compute_capability
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: {g.shared_memory_per_sm}
+  threads_per_core_limit: 2048
+  core_count: {g.sm_count}
+  fpus_per_core: {g.fp32_cores_per_sm}
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(g.memory_bandwidth)}
+  l2_cache_size: {g.l2_cache_bytes}
+  clock_rate_ghz: {g.clock_ghz}
+  device_memory_size: {g.memory_bytes}
+  shared_memory_per_block_optin: {g.shared_memory_per_block_optin}
+  cuda_compute_capability {{
+    major: {major}
+    minor: {minor}
+  }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+runtime_version {{
+  major: {CUDA_VERSION[0]}
+  minor: {CUDA_VERSION[1]}
+}}
+platform_name: "CUDA"
+dnn_version_info {{
+  major: {CUDNN_VERSION[0]}
+  minor: {CUDNN_VERSION[1]}
+}}
+device_description_str: "{g.device_kind}"
+"""

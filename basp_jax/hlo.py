@@ -1,0 +1,210 @@
+"""Reading a compiled program's HLO text: which instruction runs how often, and from which file.
+
+    for inst in instructions(hlo_text):      # every instruction of every computation
+        inst.op, inst.line, inst.executions  # executions: runs per call of the program
+
+A while loop with a known trip count (XLA writes `"known_trip_count":{"n":"32"}` into its
+backend_config, e.g. for a scan over layers or microbatches) runs its body that many times; a
+computation called from several places adds up. Collectives (basp_jax.comm) and kernels
+(`attention_kernels`) are counted with these multiplicities, so a scanned program reports what it
+executes, not how it is written. Source files come from the instruction's metadata: jax >= 0.10
+writes `stack_frame_id=N` and tables of frames and file names at the top of the module; older
+printings write `source_file="..."` directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import defaultdict
+from functools import cached_property
+
+_COMPUTATION_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTRUCTION_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
+_CALLEE_RE = re.compile(
+    r"\b(calls|to_apply|body|condition|true_computation|false_computation|"
+    r"branch_computations)=(\{[^}]*\}|%?[\w.\-]+)"
+)
+_TOP = "<top level>"
+_TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    computation: str
+    shape: str  # the result shape text (a tuple for async starts)
+    op: str  # e.g. all-to-all-start, custom-call, while, fusion
+    line: str
+    executions: int  # times it runs per execution of the program
+    loop_unknown: bool  # inside a loop whose trip count XLA does not know (counted once)
+
+
+class Module:
+    """An HLO module's text, split into computations with their execution counts."""
+
+    def __init__(self, text: str):
+        self.text = text
+        # Instructions outside any computation (a snippet of lines) count as the entry's.
+        self.computations: dict[str, list[tuple[str, str, str, str]]] = {_TOP: []}
+        self.entry: str | None = None
+        current = _TOP
+        for line in text.splitlines():
+            if current == _TOP:
+                m = _COMPUTATION_RE.match(line)
+                if m:
+                    current = m.group(2)
+                    self.computations[current] = []
+                    if m.group(1):
+                        self.entry = current
+                    continue
+            elif line.strip() == "}":
+                current = _TOP
+                continue
+            m = _INSTRUCTION_RE.match(line)
+            if m:
+                self.computations[current].append((m.group(1), m.group(2), m.group(3), line))
+        if self.entry is None:
+            self.entry = list(self.computations)[-1]
+
+    @cached_property
+    def executions(self) -> dict[str, tuple[int, bool]]:
+        """Per computation: (executions per program run, inside a loop of unknown trip count)."""
+        calls: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)  # callee -> callers
+        for comp, insts in self.computations.items():
+            for _, _, op, line in insts:
+                trip = None
+                if op == "while":
+                    m = _TRIP_RE.search(line)
+                    trip = int(m.group(1)) if m else None
+                for attr, target in _CALLEE_RE.findall(line):
+                    names = re.findall(r"%?([\w.\-]+)", target.strip("{}"))
+                    for name in names:
+                        if attr == "body":
+                            calls[name].append((comp, trip or 1, trip is None))
+                        elif attr != "condition":
+                            calls[name].append((comp, 1, False))
+        memo: dict[str, tuple[int, bool]] = {}
+
+        def count(comp: str, seen=()) -> tuple[int, bool]:
+            if comp in (self.entry, _TOP):
+                return 1, False
+            if comp in memo:
+                return memo[comp]
+            total, unknown = 0, False
+            for caller, factor, unknown_trip in calls.get(comp, []):
+                if caller in seen:
+                    continue
+                n, u = count(caller, seen + (comp,))
+                total += n * factor
+                unknown = unknown or u or unknown_trip
+            memo[comp] = (total, unknown)
+            return memo[comp]
+
+        return {comp: count(comp) for comp in self.computations}
+
+    def instructions(self):
+        for comp, insts in self.computations.items():
+            n, unknown = self.executions[comp]
+            for name, shape, op, line in insts:
+                yield Instruction(name, comp, shape, op, line, n, unknown)
+
+    @cached_property
+    def _frame_files(self) -> dict[int, tuple[str, ...]]:
+        """stack_frame_id -> the source files of that frame and its callers."""
+        files, locations, frames = {}, {}, {}
+        section = None
+        for line in self.text.splitlines()[:20000]:
+            stripped = line.strip()
+            if stripped in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+                section = stripped
+                continue
+            if not stripped or stripped.startswith("%") or stripped.startswith("ENTRY"):
+                if stripped.startswith("%") or stripped.startswith("ENTRY"):
+                    break
+                continue
+            m = re.match(r"(\d+)\s+(.*)", stripped)
+            if not m or section is None:
+                continue
+            key, rest = int(m.group(1)), m.group(2)
+            if section == "FileNames":
+                files[key] = rest.strip('"')
+            elif section == "FileLocations":
+                f = re.search(r"file_name_id=(\d+)", rest)
+                locations[key] = int(f.group(1)) if f else None
+            elif section == "StackFrames":
+                loc = re.search(r"file_location_id=(\d+)", rest)
+                parent = re.search(r"parent_frame_id=(\d+)", rest)
+                frames[key] = (int(loc.group(1)) if loc else None,
+                               int(parent.group(1)) if parent else None)
+        out = {}
+        for frame in frames:
+            chain, seen, f = [], set(), frame
+            while f in frames and f not in seen:
+                seen.add(f)
+                loc, parent = frames[f]
+                name = files.get(locations.get(loc))
+                if name:
+                    chain.append(name)
+                f = parent
+            out[frame] = tuple(chain)
+        return out
+
+    def source_files(self, line: str) -> tuple[str, ...]:
+        """The source files an instruction came from (innermost first)."""
+        m = re.search(r'source_file="([^"]+)"', line)
+        if m:
+            return (m.group(1),)
+        m = re.search(r"stack_frame_id=(\d+)", line)
+        return self._frame_files.get(int(m.group(1)), ()) if m else ()
+
+
+def instructions(hlo_text: str):
+    return Module(hlo_text).instructions()
+
+
+# What each attention kernel looks like in a compiled program.
+KERNEL_CUDNN = "cudnn"  # cuDNN fused (flash) attention custom calls
+KERNEL_TRITON = "triton"  # a Pallas/Triton kernel (custom call __gpu$xla.gpu.triton)
+KERNEL_LOOP = "pure-JAX loop"  # the blockwise kernel: while loops over key/query blocks
+KERNEL_XLA = "xla"  # jax.nn.dot_product_attention's XLA path: materialised scores
+
+# Source files whose loops and matmuls are attention (basp_jax's local kernels and ring attention).
+_ATTENTION_SOURCES = ("basp_jax/kernels.py", "basp_jax/ring.py")
+
+
+def attention_kernels(hlo_text: str) -> dict[str, dict]:
+    """The attention kernels a compiled program runs: kind -> {"count": executions per program
+    run, "targets": the custom-call targets or kernel names seen}."""
+    module = Module(hlo_text)
+    found: dict[str, dict] = {}
+    other_attention_ops = 0
+
+    def add(kind, n, target):
+        entry = found.setdefault(kind, {"count": 0, "targets": []})
+        entry["count"] += n
+        if target and target not in entry["targets"]:
+            entry["targets"].append(target)
+
+    for inst in module.instructions():
+        if inst.op == "custom-call":
+            target = re.search(r'custom_call_target="([^"]+)"', inst.line)
+            target = target.group(1) if target else ""
+            if target.startswith("__cudnn$fmha"):
+                add(KERNEL_CUDNN, inst.executions, target)
+                continue
+            if "triton" in target:
+                name = re.search(r'\\?"name\\?"\s*:\s*\\?"([\w.\-]+)', inst.line)
+                add(KERNEL_TRITON, inst.executions, name.group(1) if name else target)
+                continue
+        from_attention = any(f.endswith(s) for f in module.source_files(inst.line)
+                             for s in _ATTENTION_SOURCES)
+        if not from_attention:
+            continue
+        if inst.op == "while":
+            add(KERNEL_LOOP, inst.executions, "while")
+        elif inst.op in ("dot", "fusion", "custom-call"):
+            other_attention_ops += 1
+    if not found and other_attention_ops:
+        found[KERNEL_XLA] = {"count": other_attention_ops, "targets": []}
+    return found

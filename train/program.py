@@ -1,0 +1,118 @@
+"""The train step a config describes, built the same way for training (train.loop) and for
+compiling without running it (train.aot): layout, mesh, model, optimizer, shardings, step.
+
+    program = build_program(cfg, mcfg, devices, devices_per_host, parts)   # parts: the model
+    compiled = program.lower(parts.params, opt_state).compile()            # or abstract ones
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import models
+from basp_jax import Layout, make_mesh
+from basp_jax.sharding import tree_shardings
+
+from . import planning
+from .checkpoint import abstract_tree
+from .config import Config
+from .step import DTYPES, make_optimizer, make_train_step, opt_state_shardings
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """How a run splits its work: the layout, the parameter sharding, the mesh, the token order."""
+
+    layout: Layout
+    strategy: str  # fsdp | hsdp | replicated
+    mesh: Mesh
+    seq_order: Any  # None (natural order) or the zig-zag permutation of ring attention
+
+    @property
+    def zigzag(self) -> bool:
+        return self.seq_order is not None
+
+
+def plan_run(cfg: Config, mcfg, devices, devices_per_host: int) -> RunPlan:
+    """The layout and mesh for `devices`; raises LayoutError/ConfigError before anything compiles."""
+    layout, strategy = planning.plan(cfg, mcfg, len(devices), devices_per_host)
+    mesh = make_mesh(layout, devices)
+    return RunPlan(layout, strategy, mesh, planning.sequence_order(cfg, layout))
+
+
+def model_factory(cfg: Config, mcfg, plan: RunPlan) -> Callable[[], nnx.Module]:
+    """A function that builds the configured model on the plan's mesh (for nnx.eval_shape or jit)."""
+    dtype, param_dtype = DTYPES[cfg.model.dtype], DTYPES[cfg.model.param_dtype]
+
+    def make():
+        return models.Transformer(
+            mcfg, rngs=nnx.Rngs(cfg.run.seed), mesh=plan.mesh, dtype=dtype,
+            param_dtype=param_dtype, attn_impl=cfg.model.attn_impl, remat=cfg.model.remat,
+            ring=plan.layout.ring, zigzag=plan.zigzag,
+        )
+
+    return make
+
+
+@dataclasses.dataclass
+class TrainProgram:
+    """The jitted train step with everything needed to call or lower it."""
+
+    plan: RunPlan
+    step_fn: Any  # jit(train_step)(params, opt_state, batch, step)
+    tx: Any
+    schedule: Any
+    param_shardings: Any
+    abstract_opt_state: Any
+    opt_shardings: Any
+    batch_sharding: NamedSharding
+    batch_shape: tuple[int, int, int]  # [accum, rows (pad rows included), seq_len]
+    packed: bool
+
+    def abstract_batch(self) -> dict:
+        """ShapeDtypeStructs of one step's batch, as the data pipeline delivers it."""
+        names = ("tokens", "targets") + (("segment_ids",) if self.packed else ())
+        return {n: jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)
+                for n in names}
+
+    def step_index(self, step: int):
+        """The step counter as the compiled step takes it (replicated int32)."""
+        return jax.device_put(np.int32(step), NamedSharding(self.plan.mesh, P()))
+
+    def abstract_step_index(self):
+        return jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(self.plan.mesh, P()))
+
+    def lower(self, params, opt_state):
+        """Lower the step for these parameters and optimizer state (arrays or ShapeDtypeStructs
+        with shardings) and an abstract batch: compile() it to run or to inspect."""
+        with jax.set_mesh(self.plan.mesh):
+            return self.step_fn.lower(params, opt_state, self.abstract_batch(),
+                                      self.abstract_step_index())
+
+
+def build_program(cfg: Config, plan: RunPlan, parts) -> TrainProgram:
+    """The optimizer, the shardings and the jitted train step for the model `parts`
+    (train.step.ModelParts, with real or abstract parameters)."""
+    tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
+    param_sh = tree_shardings(parts.params, plan.mesh, plan.strategy)
+    abs_opt, opt_sh = opt_state_shardings(tx, parts.params, plan.mesh, plan.strategy)
+    step_fn, batch_sharding = make_train_step(
+        parts, tx, schedule, plan.mesh, param_sh, opt_sh,
+        loss_fn=models.causal_lm_loss, packed=cfg.data.pack, seq_order=plan.seq_order,
+    )
+    shape = (cfg.train.grad_accum, plan.layout.batch, cfg.data.seq_len)
+    return TrainProgram(plan, step_fn, tx, schedule, param_sh, abs_opt, opt_sh, batch_sharding,
+                        shape, cfg.data.pack)
+
+
+def abstract_state(program: TrainProgram, parts):
+    """ShapeDtypeStructs (with shardings) of the parameters and the optimizer state."""
+    return (abstract_tree(parts.params, program.param_shardings),
+            abstract_tree(program.abstract_opt_state, program.opt_shardings))
