@@ -142,9 +142,9 @@ def _top_level(shape_text: str) -> list[str]:
         return [text]
     parts, depth, start = [], 0, 1
     for i, ch in enumerate(text):
-        if ch == "(":
+        if ch in "([":
             depth += 1
-        elif ch == ")":
+        elif ch in ")]":
             depth -= 1
             if depth == 0:
                 parts.append(text[start:i])

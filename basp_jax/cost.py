@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from . import gpus
 from .layout import Layout, head_padding, kv_replication
 
 
@@ -28,19 +29,26 @@ class Hardware:
     intra_latency: float = 5e-6
     inter_latency: float = 10e-6
     devices_per_host: int = 8
-    memory_bytes: float = 80e9
+    memory_bytes: float = 80e9  # what the planner may use per device
     efficiency: float = 0.4  # achieved fraction of peak for the model's FLOPs
 
 
+def _cluster(gpu: str, description: str, intra_bw: float, inter_bw: float,
+             devices_per_host: int) -> Hardware:
+    """A cluster preset of `gpu` (basp_jax.gpus): its peak FLOP/s, and the memory JAX may take."""
+    g = gpus.get(gpu)
+    return Hardware(f"{g.device_kind}, {description}", g.peak_bf16_flops, intra_bw, inter_bw,
+                    devices_per_host=devices_per_host, memory_bytes=gpus.usable_memory_bytes(g))
+
+
+# Named like the GPU targets of basp_jax.gpus (and python -m train.aot --target).
 HARDWARE = {
-    # The paper's testbed: 2 nodes x 4 A100 (NVLink3), 400 Gb/s InfiniBand per node.
-    "a100-ib400": Hardware("A100 SXM + NVLink3, 400 Gb/s IB per node", 312e12, 250e9, 400e9 / 8 / 4,
-                           devices_per_host=4, memory_bytes=80e9),
+    # The paper's testbed: 2 nodes x 4 A100-SXM4-40GB (NVLink3), 400 Gb/s InfiniBand per node.
+    "a100-40gb": _cluster("a100-40gb", "NVLink3, 400 Gb/s IB per node of 4", 250e9, 400e9 / 8 / 4, 4),
+    "a100-80gb": _cluster("a100-80gb", "NVLink3, 400 Gb/s IB per node of 4", 250e9, 400e9 / 8 / 4, 4),
     # H100/H200 HGX: NVLink4, one 400 Gb/s NIC per GPU.
-    "h100-ib400": Hardware("H100 SXM + NVLink4, 400 Gb/s IB per GPU", 989e12, 370e9, 400e9 / 8,
-                           devices_per_host=8, memory_bytes=80e9),
-    "h200-ib400": Hardware("H200 SXM + NVLink4, 400 Gb/s IB per GPU", 989e12, 370e9, 400e9 / 8,
-                           devices_per_host=8, memory_bytes=141e9),
+    "h100-80gb": _cluster("h100-80gb", "NVLink4, 400 Gb/s IB per GPU", 370e9, 400e9 / 8, 8),
+    "h200-141gb": _cluster("h200-141gb", "NVLink4, 400 Gb/s IB per GPU", 370e9, 400e9 / 8, 8),
 }
 
 

@@ -1,7 +1,7 @@
 """Plan a layout from the command line: predicted communication and step time of every candidate.
 
     python -m basp_jax.plan --model llama-3.1-8b --seq 16384 --batch 2 --devices 8 \
-        --devices-per-host 4 --hardware a100-ib400
+        --devices-per-host 4 --hardware a100-40gb
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, required=True, help="microbatch size (sequences)")
     parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--devices-per-host", type=int, default=None)
-    parser.add_argument("--hardware", default="a100-ib400", choices=sorted(HARDWARE))
+    parser.add_argument("--hardware", default="a100-40gb", choices=sorted(HARDWARE))
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--memory-gb", type=float, default=None, help="per-device memory limit")
     parser.add_argument("--max-pad-rows", type=int, default=None,

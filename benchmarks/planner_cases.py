@@ -1,5 +1,5 @@
 """The planner on (B, N, heads) cases beyond the paper: chosen layout and predicted all-to-all
-traffic against plain Ulysses on the same devices (2 hosts x N/2 devices, a100-ib400 preset).
+traffic against plain Ulysses on the same devices (2 hosts x N/2 devices, a100-40gb preset).
 
     python benchmarks/planner_cases.py
 """
@@ -46,7 +46,7 @@ def main(seq: int = 16384) -> None:
     print("|---|---|---|---|---|---|---|")
     for name, batch, devices in CASES:
         shape = SHAPES[name]
-        hw = cost.HARDWARE["a100-ib400"]
+        hw = cost.HARDWARE["a100-40gb"]
         layout, best = cost.auto_layout(shape, batch=batch, seq_len=seq, num_devices=devices, hw=hw,
                                         devices_per_host=devices // 2, overlap=OVERLAP)
         base = ulysses(shape, batch, devices, dataclasses.replace(hw, devices_per_host=devices // 2), seq)

@@ -1,10 +1,12 @@
 """What the compiled attention communicates: all-to-alls inside each seq group, nothing else big."""
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import pytest
 
-from basp_jax import Layout, activation_sharding, attention, comm, make_mesh
+from basp_jax import Layout, activation_sharding, attention, comm, hlo, make_mesh
 
 B, S, HQ, HKV, D = 2, 64, 8, 2, 16
 
@@ -137,3 +139,32 @@ def test_embedding_gradient_is_not_reduced_one_mesh_axis_at_a_time():
         if c.kind == "all-reduce" and c.bytes >= embedding_bytes and all(len({d % 4 for d in g}) == 1 for g in c.groups)
     ]
     assert not cross_group_only, cross_group_only
+
+
+def test_stored_gpu_hlo_is_read_with_async_pairs_tuples_and_loops():
+    text = (Path(__file__).parent / "data" / "gpu_collectives.hlo").read_text()
+    found = comm.parse_collectives(text, 8)
+    by_kind = {}
+    for c in found:
+        by_kind.setdefault(c.kind, []).append(c)
+    # the start of each async pair counts once; the done is not a second collective
+    a2a = sorted(by_kind["all-to-all"], key=lambda c: c.executions)
+    assert [(c.bytes, c.executions) for c in a2a] == [(1 * 1024 * 8 * 128 * 2, 1),
+                                                     (4096 * 32 * 128 * 2, 32)]
+    assert a2a[0].groups == ((0, 1, 2, 3), (4, 5, 6, 7))
+    (gather,) = by_kind["all-gather"]  # two operands gathered in one op: the two results count
+    assert (gather.dtype, gather.bytes) == ("s32", 2 * 16384 * 4)
+    (scatter,) = by_kind["reduce-scatter"]  # counted as its full (operand) buffer
+    assert (scatter.bytes, scatter.group_size) == (32768 * 4096 * 4, 8)
+    (reduce,) = by_kind["all-reduce"]
+    assert (reduce.bytes, reduce.group_size) == (8, 8)
+    (permute,) = by_kind["collective-permute"]
+    assert permute.bytes == 4 and permute.groups[0] == (1, 0)
+    summary = comm.summarize(found, 4)
+    assert summary["all-to-all"]["count"] == 33
+    assert summary["all-to-all"]["inter_host_wire_bytes"] == 0
+    assert summary["reduce-scatter"]["inter_host_wire_bytes"] == pytest.approx(
+        scatter.wire_bytes * 4 / 7)
+    kernels = hlo.attention_kernels(text)
+    assert kernels[hlo.KERNEL_CUDNN]["targets"] == ["__cudnn$fmhaSoftmax"]
+    assert kernels[hlo.KERNEL_LOOP]["count"] == 1  # the while from basp_jax/kernels.py

@@ -9,7 +9,7 @@ from basp_jax.cost import HARDWARE, MODEL_SHAPES, Candidate, predict
 def test_all_to_all_traffic_closed_form():
     """Per device per layer: 2 passes x (2*Hq + 2*Hkv) x Dh x bytes x tokens x (sp-1)/sp."""
     shape = MODEL_SHAPES["llama-3.1-8b"]
-    hw = HARDWARE["a100-ib400"]
+    hw = HARDWARE["a100-40gb"]
     tokens = 2 * 16384 / 8
     for candidate, sp, inter_share in [(Candidate(1, 8, "fsdp"), 8, 4 / 7), (Candidate(2, 4, "fsdp"), 4, 0.0)]:
         p = predict(shape, candidate, batch=2, seq_len=16384, num_devices=8, hw=hw)
@@ -21,7 +21,7 @@ def test_all_to_all_traffic_closed_form():
 
 def test_hsdp_moves_only_a_shard_across_hosts():
     shape = MODEL_SHAPES["llama-3.2-1b"]
-    hw = HARDWARE["a100-ib400"]
+    hw = HARDWARE["a100-40gb"]
     fsdp = predict(shape, Candidate(2, 4, "fsdp"), batch=2, seq_len=16384, num_devices=8, hw=hw)
     hsdp = predict(shape, Candidate(2, 4, "hsdp"), batch=2, seq_len=16384, num_devices=8, hw=hw)
     # HSDP: one all-reduce of the fp32 gradient shard (1/sp) between the 2 groups: 2 * 1/2 of it.
@@ -32,7 +32,7 @@ def test_hsdp_moves_only_a_shard_across_hosts():
 
 def test_planner_picks_the_papers_layout_in_the_papers_case():
     preds = cost.plan_table(MODEL_SHAPES["llama-3.1-8b"], batch=2, seq_len=16384, num_devices=8,
-                            hw=HARDWARE["a100-ib400"])
+                            hw=HARDWARE["a100-40gb"])
     best = preds[0].candidate
     assert (best.groups, best.sp) == (2, 4)
     ulysses = next(p for p in preds if p.candidate.groups == 1)
@@ -50,7 +50,7 @@ def test_candidates_respect_heads_and_padding():
 
 def test_plan_cli_prints_a_table_and_a_pick(capsys):
     assert plan.main(["--model", "llama-3.1-8b", "--seq", "16384", "--batch", "2", "--devices", "8",
-                      "--devices-per-host", "4", "--hardware", "a100-ib400"]) == 0
+                      "--devices-per-host", "4", "--hardware", "a100-40gb"]) == 0
     out = capsys.readouterr().out
     assert "ulysses (1,8) fsdp" in out and "basp (2,4) hsdp" in out
     assert "pick: basp (2,4)" in out
@@ -78,7 +78,7 @@ def test_cost_model_shapes_equal_the_model_presets(name):
 
 def test_auto_picks_the_papers_layout_in_the_papers_case():
     layout, pred = cost.auto_layout(MODEL_SHAPES["llama-3.1-8b"], batch=2, seq_len=16384,
-                                    num_devices=8, hw=HARDWARE["a100-ib400"])
+                                    num_devices=8, hw=HARDWARE["a100-40gb"])
     assert (layout.groups, layout.sp, layout.batch, layout.ring) == (2, 4, 2, 1)
     assert layout.group_within_host and pred.candidate.param_sharding == "hsdp"
 
@@ -98,7 +98,7 @@ def test_auto_finds_a_valid_exact_layout_beyond_the_paper(batch, heads, kv_heads
 
     shape = cost.ModelShape(2, 256, 512, heads, kv_heads, 16, 1000)
     layout, pred = cost.auto_layout(shape, batch=batch, seq_len=64, num_devices=8,
-                                    hw=HARDWARE["a100-ib400"], devices_per_host=per_host)
+                                    hw=HARDWARE["a100-40gb"], devices_per_host=per_host)
     assert layout.batch >= batch and layout.batch - batch == pred.candidate.pad_rows
     assert layout.groups * layout.sp == 8
     mesh = make_mesh(layout)

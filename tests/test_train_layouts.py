@@ -62,7 +62,7 @@ def test_auto_takes_the_papers_layout_in_the_papers_case(tmp_path):
     from train.loop import model_config
 
     cfg = tiny_config(tmp_path / "auto", "parallel.mode=auto", "train.microbatch_size=2",
-                      "data.seq_len=16384", "parallel.hardware=a100-ib400")
+                      "data.seq_len=16384", "parallel.hardware=a100-40gb")
     mcfg = model_config(tiny_config(tmp_path / "m", "model.shape={}", "model.preset=llama-3.1-8b"))
     layout, strategy = planning.plan(cfg, mcfg, 8, 4)
     assert (layout.groups, layout.sp, layout.batch) == (2, 4, 2)

@@ -81,7 +81,7 @@ class ParallelConfig:
     devices_per_host: Optional[int] = None  # default: devices per process
     # auto: hsdp (parameters sharded inside each seq group) where it fits in memory, else fsdp
     param_sharding: Literal["auto", "fsdp", "hsdp", "replicated"] = "auto"
-    hardware: str = "h100-ib400"  # cost-model preset for mode=auto and param_sharding=auto
+    hardware: str = "h100-80gb"  # the GPU (basp_jax.gpus) the planner assumes for mode=auto and param_sharding=auto
     memory_gb: Optional[float] = None  # per-device memory limit for the planner (default: preset)
     ring: int = 1  # ring attention across sp/ring-device all-to-all runs (ring must divide sp)
     pad_heads: bool = False  # allow zero-padded query heads when sp does not divide num_heads

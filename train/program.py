@@ -8,6 +8,7 @@ compiling without running it (train.aot): layout, mesh, model, optimizer, shardi
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable
 
 import jax
@@ -23,7 +24,7 @@ from basp_jax.sharding import tree_shardings
 from . import planning
 from .checkpoint import abstract_tree
 from .config import Config
-from .step import DTYPES, make_optimizer, make_train_step, opt_state_shardings
+from .step import DTYPES, build_model, make_optimizer, make_train_step, opt_state_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,3 +117,20 @@ def abstract_state(program: TrainProgram, parts):
     """ShapeDtypeStructs (with shardings) of the parameters and the optimizer state."""
     return (abstract_tree(parts.params, program.param_shardings),
             abstract_tree(program.abstract_opt_state, program.opt_shardings))
+
+
+def compile_program(cfg: Config, devices, devices_per_host: int, mcfg=None):
+    """Compile the train step of `cfg` for `devices` from shapes alone (nothing is initialised,
+    read or run): (compiled, run plan, model config, compile seconds). `mcfg` replaces the
+    config's model (e.g. a preset with fewer layers)."""
+    from .loop import model_config  # the trainer's reading of model.preset/hf_path/shape
+
+    mcfg = model_config(cfg) if mcfg is None else mcfg
+    run_plan = plan_run(cfg, mcfg, devices, devices_per_host)
+    parts = build_model(model_factory(cfg, mcfg, run_plan), run_plan.mesh, run_plan.strategy,
+                        init_params=False)
+    program = build_program(cfg, run_plan, parts)
+    params, opt_state = abstract_state(program, parts)
+    t0 = time.perf_counter()
+    compiled = program.lower(params, opt_state).compile()
+    return compiled, run_plan, mcfg, time.perf_counter() - t0

@@ -1,0 +1,120 @@
+"""The shipped GPU configs compiled for a GPU cluster without a GPU (train.aot): memory per device,
+attention kernel, collectives, compile time, for BASP and Ulysses with FSDP and HSDP parameters,
+next to the planner's memory formula (basp_jax.cost).
+
+    python benchmarks/gpu_compile.py --target a100-40gb --hosts 2 --gpus-per-host 4 \\
+        --out bench/gpu_compile/a100-40gb_2x4.json          # prints a Markdown table
+    python benchmarks/gpu_compile.py ... --longest 8192   # longest seq_len that fits (BASP),
+                                                          # in steps of 8192 tokens
+
+Needs JAX's CUDA plugin (python -m train.aot --install). Each compile of an 8B step takes a
+minute or two on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from train import aot  # noqa: E402
+
+MODELS = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-3b", "qwen3-8b")
+GiB, MiB = 2**30, 2**20
+
+
+def compile_case(model, mode, sharding, args, seq_len=None):
+    from basp_jax import cost
+    from train.config import load_config
+    from train.loop import model_config
+    from train.planning import model_shape
+
+    overrides = [f"parallel.mode={mode}", f"parallel.param_sharding={sharding}",
+                 f"parallel.hardware={args.target}", f"parallel.devices_per_host={args.gpus_per_host}",
+                 f"runtime.devices={args.hosts * args.gpus_per_host}"]
+    if seq_len:
+        overrides.append(f"data.seq_len={seq_len}")
+    cfg = load_config(str(ROOT / "configs" / "gpu" / f"{model}_basp.yaml"), overrides)
+    r = aot.report(cfg, args.target, args.hosts, args.gpus_per_host)
+    layout = r["layout"]
+    candidate = cost.Candidate(layout["groups"], layout["sp"], sharding, ring=layout["ring"])
+    hw = cost.HARDWARE[args.target]
+    pred = cost.predict(model_shape(model_config(cfg)), candidate, batch=layout["batch"],
+                        seq_len=layout["seq_len"], num_devices=args.hosts * args.gpus_per_host,
+                        hw=hw, grad_accum=cfg.train.grad_accum)
+    r["formula_memory_bytes"] = pred.memory_bytes
+    r["case"] = {"model": model, "mode": mode, "sharding": sharding, "seq_len": layout["seq_len"]}
+    return r
+
+
+def row(r) -> str:
+    c = r["case"]
+    a2a = [x for x in r["collectives"] if x["kind"] == "all-to-all"]
+    params = [x for x in r["collectives"] if x["kind"] in ("all-gather", "reduce-scatter",
+                                                          "all-reduce")]
+    a2a_per_layer = sum(x["per_layer"] for x in a2a)
+    a2a_inter = sum(x["inter_host_wire_bytes"] for x in a2a)
+    p_wire = sum(x["wire_bytes"] for x in params)
+    p_inter = sum(x["inter_host_wire_bytes"] for x in params)
+    kernel = ", ".join(r["attention_kernels"]) or "none"
+    return (f"| {c['model']} | {c['mode']} ({r['layout']['groups']},{r['layout']['sp']}) | "
+            f"{c['sharding']} | {r['peak_bytes_per_device'] / GiB:.1f} | "
+            f"{r['formula_memory_bytes'] / GiB:.1f} | {'yes' if r['fits'] else 'no'} | {kernel} | "
+            f"{a2a_per_layer:.0f} | {sum(x['wire_bytes'] for x in a2a) / MiB:,.0f} / "
+            f"{a2a_inter / MiB:,.0f} | {(p_wire - p_inter) / MiB:,.0f} / {p_inter / MiB:,.0f} | "
+            f"{r['compile_s']:.0f} |")
+
+
+HEADER = ("| model | layout | params | peak GiB (compiled) | formula GiB | fits | attention kernel "
+          "| a2a per layer | a2a wire MiB total / inter-host | param collectives MiB intra / "
+          "inter-host | compile s |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="a100-40gb")
+    p.add_argument("--hosts", type=int, default=2)
+    p.add_argument("--gpus-per-host", type=int, default=4)
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--setups", default="basp:fsdp,basp:hsdp,ulysses:fsdp")
+    p.add_argument("--longest", type=int, default=0,
+                   help="find the longest seq_len (multiples of this) that fits, BASP + FSDP")
+    p.add_argument("--out", required=True, help="JSON file of all reports (appended as they come)")
+    args = p.parse_args()
+    aot.use_plugin()
+    results = json.load(open(args.out)) if os.path.exists(args.out) else []
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def save(r):
+        results.append(r)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+    print(HEADER, flush=True)
+    for model in args.models.split(","):
+        if args.longest:
+            seq, last_fit = args.longest * 2, None
+            while True:
+                r = compile_case(model, "basp", "fsdp", args, seq_len=seq)
+                save(r)
+                print(row(r), flush=True)
+                if not r["fits"]:
+                    break
+                last_fit, seq = seq, seq * 2
+            print(f"{model}: longest fitting seq_len found {last_fit}", flush=True)
+            continue
+        for setup in args.setups.split(","):
+            mode, sharding = setup.split(":")
+            r = compile_case(model, mode, sharding, args)
+            save(r)
+            print(row(r), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

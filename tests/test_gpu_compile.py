@@ -1,0 +1,167 @@
+"""The GPU program, seen without a GPU: the trainer's real step compiled for 2 hosts x 4
+A100-40GB (python -m train.aot), its memory, kernels and collectives.
+
+Compiling needs JAX's CUDA plugin: installed once per environment by `python -m train.aot
+--install` (the first test run does it). The compiles run in subprocesses, so this test process
+(and every CPU test) never loads the plugin.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from basp_jax import comm, cost, gpus
+
+ROOT = Path(__file__).resolve().parent.parent
+LINUX_X86 = platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not LINUX_X86, reason="JAX's CUDA plugin (needed to compile for a GPU) "
+                       "exists for Linux x86_64 only; CI compiles these programs"),
+]
+CONFIG_8B = "configs/gpu/llama-3.1-8b_basp.yaml"
+GiB = 2**30
+
+
+def _run(*args, timeout=1200, env=None):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="session")
+def cuda_plugin():
+    """JAX's CUDA plugin for this environment: installed here if missing (never skipped)."""
+    probe = ("import importlib.util, os, sys; from train import aot; "
+             "sys.exit(0 if importlib.util.find_spec('jax_cuda12_plugin') or "
+             "os.path.isdir(os.path.join(aot.plugin_dir(), 'jax_plugins')) else 1)")
+    if _run("-c", probe).returncode:
+        done = _run("-m", "train.aot", "--install")
+        assert done.returncode == 0, f"could not install the CUDA plugin:\n{done.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="session")
+def basp_8b(cuda_plugin, tmp_path_factory):
+    """The README's command for the paper's testbed: report, JSON and HLO of the shipped 8B config."""
+    out = tmp_path_factory.mktemp("aot")
+    done = _run("-m", "train.aot", "--config", CONFIG_8B, "--target", "a100-40gb", "--hosts", "2",
+                "--gpus-per-host", "4", "--json", str(out / "r.json"), "--hlo", str(out / "s.hlo"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {"stdout": done.stdout, "stderr": done.stderr,
+            "report": json.loads((out / "r.json").read_text()),
+            "hlo": (out / "s.hlo").read_text()}
+
+
+@pytest.fixture(scope="session")
+def reports(cuda_plugin, tmp_path_factory):
+    """Every other shipped GPU config, and the 8B one with HSDP, compiled in one process."""
+    configs = sorted(glob.glob(str(ROOT / "configs/gpu/*.yaml")))
+    cases = [os.path.relpath(c, ROOT) for c in configs if not c.endswith(CONFIG_8B)]
+    cases.append(f"{CONFIG_8B},parallel.param_sharding=hsdp")
+    out = tmp_path_factory.mktemp("aot") / "reports.json"
+    done = _run("tests/aot_worker.py", str(out), *cases, timeout=3000)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {r["case"]: r for r in json.loads(out.read_text())}
+
+
+def _rows(report, kind):
+    return [c for c in report["collectives"] if c["kind"] == kind]
+
+
+def test_the_command_prints_the_report_and_writes_json_and_hlo(basp_8b):
+    out, r = basp_8b["stdout"], basp_8b["report"]
+    assert "NVIDIA A100-SXM4-40GB x 8 (2 host(s) x 4)" in out
+    assert "peak" in out and "attention kernel:" in out and "all-to-all" in out
+    assert basp_8b["stderr"] == ""  # the plugin's no-driver notices are filtered
+    for key in ("peak_bytes_per_device", "device_memory_bytes", "fits", "attention_kernels",
+                "compile_s"):
+        assert key in r
+    assert r["device_memory_bytes"] == gpus.GPUS["a100-40gb"].memory_bytes
+    mem = r["memory"]
+    assert r["peak_bytes_per_device"] == (mem["argument_bytes"] + mem["temp_bytes"]
+                                          + mem["output_bytes"] - mem["alias_bytes"])
+    # parameters (fp32) and Adam moments, FSDP over 8: about 12 B x 8.03e9 / 8 = 11.2 GiB
+    assert 10.5 * GiB < mem["argument_bytes"] < 12 * GiB
+    assert r["fits"] and r["peak_bytes_per_device"] < gpus.usable_memory_bytes(
+        gpus.GPUS["a100-40gb"])
+    assert r["attention_kernels"], "no attention kernel recognised"
+    # the HLO written is the program reported
+    assert comm.summarize(comm.parse_collectives(basp_8b["hlo"], 8), 4)["all-to-all"]["count"] \
+        == sum(c["count"] for c in _rows(r, "all-to-all"))
+
+
+def test_basp_all_to_alls_stay_inside_hosts(basp_8b):
+    a2a = [c for c in comm.parse_collectives(basp_8b["hlo"], 8) if c.kind == "all-to-all"]
+    assert a2a and all(c.dtype == "bf16" for c in a2a)
+    assert {c.groups for c in a2a} == {((0, 1, 2, 3), (4, 5, 6, 7))}
+    assert sum(c["inter_host_wire_bytes"] for c in _rows(basp_8b["report"], "all-to-all")) == 0
+
+
+def test_ulysses_inter_host_all_to_all_bytes_equal_the_closed_form(reports):
+    r = reports["configs/gpu/llama-3.1-8b_ulysses.yaml"]
+    assert (r["layout"]["groups"], r["layout"]["sp"]) == (1, 8)
+    shape = cost.MODEL_SHAPES["llama-3.1-8b"]
+    predicted = cost.predict(shape, cost.Candidate(1, 8, "fsdp"), batch=2, seq_len=16384,
+                             num_devices=8, hw=cost.HARDWARE["a100-40gb"])
+    measured = sum(c["inter_host_wire_bytes"] for c in _rows(r, "all-to-all"))
+    assert measured == pytest.approx(predicted.all_to_all.inter, rel=1e-9)
+
+
+def test_fsdp_gradients_leave_through_reduce_scatter_and_gathers_are_bf16(basp_8b):
+    r = basp_8b["report"]
+    params = r["model"]["params"]
+    scattered = sum(c["bytes"] for c in _rows(r, "reduce-scatter"))
+    assert scattered >= 2 * params  # every gradient, at least in bf16, reduce-scattered
+    assert sum(c["bytes"] for c in _rows(r, "all-reduce")) < 2**20  # only scalars
+    gathers = _rows(r, "all-gather")
+    big = [c for c in gathers if c["bytes"] > 64 * 2**20]
+    assert big and {c["dtype"] for c in big} == {"bf16"}  # parameters gathered in compute dtype
+    assert sum(c["bytes"] for c in big) >= 2 * params  # each parameter at least once forward
+
+
+def test_hsdp_parameter_gathers_stay_inside_hosts(reports):
+    r = reports[f"{CONFIG_8B},parallel.param_sharding=hsdp"]
+    assert r["param_sharding"] == "hsdp"
+    gathers = _rows(r, "all-gather")
+    assert gathers and sum(c["inter_host_wire_bytes"] for c in gathers) == 0
+    assert all(c["group_size"] == 4 for c in gathers)
+    # the cross-host traffic left is the gradient reduction of 1/4 shards between the two groups
+    inter = sum(c["inter_host_wire_bytes"] for c in r["collectives"])
+    assert 0 < inter <= 4 * r["model"]["params"] / 4 * 2
+
+
+def test_every_gpu_config_names_its_cluster_and_fits_it(reports, basp_8b):
+    every = dict(reports, **{CONFIG_8B: basp_8b["report"]})
+    for path in glob.glob(str(ROOT / "configs/gpu/*.yaml")):
+        case = os.path.relpath(path, ROOT)
+        r = every[case]
+        assert (r["target"]["name"], r["hosts"], r["gpus_per_host"]) == ("a100-40gb", 2, 4), case
+        assert r["fits"], f"{case}: {r['peak_bytes_per_device'] / GiB:.1f} GiB per device"
+        mode = "basp" if case.endswith("_basp.yaml") else "ulysses"
+        assert r["layout"]["mode"] == mode and r["attention_kernels"], case
+
+
+def test_bad_input_is_one_line(cuda_plugin, tmp_path):
+    cases = [
+        (["--target", "b200"], "unknown target 'b200'"),
+        (["--hosts", "3"], "runtime.devices=8 GPUs but the cluster has 3 x 4"),
+        (["--hosts", "3", "runtime.devices=12"], "num_heads=32 is not divisible"),
+        (["--json", str(tmp_path)], "is a directory"),
+    ]
+    for extra, message in cases:
+        done = _run("-m", "train.aot", "--config", CONFIG_8B, *extra, timeout=300)
+        assert done.returncode == 2 and done.stdout == "", (extra, done.stdout, done.stderr)
+        assert done.stderr.count("\n") == 1 and message in done.stderr, (extra, done.stderr)
+    env = dict(os.environ, BASP_GPU_COMPILE_DIR=str(tmp_path / "none"))
+    probe = _run("-c", "import importlib.util as u; print(bool(u.find_spec('jax_cuda12_plugin')))")
+    if probe.stdout.strip() == "False":  # the plugin comes from the install folder: hide it
+        done = _run("-m", "train.aot", "--config", CONFIG_8B, env=env, timeout=300)
+        assert done.returncode == 2 and "python -m train.aot --install" in done.stderr
+        assert done.stderr.count("\n") == 1

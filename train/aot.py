@@ -1,0 +1,424 @@
+"""Compile a config's real train step for a GPU cluster on any machine (no GPU needed) and report
+what the GPUs would run: memory per device, attention kernels, collectives, compile time.
+
+    python -m train.aot --config configs/gpu/llama-3.1-8b_basp.yaml --target a100-40gb \\
+        --hosts 2 --gpus-per-host 4 [key.sub=value ...] [--json OUT.json] [--hlo OUT.hlo]
+    python -m train.aot --install      # once: the CUDA compiler plugin (about 1.5 GB)
+
+The step is built by the trainer's own code (train.program: layout, model, optimizer, shardings)
+from shapes alone: no weights, no data and nothing under run.dir are read or written. XLA compiles
+it through JAX's CUDA plugin for a deviceless topology of `hosts x gpus-per-host` GPUs described by
+basp_jax.gpus. The plugin is either installed in this environment (jax[cuda12] on a GPU host) or
+installed by --install into a folder beside this environment, which only this command puts on
+its path (so `import jax` elsewhere stays quiet on CPU-only machines).
+
+Exit status: 0, the step fits; 1, it compiled but does not fit in the memory JAX may take;
+2, bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+
+USAGE = ("python -m train.aot --config CONFIG.yaml --target GPU --hosts N --gpus-per-host M "
+         "[key.sub=value ...] [--json OUT.json] [--hlo OUT.hlo]")
+CUDNN_REQUIREMENT = "nvidia-cudnn-cu12>=9.8,<10"
+GiB = 2**30
+
+
+class AotError(ValueError):
+    """Bad input for the compile command; the one-line message says what to change or install."""
+
+
+# ---------------------------------------------------------------------------- the CUDA plugin
+
+def _jaxlib_version() -> str:
+    try:
+        return importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        raise AotError("jaxlib is not installed; pip install -e . first") from None
+
+
+def plugin_dir() -> str:
+    """Where --install puts the CUDA plugin: beside this environment, one folder per jaxlib."""
+    base = os.environ.get("BASP_GPU_COMPILE_DIR") or os.path.join(sys.prefix, "basp-gpu-compile")
+    return os.path.join(base, f"jaxlib-{_jaxlib_version()}")
+
+
+def _plugin_installed_here() -> bool:
+    return importlib.util.find_spec("jax_cuda12_plugin") is not None or \
+        importlib.util.find_spec("jax_cuda13_plugin") is not None
+
+
+def _check_platform() -> None:
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        raise AotError(
+            f"compiling for a GPU needs JAX's CUDA plugin, which exists for Linux x86_64 only "
+            f"(this is {platform.system()} {platform.machine()}); run it on a Linux x86_64 machine")
+
+
+def install_plugin() -> str:
+    """pip-install the CUDA plugin matching this jaxlib, and cuDNN (for fused attention), into
+    plugin_dir(). Only the three packages: no CUDA runtime libraries are needed to compile."""
+    _check_platform()
+    version = _jaxlib_version()
+    target = plugin_dir()
+    packages = [f"jax-cuda12-plugin=={version}", f"jax-cuda12-pjrt=={version}", CUDNN_REQUIREMENT]
+    print(f"installing {', '.join(packages)} into {target}", flush=True)
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade",
+           "--target", target, *packages]
+    done = subprocess.run(cmd)
+    if done.returncode:
+        raise AotError(f"pip could not install {' '.join(packages)} (exit {done.returncode}); "
+                       "see its output above")
+    return target
+
+
+def use_plugin() -> None:
+    """Make the CUDA plugin importable and keep JAX on the CPU (must run before `import jax`)."""
+    os.environ["JAX_PLATFORMS"] = "cpu"  # compile for the GPU topology; run nothing on a GPU
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no CUDA driver is needed
+    if "jax" in sys.modules:
+        raise RuntimeError("train.aot.use_plugin() must run before jax is imported")
+    if not _plugin_installed_here():
+        _add_plugin_folder()
+    _start_jax()
+
+
+def _add_plugin_folder() -> None:
+    _check_platform()
+    folder = plugin_dir()
+    if not os.path.isdir(os.path.join(folder, "jax_plugins")):
+        raise AotError(
+            f"JAX's CUDA plugin is not installed (looked in this environment and {folder}); run "
+            f"`python -m train.aot --install` once (jax-cuda12-plugin/pjrt=={_jaxlib_version()} "
+            "and cuDNN, about 1.5 GB), or pip install \"jax[cuda12]\"")
+    sys.path.insert(0, folder)
+
+
+def _start_jax() -> None:
+    """Import JAX and start its backends (which loads the CUDA plugin) without its notices."""
+    with _without_driver_notices():
+        import jax
+
+        jax.devices()
+
+
+# ---------------------------------------------------------------------------- compile and report
+
+def gpu_devices(target: str, hosts: int, gpus_per_host: int):
+    """The devices of a deviceless topology of `hosts` x `gpus_per_host` GPUs of `target`."""
+    from jax.experimental import topologies
+
+    from basp_jax import gpus
+
+    with _without_driver_notices():
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=gpus.target_config(target),
+            topology=f"1x{hosts}x{gpus_per_host}")
+    return list(topology.devices)
+
+
+# What the CUDA plugin prints (from C++, before its logging is set up) on a machine without a GPU.
+_DRIVER_NOTICES = ("All log messages before absl::InitializeLog()",
+                   "Could not find cuda drivers on your machine")
+
+
+@contextlib.contextmanager
+def _without_driver_notices():
+    """Drop the plugin's 'no CUDA driver' notices from stderr (file descriptor 2, where its C++
+    code writes them); every other line written meanwhile is passed on."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            for line in capture.read().decode(errors="replace").splitlines(keepends=True):
+                if not any(n in line for n in _DRIVER_NOTICES):
+                    sys.stderr.write(line)
+
+
+def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False) -> dict:
+    """Compile the train step of `cfg` for `devices` and return the report (see `report`)."""
+    import jax
+
+    from basp_jax import comm, hlo
+
+    from .program import compile_program
+
+    compiled, run_plan, mcfg, compile_s = compile_program(cfg, devices, devices_per_host)
+    text = compiled.as_text()
+    mem = compiled.memory_analysis()
+    layout = run_plan.layout
+    collectives = comm.parse_collectives(text, len(devices))
+    return {
+        "model": {"type": mcfg.model_type, "params": mcfg.num_params(),
+                  "num_layers": mcfg.num_layers},
+        "layout": {"describe": layout.describe(), "mode": layout.mode, "groups": layout.groups,
+                   "sp": layout.sp, "ring": layout.ring, "batch": layout.batch,
+                   "seq_len": layout.seq_len, "devices_per_host": layout.devices_per_host},
+        "param_sharding": run_plan.strategy,
+        "grad_accum": cfg.train.grad_accum,
+        "memory": {"argument_bytes": mem.argument_size_in_bytes,
+                   "output_bytes": mem.output_size_in_bytes,
+                   "alias_bytes": mem.alias_size_in_bytes,
+                   "temp_bytes": mem.temp_size_in_bytes},
+        # Live at once: the inputs, the scratch space, and outputs not written over donated inputs.
+        "peak_bytes_per_device": (mem.argument_size_in_bytes + mem.temp_size_in_bytes
+                                  + mem.output_size_in_bytes - mem.alias_size_in_bytes),
+        "attention_kernels": hlo.attention_kernels(text),
+        "collectives": collective_rows(collectives, layout.devices_per_host, mcfg.num_layers,
+                                       cfg.train.grad_accum),
+        "compile_s": compile_s,
+        "jax_version": jax.__version__,
+        **({"hlo": text} if want_hlo else {}),
+    }
+
+
+def collective_rows(collectives, devices_per_host: int, num_layers: int, grad_accum: int) -> list:
+    """Per (kind, dtype): executions per step and per layer per microbatch, bytes per device."""
+    from basp_jax import comm
+
+    rows = {}
+    for c in collectives:
+        rows.setdefault((c.kind, c.dtype), []).append(c)
+    out = []
+    for kind in comm.KINDS:
+        for (k, dtype), group in sorted(rows.items()):
+            if k != kind:
+                continue
+            row = comm.summarize(group, devices_per_host)[kind]
+            out.append({
+                "kind": kind, "dtype": dtype, "count": int(row["count"]),
+                "per_layer": row["count"] / (num_layers * grad_accum),
+                "bytes": int(row["bytes"]), "wire_bytes": row["wire_bytes"],
+                "inter_host_wire_bytes": row["inter_host_wire_bytes"],
+                "group_size": max(c.group_size for c in group),
+            })
+    return out
+
+
+def format_report(r: dict) -> str:
+    mem, lay = r["memory"], r["layout"]
+    usable = r["usable_memory_bytes"]
+    lines = [
+        f"{r['target']['device_kind']} x {r['hosts'] * r['gpus_per_host']} "
+        f"({r['hosts']} host(s) x {r['gpus_per_host']}); {r['model']['type']} "
+        f"{r['model']['params'] / 1e9:.2f}B params, {r['model']['num_layers']} layers; "
+        f"compiled in {r['compile_s']:.1f}s with jax {r['jax_version']}",
+        f"layout: {lay['describe']}; {r['param_sharding']} parameters; "
+        f"{r['grad_accum']} microbatch(es) of {lay['batch']} x {lay['seq_len']} tokens",
+        "",
+        "memory per device            GiB",
+        f"  arguments           {mem['argument_bytes'] / GiB:>10.2f}",
+        f"  outputs             {mem['output_bytes'] / GiB:>10.2f}   "
+        f"(of which {mem['alias_bytes'] / GiB:.2f} reuse donated arguments)",
+        f"  temporaries         {mem['temp_bytes'] / GiB:>10.2f}",
+        f"  peak                {r['peak_bytes_per_device'] / GiB:>10.2f}   of "
+        f"{r['device_memory_bytes'] / GiB:.2f} on the device; JAX may take {usable / GiB:.2f} "
+        f"({r['memory_fraction']:.0%}): " + ("fits" if r["fits"] else "DOES NOT FIT"),
+        "",
+    ]
+    kernels = r["attention_kernels"]
+    if kernels:
+        parts = [f"{kind} ({', '.join(v['targets']) or 'ops'}; {v['count']} per step)"
+                 for kind, v in kernels.items()]
+        lines.append("attention kernel: " + "; ".join(parts))
+    else:
+        lines.append("attention kernel: none found")
+    lines += ["", "collectives per step, bytes per device:",
+              f"  {'kind':<20}{'dtype':<7}{'group':>6}{'count':>7}{'/layer':>8}{'MiB':>11}"
+              f"{'wire MiB':>11}{'inter-host MiB':>16}"]
+    for c in r["collectives"]:
+        lines.append(
+            f"  {c['kind']:<20}{c['dtype']:<7}{c['group_size']:>6}{c['count']:>7}"
+            f"{c['per_layer']:>8.2f}{c['bytes'] / 2**20:>11.1f}{c['wire_bytes'] / 2**20:>11.1f}"
+            f"{c['inter_host_wire_bytes'] / 2**20:>16.1f}")
+    return "\n".join(lines)
+
+
+def report(cfg, target: str, hosts: int, gpus_per_host: int, *, want_hlo: bool = False) -> dict:
+    """Compile `cfg` for `hosts` x `gpus_per_host` GPUs of `target`: the report as a dict."""
+    from basp_jax import gpus
+
+    gpu = gpus.get(target)
+    devices = gpu_devices(target, hosts, gpus_per_host)
+    r = compile_step(cfg, devices, gpus_per_host, want_hlo=want_hlo)
+    usable = gpus.usable_memory_bytes(gpu)
+    r.update({
+        "target": {"name": gpu.name, "device_kind": gpu.device_kind},
+        "hosts": hosts, "gpus_per_host": gpus_per_host,
+        "device_memory_bytes": gpu.memory_bytes,
+        "memory_fraction": gpus.memory_fraction(),
+        "usable_memory_bytes": usable,
+        "fits": r["peak_bytes_per_device"] <= usable,
+    })
+    return r
+
+
+# ---------------------------------------------------------------------------- compiled planner
+
+def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict]:
+    """Every layout the planner would consider for `cfg` on this cluster, each compiled: rows
+    with the prediction (basp_jax.cost) and the compiled report, fastest fitting first."""
+    from basp_jax import cost
+
+    from .config import replace
+    from .loop import model_config
+    from .planning import model_shape
+
+    devices = hosts * gpus_per_host
+    shape = model_shape(model_config(cfg))
+    hw = cost.HARDWARE[target]
+    hw = dataclasses.replace(hw, devices_per_host=gpus_per_host)
+    rows = []
+    for c in cost.candidates(shape, batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len,
+                             num_devices=devices):
+        pred = cost.predict(shape, c, batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len,
+                            num_devices=devices, hw=hw, grad_accum=cfg.train.grad_accum,
+                            remat=cfg.model.remat)
+        variant = replace(cfg, "parallel.mode=basp", f"parallel.groups={c.groups}",
+                          f"parallel.ring={c.ring}", f"parallel.pad_heads={c.pad_heads}",
+                          f"parallel.param_sharding={c.param_sharding}")
+        r = report(variant, target, hosts, gpus_per_host)
+        rows.append({"name": c.name, "predicted_step_s": pred.step_s,
+                     "formula_memory_bytes": pred.memory_bytes, "report": r})
+    rows.sort(key=lambda row: (not row["report"]["fits"], row["predicted_step_s"]))
+    return rows
+
+
+def format_plan(rows: list[dict]) -> str:
+    lines = [f"{'layout':<34}{'step s':>8}{'formula GiB':>13}{'compiled GiB':>14}  fits"]
+    for row in rows:
+        r = row["report"]
+        lines.append(f"{row['name']:<34}{row['predicted_step_s']:>8.3f}"
+                     f"{row['formula_memory_bytes'] / GiB:>13.1f}"
+                     f"{r['peak_bytes_per_device'] / GiB:>14.1f}  {'yes' if r['fits'] else 'no'}")
+    fitting = [row for row in rows if row["report"]["fits"]]
+    lines.append("")
+    lines.append(f"pick: {fitting[0]['name']} (fastest predicted step whose compiled memory fits)"
+                 if fitting else "pick: none fits; lower data.seq_len or use more GPUs")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- command line
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m train.aot", usage=USAGE,
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--config", help="YAML config (configs/gpu/*.yaml)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, as for train.py")
+    p.add_argument("--target", help="GPU model, e.g. a100-40gb (default: parallel.hardware)")
+    p.add_argument("--hosts", type=int, help="hosts (default: runtime.devices / gpus per host)")
+    p.add_argument("--gpus-per-host", type=int,
+                   help="GPUs per host (default: parallel.devices_per_host, else 8)")
+    p.add_argument("--json", help="write the report as JSON here")
+    p.add_argument("--hlo", help="write the optimized HLO text here")
+    p.add_argument("--plan", action="store_true",
+                   help="compile every candidate layout and rank those that fit (slow)")
+    p.add_argument("--install", action="store_true",
+                   help="install JAX's CUDA plugin for this jaxlib, then exit")
+    return p
+
+
+def resolve_cluster(cfg, args) -> tuple[str, int, int]:
+    """(target, hosts, gpus per host) from the flags, else from the config."""
+    from basp_jax import gpus
+
+    target = args.target or cfg.parallel.hardware
+    if target not in gpus.GPUS:
+        raise AotError(f"unknown target {target!r}; use --target with one of {', '.join(gpus.GPUS)}")
+    per_host = args.gpus_per_host or cfg.parallel.devices_per_host or 8
+    if per_host <= 0:
+        raise AotError(f"--gpus-per-host must be positive, got {per_host}")
+    if cfg.parallel.devices_per_host and cfg.parallel.devices_per_host != per_host:
+        raise AotError(f"--gpus-per-host {per_host} differs from the config's "
+                       f"parallel.devices_per_host={cfg.parallel.devices_per_host}; make them agree")
+    hosts = args.hosts
+    if hosts is None:
+        if cfg.runtime.devices is None:
+            raise AotError("give --hosts (the config does not set runtime.devices)")
+        if cfg.runtime.devices % per_host:
+            raise AotError(f"runtime.devices={cfg.runtime.devices} is not a multiple of "
+                           f"{per_host} GPUs per host; give --hosts and --gpus-per-host")
+        hosts = cfg.runtime.devices // per_host
+    if hosts <= 0:
+        raise AotError(f"--hosts must be positive, got {hosts}")
+    if cfg.runtime.devices is not None and cfg.runtime.devices != hosts * per_host:
+        raise AotError(f"the config trains on runtime.devices={cfg.runtime.devices} GPUs but the "
+                       f"cluster has {hosts} x {per_host}; change --hosts/--gpus-per-host or "
+                       "override runtime.devices")
+    return target, hosts, per_host
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as e:
+        raise AotError(f"cannot write {path!r}: {e.strerror}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_intermixed_args(argv)
+    from .config import ConfigError, load_config
+
+    try:
+        if args.install:
+            install_plugin()
+            return 0
+        if not args.config:
+            raise AotError("--config is required (e.g. configs/gpu/llama-3.1-8b_basp.yaml)")
+        cfg = load_config(args.config, args.overrides)
+        use_plugin()  # before anything imports jax (basp_jax does)
+        target, hosts, per_host = resolve_cluster(cfg, args)
+        for path in (args.json, args.hlo):
+            if path and os.path.isdir(path):
+                raise AotError(f"{path!r} is a directory; give a file name")
+        from basp_jax import LayoutError
+        from models import ModelError
+
+        try:
+            if args.plan:
+                rows = plan_compiled(cfg, target, hosts, per_host)
+            else:
+                r = report(cfg, target, hosts, per_host, want_hlo=bool(args.hlo))
+        except (LayoutError, ModelError) as e:
+            raise AotError(str(e)) from None
+    except (AotError, ConfigError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    if args.plan:
+        print(format_plan(rows), flush=True)
+        if args.json:
+            _write(args.json, json.dumps(rows, indent=1))
+        return 0 if any(row["report"]["fits"] for row in rows) else 1
+    print(format_report(r), flush=True)
+    try:
+        if args.hlo:
+            _write(args.hlo, r.pop("hlo"))
+        if args.json:
+            _write(args.json, json.dumps(r, indent=1))
+    except AotError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0 if r["fits"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
