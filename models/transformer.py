@@ -18,15 +18,19 @@ from basp_jax.sharding import tree_shardings
 
 import basp_jax
 from basp_jax import kernels as basp_kernels
+from basp_jax.remat import save_exchanges
 
 from .config import ModelConfig, ModelError
 from .layers import MLP, Attention, Embed, Linear, RMSNorm, constrain
 
+# Every policy also saves the outputs of attention's exchanges (basp_jax.remat.save_exchanges): the
+# backward pass never repeats the all-to-alls BASP exists to cut (8 per layer, as basp_jax.cost
+# counts, instead of 12). The price: per layer q, k, v in the head layout and the attention output.
 REMAT_POLICIES = {
     "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
+    "full": save_exchanges(),
     # Save the projections (dots without batch dims); recompute attention scores and elementwise ops.
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": save_exchanges(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
 }
 
 
