@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 from . import kernels
 from .layout import LayoutError, head_padding, kv_replication
 from .mesh import ACTIVATION_SPEC, GROUP, SEQ
+from .remat import name_exchange
 from .ring import ring_local_attention
 
 
@@ -66,14 +67,14 @@ def _seq_to_heads(x, sp):
     """[b, s/sp, h, d] sequence shard -> [b, s, h/sp, d] head shard (whole sequence)."""
     if sp == 1:
         return x
-    return lax.all_to_all(x, SEQ, split_axis=2, concat_axis=1, tiled=True)
+    return name_exchange(lax.all_to_all(x, SEQ, split_axis=2, concat_axis=1, tiled=True))
 
 
 def _heads_to_seq(x, sp):
     """Inverse of _seq_to_heads."""
     if sp == 1:
         return x
-    return lax.all_to_all(x, SEQ, split_axis=1, concat_axis=2, tiled=True)
+    return name_exchange(lax.all_to_all(x, SEQ, split_axis=1, concat_axis=2, tiled=True))
 
 
 def attention(
@@ -132,6 +133,7 @@ def attention(
         q, k, v = (_seq_to_heads(x, sp) for x in (q, k, v))
         if seg is not None and sp > 1:
             seg = lax.all_gather(seg, SEQ, axis=1, tiled=True)  # small ints, never activations
+            seg = name_exchange(seg)
         out = kernel(q, k, v, causal=causal, segment_ids=seg, **kernel_kwargs)
         return _heads_to_seq(out, sp)
 

@@ -22,6 +22,7 @@ from jax import lax
 
 from .kernels import blockwise_attention_with_lse
 from .mesh import SEQ
+from .remat import name_exchange
 
 
 def inner_groups(sp: int, ring: int) -> list[list[int]]:
@@ -73,15 +74,15 @@ def ring_local_attention(q, k, v, seg, *, sp: int, ring: int, causal: bool, bloc
     def seq_to_heads(x):
         if inner == 1:
             return x
-        return lax.all_to_all(x, SEQ, 2, 1, tiled=True, axis_index_groups=groups)
+        return name_exchange(lax.all_to_all(x, SEQ, 2, 1, tiled=True, axis_index_groups=groups))
 
     def heads_to_seq(x):
         if inner == 1:
             return x
-        return lax.all_to_all(x, SEQ, 1, 2, tiled=True, axis_index_groups=groups)
+        return name_exchange(lax.all_to_all(x, SEQ, 1, 2, tiled=True, axis_index_groups=groups))
 
     q, k, v = (seq_to_heads(x) for x in (q, k, v))
-    full_seg = None if seg is None else lax.all_gather(seg, SEQ, axis=1, tiled=True)  # small ints
+    full_seg = None if seg is None else name_exchange(lax.all_gather(seg, SEQ, axis=1, tiled=True))
 
     def chunk_seg(index):
         return None if full_seg is None else lax.dynamic_slice_in_dim(full_seg, index * chunk, chunk, axis=1)
@@ -123,6 +124,6 @@ def ring_local_attention(q, k, v, seg, *, sp: int, ring: int, causal: bool, bloc
                 else:
                     acc[n] = _merge(*acc[n], out_t, lse_t)
         if step < ring - 1:
-            k, v = lax.ppermute(k, SEQ, perm), lax.ppermute(v, SEQ, perm)
+            k, v = (name_exchange(lax.ppermute(x, SEQ, perm)) for x in (k, v))
     out = jnp.concatenate([o for o, _ in acc], axis=1)
     return heads_to_seq(out.astype(q.dtype))

@@ -1,9 +1,12 @@
-"""Next-token cross-entropy that ignores padding and masked labels."""
+"""Next-token cross-entropy that ignores padding and masked labels, whole or over chunks of tokens."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 
 def causal_lm_loss(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array | None = None):
@@ -29,3 +32,60 @@ def causal_lm_loss(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array |
     target_logit = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
     losses = jnp.where(valid, log_z - target_logit, 0.0)
     return losses.sum(dtype=jnp.float32), valid.sum(dtype=jnp.float32)
+
+
+# Tokens per device whose logits exist at once in chunked_lm_loss: 1,024 x a 128K vocabulary in
+# float32 is 0.5 GB (and as much again for their gradient), against 2.1 GB per buffer for 4,096.
+LOSS_CHUNK_TOKENS = 1024
+
+
+def _chunk_len(local_len: int, rows: int, chunk_tokens: int) -> int:
+    """The largest divisor of local_len with rows * chunk <= chunk_tokens (at least 1)."""
+    best = 1
+    for c in range(1, local_len + 1):
+        if local_len % c == 0 and rows * c <= chunk_tokens:
+            best = c
+    return best
+
+
+def chunked_lm_loss(hidden: jax.Array, targets: jax.Array, project: Callable, weight: jax.Array,
+                    loss_fn: Callable = causal_lm_loss, *, mesh: Mesh | None = None,
+                    chunk_tokens: int = LOSS_CHUNK_TOKENS):
+    """loss_fn(project(hidden, weight), targets) computed over chunks of tokens: the same
+    (sum, count), but no [tokens, vocab] logits of the whole batch ever exist.
+
+    hidden [B, S, D] (sharded P('group', 'seq', None) with `mesh`); project(h [..., D], weight) ->
+    logits [..., V] float32; loss_fn(logits, targets) -> (sum, count) must add up over tokens (as
+    causal_lm_loss does). The chunks are slices of every device's own tokens (chunk_tokens per
+    device at most), so nothing moves between devices; a scan visits them with each chunk's
+    projection and loss rematerialised, so the backward pass too holds one chunk's logits at a time.
+    """
+    b, s, d = hidden.shape
+    if targets.shape != (b, s):
+        raise ValueError(f"hidden {hidden.shape} and targets {targets.shape} disagree on [batch, seq]")
+    groups, sp = (1, 1) if mesh is None else (mesh.shape["group"], mesh.shape["seq"])
+    local = s // sp
+    c = _chunk_len(local, b // groups, chunk_tokens)
+    n = local // c
+    # [B, S] -> [n, B, sp, c]: chunk i holds positions i*c..(i+1)*c-1 of every device's slice.
+    hs = jnp.moveaxis(hidden.reshape(b, sp, n, c, d), 2, 0)
+    ts = jnp.moveaxis(targets.reshape(b, sp, n, c), 2, 0)
+
+    def constrain(x, spec):
+        return x if mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    hs, ts = constrain(hs, P(None, "group", "seq")), constrain(ts, P(None, "group", "seq"))
+
+    @jax.checkpoint
+    def chunk_loss(h, t, w):
+        # Each device's logits for its own tokens, the vocabulary whole (as Transformer.logits).
+        logits = constrain(project(constrain(h, P("group", "seq")), w), P("group", "seq"))
+        return loss_fn(logits, t)
+
+    def body(carry, xs):
+        total, count = chunk_loss(*xs, weight)
+        return (carry[0] + total, carry[1] + count), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (total, count), _ = jax.lax.scan(body, (zero, zero), (hs, ts))
+    return total, count

@@ -18,15 +18,20 @@ from basp_jax.sharding import tree_shardings
 
 import basp_jax
 from basp_jax import kernels as basp_kernels
+from basp_jax.remat import save_exchanges
 
 from .config import ModelConfig, ModelError
 from .layers import MLP, Attention, Embed, Linear, RMSNorm, constrain
+from .loss import LOSS_CHUNK_TOKENS, causal_lm_loss, chunked_lm_loss
 
+# Every policy also saves the outputs of attention's exchanges (basp_jax.remat.save_exchanges): the
+# backward pass never repeats the all-to-alls BASP exists to cut (8 per layer, as basp_jax.cost
+# counts, instead of 12). The price: per layer q, k, v in the head layout and the attention output.
 REMAT_POLICIES = {
     "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
+    "full": save_exchanges(),
     # Save the projections (dots without batch dims); recompute attention scores and elementwise ops.
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": save_exchanges(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
 }
 
 
@@ -136,6 +141,30 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens, segment_ids=None, positions=None):
         return self.logits(self.hidden_states(tokens, segment_ids, positions))
+
+    def loss(self, tokens, targets, segment_ids=None, positions=None, *,
+             loss_fn=causal_lm_loss, chunk_tokens: int = LOSS_CHUNK_TOKENS):
+        """loss_fn(self(tokens, ...), targets) -> (sum, count), with the logits computed and
+        differentiated chunk_tokens tokens per device at a time (models.loss.chunked_lm_loss):
+        no [tokens, vocab] float32 buffer of the whole batch exists, forward or backward."""
+        hidden = self.hidden_states(tokens, segment_ids, positions)
+        if self.lm_head is None:
+            weight, project = self.embed_tokens.weight[...], _project_tied
+        else:
+            weight, project = self.lm_head.kernel[...], _project_untied
+        project = functools.partial(project, dtype=self.dtype)
+        return chunked_lm_loss(hidden, targets, project, weight, loss_fn, mesh=self.mesh,
+                               chunk_tokens=chunk_tokens)
+
+
+def _project_tied(x, weight, *, dtype):  # weight [vocab, embed], as Embed.attend
+    return jnp.einsum("...d,vd->...v", x.astype(dtype), weight.astype(dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def _project_untied(x, weight, *, dtype):  # weight [embed, vocab], as Transformer.logits
+    return jnp.einsum("...d,dv->...v", x.astype(dtype), weight.astype(dtype),
+                      preferred_element_type=jnp.float32)
 
 
 def abstract_model(config: ModelConfig, *, mesh: Mesh | None = None, dtype=jnp.float32,

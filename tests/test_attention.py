@@ -178,3 +178,36 @@ def test_zigzag_gives_every_rank_the_same_causal_work_at_every_step(ring):
     contiguous = np.arange(seq).reshape(ring, -1)
     last_step = [int((contiguous[r][:, None] >= contiguous[(r - 1) % ring][None, :]).sum()) for r in range(ring)]
     assert len(set(last_step)) > 1  # without zigzag the ranks are unbalanced
+
+
+@pytest.mark.parametrize("ring,zigzag,packed", [(1, False, True), (2, True, True)])
+def test_rematerialisation_repeats_no_exchange(ring, zigzag, packed):
+    """Under jax.checkpoint with save_exchanges (what every model remat policy uses) the backward
+    pass recomputes no all-to-all, ring hop or segment gather: two checkpointed layers compile to
+    exactly the collectives they have without remat. (That plain full remat repeats them shows in
+    the train step, tests/test_train_collectives.py; here XLA merges the copies.)"""
+    from basp_jax import comm
+    from basp_jax.remat import save_exchanges
+
+    layout = Layout.plan(num_devices=8, batch=2, seq_len=S, num_heads=HQ, num_kv_heads=HQ, groups=2)
+    mesh = make_mesh(layout)
+    x, _, _, _, seg = _inputs(0, HQ)
+    x, seg = x[:2], seg[:2] if packed else None
+
+    def layer(x):
+        out = attention(jnp.sin(x), jnp.cos(x), x, mesh=mesh, segment_ids=seg, impl="blockwise",
+                        block_size=8, ring=ring, zigzag=zigzag)
+        return x + out
+
+    def counts(policy):
+        fn = layer if policy is None else jax.checkpoint(layer, policy=policy)
+        loss = lambda x: jnp.sum(jnp.sin(fn(fn(x))))  # noqa: E731
+        # Under a loop, as in the train step (in straight-line code XLA would merge the copies).
+        step = lambda xs: jax.lax.map(jax.grad(loss), xs)  # noqa: E731
+        found = comm.parse_collectives(jax.jit(step).lower(x[None]).compile().as_text(), 8)
+        return {kind: sum(c.kind == kind for c in found)
+                for kind in ("all-to-all", "collective-permute", "all-gather")}
+
+    base = counts(None)
+    assert base["all-to-all"] == 2 * 8, base
+    assert counts(save_exchanges()) == base

@@ -84,3 +84,19 @@ def test_compiled_step_all_to_alls_equal_the_closed_form():
         if strategy == "hsdp":
             gathers = [c for c in found if c.kind == "all-gather"]
             assert gathers and not any(comm.crosses_hosts(c, HOST) for c in gathers)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_rematerialised_step_repeats_no_all_to_all(remat):
+    """Every remat policy keeps the all-to-all outputs (basp_jax.remat): the backward pass
+    recomputes none, so the step has exactly 8 per layer per microbatch (4 forward, 4 backward), as
+    without remat and as basp_jax.cost counts. Plain full remat had 12 (24 for these 2 layers)."""
+    import dataclasses
+
+    import models
+    from train.collectives import step_collectives
+
+    mcfg = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=2)
+    _, found = step_collectives(mcfg, mode="basp", strategy="fsdp", batch=2, seq_len=2048,
+                                remat=remat, grad_accum=2)
+    assert sum(c.kind == "all-to-all" for c in found) == 8 * mcfg.num_layers

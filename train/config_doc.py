@@ -36,7 +36,8 @@ EXTRA_MEANINGS = {
     "model.param_dtype": "storage dtype of the parameters",
     "model.attn_impl": "attention kernel: auto (cudnn where it applies, blockwise from 2048 tokens, "
                        "else xla), xla, cudnn (GPU), blockwise (memory-efficient, pure JAX)",
-    "model.remat": "recompute in the backward pass: none, full, dots (keep the projections)",
+    "model.remat": "recompute in the backward pass: none, full, dots (keep the projections); "
+                   "attention's all-to-all outputs are always kept, so none is repeated",
     "data.source": "synthetic (a learnable Markov chain, generated), tokens (a token id file), "
                    "text or jsonl (documents, tokenized with data.tokenizer)",
     "data.seq_len": "tokens per row",

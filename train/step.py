@@ -149,7 +149,11 @@ def make_train_step(
     packed: bool,
     seq_order=None,
 ):
-    """jit(train_step)(params, opt_state, batch, step) -> (params, opt_state, metrics)."""
+    """jit(train_step)(params, opt_state, batch, step) -> (params, opt_state, metrics).
+
+    loss_fn(logits, targets) -> (sum, count) is applied to chunks of tokens and summed, so it must
+    add up over tokens (models.causal_lm_loss does).
+    """
     batch_sharding = NamedSharding(mesh, BATCH_SPEC)
     replicated = NamedSharding(mesh, P())
     graphdef, (abs_params, abs_rest), rest = parts.graphdef, parts.abstract_state, parts.rest
@@ -164,9 +168,8 @@ def make_train_step(
         else:  # document positions in the natural order, then permuted like the tokens
             natural = segment_ids[:, np.argsort(seq_order)]
             positions = position_ids(b, s, natural)[:, seq_order]
-        logits = model(tokens, segment_ids=segment_ids, positions=positions)
-        loss_sum, count = loss_fn(logits, targets)
-        return loss_sum, count
+        # The logits exist a chunk of tokens at a time (models.loss.chunked_lm_loss).
+        return model.loss(tokens, targets, segment_ids, positions, loss_fn=loss_fn)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
