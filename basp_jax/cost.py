@@ -194,6 +194,8 @@ def predict(
     act_bytes: int = 2,
     param_bytes: int = 2,
     overlap: float = 0.0,
+    remat: str = "full",
+    master_bytes: int = 4,
 ) -> Prediction:
     """Predicted per-step time and memory of one candidate."""
     g, sp = candidate.groups, candidate.sp
@@ -249,13 +251,53 @@ def predict(
     compute_s = flops / (hw.peak_flops * hw.efficiency)
     a2a_s, params_s = a2a.time(hw), params.time(hw) * (1 - overlap)
 
-    # Memory: fp32 master + Adam (12 B/param) + bf16 copy and fp32 grads over the shard group,
-    # the gathered layer, and activations (~ 34 x hidden bytes per token per layer, with remat less).
-    state = shape.num_params * 18 / shard_group
-    activations = tokens_per_device * shape.hidden_size * shape.num_layers * 34 * act_bytes / 2
-    memory = state + activations + shape.layer_params * param_bytes * 2
+    memory = memory_bytes(shape, tokens_per_device, shard_group, q_heads=q_heads,
+                          kv_heads=kv_heads, remat=remat, act_bytes=act_bytes,
+                          master_bytes=master_bytes)
     return Prediction(candidate, a2a, params, compute_s, a2a_s, params_s,
                       compute_s + a2a_s + params_s, memory)
+
+
+# Values per token per layer that the backward pass keeps, in units of the compute dtype, by
+# rematerialisation policy (models.REMAT_POLICIES). Every policy keeps attention's exchanged
+# q, k, v and output (basp_jax.remat); "full" also the layer input, "dots" every projection.
+def _saved_per_token(shape: ModelShape, remat: str, q_heads: int, kv_heads: int) -> float:
+    exchanged = (2 * q_heads + 2 * kv_heads) * shape.head_dim
+    if remat == "full":
+        return shape.hidden_size + exchanged
+    projections = (q_heads + 2 * kv_heads) * shape.head_dim + 2 * shape.hidden_size \
+        + 3 * shape.intermediate_size
+    if remat == "dots":
+        return shape.hidden_size + exchanged + projections
+    if remat == "none":  # also the norms' and SwiGLU's elementwise results
+        return 3 * shape.hidden_size + exchanged + projections + 2 * shape.intermediate_size
+    raise ValueError(f"unknown remat {remat!r}; use full, dots or none")
+
+
+def memory_bytes(shape: ModelShape, tokens_per_device: float, shard_group: int, *,
+                 q_heads: int, kv_heads: int, remat: str = "full", act_bytes: int = 2,
+                 master_bytes: int = 4) -> float:
+    """Peak memory per device of a train step, term by term (calibrated against the compiled
+    programs of the paper's five models, see BENCHMARKS.md):
+
+    - parameters and Adam's two moments (master dtype), and the gradient sum (float32), over
+      the devices that shard them;
+    - what the backward pass keeps of every layer (by remat policy, _saved_per_token);
+    - one layer being recomputed and differentiated: its gathered weights (twice: the next
+      layer's gather overlaps) and ~ (hidden x 6 + intermediate x 4) values per token;
+    - the token embedding and the LM head gathered in the compute dtype, and their float32
+      gradients before the reduce-scatter.
+    """
+    p = shape.num_params
+    state = p * (3 * master_bytes + 4) / shard_group
+    saved = shape.num_layers * tokens_per_device * _saved_per_token(shape, remat, q_heads,
+                                                                    kv_heads) * act_bytes
+    working = (2 * shape.layer_params * act_bytes
+               + tokens_per_device * (6 * shape.hidden_size + 4 * shape.intermediate_size)
+               * act_bytes)
+    tables = 1 if shape.tie_word_embeddings else 2
+    vocab = tables * shape.vocab_size * shape.hidden_size * (act_bytes + 4)
+    return state + saved + working + vocab
 
 
 def _divisors(n: int) -> list[int]:
@@ -289,12 +331,12 @@ def candidates(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
 
 def plan_table(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int, hw: Hardware,
                grad_accum: int = 1, memory_limit: float | None = None, max_pad_rows: int = 0,
-               overlap: float = 0.0) -> list[Prediction]:
+               overlap: float = 0.0, remat: str = "full") -> list[Prediction]:
     """Predictions for every valid candidate, fastest first; those over memory last."""
     limit = hw.memory_bytes if memory_limit is None else memory_limit
     preds = [
         predict(shape, c, batch=batch, seq_len=seq_len, num_devices=num_devices, hw=hw,
-                grad_accum=grad_accum, overlap=overlap)
+                grad_accum=grad_accum, overlap=overlap, remat=remat)
         for c in candidates(shape, batch=batch, seq_len=seq_len, num_devices=num_devices,
                             max_pad_rows=max_pad_rows)
     ]
@@ -317,7 +359,7 @@ def default_pad_rows(batch: int, num_devices: int) -> int:
 def auto_layout(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int, hw: Hardware,
                 devices_per_host: int | None = None, grad_accum: int = 1,
                 memory_limit: float | None = None, max_pad_rows: int | None = None,
-                overlap: float = 0.0) -> tuple[Layout, Prediction]:
+                overlap: float = 0.0, remat: str = "full") -> tuple[Layout, Prediction]:
     """mode="auto": the fastest predicted layout that fits in memory, as a validated Layout.
 
     The Layout's batch includes any pad rows (the trainer masks them out of the loss); the
@@ -329,7 +371,7 @@ def auto_layout(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int
         max_pad_rows = default_pad_rows(batch, num_devices)
     preds = plan_table(shape, batch=batch, seq_len=seq_len, num_devices=num_devices, hw=hw,
                        grad_accum=grad_accum, memory_limit=memory_limit,
-                       max_pad_rows=max_pad_rows, overlap=overlap)
+                       max_pad_rows=max_pad_rows, overlap=overlap, remat=remat)
     if not preds:
         raise ValueError(
             f"no layout splits seq_len={seq_len} over {num_devices} devices; use a multiple of "

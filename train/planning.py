@@ -45,7 +45,7 @@ def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[La
     shape = model_shape(mcfg)
     hw = hardware(cfg, devices_per_host)
     common = dict(batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len, num_devices=num_devices,
-                  hw=hw, grad_accum=cfg.train.grad_accum)
+                  hw=hw, grad_accum=cfg.train.grad_accum, remat=cfg.model.remat)
     if p.mode == "auto":
         try:
             layout, best = cost.auto_layout(shape, **common)
