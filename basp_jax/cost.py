@@ -149,6 +149,18 @@ def collective_traffic(kind: str, buffer_bytes: float, group_size: int, remote_s
     return Traffic(wire * (1 - remote_share), wire * remote_share, 1)
 
 
+def exchanged_heads(shape: ModelShape, degree: int) -> tuple[int, int]:
+    """(query heads, kv heads) that an all-to-all over `degree` devices exchanges: with zero
+    heads padded where `degree` does not divide the query heads, and kv heads replicated where it
+    does not divide them."""
+    if shape.num_heads % degree:
+        kv_groups, per_group = head_padding(shape.num_heads, shape.num_kv_heads, degree)
+    else:
+        kv_groups, per_group = shape.num_kv_heads, shape.num_heads // shape.num_kv_heads
+    q_heads = kv_groups * per_group
+    return q_heads, kv_groups * kv_replication(q_heads, kv_groups, degree)
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One way to run the step: a (groups, sp) split, its ring part, and a parameter sharding."""
@@ -206,12 +218,7 @@ def predict(
     # Attention: q, k, v, out forward and their gradients backward, each [tokens, heads, Dh],
     # exchanged among sp / ring devices; zero heads padded where that degree does not divide.
     degree = sp // candidate.ring
-    if shape.num_heads % degree:
-        kv_groups, per_group = head_padding(shape.num_heads, shape.num_kv_heads, degree)
-    else:
-        kv_groups, per_group = shape.num_kv_heads, shape.num_heads // shape.num_kv_heads
-    q_heads = kv_groups * per_group
-    kv_heads = kv_groups * kv_replication(q_heads, kv_groups, degree)
+    q_heads, kv_heads = exchanged_heads(shape, degree)
     share = _remote_share(degree, dph)
     a2a = Traffic()
     for _ in range(2):  # forward, backward

@@ -29,10 +29,7 @@ GiB, MiB = 2**30, 2**20
 
 
 def compile_case(model, mode, sharding, args, seq_len=None):
-    from basp_jax import cost
     from train.config import load_config
-    from train.loop import model_config
-    from train.planning import model_shape
 
     overrides = [f"parallel.mode={mode}", f"parallel.param_sharding={sharding}",
                  f"parallel.hardware={args.target}", f"parallel.devices_per_host={args.gpus_per_host}",
@@ -42,12 +39,6 @@ def compile_case(model, mode, sharding, args, seq_len=None):
     cfg = load_config(str(ROOT / "configs" / "gpu" / f"{model}_basp.yaml"), overrides)
     r = aot.report(cfg, args.target, args.hosts, args.gpus_per_host)
     layout = r["layout"]
-    candidate = cost.Candidate(layout["groups"], layout["sp"], sharding, ring=layout["ring"])
-    hw = cost.HARDWARE[args.target]
-    pred = cost.predict(model_shape(model_config(cfg)), candidate, batch=layout["batch"],
-                        seq_len=layout["seq_len"], num_devices=args.hosts * args.gpus_per_host,
-                        hw=hw, grad_accum=cfg.train.grad_accum)
-    r["formula_memory_bytes"] = pred.memory_bytes
     r["case"] = {"model": model, "mode": mode, "sharding": sharding, "seq_len": layout["seq_len"]}
     return r
 

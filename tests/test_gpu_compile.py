@@ -165,3 +165,27 @@ def test_bad_input_is_one_line(cuda_plugin, tmp_path):
         done = _run("-m", "train.aot", "--config", CONFIG_8B, env=env, timeout=300)
         assert done.returncode == 2 and "python -m train.aot --install" in done.stderr
         assert done.stderr.count("\n") == 1
+
+
+def test_the_planners_memory_formula_is_within_15_percent_of_the_compiled(reports, basp_8b):
+    every = dict(reports, **{CONFIG_8B: basp_8b["report"]})
+    off = {case: r["formula_memory_bytes"] / r["peak_bytes_per_device"] - 1
+           for case, r in every.items()}
+    assert all(abs(x) <= 0.15 for x in off.values()), {c: f"{x:+.0%}" for c, x in off.items()}
+
+
+def test_plan_compiles_every_candidate_and_picks_one_that_fits(cuda_plugin, tmp_path):
+    out = tmp_path / "plan.json"
+    done = _run("-m", "train.aot", "--config", "configs/gpu/llama-3.2-1b_basp.yaml",
+                "model.shape={num_layers: 2}", "--plan", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    names = [row["name"] for row in rows]
+    assert sorted(names) == ["basp (2,4) fsdp", "basp (2,4) hsdp", "ulysses (1,8) fsdp"]
+    fitting = [row for row in rows if row["report"]["fits"]]
+    best = min(fitting, key=lambda row: row["predicted_step_s"])
+    assert f"pick: {best['name']}" in done.stdout
+    for row in rows:  # each row is the layout it names, compiled
+        lay = row["report"]["layout"]
+        assert row["name"].startswith(f"{lay['mode']} ({lay['groups']},{lay['sp']}) "
+                                      f"{row['report']['param_sharding']}")

@@ -167,6 +167,7 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False)
     layout = run_plan.layout
     collectives = comm.parse_collectives(text, len(devices))
     return {
+        "formula_memory_bytes": formula_memory(cfg, mcfg, run_plan),
         "model": {"type": mcfg.model_type, "params": mcfg.num_params(),
                   "num_layers": mcfg.num_layers},
         "layout": {"describe": layout.describe(), "mode": layout.mode, "groups": layout.groups,
@@ -188,6 +189,24 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False)
         "jax_version": jax.__version__,
         **({"hlo": text} if want_hlo else {}),
     }
+
+
+def formula_memory(cfg, mcfg, run_plan) -> float:
+    """The planner's memory prediction (basp_jax.cost) for this run, to set beside the compiled."""
+    from basp_jax import cost
+
+    from .planning import model_shape
+
+    layout = run_plan.layout
+    shape = model_shape(mcfg)
+    q_heads, kv_heads = cost.exchanged_heads(shape, layout.a2a)
+    shard = layout.num_devices if run_plan.strategy == "fsdp" else layout.sp
+    if run_plan.strategy == "replicated":
+        shard = 1
+    return cost.memory_bytes(
+        shape, layout.tokens_per_device, shard, q_heads=q_heads, kv_heads=kv_heads,
+        remat=cfg.model.remat, act_bytes=2 if cfg.model.dtype == "bfloat16" else 4,
+        master_bytes=2 if cfg.model.param_dtype == "bfloat16" else 4)
 
 
 def collective_rows(collectives, devices_per_host: int, num_layers: int, grad_accum: int) -> list:
@@ -229,7 +248,8 @@ def format_report(r: dict) -> str:
         f"  outputs             {mem['output_bytes'] / GiB:>10.2f}   "
         f"(of which {mem['alias_bytes'] / GiB:.2f} reuse donated arguments)",
         f"  temporaries         {mem['temp_bytes'] / GiB:>10.2f}",
-        f"  peak                {r['peak_bytes_per_device'] / GiB:>10.2f}   of "
+        f"  peak                {r['peak_bytes_per_device'] / GiB:>10.2f}   (planner's formula: "
+        f"{r['formula_memory_bytes'] / GiB:.2f}) of "
         f"{r['device_memory_bytes'] / GiB:.2f} on the device; JAX may take {usable / GiB:.2f} "
         f"({r['memory_fraction']:.0%}): " + ("fits" if r["fits"] else "DOES NOT FIT"),
         "",
@@ -292,8 +312,9 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
         pred = cost.predict(shape, c, batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len,
                             num_devices=devices, hw=hw, grad_accum=cfg.train.grad_accum,
                             remat=cfg.model.remat)
-        variant = replace(cfg, "parallel.mode=basp", f"parallel.groups={c.groups}",
-                          f"parallel.ring={c.ring}", f"parallel.pad_heads={c.pad_heads}",
+        mode = ["parallel.mode=ulysses", "parallel.groups=null"] if c.groups == 1 else \
+            ["parallel.mode=basp", f"parallel.groups={c.groups}"]
+        variant = replace(cfg, *mode, f"parallel.ring={c.ring}", f"parallel.pad_heads={c.pad_heads}",
                           f"parallel.param_sharding={c.param_sharding}")
         r = report(variant, target, hosts, gpus_per_host)
         rows.append({"name": c.name, "predicted_step_s": pred.step_s,
