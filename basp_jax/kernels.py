@@ -5,8 +5,18 @@ head h reads kv head h // (hq // hkv)) and optional segment_ids [b, s], and retu
 
 - "xla":       jax.nn.dot_product_attention with the XLA implementation (materialises S x S).
 - "cudnn":     the same API with cuDNN flash attention (GPU, bf16/fp16).
+- "pallas":    the Pallas/Triton flash attention of jax.experimental.pallas.ops.gpu (any GPU from
+               sm80), fused forward and backward, segment ids (packed documents) included. kv
+               heads are repeated to the query heads for it (that kernel has no GQA), i.e. one
+               device-local copy of k and v at q's size. On CPU it runs in interpret mode (tests).
 - "blockwise": online-softmax flash attention in pure JAX with a hand-written backward pass;
-               memory grows with S * block, not S^2, so long sequences run on CPU.
+               memory grows with S * block, not S^2, so long sequences run on CPU. Key blocks
+               that no query of a block can see (causal future, other documents) are skipped.
+
+"auto" on a GPU takes a fused kernel whenever one applies: cuDNN for unpacked half-precision
+input (its fastest path), Pallas for packed input (cuDNN would take the segment mask as a dense
+[b, 1, S, S] bias) and for what cuDNN refuses; elsewhere blockwise from BLOCKWISE_MIN_SEQ tokens,
+else xla.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-IMPLS = ("auto", "xla", "cudnn", "blockwise")
+IMPLS = ("auto", "xla", "cudnn", "pallas", "blockwise")
 # Below this full sequence length the S x S scores of the xla kernel are cheap enough.
 BLOCKWISE_MIN_SEQ = 2048
 DEFAULT_BLOCK = 512
@@ -54,17 +64,62 @@ def cudnn_supported(q: jax.ShapeDtypeStruct, platform: str) -> bool:
     )
 
 
+# Pallas block sizes: forward query/key blocks, and the backward's smaller ones.
+PALLAS_BLOCK, PALLAS_BACKWARD_BLOCK = 128, 32
+
+
+def pallas_supported(q: jax.ShapeDtypeStruct, full_seq_len: int) -> str | None:
+    """None when the Pallas kernel takes these inputs, else why not (one line)."""
+    if full_seq_len % min(PALLAS_BLOCK, full_seq_len) or full_seq_len % min(
+            PALLAS_BACKWARD_BLOCK, full_seq_len):
+        return (f"the pallas kernel needs the sequence length ({full_seq_len}) to be a multiple of "
+                f"{PALLAS_BLOCK} (or below it and a multiple of {PALLAS_BACKWARD_BLOCK})")
+    if q.shape[-1] > 256:
+        return f"the pallas kernel takes head_dim <= 256, got {q.shape[-1]}"
+    return None
+
+
 def resolve_impl(impl: str, q_shape_dtype, full_seq_len: int, platform: str, has_segments: bool) -> str:
-    """Turn "auto" into a concrete kernel: cudnn where it applies, blockwise for long S, else xla."""
+    """Turn "auto" into a concrete kernel: on a GPU cudnn (unpacked) or pallas (packed, or what
+    cuDNN refuses) where they apply; blockwise for long S; else xla."""
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; use one of {', '.join(IMPLS)}")
     if impl == "cudnn" and platform != "gpu":
         raise ValueError(f"impl='cudnn' needs a GPU but the mesh is on {platform}; use 'auto'")
+    if impl == "pallas" and (why := pallas_supported(q_shape_dtype, full_seq_len)):
+        raise ValueError(f"impl='pallas': {why}; use 'auto' or 'blockwise'")
     if impl != "auto":
         return impl
-    if cudnn_supported(q_shape_dtype, platform) and not has_segments:
-        return "cudnn"
+    if platform == "gpu":
+        if cudnn_supported(q_shape_dtype, platform) and not has_segments:
+            return "cudnn"
+        if pallas_supported(q_shape_dtype, full_seq_len) is None:
+            return "pallas"
     return "blockwise" if full_seq_len >= BLOCKWISE_MIN_SEQ else "xla"
+
+
+def pallas_attention(q, k, v, *, causal: bool, segment_ids=None, interpret: bool | None = None):
+    """The Pallas/Triton flash attention (jax.experimental.pallas.ops.gpu.attention.mha).
+
+    Off a GPU it runs in interpret mode (slow: for tests). kv heads are repeated to the query
+    heads, since that kernel reads kv head h for query head h.
+    """
+    from jax.experimental.pallas.ops.gpu import attention as pallas_mha  # imports Triton bits
+
+    if interpret is None:
+        interpret = jax.devices()[0].platform != "gpu"
+    b, s, hq, d = q.shape
+    group = hq // k.shape[2]
+    if group > 1:
+        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    blocks = pallas_mha.BlockSizes(
+        block_q=min(PALLAS_BLOCK, s), block_k=min(PALLAS_BLOCK, s),
+        block_q_dkv=min(PALLAS_BACKWARD_BLOCK, s), block_kv_dkv=min(PALLAS_BACKWARD_BLOCK, s),
+        block_q_dq=min(PALLAS_BACKWARD_BLOCK, s), block_kv_dq=min(PALLAS_BACKWARD_BLOCK, s),
+    )
+    seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+    return pallas_mha.mha(q, k, v, seg, sm_scale=1.0 / math.sqrt(d), causal=causal,
+                          block_sizes=blocks, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -106,6 +161,50 @@ def _q_block_start(kj, num_q, block_q, block_k, k_shift, causal):
     return jnp.clip((k_shift + kj * block_k) // block_q, 0, num_q)
 
 
+def segment_overlap(q_seg, k_seg, block_q, block_k):
+    """[num_q, num_k] boolean: whether any query of block qi may share a segment with any key of
+    block kj in some row, from each block's min and max segment id (disjoint ranges share none).
+
+    Exact for any segment ids; it prunes well when they are non-decreasing along the sequence,
+    as packing makes them (documents are contiguous: the data pipeline's cumulative count of
+    eos tokens, and each contiguous piece of a zig-zag or ring chunk).
+    """
+    b = q_seg.shape[0]
+    q = q_seg.reshape(b, -1, block_q)
+    k = k_seg.reshape(b, -1, block_k)
+    q_min, q_max = q.min(-1)[:, :, None], q.max(-1)[:, :, None]
+    k_min, k_max = k.min(-1)[:, None, :], k.max(-1)[:, None, :]
+    return jnp.any((k_max >= q_min) & (k_min <= q_max), axis=0)
+
+
+def _first_last(row):
+    """[first, last + 1) of the True entries of a boolean vector; [0, 0) when there are none."""
+    n = row.shape[0]
+    any_ = row.any()
+    first = jnp.where(any_, jnp.argmax(row), 0)
+    end = jnp.where(any_, n - jnp.argmax(row[::-1]), 0)
+    return first, end
+
+
+def _kv_block_range(qi, num_k, block_q, block_k, k_shift, causal, overlap):
+    """Key blocks [start, end) that query block qi can see: causally and, with segment ids, the
+    blocks whose segments its own can meet (packed documents: the blocks of its documents)."""
+    end = _kv_block_end(qi, num_k, block_q, block_k, k_shift, causal)
+    if overlap is None:
+        return 0, end
+    first, last = _first_last(overlap[qi])
+    return first, jnp.minimum(end, last)
+
+
+def _q_block_range(kj, num_q, block_q, block_k, k_shift, causal, overlap):
+    """Query blocks [start, end) that can see key block kj."""
+    start = _q_block_start(kj, num_q, block_q, block_k, k_shift, causal)
+    if overlap is None:
+        return start, num_q
+    first, last = _first_last(overlap[:, kj])
+    return jnp.maximum(start, first), last
+
+
 def _slice(x, start, size, axis):
     return lax.dynamic_slice_in_dim(x, start * size, size, axis=axis)
 
@@ -117,6 +216,7 @@ def _scores(q_blk, k_blk, scale):
 def _flash_forward(q, k, v, q_seg, k_seg, k_shift, *, causal, k_len, block_q, block_k, scale):
     b, hkv, g, sq, d = q.shape
     num_q, num_k = sq // block_q, k.shape[2] // block_k
+    overlap = None if q_seg is None else segment_overlap(q_seg, k_seg, block_q, block_k)
 
     def row(qi):
         q_blk = _slice(q, qi, block_q, 3)
@@ -143,8 +243,8 @@ def _flash_forward(q, k, v, q_seg, k_seg, k_shift, *, causal, k_len, block_q, bl
             jnp.full((b, hkv, g, block_q), -jnp.inf, jnp.float32),
             jnp.zeros((b, hkv, g, block_q), jnp.float32),
         )
-        end = _kv_block_end(qi, num_k, block_q, block_k, k_shift, causal)
-        acc, m, l = lax.fori_loop(0, end, step, init)
+        start, end = _kv_block_range(qi, num_k, block_q, block_k, k_shift, causal, overlap)
+        acc, m, l = lax.fori_loop(start, jnp.maximum(start, end), step, init)
         seen = l > 0
         out = acc / jnp.where(seen, l, 1.0)[..., None]
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
@@ -160,6 +260,7 @@ def _flash_backward(q, k, v, q_seg, k_seg, k_shift, out, lse, d_out, d_lse, *, c
                     block_q, block_k, scale):
     b, hkv, g, sq, d = q.shape
     num_q, num_k = sq // block_q, k.shape[2] // block_k
+    overlap = None if q_seg is None else segment_overlap(q_seg, k_seg, block_q, block_k)
     # d lse / d score = p, so a cotangent on lse enters exactly like -delta.
     delta = jnp.einsum("bhgqd,bhgqd->bhgq", d_out.astype(jnp.float32), out.astype(jnp.float32))
     delta = delta - d_lse
@@ -184,8 +285,8 @@ def _flash_backward(q, k, v, q_seg, k_seg, k_shift, out, lse, d_out, d_lse, *, c
                                    preferred_element_type=jnp.float32)
 
         init = jnp.zeros((b, hkv, g, block_q, d), jnp.float32)
-        end = _kv_block_end(qi, num_k, block_q, block_k, k_shift, causal)
-        return lax.fori_loop(0, end, step, init)
+        start, end = _kv_block_range(qi, num_k, block_q, block_k, k_shift, causal, overlap)
+        return lax.fori_loop(start, jnp.maximum(start, end), step, init)
 
     # Pass B: dk and dv, one key block at a time over the query blocks that see it.
     def dkv_col(kj):
@@ -199,8 +300,8 @@ def _flash_backward(q, k, v, q_seg, k_seg, k_shift, out, lse, d_out, d_lse, *, c
             return dk, dv
 
         zeros = jnp.zeros((b, hkv, block_k, d), jnp.float32)
-        start = _q_block_start(kj, num_q, block_q, block_k, k_shift, causal)
-        return lax.fori_loop(start, num_q, step, (zeros, zeros))
+        start, end = _q_block_range(kj, num_q, block_q, block_k, k_shift, causal, overlap)
+        return lax.fori_loop(start, jnp.maximum(start, end), step, (zeros, zeros))
 
     dq = jnp.moveaxis(lax.map(dq_row, jnp.arange(num_q)), 0, 3).reshape(q.shape) * scale
     dk, dv = lax.map(dkv_col, jnp.arange(num_k))
@@ -273,4 +374,5 @@ def blockwise_attention(q, k, v, *, causal: bool, segment_ids=None, block_size: 
     return out
 
 
-KERNELS = {"xla": xla_attention, "cudnn": cudnn_attention, "blockwise": blockwise_attention}
+KERNELS = {"xla": xla_attention, "cudnn": cudnn_attention, "pallas": pallas_attention,
+           "blockwise": blockwise_attention}

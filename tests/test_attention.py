@@ -211,3 +211,67 @@ def test_rematerialisation_repeats_no_exchange(ring, zigzag, packed):
     base = counts(None)
     assert base["all-to-all"] == 2 * 8, base
     assert counts(save_exchanges()) == base
+
+
+@pytest.mark.parametrize("groups,sp", [(2, 4), (1, 8)])
+def test_pallas_kernel_matches_reference(groups, sp):
+    """The Pallas/Triton kernel (interpret mode on CPU) inside the sequence-parallel attention:
+    packed and not, GQA and MQA, causal, forward and gradients."""
+    layout = Layout.plan(num_devices=8, batch=B, seq_len=S, num_heads=HQ, num_kv_heads=HQ, groups=groups)
+    mesh = make_mesh(layout)
+    sharding = activation_sharding(mesh)
+    for seed, (hkv, packed) in enumerate([(2, True), (1, False), (HQ, True)]):
+        q, k, v, d_out, seg = _inputs(seed + 7 * groups, hkv)
+        seg = seg if packed else None
+
+        @jax.jit
+        def parallel(q, k, v, d_out, seg):
+            fn = lambda q, k, v: attention(q, k, v, mesh=mesh, segment_ids=seg, impl="pallas")  # noqa: E731
+            return _value_and_grads(fn, q, k, v, d_out)
+
+        placed = [jax.device_put(x, sharding) for x in (q, k, v, d_out)]
+        got = parallel(*placed, None if seg is None else jax.device_put(seg, sharding))
+        want = _value_and_grads(
+            lambda q, k, v: reference_attention(q, k, v, causal=True, segment_ids=seg), q, k, v, d_out
+        )
+        case = f"layout=({groups},{sp}) hkv={hkv} packed={packed}"
+        for name, g, w in zip(["out", "dq", "dk", "dv"], got, want):
+            np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5, err_msg=f"{name}: {case}")
+
+
+def test_blockwise_skips_key_blocks_of_other_documents():
+    """Per-block min/max segment ids: a query block visits only the key blocks of its documents
+    (and the causal past); with documents of one block each, only the diagonal."""
+    from basp_jax import kernels
+
+    seg = jnp.repeat(jnp.arange(4), 8)[None]  # 4 documents of 8 tokens, blocks of 8
+    overlap = kernels.segment_overlap(seg, seg, 8, 8)
+    np.testing.assert_array_equal(overlap, np.eye(4, dtype=bool))
+    # Blocks of 16 and a document that straddles them: [0]*8 + [1]*16 + [2]*8.
+    seg = jnp.asarray([[0] * 8 + [1] * 16 + [2] * 8])
+    ranges = [kernels._kv_block_range(qi, 2, 16, 16, 0, True, kernels.segment_overlap(seg, seg, 16, 16))
+              for qi in range(2)]
+    assert [(int(a), int(b)) for a, b in ranges] == [(0, 1), (0, 2)]
+    seg = jnp.asarray([[0] * 16 + [1] * 16])
+    ranges = [kernels._kv_block_range(qi, 2, 16, 16, 0, False, kernels.segment_overlap(seg, seg, 16, 16))
+              for qi in range(2)]
+    assert [(int(a), int(b)) for a, b in ranges] == [(0, 1), (1, 2)]
+    # Any segment ids stay exact: rows disagree, so a block is skipped only if no row meets it.
+    seg = jnp.asarray([[0] * 16 + [1] * 16, [0] * 32])
+    assert kernels.segment_overlap(seg, seg, 16, 16).all()
+
+
+def test_auto_takes_a_fused_kernel_on_gpu():
+    """On a GPU: cuDNN for unpacked half precision, Pallas for packed input and what cuDNN
+    refuses; the blockwise kernel (or xla, for short sequences) everywhere else."""
+    from basp_jax.kernels import resolve_impl
+
+    bf16 = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
+    f32 = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.float32)
+    assert resolve_impl("auto", bf16, 4096, "gpu", has_segments=False) == "cudnn"
+    assert resolve_impl("auto", bf16, 4096, "gpu", has_segments=True) == "pallas"
+    assert resolve_impl("auto", f32, 4096, "gpu", has_segments=False) == "pallas"
+    assert resolve_impl("auto", bf16, 4000, "gpu", has_segments=True) == "blockwise"
+    assert resolve_impl("auto", bf16, 4096, "cpu", has_segments=True) == "blockwise"
+    with pytest.raises(ValueError, match="multiple of 128"):
+        resolve_impl("pallas", bf16, 4000, "gpu", has_segments=True)

@@ -35,7 +35,7 @@ class ModelSection:
     shape: dict = dataclasses.field(default_factory=dict)  # ModelConfig field overrides
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
     param_dtype: Literal["float32", "bfloat16"] = "float32"
-    attn_impl: Literal["auto", "xla", "cudnn", "blockwise"] = "auto"
+    attn_impl: Literal["auto", "xla", "cudnn", "pallas", "blockwise"] = "auto"
     remat: str = "none"
 
 

@@ -34,8 +34,9 @@ COMMAND = "python -m train.config_doc --write configs/README.md"
 EXTRA_MEANINGS = {
     "run.seed": "initialisation and data order",
     "model.param_dtype": "storage dtype of the parameters",
-    "model.attn_impl": "attention kernel: auto (cudnn where it applies, blockwise from 2048 tokens, "
-                       "else xla), xla, cudnn (GPU), blockwise (memory-efficient, pure JAX)",
+    "model.attn_impl": "attention kernel: auto (on a GPU cudnn for unpacked, pallas for packed "
+                       "data; else blockwise from 2048 tokens, else xla), xla, cudnn (GPU), pallas "
+                       "(Triton, GPU), blockwise (memory-efficient, pure JAX)",
     "model.remat": "recompute in the backward pass: none, full, dots (keep the projections); "
                    "attention's all-to-all outputs are always kept, so none is repeated",
     "data.source": "synthetic (a learnable Markov chain, generated), tokens (a token id file), "
