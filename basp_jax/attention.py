@@ -123,6 +123,8 @@ def attention(
     kernel_name = kernels.resolve_impl(impl, q, q.shape[1], platform, segment_ids is not None)
     kernel = kernels.KERNELS[kernel_name]
     kernel_kwargs = {"block_size": block_size} if kernel_name == "blockwise" else {}
+    if kernel_name == "pallas":  # the mesh's platform: compiling for a GPU topology from a CPU
+        kernel_kwargs = {"interpret": platform != "gpu"}  # host must not fall back to interpret
 
     def local(q, k, v, seg):
         if copies > 1:

@@ -193,8 +193,8 @@ def attention_kernels(hlo_text: str) -> dict[str, dict]:
             if target.startswith("__cudnn$fmha"):
                 add(KERNEL_CUDNN, inst.executions, target)
                 continue
-            if "triton" in target:
-                name = re.search(r'\\?"name\\?"\s*:\s*\\?"([\w.\-]+)', inst.line)
+            if "triton" in target:  # named by the function around the pallas_call
+                name = re.search(r'op_name="[^"]*?([\w.\-]+)/pallas_call"', inst.line)
                 add(KERNEL_TRITON, inst.executions, name.group(1) if name else target)
                 continue
         from_attention = any(f.endswith(s) for f in module.source_files(inst.line)
