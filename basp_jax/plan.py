@@ -29,8 +29,15 @@ def format_plan(preds: list[Prediction], memory_limit: float) -> str:
     return "\n".join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line and exit status 2, like the rest of the project."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: plan: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m basp_jax.plan", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="python -m basp_jax.plan", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, choices=sorted(MODEL_SHAPES))
     parser.add_argument("--seq", type=int, required=True, help="tokens per sequence")
     parser.add_argument("--batch", type=int, required=True, help="microbatch size (sequences)")
@@ -45,9 +52,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlap", type=float, default=0.0,
                         help="share of parameter collectives hidden behind compute (0..1)")
     args = parser.parse_args(argv)
-    for name in ("seq", "batch", "devices", "grad_accum"):
-        if getattr(args, name) <= 0:
+    for name in ("seq", "batch", "devices", "grad_accum", "devices_per_host"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.max_pad_rows is not None and args.max_pad_rows < 0:
+        parser.error(f"--max-pad-rows must be >= 0 (masked rows added to the microbatch), got "
+                     f"{args.max_pad_rows}")
+    if not 0.0 <= args.overlap <= 1.0:  # also refuses nan
+        parser.error(f"--overlap is a share of the parameter collectives, in [0, 1]; got "
+                     f"{args.overlap}")
+    if args.memory_gb is not None and not args.memory_gb > 0 or args.memory_gb == float("inf"):
+        parser.error(f"--memory-gb must be a positive number, got {args.memory_gb}")
     hw = HARDWARE[args.hardware]
     if args.devices_per_host is not None:
         if args.devices % args.devices_per_host:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -64,6 +65,16 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ModelError(
+                f"rope_scaling must be a mapping (e.g. {{rope_type: llama3, factor: 8.0, ...}}) "
+                f"or null, got {self.rope_scaling!r}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            _check_positive(name, getattr(self, name))
+        for key in ("factor", "low_freq_factor", "high_freq_factor",
+                    "original_max_position_embeddings"):
+            if key in (self.rope_scaling or {}):
+                _check_positive(f"rope_scaling.{key}", self.rope_scaling[key])
         rope_type = self.rope_type
         if rope_type not in ROPE_TYPES:
             raise ModelError(
@@ -185,6 +196,19 @@ def _get(data: dict, key: str, source: str, default=dataclasses.MISSING):
     return default
 
 
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value <= 0:
+        raise ModelError(f"{name} must be a positive number, got {value!r}")
+
+
+def _float(value, name: str, source: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ModelError(f"{source}: {name} must be a number, got {value!r}") from None
+
+
 def _from_hf_dict(data: dict, source: str) -> ModelConfig:
     model_type = data.get("model_type")
     if model_type not in MODEL_TYPES:
@@ -201,6 +225,9 @@ def _from_hf_dict(data: dict, source: str) -> ModelConfig:
 
     hidden = _get(data, "hidden_size", source)
     heads = _get(data, "num_attention_heads", source)
+    for name, value in (("hidden_size", hidden), ("num_attention_heads", heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ModelError(f"{source}: {name} must be a positive integer, got {value!r}")
     head_dim = data.get("head_dim") or hidden // heads
     # transformers 5 writes `rope_parameters` (holding rope_theta); 4.x writes `rope_scaling` and
     # a top-level `rope_theta`.
@@ -210,13 +237,15 @@ def _from_hf_dict(data: dict, source: str) -> ModelConfig:
     rope = dict(rope)
     if "type" in rope and "rope_type" not in rope:
         rope["rope_type"] = rope.pop("type")
-    theta = float(rope.pop("rope_theta", None) or data.get("rope_theta") or 10000.0)
+    theta = _float(rope.pop("rope_theta", None) or data.get("rope_theta") or 10000.0, "rope_theta",
+                   source)
     rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
 
     if model_type == "qwen2":
         qkv_bias, out_bias = True, False
     else:
         qkv_bias = out_bias = bool(data.get("attention_bias", False))
+    eps = _float(_get(data, "rms_norm_eps", source, 1e-6), "rms_norm_eps", source)
     try:
         return ModelConfig(
             vocab_size=_get(data, "vocab_size", source),
@@ -228,14 +257,15 @@ def _from_hf_dict(data: dict, source: str) -> ModelConfig:
             head_dim=head_dim,
             rope_theta=theta,
             rope_scaling=rope_scaling,
-            rms_norm_eps=float(_get(data, "rms_norm_eps", source, 1e-6)),
+            rms_norm_eps=eps,
             tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             attention_out_bias=out_bias,
             qk_norm=model_type == "qwen3",
             max_position_embeddings=_get(data, "max_position_embeddings", source, 8192),
             model_type=model_type,
-            initializer_range=float(data.get("initializer_range", 0.02)),
+            initializer_range=_float(data.get("initializer_range", 0.02), "initializer_range",
+                                     source),
             bos_token_id=data.get("bos_token_id"),
             eos_token_id=data.get("eos_token_id"),
         )

@@ -140,6 +140,11 @@ class Transformer(nnx.Module):
         return constrain(out.astype(jnp.float32), self.mesh)
 
     def __call__(self, tokens, segment_ids=None, positions=None):
+        if self.mesh is not None and self.mesh.size > 1 and not isinstance(tokens, jax.core.Tracer):
+            # Called eagerly on a multi-device mesh: run the forward as one compiled program.
+            # Op-by-op, each collective is its own program on 8 CPU-device threads, and XLA's CPU
+            # rendezvous aborts the process when they do not all arrive within 40 s.
+            return _compiled_call(self, tokens, segment_ids, positions)
         return self.logits(self.hidden_states(tokens, segment_ids, positions))
 
     def loss(self, tokens, targets, segment_ids=None, positions=None, *,
@@ -165,6 +170,11 @@ def _project_tied(x, weight, *, dtype):  # weight [vocab, embed], as Embed.atten
 def _project_untied(x, weight, *, dtype):  # weight [embed, vocab], as Transformer.logits
     return jnp.einsum("...d,dv->...v", x.astype(dtype), weight.astype(dtype),
                       preferred_element_type=jnp.float32)
+
+
+@nnx.jit
+def _compiled_call(model: Transformer, tokens, segment_ids, positions):
+    return model(tokens, segment_ids, positions)
 
 
 def abstract_model(config: ModelConfig, *, mesh: Mesh | None = None, dtype=jnp.float32,

@@ -56,10 +56,24 @@ def test_plan_cli_prints_a_table_and_a_pick(capsys):
     assert "pick: basp (2,4)" in out
 
 
-def test_plan_cli_rejects_bad_numbers():
+@pytest.mark.parametrize("flags, fragment", [
+    (["--seq", "0"], "--seq must be positive, got 0"),
+    (["--devices-per-host", "0"], "--devices-per-host must be positive, got 0"),  # was 1/0
+    (["--devices-per-host", "-4"], "--devices-per-host must be positive, got -4"),
+    (["--overlap", "7"], "--overlap is a share of the parameter collectives, in [0, 1]; got 7.0"),
+    (["--overlap", "nan"], "--overlap is a share"),
+    (["--max-pad-rows", "-3"], "--max-pad-rows must be >= 0"),
+    (["--memory-gb", "0"], "--memory-gb must be a positive number"),
+    (["--model", "gpt-9"], "argument --model: invalid choice: 'gpt-9'"),
+])
+def test_plan_cli_rejects_bad_flags_with_one_line(capsys, flags, fragment):
+    argv = ["--model", "llama-3.1-8b", "--seq", "4096", "--batch", "2", "--devices", "8", *flags]
     with pytest.raises(SystemExit) as err:
-        plan.main(["--model", "llama-3.1-8b", "--seq", "0", "--batch", "2", "--devices", "8"])
+        plan.main(argv)
     assert err.value.code == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1, out.err
+    assert out.err.startswith("error: plan: ") and fragment in out.err, out.err
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_SHAPES))

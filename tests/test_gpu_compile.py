@@ -152,7 +152,7 @@ def test_bad_input_is_one_line(cuda_plugin, tmp_path):
     cases = [
         (["--target", "b200"], "unknown target 'b200'"),
         (["--hosts", "3"], "runtime.devices=8 GPUs but the cluster has 3 x 4"),
-        (["--hosts", "3", "runtime.devices=12"], "num_heads=32 is not divisible"),
+        (["--hosts", "3", "runtime.devices=12"], "not divisible by sp=6"),
         (["--json", str(tmp_path)], "is a directory"),
     ]
     for extra, message in cases:

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import jax
 import numpy as np
@@ -104,3 +105,38 @@ def test_bad_configs_are_one_line_errors(bad, match):
     with pytest.raises(models.ModelError, match=match) as info:
         models.ModelConfig.from_hf(data)
     assert "\n" not in str(info.value)
+
+
+from models import ModelConfig, ModelError  # noqa: E402
+
+LLAMA3 = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"rope_scaling": 5}, "rope_scaling must be a mapping"),
+    ({"rope_scaling": {**LLAMA3, "factor": "x"}}, "rope_scaling.factor must be a positive number, "
+                                                  "got 'x'"),
+    ({"rope_theta": float("nan")}, "rope_theta must be a positive number, got nan"),
+    ({"rms_norm_eps": -1.0}, "rms_norm_eps must be a positive number"),
+])
+def test_bad_model_values_are_one_line_model_errors(change, fragment):
+    """Values a model.shape override or a config.json can carry: a ModelError, not a TypeError
+    or a ZeroDivisionError from deep inside."""
+    import dataclasses
+
+    with pytest.raises(ModelError, match=re.escape(fragment)) as info:
+        dataclasses.replace(ModelConfig.preset("tiny"), **change)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"num_attention_heads": 0, "head_dim": None}, "num_attention_heads must be a positive integer"),
+    ({"rope_theta": "abc"}, "rope_theta must be a number, got 'abc'"),
+    ({"rms_norm_eps": "abc"}, "config dict: rms_norm_eps must be a number, got 'abc'"),
+    ({"rope_scaling": {**LLAMA3, "factor": "x"}}, "rope_scaling.factor must be a positive number"),
+])
+def test_bad_hf_config_values_are_one_line_model_errors(change, fragment):
+    data = {**ModelConfig.preset("tiny").to_hf(), **change}
+    with pytest.raises(ModelError, match=re.escape(fragment)):
+        ModelConfig.from_hf(data)

@@ -76,12 +76,22 @@ def test_layouts_figure(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case", ["no run dir", "empty metrics", "unknown metric", "not results",
-                                  "results not JSON", "bad layout", "not png", "missing -o"])
+                                  "results not JSON", "bad layout", "not png", "missing -o",
+                                  "metrics not UTF-8", "results not UTF-8", "-o not writable",
+                                  "-o under a file", "-o is a directory"])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case):
     run = write_run(tmp_path / "run", [record(1, 5.0)])
     empty = write_run(tmp_path / "empty", [])
     (tmp_path / "results.json").write_text('{"rate": null}')
     (tmp_path / "broken.json").write_text("[{")
+    (tmp_path / "latin1.json").write_bytes(b"caf\xe9")
+    latin1 = tmp_path / "latin1"
+    latin1.mkdir()
+    (latin1 / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": "caf\xe9"}\n')
+    (tmp_path / "a_file").write_text("")
+    locked = tmp_path / "locked.png"
+    locked.mkdir()
+    locked.chmod(0o500)
     out = str(tmp_path / "out.png")
     argv = {
         "no run dir": ["losses", str(tmp_path / "nowhere"), "-o", out],
@@ -92,7 +102,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case):
         "bad layout": ["layouts", "--devices", "8", "--devices-per-host", "3", "-o", out],
         "not png": ["layouts", "-o", str(tmp_path / "layouts.pdf")],
         "missing -o": ["layouts", "--devices", "8"],
+        "metrics not UTF-8": ["losses", str(latin1), "-o", out],
+        "results not UTF-8": ["bench", str(tmp_path / "latin1.json"), "-o", out],
+        "-o not writable": ["layouts", "-o", str(locked / "out.png")],
+        "-o under a file": ["layouts", "-o", str(tmp_path / "a_file" / "out.png")],
+        "-o is a directory": ["layouts", "-o", str(locked)],
     }[case]
+    if case == "-o not writable" and os.access(locked, os.W_OK):
+        pytest.skip("root writes into a read-only directory anyway")
     try:
         status = plot.main(argv)
     except SystemExit as e:  # argparse errors exit from inside parse_args
@@ -100,7 +117,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case):
     err = capsys.readouterr().err
     assert status == 2
     assert err.startswith("error: plot: ") and err.count("\n") == 1, err
-    assert not os.path.exists(out)
+    assert not os.path.exists(out) or case == "-o is a directory"
 
 
 def test_command_line(tmp_path):

@@ -7,7 +7,6 @@ compares every file's bytes and mtime before and after. XLA compilations are cou
 jax.monitoring. A few cases also run as a subprocess (python train.py) to show the same from a shell.
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -22,7 +21,7 @@ import pytest
 from train import cli
 from train.loop import run
 
-from train_helpers import TINY_SHAPE, tiny_config, tiny_overrides
+from train_helpers import TINY_SHAPE, snapshot as _snapshot, tiny_config, tiny_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,11 +76,24 @@ def inputs(tmp_path_factory, good_run):
     np.save(d / "empty.npy", np.zeros(0, np.uint16))
     (d / "empty.npy").write_bytes(b"")
     for name, change in (("hf_gpt2", {"model_type": "gpt2"}),
-                         ("hf_shapes", {"intermediate_size": 96})):
+                         ("hf_shapes", {"intermediate_size": 96}),
+                         ("hf_heads0", {"num_attention_heads": 0, "head_dim": None}),
+                         ("hf_theta", {"rope_theta": "abc"}),
+                         ("hf_eps", {"rms_norm_eps": "abc"})):
         shutil.copytree(d / "hf_good", d / name)
         config = json.loads((d / name / "config.json").read_text())
         config.update(change)
         (d / name / "config.json").write_text(json.dumps(config))
+    # one NaN weight in an otherwise good checkpoint (a bad download or conversion)
+    from models.safetensors_io import Checkpoint, write_safetensors
+
+    shutil.copytree(d / "hf_good", d / "hf_nan")
+    weights = Checkpoint(str(d / "hf_nan"))
+    tensors = {name: weights.get(name).copy() for name in weights.keys()}
+    tensors["model.norm.weight"][3] = np.nan
+    write_safetensors(str(d / "hf_nan" / "model.safetensors"), tensors)
+    (d / "dup.yaml").write_text("train:\n  steps: 6\n  microbatch_size: 2\n  steps: 60\n")
+
     del cfg
     return d
 
@@ -106,6 +118,28 @@ def _half_written(run_dir: Path) -> None:
     """A step directory that looks final but lacks an item (an interrupted copy or rsync)."""
     shutil.rmtree(run_dir / "checkpoints" / "4" / "params")
 
+
+def _meta_data_step(run_dir: Path) -> None:
+    """A newest checkpoint whose meta says data_step -3 (hand-edited, or written by a bug)."""
+    meta = run_dir / "checkpoints" / "4" / "meta" / "metadata"
+    meta.write_text(meta.read_text().replace('"data_step": 4', '"data_step": -3'))
+
+
+def _orbax_metadata_list(step: int):
+    def damage(run_dir: Path) -> None:
+        (run_dir / "checkpoints" / str(step) / "_CHECKPOINT_METADATA").write_text("[]")
+    return damage
+
+
+def _metrics_is_a_directory(run_dir: Path) -> None:
+    (run_dir / "metrics.jsonl").unlink()
+    (run_dir / "metrics.jsonl").mkdir()
+
+
+LONG_NAME = "x" * 300
+LLAMA3_X = ("model.shape.rope_scaling={rope_type: llama3, factor: x, low_freq_factor: 1.0, "
+            "high_freq_factor: 4.0, original_max_position_embeddings: 8192}")
+HF = ["model.preset=null", "model.shape={}"]
 
 # (name, extra overrides (with {inputs} / {run} placeholders), fragment of the one line, how to
 # damage the run.dir copy first, run.dir override)
@@ -178,20 +212,60 @@ CASES = [
      "error: config: run.dir '{inputs}/a_file' is a file, not a directory"),
     ("export_hf is a file", ["checkpoint.export_hf={inputs}/a_file"],
      "error: config: checkpoint.export_hf '{inputs}/a_file' is a file"),
+    # --- issue #16: values that are wrong in a way the checks above did not see
+    ("lr nan", ["optimizer.lr=nan"], "error: config: optimizer.lr: expected a finite number, got "
+                                     "'nan'"),
+    ("weight_decay nan", ["optimizer.weight_decay=nan"], "optimizer.weight_decay: expected a finite"),
+    ("clip_norm nan", ["optimizer.clip_norm=nan"], "optimizer.clip_norm: expected a finite number"),
+    ("NaN in the HF weights", HF + ["model.hf_path={inputs}/hf_nan"],
+     "error: model: {inputs}/hf_nan: weight norm.weight holds NaN or Inf values", _fresh),
+    ("checkpoint meta data_step -3", [],
+     "error: checkpoint: checkpoint {run}/checkpoints/4 cannot be read (ValueError: meta "
+     "data_step=-3, expected an integer in [0, 4])", _meta_data_step),
+    ("_CHECKPOINT_METADATA is [] (newest)", [],
+     "error: checkpoint: checkpoint {run}/checkpoints/4 cannot be read (ValueError: "
+     "_CHECKPOINT_METADATA holds list, not an object)", _orbax_metadata_list(4)),
+    ("_CHECKPOINT_METADATA is [] (older)", [],
+     "error: checkpoint: checkpoint {run}/checkpoints/2 cannot be read (ValueError: "
+     "_CHECKPOINT_METADATA holds list, not an object): it is corrupt; move it out of "
+     "{run}/checkpoints (the newest, step 4, is unaffected)", _orbax_metadata_list(2)),
+    ("metrics.jsonl is a directory", [],
+     "error: config: {run}/metrics.jsonl is not a regular file", _metrics_is_a_directory),
+    ("cudnn on CPU", ["model.attn_impl=cudnn"],
+     "error: config: model.attn_impl=cudnn needs a GPU but the devices are cpu"),
+    ("run.dir name too long", ["run.dir={inputs}/" + LONG_NAME + "/run"],
+     "error: config: run.dir: the name 'xxxxxxxx"),
+    ("run.dir under a file", ["run.dir={inputs}/a_file/run"],
+     "error: config: run.dir '{inputs}/a_file/run' cannot be created: {inputs}/a_file is a file"),
+    ("export_hf under a file", ["checkpoint.export_hf={inputs}/a_file/hf"],
+     "error: config: checkpoint.export_hf '{inputs}/a_file/hf' cannot be created: "
+     "{inputs}/a_file is a file"),
+    ("export_hf name too long", ["checkpoint.export_hf={inputs}/" + LONG_NAME],
+     "error: config: checkpoint.export_hf: the name 'xxxx"),
+    ("export_hf holds other files", ["checkpoint.export_hf={inputs}/hf_good"],
+     "error: config: checkpoint.export_hf '{inputs}/hf_good' holds other files and is not an "
+     "earlier export of this run.dir"),
+    ("export_hf is model.hf_path", HF + ["model.hf_path={inputs}/hf_good",
+                                         "checkpoint.export_hf={inputs}/hf_good"],
+     "error: config: checkpoint.export_hf '{inputs}/hf_good' is model.hf_path", _fresh),
+    ("rope_scaling=5", ["model.shape.rope_scaling=5"],
+     "error: model: rope_scaling must be a mapping"),
+    ("llama3 rope factor x", [LLAMA3_X],
+     "error: model: rope_scaling.factor must be a positive number, got 'x'"),
+    ("HF config with 0 heads", HF + ["model.hf_path={inputs}/hf_heads0"],
+     "error: model: {inputs}/hf_heads0/config.json: num_attention_heads must be a positive "
+     "integer, got 0"),
+    ("HF rope_theta abc", HF + ["model.hf_path={inputs}/hf_theta"],
+     "rope_theta must be a number, got 'abc'"),
+    ("HF rms_norm_eps abc", HF + ["model.hf_path={inputs}/hf_eps"],
+     "rms_norm_eps must be a number, got 'abc'"),
+    ("seed -1", ["run.seed=-1"], "error: config: run.seed must lie in [0, 4294967295], got -1"),
+    ("seed 2**64", [f"run.seed={2**64}"], "error: config: run.seed must lie in [0, 4294967295]"),
+    ("seq_len 1e9", ["data.seq_len=1000000000"],
+     "error: resources: the train step needs about"),
+    ("duplicate YAML keys", ["--config", "{inputs}/dup.yaml"],
+     "error: config: config file '{inputs}/dup.yaml': key 'steps' appears twice (lines 2 and 4)"),
 ]
-
-
-def _snapshot(*dirs: Path) -> dict:
-    """path -> (size, mtime_ns, sha256) of every file and directory under dirs."""
-    out = {}
-    for top in dirs:
-        for root, subdirs, files in os.walk(top):
-            for name in subdirs + files:
-                path = Path(root) / name
-                st = path.stat()
-                digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
-                out[str(path)] = (st.st_size, st.st_mtime_ns, digest)
-    return out
 
 
 class CompileCounter:
@@ -249,13 +323,19 @@ def test_bad_input_exits_2_with_one_line_and_touches_nothing(case, good_run, inp
     assert _snapshot(run_dir, inputs) == before, f"{name}: run.dir or inputs changed"
 
 
-@pytest.mark.parametrize("extra, fragment, damage", [
-    (["train.stepz=3"], "error: config: unknown config key 'train.stepz'", None),
-    (["runtime.devices=16"], "error: config: runtime.devices=16 but only 8 cpu device(s)", None),
-    (["model.shape.intermediate_size=96"], "holds another model", None),
-    ([], "cannot be read (", _corrupt_newest),
-])
-def test_bad_input_from_a_shell(good_run, tmp_path, extra, fragment, damage):
+@pytest.mark.parametrize("extra, fragment, damage, environ", [
+    (["train.stepz=3"], "error: config: unknown config key 'train.stepz'", None, {}),
+    (["runtime.devices=16"], "error: config: runtime.devices=16 but only 8 cpu device(s)", None, {}),
+    (["model.shape.intermediate_size=96"], "holds another model", None, {}),
+    ([], "cannot be read (", _corrupt_newest, {}),
+    # jax.distributed.initialize in the process itself: not tried in-process
+    (["runtime.distributed.enabled=true"], "error: config: runtime.distributed: joining the "
+     "multi-process run failed (coordinator_address should be defined.)", None, {}),
+    (["runtime.distributed.enabled=true"], "error: config: environment variable "
+     "JAX_NUM_PROCESSES='abc' must be an integer >= 1", None, {"JAX_NUM_PROCESSES": "abc"}),
+], ids=["unknown key", "devices", "another model", "corrupt", "distributed, no cluster",
+        "JAX_NUM_PROCESSES=abc"])
+def test_bad_input_from_a_shell(good_run, tmp_path, extra, fragment, damage, environ):
     """The same through `python train.py`: exit 2, exactly one line on stderr (no warnings from
     libraries at exit either), nothing written."""
     run_dir = tmp_path / "run"
@@ -263,7 +343,7 @@ def test_bad_input_from_a_shell(good_run, tmp_path, extra, fragment, damage):
     if damage:
         damage(run_dir)
     before = _snapshot(run_dir)
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **environ)
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "train.py"),

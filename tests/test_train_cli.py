@@ -8,23 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from train_helpers import tiny_overrides
+from train_helpers import ROOT, tiny_overrides, train_cmd, train_env
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _env():
-    env = dict(os.environ)
-    env["JAX_PLATFORMS"] = "cpu"
-    env.pop("XLA_FLAGS", None)  # let the trainer set the device count itself
-    return env
-
-
-def _train(*args, timeout=240):
-    return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=_env(),
-        capture_output=True, text=True, timeout=timeout,
-    )
+_env, _train = train_env, train_cmd
 
 
 @pytest.mark.parametrize(

@@ -47,8 +47,17 @@ def test_round_trip(tmp_path):
         ("model.hf_path=/x", "set exactly one of model.preset"),
         ("data.source=tokens", "data.source=tokens needs data.path"),
         ("parallel.groups=2", None),  # fine with basp
-        ("optimizer.warmup_steps=99", "optimizer.warmup_steps=99 must lie in"),
+        ("optimizer.warmup_steps=99", None),  # longer than the run: clamped, with a note
+        ("optimizer.warmup_steps=-1", "optimizer.warmup_steps must be >= 0"),
         ("noequals", "is not key.sub=value"),
+        # nan passes every `x <= 0` check and would train to NaN: every float must be finite
+        ("optimizer.lr=nan", "optimizer.lr: expected a finite number, got 'nan'"),
+        ("optimizer.weight_decay=nan", "optimizer.weight_decay: expected a finite number"),
+        ("optimizer.clip_norm=nan", "optimizer.clip_norm: expected a finite number"),
+        ("optimizer.lr=inf", "optimizer.lr: expected a finite number"),
+        ("run.seed=-1", "run.seed must lie in [0, 4294967295], got -1"),
+        (f"run.seed={2**64}", f"run.seed must lie in [0, 4294967295], got {2**64}"),
+        ("model.shape={a: 1, a: 2}", "override model.shape: key 'a' appears twice (lines 1 and 1)"),
     ],
 )
 def test_bad_values_one_line(tmp_path, override, fragment):
@@ -107,3 +116,33 @@ def test_required_keys_one_by_one(tmp_path):
         assert len(args) == len(full) - 1, key
         with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
             load_config(None, args)
+
+
+def test_duplicate_yaml_keys_are_an_error(tmp_path):
+    """The last of two equal keys would silently win; the config names both lines instead."""
+    path = tmp_path / "dup.yaml"
+    path.write_text("train:\n  steps: 10\n  microbatch_size: 2\n  steps: 20\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), tiny_overrides(tmp_path / "r"))
+    assert str(info.value) == (f"config file {str(path)!r}: key 'steps' appears twice (lines 2 "
+                               "and 4); keep one")
+
+
+def test_warmup_longer_than_the_run_is_clamped():
+    from train.config import OptimizerConfig
+    from train.step import make_schedule
+
+    schedule = make_schedule(OptimizerConfig(lr=1.0, warmup_steps=20), steps=4)
+    assert float(schedule(4)) == pytest.approx(1.0)  # reaches the peak within the run
+
+
+def test_shipped_configs_accept_a_short_smoke_run(tmp_path):
+    """`train.steps=4` on a config with a 20-step warm-up was refused; it is clamped instead (the
+    trainer prints a note)."""
+    from pathlib import Path
+
+    paths = sorted((Path(__file__).resolve().parent.parent / "configs").rglob("*.yaml"))
+    assert paths
+    for path in paths:
+        cfg = load_config(str(path), ["train.steps=4", f"run.dir={tmp_path / 'smoke'}"])
+        assert cfg.train.steps == 4

@@ -5,9 +5,8 @@ gradient norm NaN after a step or two.)"""
 import jax
 import numpy as np
 
-from test_train_cli import _train
 from train.loop import run
-from train_helpers import tiny_config, tiny_overrides
+from train_helpers import ROOT, tiny_config, tiny_overrides, train_cmd as _train, train_env
 
 BLOW_UP = ("optimizer.lr=1e6", "optimizer.clip_norm=null", "optimizer.warmup_steps=0")
 
@@ -41,6 +40,50 @@ def test_stop_exits_1_with_one_line_and_keeps_the_last_finite_checkpoint(tmp_pat
     bad_step = int(last.split("step ")[1].split(":")[0])
     steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
     assert steps and max(steps) == bad_step - 1, (steps, bad_step)  # the bad step was never saved
+    assert f"the last checkpoint (step {bad_step - 1}) holds finite state" in last
+
+
+def _checkpoint_params(run_dir, step):
+    """The parameters saved at `step`, read back as numpy arrays (no target needed)."""
+    import orbax.checkpoint as ocp
+
+    return ocp.StandardCheckpointer().restore(run_dir / "checkpoints" / str(step) / "params")
+
+
+def test_a_finite_gradient_times_a_nan_lr_never_reaches_the_parameters(tmp_path):
+    """Validation refuses lr=nan, weight_decay=nan, clip_norm=nan (tests/test_train_config.py);
+    here a NaN learning rate gets past it (set on the dataclass) to show the second line of
+    defence: loss and gradient norm are finite but the update is not, and the step counts as
+    non-finite, so every checkpoint still holds the initial, finite parameters."""
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(run_dir, "train.steps=3", "checkpoint.every=1", "checkpoint.async_save=false")
+    cfg.optimizer.lr = float("nan")
+    summary = run(cfg)
+    assert _finite(summary["params"])
+    import json
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in records] == [True, True, True]
+    assert all(np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) for r in records)
+    for step in (1, 2, 3):
+        assert _finite(_checkpoint_params(run_dir, step)), step
+
+
+def test_stop_on_a_nan_update_says_no_checkpoint_was_written(tmp_path):
+    """on_nonfinite=stop when the first update is the non-finite one: the message does not claim
+    a checkpoint that does not exist, and none was written."""
+    from train.loop import NonFiniteError
+
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(run_dir, "train.steps=3", "train.on_nonfinite=stop")
+    cfg.optimizer.weight_decay = float("nan")
+    import pytest
+
+    with pytest.raises(NonFiniteError) as info:
+        run(cfg)
+    assert "step 1: the update (loss" in str(info.value)
+    assert "no checkpoint was written" in str(info.value)
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
 
 
 def test_sigterm_finishes_the_step_checkpoints_and_resumes(tmp_path):
@@ -52,12 +95,10 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes(tmp_path):
     import sys
     import time
 
-    from test_train_cli import ROOT, _env
-
     run_dir = tmp_path / "run"
     args = [sys.executable, str(ROOT / "train.py"),
             *tiny_overrides(run_dir, "train.steps=400", "checkpoint.every=1000")]
-    proc = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(args, cwd=ROOT, env=train_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 180

@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
 TINY_SHAPE = (
     "model.shape={vocab_size: 256, hidden_size: 64, intermediate_size: 128, num_layers: 2, "
     "num_heads: 8, num_kv_heads: 4, head_dim: 8}"
@@ -43,3 +51,33 @@ def enable_compile_cache(path) -> None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def train_env() -> dict:
+    """The environment of a `python train.py` subprocess: CPU, and the trainer sets the device
+    count itself."""
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def train_cmd(*args, timeout=240) -> subprocess.CompletedProcess:
+    """Run `python train.py ARGS` from the repository root; text output captured."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=train_env(),
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def snapshot(*dirs) -> dict:
+    """path -> (size, mtime_ns, sha256) of every file and directory under dirs."""
+    out = {}
+    for top in dirs:
+        for root, subdirs, files in os.walk(top):
+            for name in subdirs + files:
+                path = Path(root) / name
+                st = path.stat()
+                digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+                out[str(path)] = (st.st_size, st.st_mtime_ns, digest)
+    return out

@@ -12,8 +12,11 @@ metadata and refuses one that cannot be read or holds another model's shapes.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import re
 from typing import Any
 
 import jax
@@ -28,6 +31,35 @@ ITEMS = ("params", "opt_state", "meta")
 
 class CheckpointError(ValueError):
     """A checkpoint in run.dir that cannot be resumed; the message is one line and names the fix."""
+
+
+class StorageError(RuntimeError):
+    """A write to run.dir failed for lack of space; the one line names the path and the newest
+    complete checkpoint, which the failed save never touches (orbax prunes only after a save)."""
+
+
+_NO_SPACE = re.compile(r"No space left on device|Disk quota exceeded|os_error_code='(28|122)'")
+
+
+def storage_error(err: BaseException, directory: str) -> StorageError | None:
+    """A StorageError for `err` when it (or what it wraps) is a full disk or quota, else None."""
+    seen = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            path = seen.filename or directory
+            break
+        if _NO_SPACE.search(str(seen)):
+            match = re.search(r'"(/[^"]+)"', str(seen))  # the file, where the message names it
+            path = match.group(1) if match else directory
+            break
+        seen = seen.__cause__ or seen.__context__
+    else:
+        return None
+    steps = complete_steps(directory)
+    newest = (f"the newest complete checkpoint is step {steps[-1]} in {directory}" if steps
+              else "no checkpoint was completed")
+    return StorageError(f"no space left on the device writing {path}; {newest}; free space (or "
+                        "lower checkpoint.keep) and run the same command again to resume")
 
 
 def checkpoint_dir(run_dir: str) -> str:
@@ -73,13 +105,23 @@ def inspect_latest(run_dir: str, expected_params, expected_opt_state) -> tuple[i
     if missing:
         raise CheckpointError(
             f"checkpoint {path} lacks {', '.join(missing)}: it is corrupt or half-written; {earlier}")
+    for older in steps[:-1]:  # CheckpointManager reads every step's _CHECKPOINT_METADATA
+        older_path = os.path.join(directory, str(older))
+        try:
+            _step_metadata(older_path)
+        except Exception as e:  # noqa: BLE001
+            detail = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+            raise CheckpointError(
+                f"checkpoint {older_path} cannot be read ({detail}): it is corrupt; move it out of "
+                f"{directory} (the newest, step {step}, is unaffected)") from None
     try:
+        _step_metadata(path)
         handler = ocp.StandardCheckpointHandler()
         found = _param_shapes(handler.metadata(epath.Path(path) / "params"))
         found_opt = _param_shapes(handler.metadata(epath.Path(path) / "opt_state"))
         with open(os.path.join(path, "meta", "metadata")) as f:
             meta = json.load(f)
-        int(meta["data_step"]), int(meta.get("seed", 0))  # the fields a resume reads
+        _check_meta(meta, step)  # the fields a resume reads
     except Exception as e:  # noqa: BLE001 (orbax/tensorstore/json raise many kinds)
         detail = " ".join(f"{type(e).__name__}: {e}".split())[:200]
         raise CheckpointError(
@@ -99,6 +141,30 @@ def inspect_latest(run_dir: str, expected_params, expected_opt_state) -> tuple[i
     return step, meta
 
 
+def _step_metadata(path: str) -> None:
+    """orbax's per-step _CHECKPOINT_METADATA (when present) must be a JSON object."""
+    file = os.path.join(path, "_CHECKPOINT_METADATA")
+    if not os.path.exists(file):
+        return
+    with open(file) as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"_CHECKPOINT_METADATA holds {type(data).__name__}, not an object")
+
+
+def _check_meta(meta, step: int) -> None:
+    """The values a resume uses: data_step in [0, step], seed a valid run.seed."""
+    from .config import MAX_SEED
+
+    if not isinstance(meta, dict):
+        raise ValueError(f"meta holds {type(meta).__name__}, not an object")
+    data_step, seed = meta.get("data_step"), meta.get("seed", 0)
+    if isinstance(data_step, bool) or not isinstance(data_step, int) or not 0 <= data_step <= step:
+        raise ValueError(f"meta data_step={data_step!r}, expected an integer in [0, {step}]")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"meta seed={seed!r}, expected an integer in [0, {MAX_SEED}]")
+
+
 def _first_difference(found: dict, wanted: dict) -> str | None:
     for name in sorted(set(found) | set(wanted)):
         if found.get(name) != wanted.get(name):
@@ -112,6 +178,7 @@ class Checkpointer:
         self.cfg = cfg
         self.directory = checkpoint_dir(run_dir)
         self.total_steps = total_steps
+        self.failed = False
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=cfg.every if cfg.every > 0 else total_steps + 1,
             max_to_keep=cfg.keep,
@@ -126,15 +193,29 @@ class Checkpointer:
         """Save after `step` completed steps when the interval says so (or `force`)."""
         if step in self.manager.all_steps():
             return False
-        return self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardSave(params),
-                opt_state=ocp.args.StandardSave(opt_state),
-                meta=ocp.args.JsonSave(meta),
-            ),
-            force=force,
-        )
+        with self._failures():
+            return self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardSave(params),
+                    opt_state=ocp.args.StandardSave(opt_state),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+                force=force,
+            )
+
+    @contextlib.contextmanager
+    def _failures(self):
+        """A save that failed for lack of space becomes one StorageError; after any failure,
+        close() no longer waits on (and raises again from) the failed save."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 (orbax/tensorstore raise many kinds)
+            self.failed = True
+            full = storage_error(e, self.directory)
+            if full is not None:
+                raise full from None
+            raise
 
     def restore(self, step: int, abstract_params, abstract_opt_state):
         """(params, opt_state, meta) of `step`, placed as the abstract trees' shardings say."""
@@ -156,10 +237,17 @@ class Checkpointer:
         return restored["params"], restored["opt_state"], dict(restored["meta"])
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        with self._failures():
+            self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        if self.failed:
+            try:
+                self.manager.close()
+            except Exception:  # noqa: BLE001 (the failure itself was raised already)
+                pass
+            return
+        self.wait()
         self.manager.close()
 
 

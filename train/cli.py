@@ -1,16 +1,20 @@
 """Command line: python train.py --config configs/NAME.yaml [key.sub=value ...]
 
-Exit status 0 on success (also after SIGINT/SIGTERM: the current step finishes and is
-checkpointed); 2 with one line on stderr for a config, layout, model, data or checkpoint error (no
-traceback), detected before anything compiles or is written to run.dir; 1 when training stops on
-a non-finite loss (train.on_nonfinite=stop); 3 when a peer process of a multi-process run fails
-(train.peers; when the coordinator process dies, JAX aborts the others itself: SIGABRT).
+Exit status 0 on success (also after SIGINT/SIGTERM while training: the current step finishes and
+is checkpointed); 2 with one line on stderr for a config, layout, model, data, checkpoint or
+resource error, or a run.dir another run owns (no traceback), detected before anything compiles or
+is written to run.dir; 1 when training stops on a non-finite loss (train.on_nonfinite=stop) or a
+full disk; 3 when a peer process of a multi-process run fails (train.peers; when the coordinator
+process dies, JAX aborts the others itself: SIGABRT); 128 + the signal (130 for SIGINT) with one
+line when SIGINT/SIGTERM arrives outside the training loop (start-up, compilation).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import signal
 import sys
 import traceback
 
@@ -36,6 +40,22 @@ def _fail(kind: str, err: Exception) -> int:
     return 2
 
 
+def _interrupted(signum, frame) -> None:
+    """SIGINT/SIGTERM outside the training loop (which finishes its step and checkpoints): one
+    line and exit 128 + signum at once. Raising KeyboardInterrupt in the middle of JAX's start-up
+    gives a traceback and then a crash in the interpreter's shutdown."""
+    name = signal.Signals(signum).name
+    os.write(2, f"error: interrupted: {name} outside the training loop (nothing half-written); run "
+                f"the same command again to start or resume\n".encode())
+    os._exit(128 + signum)
+
+
+def install_signal_handlers() -> None:
+    """From the first instruction of `python train.py` until the training loop takes over."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupted)
+
+
 class _HeldUnraisable:
     """Holds 'Exception ignored in ...' reports while training. After a failed checkpoint read,
     orbax's asyncio callbacks report 'Event loop is closed' from background threads; on an error
@@ -54,24 +74,40 @@ class _HeldUnraisable:
                                                   report.exc_traceback))
         self.reports.append(f"Exception ignored in: {report.object!r}\n{text}")
 
+    def filter(self, record: logging.LogRecord) -> bool:
+        """absl (orbax) errors are held too: a failed save logs its traceback from each thread."""
+        if record.levelno >= logging.ERROR:
+            self.records.append(record)
+            return False
+        return True
+
     def __enter__(self):
         self._previous = sys.unraisablehook
         sys.unraisablehook = self._hold
+        self.records: list[logging.LogRecord] = []
+        logging.getLogger("absl").addFilter(self)
         return self
 
     def __exit__(self, exc_type, exc, tb):
         one_line_error = exc_type is not None and issubclass(exc_type, self.expected)
         sys.unraisablehook = (lambda report: None) if one_line_error and self.exiting \
             else self._previous
+        logger = logging.getLogger("absl")
+        if not (one_line_error and self.exiting):
+            logger.removeFilter(self)
         if not one_line_error:
             for text in self.reports:
                 sys.stderr.write(text)
+            for record in self.records:
+                logger.handle(record)
         return False
 
 
 def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
     """Run the command line; returns the exit status. exiting: the process ends right after (the
     script entry), so library threads are kept quiet after an error line."""
+    if exiting:
+        install_signal_handlers()  # train.py installs them before its first import as well
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -81,20 +117,27 @@ def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
     # CPU device count and distributed init must precede every JAX backend use.
     from . import runtime
 
-    runtime.configure(cfg)
+    try:
+        runtime.configure(cfg)
+    except ConfigError as e:
+        return _fail("config", e)
 
     from basp_jax import LayoutError
     from models import ModelError
 
-    from .checkpoint import CheckpointError
+    from .checkpoint import CheckpointError, StorageError
     from .data import DataError
+    from .lock import RunDirInUse
     from .loop import NonFiniteError, PeerFailure, run
     from .peers import PEER_FAILURE_STATUS
+    from .planning import ResourceError
 
     # each error that ends the run with one line: its label and the exit status
     one_line = ((ConfigError, "config", 2), (LayoutError, "layout", 2), (ModelError, "model", 2),
                 (DataError, "data", 2), (CheckpointError, "checkpoint", 2),
-                (PeerFailure, "peer", PEER_FAILURE_STATUS), (NonFiniteError, "training", 1))
+                (ResourceError, "resources", 2), (RunDirInUse, "run.dir", 2),
+                (PeerFailure, "peer", PEER_FAILURE_STATUS), (NonFiniteError, "training", 1),
+                (StorageError, "disk", 1))
     kinds = tuple(cls for cls, _, _ in one_line)
     try:
         with _HeldUnraisable(kinds, exiting):

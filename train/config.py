@@ -10,6 +10,7 @@ line names the key and what would work. Nothing here imports JAX: the CLI must r
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Literal, Optional
@@ -207,14 +208,19 @@ def _coerce(key: str, value: Any, tp) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
+        number = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value.strip())
+                number = float(value.strip())
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(number):  # nan passes every `x <= 0` check, then poisons the run
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -226,6 +232,39 @@ def _coerce(key: str, value: Any, tp) -> Any:
             return dict(value)
         raise ConfigError(f"{key}: expected a mapping, got {value!r}")
     raise ConfigError(f"{key}: unsupported field type {tp!r}")  # pragma: no cover
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping with the same key twice (plain YAML keeps the last,
+    so a config edited in two places would silently run with one of them)."""
+
+
+def _construct_unique_mapping(loader, node, deep=False):
+    seen = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            hash(key)
+        except TypeError:
+            continue  # the default constructor reports unhashable keys itself
+        if key in seen:
+            raise DuplicateKeyError(f"key {key!r} appears twice (lines {seen[key].line + 1} and "
+                                    f"{key_node.start_mark.line + 1}); keep one")
+        seen[key] = key_node.start_mark
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+                                 _construct_unique_mapping)
+
+
+def yaml_load(text):
+    """yaml.safe_load that raises yaml.YAMLError on duplicate keys."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
 def _hints(cls) -> dict:
@@ -280,7 +319,9 @@ def _parse_override(item: str) -> tuple[str, Any]:
     key, raw = item.split("=", 1)
     key = key.strip()
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml_load(raw) if raw.strip() else None
+    except DuplicateKeyError as e:
+        raise ConfigError(f"override {key}: {e}") from None
     except yaml.YAMLError:
         value = raw
     # Keep plain strings as typed on the command line (e.g. 1e-3, which YAML 1.1 leaves a string),
@@ -296,12 +337,14 @@ def load_config(path: Optional[str], overrides: list[str] | tuple[str, ...] = ()
     if path is not None:
         try:
             with open(path) as f:
-                loaded = yaml.safe_load(f)
+                loaded = yaml_load(f)
         except FileNotFoundError:
             raise ConfigError(f"config file {path!r} does not exist") from None
         except (OSError, UnicodeDecodeError) as e:
             reason = getattr(e, "strerror", None) or getattr(e, "reason", None) or str(e)
             raise ConfigError(f"cannot read config file {path!r}: {reason}") from None
+        except DuplicateKeyError as e:
+            raise ConfigError(f"config file {path!r}: {e}") from None
         except yaml.YAMLError as e:
             line = str(e).replace("\n", " ")
             raise ConfigError(f"config file {path!r} is not valid YAML: {line}") from None
@@ -341,6 +384,8 @@ def validate(cfg: Config) -> None:
     """Required keys and impossible combinations; model/layout checks come later, still pre-compile."""
     if not cfg.run.dir:
         raise ConfigError("run.dir is required: where checkpoints and metrics.jsonl go")
+    if not 0 <= cfg.run.seed <= MAX_SEED:
+        raise ConfigError(f"run.seed must lie in [0, {MAX_SEED}], got {cfg.run.seed}")
     if cfg.train.steps <= 0:
         raise ConfigError(f"train.steps must be a positive integer, got {cfg.train.steps}")
     if cfg.train.microbatch_size <= 0:
@@ -408,10 +453,8 @@ def validate(cfg: Config) -> None:
     o = cfg.optimizer
     if o.lr <= 0:
         raise ConfigError(f"optimizer.lr is required and must be > 0, got {o.lr}")
-    if o.warmup_steps < 0 or o.warmup_steps > cfg.train.steps:
-        raise ConfigError(
-            f"optimizer.warmup_steps={o.warmup_steps} must lie in [0, train.steps={cfg.train.steps}]"
-        )
+    if o.warmup_steps < 0:  # longer than the run: the trainer clamps it to train.steps, with a note
+        raise ConfigError(f"optimizer.warmup_steps must be >= 0, got {o.warmup_steps}")
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError(f"optimizer.min_lr_ratio must lie in [0, 1], got {o.min_lr_ratio}")
     if o.weight_decay < 0:
@@ -477,6 +520,9 @@ def validate(cfg: Config) -> None:
             f"[0, num_processes={dist.num_processes})"
         )
 
+
+# seeds key numpy's and JAX's generators: a non-negative 32-bit integer fits both everywhere
+MAX_SEED = 2**32 - 1
 
 # train.peers polls the peers every min(1 s, timeout / 4); shorter timeouts would fire on noise
 MIN_PEER_TIMEOUT_S = 2.0

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import signal
+import sys
 import threading
 import time
 import typing
@@ -18,11 +20,12 @@ from flax import nnx
 import models
 from basp_jax import Layout, comm
 
-from . import runtime
+from . import planning, runtime
 from .checkpoint import (Checkpointer, abstract_tree, checkpoint_dir, complete_steps,
-                         inspect_latest)
-from .config import Config, ConfigError, _coerce, to_yaml
+                         inspect_latest, storage_error)
+from .config import Config, ConfigError, _coerce, to_yaml, yaml_load
 from .data import Pipeline
+from .lock import RunDirLock, check_free
 from .metrics import MetricsLogger, peak_flops
 from .peers import PeerWatchdog
 from .program import build_program, model_factory, plan_run
@@ -47,9 +50,7 @@ def model_config(cfg: Config) -> "models.ModelConfig":
         if tp in (int, float, bool, str):
             value = _coerce(f"model.shape.{key}", value, tp)
         elif isinstance(value, str):
-            import yaml
-
-            value = yaml.safe_load(value)
+            value = yaml_load(value)
         changes[key] = value
     return dataclasses.replace(base, **changes)
 
@@ -84,23 +85,127 @@ def select_devices(cfg: Config) -> list:
     return devices
 
 
+# files the trainer writes in run.dir, and what each must be when it exists already
+RUN_DIR_FILES = ("config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "collectives.json")
+EXPORT_MARKER = ".basp-export.json"  # in an export: which run.dir wrote it
+
+
+def _check_creatable(key: str, path: str) -> None:
+    """`path` is a writable directory, or can be created: every name fits the file system and the
+    nearest existing ancestor is a writable directory."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{key} {path!r} is a file, not a directory; choose another path")
+    if os.path.isdir(path):
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(f"{key} {path!r} is not writable; fix its permissions or "
+                              "choose another path")
+        return
+    ancestor = os.path.dirname(path)
+    while not os.path.lexists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ConfigError(f"{key} {path!r} cannot be created: {ancestor} is a file, not a "
+                          "directory; choose another path")
+    try:
+        name_max = os.pathconf(ancestor, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    for part in os.path.relpath(path, ancestor).split(os.sep):
+        if len(os.fsencode(part)) > name_max:
+            raise ConfigError(f"{key}: the name {part[:40]!r}... is {len(os.fsencode(part))} bytes, "
+                              f"more than the {name_max} this file system allows; choose a shorter "
+                              "path")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key} {path!r} cannot be created: {ancestor} is not writable")
+
+
 def check_output_paths(cfg: Config, run_dir: str) -> None:
-    """run.dir (and checkpoint.export_hf) must be directories or not exist yet."""
-    for key, path in (("run.dir", run_dir), ("checkpoint.export_hf", cfg.checkpoint.export_hf)):
-        if not path:
-            continue
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise ConfigError(f"{key} {path!r} is a file, not a directory; choose another path")
-        if os.path.isdir(path):
-            if not os.access(path, os.W_OK):
-                raise ConfigError(f"{key} {path!r} is not writable; fix its permissions or "
-                                  "choose another path")
-            continue
-        parent = os.path.dirname(os.path.abspath(path))
-        while parent and not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if parent and not os.access(parent, os.W_OK):
-            raise ConfigError(f"{key} {path!r} cannot be created: {parent} is not writable")
+    """run.dir (and checkpoint.export_hf) are directories or can be created, the files the trainer
+    writes there are files it can write, and an export never replaces someone else's files."""
+    _check_creatable("run.dir", run_dir)
+    for name in RUN_DIR_FILES:
+        path = os.path.join(run_dir, name)
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise ConfigError(f"{path} is not a regular file (the trainer writes it); move it "
+                              "out of run.dir")
+        if os.path.isfile(path) and not os.access(path, os.W_OK):
+            raise ConfigError(f"{path} is not writable; fix its permissions")
+    export = cfg.checkpoint.export_hf
+    if not export:
+        return
+    _check_creatable("checkpoint.export_hf", export)
+    export = os.path.realpath(export)
+    if cfg.model.hf_path and export == os.path.realpath(cfg.model.hf_path):
+        raise ConfigError(f"checkpoint.export_hf {export!r} is model.hf_path: the export would "
+                          "replace the pretrained weights; choose another directory")
+    if os.path.isdir(export) and os.listdir(export) and _export_owner(export) != run_dir:
+        raise ConfigError(
+            f"checkpoint.export_hf {export!r} holds other files and is not an earlier export of "
+            "this run.dir; choose a new or empty directory (an export never replaces files it "
+            "did not write)")
+
+
+def _export_owner(export_dir: str) -> str | None:
+    """The run.dir that wrote the export in export_dir, or None."""
+    import json
+
+    try:
+        with open(os.path.join(export_dir, EXPORT_MARKER)) as f:
+            return json.load(f)["run_dir"]
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def export_hf(module, export_dir: str, run_dir: str, is_writer: bool) -> None:
+    """Write the Hugging Face export into a fresh directory beside export_dir, then move it into
+    place: an interrupted export leaves the previous one (or nothing) rather than a mixture.
+    check_output_paths has made sure export_dir is new, empty or an earlier export of this run."""
+    import json
+    import shutil
+    import tempfile
+
+    parent = os.path.dirname(export_dir)
+    tmp = None
+    if is_writer:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=parent, prefix=".export-")
+    try:
+        # every process takes part (shards are gathered one at a time); process 0 writes
+        models.save_pretrained(module, tmp or export_dir)
+        if not is_writer:
+            return
+        with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
+            json.dump({"run_dir": run_dir}, f)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the export is for others to read
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+        old = None
+        if os.path.isdir(export_dir) and os.listdir(export_dir):  # an earlier export of this run
+            old = tempfile.mkdtemp(dir=parent, prefix=".export-old-")
+            os.rename(export_dir, os.path.join(old, "export"))
+        os.replace(tmp, export_dir)  # also over an empty directory
+        tmp = None
+        if old is not None:
+            shutil.rmtree(old)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_finite_weights(params, source: str) -> None:
+    """Every loaded weight is finite (a NaN in the pretrained weights would make every step
+    non-finite and skipped). Checked on the host, shard by shard: nothing compiles."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        for shard in leaf.addressable_shards:
+            data = np.asarray(shard.data)
+            if jax.numpy.issubdtype(data.dtype, jax.numpy.inexact) and not np.isfinite(data).all():
+                name = ".".join(str(getattr(k, "key", k)) for k in path)
+                raise models.ModelError(
+                    f"{source}: weight {name} holds NaN or Inf values; the checkpoint is damaged "
+                    "(re-download or re-export it)")
 
 
 class StopRequest:
@@ -187,6 +292,11 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
     with PeerWatchdog(cfg.runtime.distributed.peer_timeout_s, resume_advice):
         try:
             return _run(cfg, stop_at)
+        except OSError as e:  # metrics.jsonl, config.yaml, the export: a full disk is one line
+            full = storage_error(e, directory)
+            if full is None:
+                raise
+            raise full from None
         except jax.errors.JaxRuntimeError as e:
             first = " ".join(str(e).split())[:300]
             if jax.process_count() == 1 or not LOST_PEER.search(first):
@@ -206,19 +316,40 @@ class PeerFailure(RuntimeError):
 
 
 def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
-    is_writer = jax.process_index() == 0
+    # process 0 owns run.dir (the lock is taken once the checks have passed)
+    owner = RunDirLock(os.path.abspath(cfg.run.dir)) if jax.process_index() == 0 else None
+    try:
+        return _run_owned(cfg, stop_at, owner)
+    finally:
+        if owner is not None:
+            owner.__exit__(*sys.exc_info())
+
+
+def check_kernel(cfg: Config, platform: str) -> None:
+    """model.attn_impl names a kernel this platform has."""
+    if cfg.model.attn_impl == "cudnn" and platform != "gpu":
+        raise ConfigError(f"model.attn_impl=cudnn needs a GPU but the devices are {platform}; use "
+                          "auto (cuDNN where it applies), xla or blockwise")
+
+
+def _run_owned(cfg: Config, stop_at: int | None, owner: "RunDirLock | None") -> dict[str, Any]:
+    is_writer = owner is not None
     run_dir = os.path.abspath(cfg.run.dir)
 
     # ---- everything that can be wrong is checked here, before anything compiles or is written
+    if is_writer:
+        check_free(run_dir)  # another run owns it: say so before reading what it is writing
     check_output_paths(cfg, run_dir)
     mcfg = model_config(cfg)
     if cfg.model.hf_path and cfg.model.load_weights:
         models.check_pretrained(cfg.model.hf_path, mcfg)  # tensor names and shapes, headers only
     devices = select_devices(cfg)
+    check_kernel(cfg, devices[0].platform)
     per_host = cfg.parallel.devices_per_host or len(devices) // jax.process_count()
     run_plan = plan_run(cfg, mcfg, devices, per_host)
     layout, strategy, mesh, seq_order = (run_plan.layout, run_plan.strategy, run_plan.mesh,
                                          run_plan.seq_order)
+    planning.check_memory(cfg, mcfg, layout, strategy, devices)  # before any row is generated
     data = Pipeline(
         cfg.data,
         vocab_size=mcfg.vocab_size,
@@ -266,12 +397,15 @@ def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
             )
             parts = from_module(module, mesh, strategy)
             del module
+            check_finite_weights(parts.params, cfg.model.hf_path)
         else:
             parts = build_model(model_factory(cfg, mcfg, run_plan), mesh, strategy,
                                 init_params=latest is None)
         program = build_program(cfg, run_plan, parts)
         param_sh, abs_opt, opt_sh = (program.param_shardings, program.abstract_opt_state,
                                      program.opt_shardings)
+        if owner is not None:
+            owner.__enter__()  # the first write: run.dir (if new) and its lock
         ckpt = Checkpointer(run_dir, cfg.checkpoint, cfg.train.steps)  # creates run.dir/checkpoints
 
         start = 0
@@ -305,6 +439,9 @@ def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
     )
     if latest is not None:
         logger.message(f"resumed from {ckpt.directory} at step {start}")
+    if cfg.optimizer.warmup_steps > cfg.train.steps:
+        logger.message(f"note: optimizer.warmup_steps={cfg.optimizer.warmup_steps} is longer than "
+                       f"the run; warming up over train.steps={cfg.train.steps} instead")
 
     losses: list[float] = []
     tokens_per_step = cfg.train.grad_accum * cfg.train.microbatch_size * cfg.data.seq_len
@@ -325,6 +462,7 @@ def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
                     if compiled is None:
                         t = time.perf_counter()
                         compiled = program.lower(params, opt_state).compile()
+                        planning.check_compiled_memory(cfg, compiled, devices)
                         try:  # a diagnostic: an HLO printing the parser does not know never stops a run
                             collectives = comm.parse_collectives(compiled.as_text(), len(devices))
                             described = describe_collectives(collectives, layout.devices_per_host)
@@ -360,12 +498,20 @@ def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
                     record["skipped"] = not finite
                     logger.log(record)
                     if not finite:
-                        message = (f"step {step + 1}: loss {loss} / grad norm {record['grad_norm']} is "
-                                   "not finite; the parameters were left unchanged")
+                        if math.isfinite(loss) and math.isfinite(record["grad_norm"]):
+                            what = (f"the update (loss {loss}, grad norm {record['grad_norm']}) "
+                                    "made the parameters or optimizer state non-finite")
+                        else:
+                            what = f"loss {loss} / grad norm {record['grad_norm']} is not finite"
+                        message = f"step {step + 1}: {what}; the parameters were left unchanged"
                         if cfg.train.on_nonfinite == "stop":
+                            ckpt.wait()  # an async save of the previous step completes first
+                            saved = complete_steps(ckpt.directory)
+                            where = (f"the last checkpoint (step {saved[-1]}) holds finite state"
+                                     if saved else "no checkpoint was written")
                             raise NonFiniteError(
-                                f"{message}; stopping (train.on_nonfinite=stop). The last checkpoint "
-                                "holds finite state; lower optimizer.lr or set optimizer.clip_norm")
+                                f"{message}; stopping (train.on_nonfinite=stop); {where}; lower "
+                                "optimizer.lr or set optimizer.clip_norm")
                         logger.message(f"{message}; skipped (train.on_nonfinite=skip)")
                     meta = {"step": step + 1, "data_step": step + 1, "seed": cfg.run.seed,
                             "layout": layout.describe()}
@@ -382,9 +528,8 @@ def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
                         break
             ckpt.wait()
             if cfg.checkpoint.export_hf and not stop.stopped:
-                export_dir = os.path.abspath(cfg.checkpoint.export_hf)
-                # every process takes part (shards are gathered one at a time); process 0 writes
-                models.save_pretrained(parts.module(params), export_dir)
+                export_dir = os.path.realpath(cfg.checkpoint.export_hf)
+                export_hf(parts.module(params), export_dir, run_dir, is_writer)
                 logger.message(f"exported Hugging Face weights to {export_dir}")
     finally:
         ckpt.close()

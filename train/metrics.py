@@ -46,12 +46,13 @@ class MetricsLogger:
             return
         kept = []
         if os.path.exists(self.path):
-            with open(self.path) as f:
-                for line in f:
-                    try:
+            with open(self.path, "rb") as f:
+                for raw in f:
+                    try:  # a line cut short by a crash (no newline, half an object) is dropped
+                        line = raw.decode("utf-8").rstrip("\r\n")
                         if json.loads(line)["step"] <= start_step:
-                            kept.append(line)
-                    except (json.JSONDecodeError, KeyError, TypeError):
+                            kept.append(line + "\n")  # the last line may lack its newline
+                    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
                         continue
         # rewrite through a temporary file: a crash here must not lose the kept lines
         tmp = self.path + ".tmp"

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from basp_jax import Layout
 from basp_jax import cost
@@ -80,3 +81,83 @@ def sequence_order(cfg: Config, layout: Layout):
             f"{cfg.data.seq_len}; change seq_len or set parallel.zigzag=false"
         )
     return zigzag_order(cfg.data.seq_len, layout.ring)
+
+
+class ResourceError(ValueError):
+    """The run cannot fit the memory it has; the one-line message names the sizes and the fix."""
+
+
+def device_memory(device) -> float | None:
+    """Bytes one device can use: the accelerator's limit, or on CPU the host's available memory
+    shared by the emulated devices of this process; None when unknown."""
+    if device.platform != "cpu":
+        try:
+            return float(device.memory_stats()["bytes_limit"])
+        except Exception:  # noqa: BLE001 (no stats on this backend)
+            return None
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: line.split()[1] for line in f}
+        available = float(info["MemAvailable"]) * 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        try:
+            available = float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (OSError, ValueError):
+            return None
+    import jax
+
+    return available / jax.local_device_count()
+
+
+def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str) -> tuple[float, str]:
+    """A rough lower-bound of the bytes per device a train step holds (state, activations,
+    logits), and a short breakdown; meant to refuse sizes that cannot fit, not to plan."""
+    n = layout.num_devices
+    share = {"fsdp": n, "hsdp": layout.sp}.get(strategy, 1)
+    param_bytes = 2 if cfg.model.param_dtype == "bfloat16" else 4
+    act_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
+    # parameters, gradients (float32 accumulators) and Adam's two moments
+    state = mcfg.num_params() * (param_bytes + 4 + 2 * param_bytes) / share
+    tokens = layout.batch * cfg.data.seq_len / n  # per device, one microbatch
+    per_layer = 34 * act_bytes / 2 if cfg.model.remat == "none" else 2 * act_bytes
+    activations = tokens * mcfg.hidden_size * mcfg.num_layers * per_layer
+    logits = tokens * mcfg.vocab_size * 4 * 2  # float32 logits and their gradient
+    total = state + activations + logits
+    GB = 1e9
+    detail = (f"state {state / GB:.3g} GB, activations {activations / GB:.3g} GB, logits "
+              f"{logits / GB:.3g} GB")
+    return total, detail
+
+
+def check_memory(cfg: Config, mcfg, layout: Layout, strategy: str, devices) -> None:
+    """Refuse a run whose estimated memory per device exceeds what a device has, before the data
+    pipeline generates a row or anything compiles (seq_len=1e9 would otherwise grow the process
+    to tens of GB first)."""
+    limit = device_memory(devices[0])
+    if limit is None:
+        return
+    need, detail = memory_estimate(cfg, mcfg, layout, strategy)
+    if need > limit:
+        raise ResourceError(_too_big(cfg, need, limit, devices[0].platform, detail))
+
+
+def check_compiled_memory(cfg: Config, compiled, devices) -> None:
+    """The compiled step's own memory analysis (arguments + outputs + temporaries) against the
+    device's memory, before the first step runs."""
+    limit = device_memory(devices[0])
+    try:
+        m = compiled.memory_analysis()
+        need = float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                     - m.alias_size_in_bytes)
+    except Exception:  # noqa: BLE001 (not every backend reports it)
+        return
+    if limit is not None and need > limit:
+        raise ResourceError(_too_big(cfg, need, limit, devices[0].platform,
+                                     "from the compiled train step's memory analysis"))
+
+
+def _too_big(cfg: Config, need: float, limit: float, platform: str, detail: str) -> str:
+    remat = "" if cfg.model.remat != "none" else ", set model.remat=full"
+    return (f"the train step needs about {need / 1e9:.3g} GB per device ({detail}) but a "
+            f"{platform} device has {limit / 1e9:.3g} GB; lower data.seq_len={cfg.data.seq_len} "
+            f"or train.microbatch_size={cfg.train.microbatch_size}{remat}, or use more devices")

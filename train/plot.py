@@ -49,18 +49,23 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
         raise PlotError(f"{path}: no such file; is {run_dir} a run directory (run.dir)?")
     by_step: dict[int, dict] = {}
     unreadable = 0
-    for line in path.read_text().splitlines():
-        if not line.strip():
+    try:
+        raw_lines = path.read_bytes().splitlines()
+    except OSError as e:
+        raise PlotError(f"{path}: {e.strerror.lower()}") from None
+    for raw in raw_lines:
+        if not raw.strip():
             continue
-        try:
-            record = json.loads(line)
+        try:  # a line that is not UTF-8 JSON (a damaged or foreign file) counts as unreadable
+            record = json.loads(raw.decode("utf-8"))
             by_step[int(record["step"])] = record
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError):
             unreadable += 1
+    if not by_step:
+        extra = f" ({unreadable} unreadable line(s))" if unreadable else ""
+        raise PlotError(f"{path} holds no step records{extra}")
     if unreadable:
         print(f"warning: skipped {unreadable} unreadable line(s) in {path}", file=sys.stderr)
-    if not by_step:
-        raise PlotError(f"{path} holds no step records")
     return [by_step[step] for step in sorted(by_step)]
 
 
@@ -145,6 +150,8 @@ def read_bench(path: str | Path) -> list[dict]:
         results = json.loads(path.read_text())
     except OSError as e:
         raise PlotError(f"{path}: {e.strerror.lower()}") from None
+    except UnicodeDecodeError:
+        raise PlotError(f"{path}: not UTF-8 text, so not JSON") from None
     except json.JSONDecodeError as e:
         raise PlotError(f"{path}: not JSON ({e.msg}, line {e.lineno})") from None
     if not isinstance(results, list) or not results:
@@ -268,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
             out = layouts_figure(args.devices, args.devices_per_host, args.batch, args.out)
     except PlotError as e:
         print(f"error: plot: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the output: a directory that cannot be created, no permission, no space
+        where = e.filename or args.out
+        print(f"error: plot: cannot write {where}: {(e.strerror or str(e)).lower()}",
+              file=sys.stderr)
         return 2
     print(f"wrote {out}")
     return 0

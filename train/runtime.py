@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from .config import Config
+from .config import Config, ConfigError
 
 
 def _want_distributed(cfg: Config) -> bool:
@@ -41,10 +41,31 @@ def configure(cfg: Config) -> None:
         pass  # backends already up (e.g. in-process tests); loop.run checks the device count
     if _want_distributed(cfg) and not jax.distributed.is_initialized():
         dist = cfg.runtime.distributed
-        env_int = lambda name: int(os.environ[name]) if os.environ.get(name) else None  # noqa: E731
-        jax.distributed.initialize(
-            coordinator_address=dist.coordinator,  # None: JAX_COORDINATOR_ADDRESS or the cluster
-            num_processes=dist.num_processes if dist.num_processes is not None
-            else env_int("JAX_NUM_PROCESSES"),
-            process_id=dist.process_id if dist.process_id is not None else env_int("JAX_PROCESS_ID"),
-        )
+        num_processes = dist.num_processes if dist.num_processes is not None \
+            else _env_int("JAX_NUM_PROCESSES", minimum=1)
+        process_id = dist.process_id if dist.process_id is not None \
+            else _env_int("JAX_PROCESS_ID", minimum=0)
+        try:
+            jax.distributed.initialize(
+                coordinator_address=dist.coordinator,  # None: JAX_COORDINATOR_ADDRESS or the cluster
+                num_processes=num_processes, process_id=process_id)
+        except Exception as e:  # noqa: BLE001 (no cluster found, coordinator unreachable, ...)
+            detail = " ".join(str(e).split())[:300] or type(e).__name__
+            raise ConfigError(
+                f"runtime.distributed: joining the multi-process run failed ({detail}); set "
+                "runtime.distributed.coordinator, num_processes and process_id (or "
+                "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID), run under SLURM or "
+                "Open MPI, or set runtime.distributed.enabled=false") from None
+
+
+def _env_int(name: str, minimum: int) -> int | None:
+    raw = os.environ.get(name)
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ConfigError(f"environment variable {name}={raw!r} must be an integer >= {minimum}")
+    return value

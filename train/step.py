@@ -99,13 +99,15 @@ def decay_mask(params):
 
 
 def make_schedule(cfg: OptimizerConfig, steps: int) -> optax.Schedule:
-    """Linear warmup from 0 to lr, then cosine decay to lr * min_lr_ratio at `steps`."""
-    if cfg.warmup_steps >= steps:
-        return optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1))
+    """Linear warmup from 0 to lr, then cosine decay to lr * min_lr_ratio at `steps`. A warm-up
+    longer than the run is clamped to it (the trainer prints a note)."""
+    warmup = min(cfg.warmup_steps, steps)
+    if warmup >= steps:
+        return optax.linear_schedule(0.0, cfg.lr, max(warmup, 1))
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0 if cfg.warmup_steps else cfg.lr,
+        init_value=0.0 if warmup else cfg.lr,
         peak_value=cfg.lr,
-        warmup_steps=cfg.warmup_steps,
+        warmup_steps=warmup,
         decay_steps=steps,
         end_value=cfg.lr * cfg.min_lr_ratio,
     )
@@ -135,6 +137,13 @@ def opt_state_shardings(tx, params, mesh: Mesh, strategy: str):
 
 def init_opt_state(tx, params, shardings):
     return jax.jit(tx.init, out_shardings=shardings)(params)
+
+
+def _all_finite(tree) -> jax.Array:
+    """Whether every floating-point element of `tree` is finite (a scalar bool)."""
+    checks = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree)
+              if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
 
 
 def make_train_step(
@@ -193,8 +202,10 @@ def make_train_step(
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        # A NaN/Inf loss or gradient leaves parameters and optimizer state as they were.
-        finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
+        # A NaN/Inf loss, gradient or updated state (e.g. a finite gradient times a NaN learning
+        # rate) leaves parameters and optimizer state as they were: none is ever checkpointed.
+        finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm) & _all_finite(
+            (new_params, new_opt_state))
         keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
         params = jax.tree.map(keep, new_params, params)
         opt_state = jax.tree.map(keep, new_opt_state, opt_state)
