@@ -281,30 +281,35 @@ def _saved_per_token(shape: ModelShape, remat: str, q_heads: int, kv_heads: int)
     raise ValueError(f"unknown remat {remat!r}; use full, dots or none")
 
 
-def memory_bytes(shape: ModelShape, tokens_per_device: float, shard_group: int, *,
+def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, *,
                  q_heads: int, kv_heads: int, remat: str = "full", act_bytes: int = 2,
-                 master_bytes: int = 4) -> float:
+                 master_bytes: int = 4) -> dict[str, float]:
     """Peak memory per device of a train step, term by term (calibrated against the compiled
-    programs of the paper's five models, see BENCHMARKS.md):
+    GPU programs of the paper's five models, BENCHMARKS.md section 6):
 
-    - parameters and Adam's two moments (master dtype), and the gradient sum (float32), over
-      the devices that shard them;
-    - what the backward pass keeps of every layer (by remat policy, _saved_per_token);
-    - one layer being recomputed and differentiated: its gathered weights (twice: the next
-      layer's gather overlaps) and ~ (hidden x 6 + intermediate x 4) values per token;
-    - the token embedding and the LM head gathered in the compute dtype, and their float32
+    - state: parameters and Adam's two moments (master dtype) and the gradient sum (float32),
+      over the devices that shard them;
+    - saved: what the backward pass keeps of every layer (by remat policy, _saved_per_token);
+    - working: one layer being recomputed and differentiated: its gathered weights (twice: the
+      next layer's gather overlaps) and ~ (hidden x 6 + intermediate x 4) values per token;
+    - vocab: the token embedding and the LM head gathered in the compute dtype, and their float32
       gradients before the reduce-scatter.
     """
     p = shape.num_params
-    state = p * (3 * master_bytes + 4) / shard_group
-    saved = shape.num_layers * tokens_per_device * _saved_per_token(shape, remat, q_heads,
-                                                                    kv_heads) * act_bytes
-    working = (2 * shape.layer_params * act_bytes
-               + tokens_per_device * (6 * shape.hidden_size + 4 * shape.intermediate_size)
-               * act_bytes)
     tables = 1 if shape.tie_word_embeddings else 2
-    vocab = tables * shape.vocab_size * shape.hidden_size * (act_bytes + 4)
-    return state + saved + working + vocab
+    return {
+        "state": p * (3 * master_bytes + 4) / shard_group,
+        "saved": shape.num_layers * tokens_per_device
+        * _saved_per_token(shape, remat, q_heads, kv_heads) * act_bytes,
+        "working": 2 * shape.layer_params * act_bytes + tokens_per_device
+        * (6 * shape.hidden_size + 4 * shape.intermediate_size) * act_bytes,
+        "vocab": tables * shape.vocab_size * shape.hidden_size * (act_bytes + 4),
+    }
+
+
+def memory_bytes(*args, **kwargs) -> float:
+    """The sum of memory_terms (same arguments)."""
+    return sum(memory_terms(*args, **kwargs).values())
 
 
 def _divisors(n: int) -> list[int]:

@@ -4,8 +4,9 @@ next to the planner's memory formula (basp_jax.cost).
 
     python benchmarks/gpu_compile.py --target a100-40gb --hosts 2 --gpus-per-host 4 \\
         --out bench/gpu_compile/a100-40gb_2x4.json          # prints a Markdown table
-    python benchmarks/gpu_compile.py ... --longest 8192   # longest seq_len that fits (BASP),
-                                                          # in steps of 8192 tokens
+    python benchmarks/gpu_compile.py ... --longest 8192   # longest seq_len that fits (BASP):
+                                                          # 16384 doubled until it does not
+    python benchmarks/gpu_compile.py --out FILE.json --table   # the table again, from FILE.json
 
 Needs JAX's CUDA plugin (python -m train.aot --install). Each compile of an 8B step takes a
 minute or two on 2 cores.
@@ -28,7 +29,7 @@ MODELS = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-3b", "qwen3-8
 GiB, MiB = 2**30, 2**20
 
 
-def compile_case(model, mode, sharding, args, seq_len=None):
+def case_config(model, mode, sharding, args, seq_len=None):
     from train.config import load_config
 
     overrides = [f"parallel.mode={mode}", f"parallel.param_sharding={sharding}",
@@ -36,11 +37,30 @@ def compile_case(model, mode, sharding, args, seq_len=None):
                  f"runtime.devices={args.hosts * args.gpus_per_host}"]
     if seq_len:
         overrides.append(f"data.seq_len={seq_len}")
-    cfg = load_config(str(ROOT / "configs" / "gpu" / f"{model}_basp.yaml"), overrides)
+    return load_config(str(ROOT / "configs" / "gpu" / f"{model}_basp.yaml"), overrides)
+
+
+def compile_case(model, mode, sharding, args, seq_len=None):
+    cfg = case_config(model, mode, sharding, args, seq_len)
     r = aot.report(cfg, args.target, args.hosts, args.gpus_per_host)
     layout = r["layout"]
     r["case"] = {"model": model, "mode": mode, "sharding": sharding, "seq_len": layout["seq_len"]}
     return r
+
+
+def formula(r, args) -> float:
+    """The planner's memory formula (train.planning.memory_estimate) for a stored report."""
+    from basp_jax import Layout
+    from train.loop import model_config
+    from train.planning import memory_estimate
+
+    c, lay = r["case"], r["layout"]
+    cfg = case_config(c["model"], c["mode"], c["sharding"], args, c["seq_len"])
+    mcfg = model_config(cfg)
+    layout = Layout.plan(args.hosts * args.gpus_per_host, lay["batch"], lay["seq_len"],
+                         mcfg.num_heads, mcfg.num_kv_heads, devices_per_host=args.gpus_per_host,
+                         mode=c["mode"], ring=lay["ring"], pad_heads=True)
+    return memory_estimate(cfg, mcfg, layout, c["sharding"])[0]
 
 
 def row(r) -> str:
@@ -76,7 +96,14 @@ def main() -> int:
     p.add_argument("--longest", type=int, default=0,
                    help="find the longest seq_len (multiples of this) that fits, BASP + FSDP")
     p.add_argument("--out", required=True, help="JSON file of all reports (appended as they come)")
+    p.add_argument("--table", action="store_true", help="print the table of --out; compile nothing")
     args = p.parse_args()
+    if args.table:
+        print(HEADER)
+        for r in json.load(open(args.out)):
+            r["formula_memory_bytes"] = formula(r, args)  # today's formula
+            print(row(r))
+        return 0
     aot.use_plugin()
     results = json.load(open(args.out)) if os.path.exists(args.out) else []
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -91,7 +118,12 @@ def main() -> int:
         if args.longest:
             seq, last_fit = args.longest * 2, None
             while True:
-                r = compile_case(model, "basp", "fsdp", args, seq_len=seq)
+                try:
+                    r = compile_case(model, "basp", "fsdp", args, seq_len=seq)
+                except Exception as e:  # noqa: BLE001 (XLA refuses what cannot fit)
+                    print(f"| {model} | seq_len {seq}: does not compile: "
+                          f"{' '.join(str(e).split())[:200]} |", flush=True)
+                    break
                 save(r)
                 print(row(r), flush=True)
                 if not r["fits"]:

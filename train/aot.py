@@ -159,6 +159,7 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False)
 
     from basp_jax import comm, hlo
 
+    from .planning import memory_estimate
     from .program import compile_program
 
     compiled, run_plan, mcfg, compile_s = compile_program(cfg, devices, devices_per_host)
@@ -167,7 +168,8 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False)
     layout = run_plan.layout
     collectives = comm.parse_collectives(text, len(devices))
     return {
-        "formula_memory_bytes": formula_memory(cfg, mcfg, run_plan),
+        # the planner's prediction, to set beside the compiled figure
+        "formula_memory_bytes": memory_estimate(cfg, mcfg, layout, run_plan.strategy)[0],
         "model": {"type": mcfg.model_type, "params": mcfg.num_params(),
                   "num_layers": mcfg.num_layers},
         "layout": {"describe": layout.describe(), "mode": layout.mode, "groups": layout.groups,
@@ -189,24 +191,6 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False)
         "jax_version": jax.__version__,
         **({"hlo": text} if want_hlo else {}),
     }
-
-
-def formula_memory(cfg, mcfg, run_plan) -> float:
-    """The planner's memory prediction (basp_jax.cost) for this run, to set beside the compiled."""
-    from basp_jax import cost
-
-    from .planning import model_shape
-
-    layout = run_plan.layout
-    shape = model_shape(mcfg)
-    q_heads, kv_heads = cost.exchanged_heads(shape, layout.a2a)
-    shard = layout.num_devices if run_plan.strategy == "fsdp" else layout.sp
-    if run_plan.strategy == "replicated":
-        shard = 1
-    return cost.memory_bytes(
-        shape, layout.tokens_per_device, shard, q_heads=q_heads, kv_heads=kv_heads,
-        remat=cfg.model.remat, act_bytes=2 if cfg.model.dtype == "bfloat16" else 4,
-        master_bytes=2 if cfg.model.param_dtype == "bfloat16" else 4)
 
 
 def collective_rows(collectives, devices_per_host: int, num_layers: int, grad_accum: int) -> list:

@@ -110,23 +110,17 @@ def device_memory(device) -> float | None:
 
 
 def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str) -> tuple[float, str]:
-    """A rough lower-bound of the bytes per device a train step holds (state, activations,
-    logits), and a short breakdown; meant to refuse sizes that cannot fit, not to plan."""
-    n = layout.num_devices
-    share = {"fsdp": n, "hsdp": layout.sp}.get(strategy, 1)
-    param_bytes = 2 if cfg.model.param_dtype == "bfloat16" else 4
-    act_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
-    # parameters, gradients (float32 accumulators) and Adam's two moments
-    state = mcfg.num_params() * (param_bytes + 4 + 2 * param_bytes) / share
-    tokens = layout.batch * cfg.data.seq_len / n  # per device, one microbatch
-    per_layer = 34 * act_bytes / 2 if cfg.model.remat == "none" else 2 * act_bytes
-    activations = tokens * mcfg.hidden_size * mcfg.num_layers * per_layer
-    logits = tokens * mcfg.vocab_size * 4 * 2  # float32 logits and their gradient
-    total = state + activations + logits
-    GB = 1e9
-    detail = (f"state {state / GB:.3g} GB, activations {activations / GB:.3g} GB, logits "
-              f"{logits / GB:.3g} GB")
-    return total, detail
+    """The bytes per device a train step holds (basp_jax.cost.memory_terms, the planner's
+    formula: within 15% of the compiled GPU programs of the paper's models) and a breakdown."""
+    share = {"fsdp": layout.num_devices, "hsdp": layout.sp}.get(strategy, 1)
+    q_heads, kv_heads = cost.exchanged_heads(model_shape(mcfg), layout.a2a)
+    terms = cost.memory_terms(
+        model_shape(mcfg), layout.tokens_per_device, share,
+        q_heads=q_heads, kv_heads=kv_heads, remat=cfg.model.remat,
+        act_bytes=2 if cfg.model.dtype == "bfloat16" else 4,
+        master_bytes=2 if cfg.model.param_dtype == "bfloat16" else 4)
+    detail = ", ".join(f"{name} {value / 1e9:.3g} GB" for name, value in terms.items())
+    return sum(terms.values()), detail
 
 
 def check_memory(cfg: Config, mcfg, layout: Layout, strategy: str, devices) -> None:
