@@ -85,7 +85,14 @@ def inspect_latest(run_dir: str, expected_params, expected_opt_state) -> tuple[i
         raise CheckpointError(
             f"checkpoint {path} cannot be read ({detail}): it is corrupt or half-written; {earlier}"
         ) from None
-    mismatch = _first_difference(found, _param_shapes(expected_params))
+    wanted = _param_shapes(expected_params)
+    if _per_layer(found) and not _per_layer(wanted):
+        raise CheckpointError(
+            f"checkpoint {path} holds per-layer parameters (layers.0..., written before the layers "
+            "were stacked under a scan); this version stacks them (layers.<name> [num_layers, "
+            "...]); resume it with the version that wrote it, or start a new run.dir (e.g. from "
+            "its Hugging Face export)")
+    mismatch = _first_difference(found, wanted)
     if mismatch:
         raise CheckpointError(
             f"checkpoint {path} holds another model: parameter {mismatch}; use the model it was "
@@ -97,6 +104,11 @@ def inspect_latest(run_dir: str, expected_params, expected_opt_state) -> tuple[i
             "changed since it was written (e.g. optimizer.clip_norm); restore them or use a new "
             "run.dir")
     return step, meta
+
+
+def _per_layer(shapes: dict) -> bool:
+    """Whether parameter names hold one entry per layer (layers.0.*), not stacked layers."""
+    return any(name.startswith("layers.0.") for name in shapes)
 
 
 def _first_difference(found: dict, wanted: dict) -> str | None:

@@ -22,15 +22,20 @@ from .step import build_model, make_optimizer, make_train_step, opt_state_shardi
 
 def step_collectives(mcfg, *, mode: str, strategy: str, batch: int, seq_len: int,
                      dtype=jnp.float32, grad_accum: int = 1, devices: int = 8,
-                     devices_per_host: int = 4, remat: str = "none") -> tuple[Layout, list]:
-    """Compile the trainer's step for this layout and return its collectives."""
+                     devices_per_host: int = 4, remat: str = "none",
+                     scan_layers: bool = False) -> tuple[Layout, list]:
+    """Compile the trainer's step for this layout and return its collectives.
+
+    The layers are unrolled by default (scan_layers=False), so the program text holds every
+    collective each time it runs: the list is the step's traffic. Under a scan a layer's
+    collectives appear once, in the loop body."""
     layout = Layout.plan(devices, batch, seq_len, mcfg.num_heads, mcfg.num_kv_heads,
                          devices_per_host=devices_per_host, mode=mode)
     mesh = make_mesh(layout, jax.devices()[:devices])
 
     def make():
         return models.Transformer(mcfg, rngs=nnx.Rngs(0), mesh=mesh, dtype=dtype, param_dtype=dtype,
-                                  attn_impl="blockwise", remat=remat)
+                                  attn_impl="blockwise", remat=remat, scan_layers=scan_layers)
 
     parts = build_model(make, mesh, strategy, init_params=False)
     tx, schedule = make_optimizer(OptimizerConfig(lr=1e-4), steps=10)
