@@ -86,6 +86,7 @@ def train_steps(cluster: Cluster, args, run_index: int, mode: str, sharding: str
         f"model.shape.hidden_size={args.hidden}", f"model.shape.intermediate_size={4 * args.hidden}",
         f"model.shape.num_heads={args.heads}", f"model.shape.num_kv_heads={args.heads}",
         f"model.shape.head_dim={args.hidden // args.heads}",
+        "model.scan_layers=false",  # unrolled: collectives.json then counts every layer's traffic
         f"runtime.distributed.coordinator={_port(run_index)}", "runtime.distributed.num_processes=2",
     ]
 

@@ -9,6 +9,11 @@ The name mapping is mechanical because the modules use Hugging Face's attribute 
     ('lm_head', 'kernel')                          <-> lm_head.weight                            (T)
 
 (T): our kernels are [in, out]; Hugging Face Linear weights are [out, in].
+
+With scanned layers (the default) a layer parameter is one stacked array, e.g.
+('layers', 'self_attn', 'q_proj', 'kernel') [num_layers, in, out]: its slice i is
+model.layers.{i}.self_attn.q_proj.weight (T). Loading reads the layers' tensors into the stack
+(each device only its slice), saving writes one tensor per layer again.
 """
 
 from __future__ import annotations
@@ -42,6 +47,22 @@ def hf_name(path: tuple) -> tuple[str, bool]:
     return (name if parts[0] == "lm_head" else "model." + name), transpose
 
 
+def is_stacked(path: tuple) -> bool:
+    """Whether a parameter path is a scanned layer stack ('layers', <name>, ...), leading axis
+    the layer, rather than one layer's ('layers', i, ...)."""
+    return len(path) > 1 and str(path[0]) == "layers" and not str(path[1]).isdigit()
+
+
+def hf_names(path: tuple, shape: tuple) -> tuple[list[str], bool]:
+    """([Hugging Face tensor name per slice], transposed?) of a parameter: one name, or one per
+    layer of a stacked parameter (slice i of its leading axis)."""
+    if not is_stacked(path):
+        name, transpose = hf_name(path)
+        return [name], transpose
+    names = [hf_name((path[0], i, *path[1:]))[0] for i in range(shape[0])]
+    return names, hf_name(path)[1]
+
+
 def _param_leaves(state) -> list[tuple[tuple, object]]:
     """(path, leaf) for every parameter of an nnx.State, in a stable order."""
     return [(tuple(path), leaf) for path, leaf in nnx.to_flat_state(state)]
@@ -54,7 +75,7 @@ def _leaf_value(leaf):
 
 
 def load_hf_params(path: str, config: ModelConfig | None = None, *, mesh: Mesh | None = None,
-                   param_dtype=jnp.float32, param_sharding: str = "fsdp"):
+                   param_dtype=jnp.float32, param_sharding: str = "fsdp", scan_layers: bool = True):
     """The parameters of a Hugging Face directory as an nnx.State matching
     `nnx.state(Transformer(config, ...), nnx.Param)`.
 
@@ -67,29 +88,36 @@ def load_hf_params(path: str, config: ModelConfig | None = None, *, mesh: Mesh |
     checkpoint = Checkpoint(path)
     dtype = np.dtype(param_dtype)
     flat = []
-    for key, name, transpose, shape in _expected_tensors(checkpoint, config, param_dtype):
-        tensor = checkpoint.get(name)
-        flat.append((key, _place(tensor, transpose, shape, dtype, mesh, param_sharding)))
+    for key, names, transpose, shape in _expected_tensors(checkpoint, config, param_dtype,
+                                                          scan_layers):
+        tensors = [checkpoint.get(name) for name in names]
+        stacked = is_stacked(key)
+        flat.append((key, _place(tensors if stacked else tensors[0], transpose, shape, dtype, mesh,
+                                 param_sharding, stacked)))
     return nnx.from_flat_state(flat)
 
 
-def _expected_tensors(checkpoint: Checkpoint, config: ModelConfig, param_dtype=jnp.float32):
+def _expected_tensors(checkpoint: Checkpoint, config: ModelConfig, param_dtype=jnp.float32,
+                      scan_layers: bool = True):
     """(state key, HF name, transposed?, our shape) of every parameter of `config`, after checking
     that the directory holds each tensor with the matching shape (reads only the headers)."""
-    state = nnx.state(abstract_model(config, param_dtype=param_dtype), nnx.Param)
+    state = nnx.state(abstract_model(config, param_dtype=param_dtype, scan_layers=scan_layers),
+                      nnx.Param)
     out = []
     for key, leaf in _param_leaves(state):
-        name, transpose = hf_name(key)
         shape = tuple(_leaf_value(leaf).shape)
-        hf_shape = shape[::-1] if transpose else shape
-        found = checkpoint.shape(name)
-        if found != hf_shape:
-            raise ModelError(
-                f"tensor {name} has shape {found} in {checkpoint.directory} but its config.json "
-                f"needs {hf_shape}; the weights belong to another model"
-            )
-        checkpoint.check(name)
-        out.append((key, name, transpose, shape))
+        names, transpose = hf_names(key, shape)
+        one = shape[1:] if is_stacked(key) else shape
+        hf_shape = one[::-1] if transpose else one
+        for name in names:
+            found = checkpoint.shape(name)
+            if found != hf_shape:
+                raise ModelError(
+                    f"tensor {name} has shape {found} in {checkpoint.directory} but its "
+                    f"config.json needs {hf_shape}; the weights belong to another model"
+                )
+            checkpoint.check(name)
+        out.append((key, names, transpose, shape))
     return out
 
 
@@ -102,13 +130,21 @@ def check_pretrained(path: str, config: ModelConfig | None = None) -> ModelConfi
     return config
 
 
-def _place(tensor: np.ndarray, transpose: bool, shape, dtype, mesh, strategy):
-    def read(index=None):
+def _place(tensor, transpose: bool, shape, dtype, mesh, strategy, stacked: bool = False):
+    """A (sharded) array of `shape` from a tensor, or from a list of per-layer tensors stacked."""
+    def read_one(tensor, index=None):
         if transpose:
             block = tensor.T if index is None else tensor[index[1], index[0]].T
         else:
             block = tensor if index is None else tensor[index]
         return np.ascontiguousarray(block).astype(dtype)
+
+    def read(index=None):
+        if not stacked:
+            return read_one(tensor, index)
+        if index is None:
+            return np.stack([read_one(t) for t in tensor])
+        return np.stack([read_one(t, index[1:]) for t in tensor[index[0]]])
 
     if mesh is None:
         return jnp.asarray(read())
@@ -119,7 +155,7 @@ def _place(tensor: np.ndarray, transpose: bool, shape, dtype, mesh, strategy):
 def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype=jnp.float32, param_dtype=None,
                     attn_impl: str = "auto", param_sharding: str = "fsdp",
                     remat: str = "none", ring: int = 1,
-                    zigzag: bool = False) -> Transformer:
+                    zigzag: bool = False, scan_layers: bool = True) -> Transformer:
     """A Transformer with the weights of a local Hugging Face directory (config.json + safetensors).
 
     dtype is the compute dtype; param_dtype the storage dtype (None: the same as dtype). With a
@@ -130,9 +166,9 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype=jnp.float32, p
     param_dtype = dtype if param_dtype is None else param_dtype
     model = abstract_model(config, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
                            attn_impl=attn_impl, remat=remat, ring=ring,
-                           zigzag=zigzag)
+                           zigzag=zigzag, scan_layers=scan_layers)
     nnx.update(model, load_hf_params(path, config, mesh=mesh, param_dtype=param_dtype,
-                                     param_sharding=param_sharding))
+                                     param_sharding=param_sharding, scan_layers=scan_layers))
     return model
 
 
@@ -155,9 +191,10 @@ def hf_state_dict(model_or_state) -> dict[str, np.ndarray]:
         state = nnx.state(model_or_state, nnx.Param)
     out = {}
     for key, leaf in _param_leaves(state):
-        name, transpose = hf_name(key)
         array = _to_host(_leaf_value(leaf))
-        out[name] = np.ascontiguousarray(array.T) if transpose else array
+        names, transpose = hf_names(key, array.shape)
+        for name, part in zip(names, array if is_stacked(key) else [array]):
+            out[name] = np.ascontiguousarray(part.T) if transpose else part
     return out
 
 
@@ -183,7 +220,15 @@ def save_pretrained(model: Transformer, path: str, *,
     """
     config: ModelConfig = model.config
     state = nnx.state(model, nnx.Param) if params is None else params
-    leaves = [(hf_name(key), _leaf_value(leaf)) for key, leaf in _param_leaves(state)]
+    leaves = []  # ((name, transposed?), value) per Hugging Face tensor; stacks split per layer
+    for key, leaf in _param_leaves(state):
+        value = _leaf_value(leaf)
+        names, transpose = hf_names(key, value.shape)
+        if is_stacked(key):
+            value = _to_host(value)
+            leaves += [((name, transpose), value[i]) for i, name in enumerate(names)]
+        else:
+            leaves.append(((names[0], transpose), value))
     limit = _parse_size(max_shard_size)
     shards: list[list] = [[]]
     size = 0

@@ -1,6 +1,8 @@
 """The decoder: embed -> N x (RMSNorm, attention, RMSNorm, SwiGLU) -> RMSNorm -> logits.
 
 One implementation for Llama 3 and Qwen 2/2.5/3; the config's switches pick the family's details.
+The N layers are one Block of stacked parameters run under lax.scan (scan_layers=True, the
+default: the program holds one layer, so compile time does not grow with depth), or a list.
 With a mesh, activations are constrained to P('group', 'seq', None) and attention runs through
 basp_jax.attention (all-to-all over 'seq'); without one, everything runs on one device.
 """
@@ -60,6 +62,17 @@ def _run_block(block: Block, x, positions, segment_ids):
     return block(x, positions, segment_ids)
 
 
+def _stacked_blocks(num_layers: int, rngs: nnx.Rngs, **block_kwargs) -> Block:
+    """One Block whose parameters carry a leading [num_layers] axis (each layer its own init)."""
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return Block(rngs=rngs, **block_kwargs)
+
+    return make(rngs)
+
+
 class Transformer(nnx.Module):
     """A causal decoder LM. `model(tokens [B, S], segment_ids=None, positions=None)` -> logits
     [B, S, vocab] float32.
@@ -72,7 +85,8 @@ class Transformer(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
                  dtype=jnp.float32, param_dtype=jnp.float32, attn_impl: str = "auto",
-                 remat: str = "none", ring: int = 1, zigzag: bool = False):
+                 remat: str = "none", ring: int = 1, zigzag: bool = False,
+                 scan_layers: bool = True):
         if remat not in REMAT_POLICIES:
             raise ModelError(f"unknown remat {remat!r}; use one of {', '.join(REMAT_POLICIES)}")
         if attn_impl not in basp_kernels.IMPLS:
@@ -95,11 +109,16 @@ class Transformer(nnx.Module):
         std = config.initializer_range
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs, dtype=dtype,
                                   param_dtype=param_dtype, init_std=std, mesh=mesh)
-        self.layers = nnx.List([
-            Block(config, rngs=rngs, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
-                  attn_impl=attn_impl, ring=ring, zigzag=zigzag)
-            for _ in range(config.num_layers)
-        ])
+        block_kwargs = dict(config=config, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
+                            attn_impl=attn_impl, ring=ring, zigzag=zigzag)
+        # scan_layers: one Block of stacked [num_layers, ...] parameters run under lax.scan, so
+        # the step compiles one layer whatever the depth; else a list of Blocks in a Python loop.
+        self.scan_layers = scan_layers
+        if scan_layers:
+            self.layers = _stacked_blocks(config.num_layers, rngs, **block_kwargs)
+        else:
+            self.layers = nnx.List([Block(rngs=rngs, **block_kwargs)
+                                    for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, ("embed",), eps=config.rms_norm_eps, dtype=dtype,
                             param_dtype=param_dtype)
         if config.tie_word_embeddings:
@@ -122,6 +141,16 @@ class Transformer(nnx.Module):
             if segment_ids is not None:
                 segment_ids = constrain(segment_ids, self.mesh)
         x = constrain(self.embed_tokens(tokens), self.mesh)
+        if self.scan_layers:
+            graphdef, stacked = nnx.split(self.layers)
+
+            def body(x, layer):
+                return nnx.merge(graphdef, layer)(x, positions, segment_ids), None
+
+            if self.remat != "none":
+                body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+            x, _ = jax.lax.scan(body, x, stacked)
+            return self.norm(x)
         block_fn = _run_block
         if self.remat != "none":
             block_fn = nnx.remat(_run_block, policy=REMAT_POLICIES[self.remat])
@@ -179,18 +208,18 @@ def _compiled_call(model: Transformer, tokens, segment_ids, positions):
 
 def abstract_model(config: ModelConfig, *, mesh: Mesh | None = None, dtype=jnp.float32,
                    param_dtype=jnp.float32, attn_impl: str = "auto", remat: str = "none",
-                   ring: int = 1, zigzag: bool = False):
+                   ring: int = 1, zigzag: bool = False, scan_layers: bool = True):
     """The model with ShapeDtypeStructs in place of parameters (no memory, no compute)."""
     return nnx.eval_shape(lambda: Transformer(
         config, rngs=nnx.Rngs(0), mesh=mesh, dtype=dtype, param_dtype=param_dtype,
-        attn_impl=attn_impl, remat=remat, ring=ring, zigzag=zigzag,
+        attn_impl=attn_impl, remat=remat, ring=ring, zigzag=zigzag, scan_layers=scan_layers,
     ))
 
 
 def init_model(config: ModelConfig, *, mesh: Mesh | None = None, seed: int = 0,
                param_sharding: str = "fsdp", dtype=jnp.float32, param_dtype=jnp.float32,
                attn_impl: str = "auto", remat: str = "none", ring: int = 1,
-               zigzag: bool = False) -> Transformer:
+               zigzag: bool = False, scan_layers: bool = True) -> Transformer:
     """A randomly initialised Transformer whose parameters are created already sharded.
 
     With a mesh, initialisation runs under jit with out_shardings from
@@ -198,7 +227,7 @@ def init_model(config: ModelConfig, *, mesh: Mesh | None = None, seed: int = 0,
     The values equal Transformer(config, rngs=nnx.Rngs(seed)) on one device (to the last ulp).
     """
     kwargs = dict(mesh=mesh, dtype=dtype, param_dtype=param_dtype, attn_impl=attn_impl, remat=remat,
-                  ring=ring, zigzag=zigzag)
+                  ring=ring, zigzag=zigzag, scan_layers=scan_layers)
     if mesh is None:
         return Transformer(config, rngs=nnx.Rngs(seed), **kwargs)
     graphdef, abstract_state = nnx.split(abstract_model(config, **kwargs))

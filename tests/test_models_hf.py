@@ -83,7 +83,7 @@ def test_logits_match_transformers_on_8_devices(checkpoints, tokens, family):
         mesh = mesh_for(groups, sp)
         strategy = "hsdp" if groups == 2 else "fsdp"
         model = models.from_pretrained(directory, mesh=mesh, param_sharding=strategy)
-        kernel = model.layers[0].mlp.up_proj.kernel[...]
+        kernel = model.layers.mlp.up_proj.kernel[...]
         assert len(kernel.sharding.device_set) == 8 and not kernel.sharding.is_fully_replicated
         logits = forward(model, jnp.asarray(tokens))
         want = NamedSharding(mesh, P("group", "seq", None))
@@ -133,7 +133,7 @@ def test_attention_bias_variant_matches_transformers(tmp_path, tokens, family):
     torch_model.save_pretrained(tmp_path)
     model = models.from_pretrained(str(tmp_path))
     assert model.config.attention_bias and model.config.attention_out_bias
-    assert model.layers[0].self_attn.o_proj.bias is not None
+    assert model.layers.self_attn.o_proj.bias is not None
     np.testing.assert_allclose(np.asarray(forward(model, jnp.asarray(tokens))),
                                hf_tiny.torch_logits(torch_model, tokens), atol=ATOL, rtol=0)
 
@@ -175,7 +175,7 @@ def test_bfloat16_checkpoint_and_compute(tmp_path, checkpoints, tokens):
     torch_model.save_pretrained(tmp_path)
     f32 = models.from_pretrained(str(tmp_path), dtype=jnp.float32)
     bf16 = models.from_pretrained(str(tmp_path), dtype=jnp.bfloat16)
-    assert bf16.layers[0].self_attn.q_proj.kernel[...].dtype == jnp.bfloat16
+    assert bf16.layers.self_attn.q_proj.kernel[...].dtype == jnp.bfloat16
     # The bf16 weights upcast exactly, so the float32 model equals transformers in float32. (Load it
     # afresh: torch_model.float() would keep the rope inv_freq buffer rounded to bf16.)
     expected = hf_tiny.torch_logits(hf_tiny.load_torch(tmp_path), tokens)
@@ -272,5 +272,6 @@ def test_loading_onto_a_mesh_hands_each_device_only_its_slice(checkpoints, monke
     models.from_pretrained(checkpoints["qwen2"][0], mesh=mesh_for(2, 4), param_sharding="fsdp")
     embed_shape = (hf_tiny.VOCAB, 64)
     assert blocks[embed_shape] == [(hf_tiny.VOCAB // 8, 64)] * 8
-    up_proj = (64, 160)  # gate/up in 2 layers; ours [in, out], read from [out, in] and transposed
-    assert blocks[up_proj] == [(64, 20)] * 8 * 4
+    # gate/up stacked over 2 layers; ours [layers, in, out], read from [out, in] and transposed
+    up_proj = (2, 64, 160)
+    assert blocks[up_proj] == [(2, 64, 20)] * 8 * 2

@@ -160,11 +160,11 @@ def test_init_model_creates_sharded_parameters_equal_to_eager_init():
     mesh = mesh_for(2)
     sharded = models.init_model(config, mesh=mesh, seed=3, param_sharding="hsdp")
     eager = models.Transformer(config, rngs=nnx.Rngs(3))
-    kernel = sharded.layers[1].mlp.gate_proj.kernel[...]
-    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "seq")
+    kernel = sharded.layers.mlp.gate_proj.kernel[...]  # [layers, in, out], the layers stacked
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, None, "seq")
     # Same random stream; jit and eager sampling differ in the last ulp only.
     np.testing.assert_allclose(np.asarray(kernel),
-                               np.asarray(eager.layers[1].mlp.gate_proj.kernel[...]),
+                               np.asarray(eager.layers.mlp.gate_proj.kernel[...]),
                                rtol=1e-6, atol=1e-9)
     tokens = jnp.zeros((BATCH, SEQ), jnp.int32)
     np.testing.assert_allclose(np.asarray(forward(sharded, tokens, None)),

@@ -185,7 +185,7 @@ CASES = [
      "{inputs}/hf_shapes but its config.json needs (64, 96)"),
     ("checkpoint of another model shape", ["model.shape.intermediate_size=96"],
      "error: checkpoint: checkpoint {run}/checkpoints/4 holds another model: parameter "
-     "layers.0.mlp.down_proj.kernel has shape (128, 64) there and (96, 64) in this config"),
+     "layers.mlp.down_proj.kernel has shape (2, 128, 64) there and (2, 96, 64) in this config"),
     ("corrupt checkpoint", [], "error: checkpoint: checkpoint {run}/checkpoints/4 cannot be read (",
      _corrupt_newest),
     ("half-written checkpoint", [],

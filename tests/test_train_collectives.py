@@ -86,11 +86,12 @@ def test_compiled_step_all_to_alls_equal_the_closed_form():
             assert gathers and not any(comm.crosses_hosts(c, HOST) for c in gathers)
 
 
-@pytest.mark.parametrize("remat", ["full", "dots"])
-def test_rematerialised_step_repeats_no_all_to_all(remat):
+@pytest.mark.parametrize("remat,scan_layers", [("full", False), ("dots", False), ("full", True)])
+def test_rematerialised_step_repeats_no_all_to_all(remat, scan_layers):
     """Every remat policy keeps the all-to-all outputs (basp_jax.remat): the backward pass
     recomputes none, so the step has exactly 8 per layer per microbatch (4 forward, 4 backward), as
-    without remat and as basp_jax.cost counts. Plain full remat had 12 (24 for these 2 layers)."""
+    without remat and as basp_jax.cost counts. Plain full remat had 12 (24 for these 2 layers).
+    With the layers under a scan the program holds one layer's 8, run once per layer."""
     import dataclasses
 
     import models
@@ -98,5 +99,6 @@ def test_rematerialised_step_repeats_no_all_to_all(remat):
 
     mcfg = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=2)
     _, found = step_collectives(mcfg, mode="basp", strategy="fsdp", batch=2, seq_len=2048,
-                                remat=remat, grad_accum=2)
-    assert sum(c.kind == "all-to-all" for c in found) == 8 * mcfg.num_layers
+                                remat=remat, grad_accum=2, scan_layers=scan_layers)
+    per_program = 8 if scan_layers else 8 * mcfg.num_layers
+    assert sum(c.kind == "all-to-all" for c in found) == per_program

@@ -33,5 +33,7 @@ def test_no_weight_decay_on_norms_and_biases():
     biases = [k for k in decayed if "bias" in k]
     assert norms and biases
     assert not any(decayed[k] for k in norms + biases)
-    matrices = [k for k, shape in shapes.items() if len(shape) == 2]
+    # Layers are stacked: a layer's norm is [layers, hidden], its kernels [layers, in, out].
+    assert len(shapes["['layers']['input_layernorm']['weight']"]) == 2
+    matrices = [k for k in shapes if k not in norms + biases]
     assert matrices and all(decayed[k] for k in matrices)

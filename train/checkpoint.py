@@ -127,7 +127,14 @@ def inspect_latest(run_dir: str, expected_params, expected_opt_state) -> tuple[i
         raise CheckpointError(
             f"checkpoint {path} cannot be read ({detail}): it is corrupt or half-written; {earlier}"
         ) from None
-    mismatch = _first_difference(found, _param_shapes(expected_params))
+    wanted = _param_shapes(expected_params)
+    if _per_layer(found) and not _per_layer(wanted):
+        raise CheckpointError(
+            f"checkpoint {path} holds per-layer parameters (layers.0..., written before the layers "
+            "were stacked under a scan); this version stacks them (layers.<name> [num_layers, "
+            "...]); resume it with the version that wrote it, or start a new run.dir (e.g. from "
+            "its Hugging Face export)")
+    mismatch = _first_difference(found, wanted)
     if mismatch:
         raise CheckpointError(
             f"checkpoint {path} holds another model: parameter {mismatch}; use the model it was "
@@ -163,6 +170,11 @@ def _check_meta(meta, step: int) -> None:
         raise ValueError(f"meta data_step={data_step!r}, expected an integer in [0, {step}]")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
         raise ValueError(f"meta seed={seed!r}, expected an integer in [0, {MAX_SEED}]")
+
+
+def _per_layer(shapes: dict) -> bool:
+    """Whether parameter names hold one entry per layer (layers.0.*), not stacked layers."""
+    return any(name.startswith("layers.0.") for name in shapes)
 
 
 def _first_difference(found: dict, wanted: dict) -> str | None:

@@ -38,6 +38,9 @@ class ModelSection:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     attn_impl: Literal["auto", "xla", "cudnn", "pallas", "blockwise"] = "auto"
     remat: str = "none"
+    # the layers as one block of stacked parameters under lax.scan: compile time independent of
+    # depth; the compiled step (collectives.json) then holds a layer's collectives once, not per layer
+    scan_layers: bool = True
 
 
 @dataclasses.dataclass

@@ -364,7 +364,8 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: "RunDirLock | None") -> 
     latest = None
     if cfg.checkpoint.resume:
         expected = nnx.to_pure_dict(
-            nnx.state(models.abstract_model(mcfg, param_dtype=param_dtype), nnx.Param))
+            nnx.state(models.abstract_model(mcfg, param_dtype=param_dtype,
+                                            scan_layers=cfg.model.scan_layers), nnx.Param))
         latest, meta = inspect_latest(run_dir, expected, jax.eval_shape(tx.init, expected))
         if latest is not None and latest > cfg.train.steps:
             raise ConfigError(
@@ -393,7 +394,7 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: "RunDirLock | None") -> 
             module = models.from_pretrained(
                 cfg.model.hf_path, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
                 attn_impl=cfg.model.attn_impl, param_sharding=strategy, remat=cfg.model.remat,
-                ring=layout.ring, zigzag=run_plan.zigzag,
+                ring=layout.ring, zigzag=run_plan.zigzag, scan_layers=cfg.model.scan_layers,
             )
             parts = from_module(module, mesh, strategy)
             del module

@@ -56,7 +56,7 @@ def model_factory(cfg: Config, mcfg, plan: RunPlan) -> Callable[[], nnx.Module]:
         return models.Transformer(
             mcfg, rngs=nnx.Rngs(cfg.run.seed), mesh=plan.mesh, dtype=dtype,
             param_dtype=param_dtype, attn_impl=cfg.model.attn_impl, remat=cfg.model.remat,
-            ring=plan.layout.ring, zigzag=plan.zigzag,
+            ring=plan.layout.ring, zigzag=plan.zigzag, scan_layers=cfg.model.scan_layers,
         )
 
     return make

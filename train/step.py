@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from basp_jax import position_ids
 from basp_jax.mesh import GROUP, SEQ
 from basp_jax.sharding import tree_shardings
+from models.hf import is_stacked
 
 from .config import OptimizerConfig
 
@@ -95,7 +96,11 @@ def from_module(model: nnx.Module, mesh: Mesh, strategy: str) -> ModelParts:
 
 def decay_mask(params):
     """Weight decay on matrices only: norms and biases (rank < 2) are not decayed."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+    def is_matrix(path, p):
+        names = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+        return p.ndim - (1 if is_stacked(names) else 0) >= 2  # a layer stack: one rank more
+
+    return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
 def make_schedule(cfg: OptimizerConfig, steps: int) -> optax.Schedule:
