@@ -281,29 +281,35 @@ def _saved_per_token(shape: ModelShape, remat: str, q_heads: int, kv_heads: int)
     raise ValueError(f"unknown remat {remat!r}; use full, dots or none")
 
 
+# Factors fitted to the compiled GPU programs of the paper's five models (BASP and Ulysses, FSDP
+# and HSDP, 16K tokens, B=2, 2 x 4 A100-40GB: 15 programs, all within 6%; BENCHMARKS.md section 6).
+_GRADIENT_BUFFERS = 1.4  # the float32 gradient sum, and part of a second gradient-sized buffer
+_SAVED_SHARE = 0.63  # of _saved_per_token that XLA keeps
+_WORKING_FACTOR = 2.5  # a layer's recompute, its gathered weights and the chunked loss's buffers
+
+
 def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, *,
                  q_heads: int, kv_heads: int, remat: str = "full", act_bytes: int = 2,
                  master_bytes: int = 4) -> dict[str, float]:
-    """Peak memory per device of a train step, term by term (calibrated against the compiled
-    GPU programs of the paper's five models, BENCHMARKS.md section 6):
+    """Peak memory per device of a train step (layers under a scan, chunked loss), by term:
 
-    - state: parameters and Adam's two moments (master dtype) and the gradient sum (float32),
-      over the devices that shard them;
+    - state: parameters and Adam's two moments in the master dtype, over the devices that shard
+      them (exactly the compiled program's arguments);
+    - grads: the float32 gradient sum and the update's working copy, sharded alike;
     - saved: what the backward pass keeps of every layer (by remat policy, _saved_per_token);
-    - working: one layer being recomputed and differentiated: its gathered weights (twice: the
-      next layer's gather overlaps) and ~ (hidden x 6 + intermediate x 4) values per token;
-    - vocab: the token embedding and the LM head gathered in the compute dtype, and their float32
-      gradients before the reduce-scatter.
+    - working: one layer being recomputed and differentiated (its gathered weights, twice,
+      and ~ (hidden x 6 + intermediate x 4) values per token), with what the loss holds.
+    The last three carry factors fitted to compiled programs (above).
     """
     p = shape.num_params
-    tables = 1 if shape.tie_word_embeddings else 2
+    per_token = _saved_per_token(shape, remat, q_heads, kv_heads)
     return {
-        "state": p * (3 * master_bytes + 4) / shard_group,
-        "saved": shape.num_layers * tokens_per_device
-        * _saved_per_token(shape, remat, q_heads, kv_heads) * act_bytes,
-        "working": 2 * shape.layer_params * act_bytes + tokens_per_device
-        * (6 * shape.hidden_size + 4 * shape.intermediate_size) * act_bytes,
-        "vocab": tables * shape.vocab_size * shape.hidden_size * (act_bytes + 4),
+        "state": p * 3 * master_bytes / shard_group,
+        "grads": _GRADIENT_BUFFERS * p * 4 / shard_group,
+        "saved": _SAVED_SHARE * shape.num_layers * tokens_per_device * per_token * act_bytes,
+        "working": _WORKING_FACTOR * act_bytes * (
+            2 * shape.layer_params
+            + tokens_per_device * (6 * shape.hidden_size + 4 * shape.intermediate_size)),
     }
 
 

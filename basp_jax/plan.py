@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-pad-rows", type=int, default=None,
                         help="masked rows the microbatch may be padded with to form more groups "
                              "(default: enough for the next batch size with more groups)")
+    parser.add_argument("--remat", default="full", choices=("full", "dots", "none"),
+                        help="the rematerialisation policy, for the memory column (model.remat)")
     parser.add_argument("--overlap", type=float, default=0.0,
                         help="share of parameter collectives hidden behind compute (0..1)")
     args = parser.parse_args(argv)
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = MODEL_SHAPES[args.model]
     preds = plan_table(shape, batch=args.batch, seq_len=args.seq, num_devices=args.devices, hw=hw,
                        grad_accum=args.grad_accum, memory_limit=limit,
-                       max_pad_rows=args.max_pad_rows, overlap=args.overlap)
+                       max_pad_rows=args.max_pad_rows, overlap=args.overlap, remat=args.remat)
     if not preds:
         print(f"error: no layout splits {shape.num_heads} heads and {args.seq} tokens over "
               f"{args.devices} devices; try another --devices or --seq", file=sys.stderr)
