@@ -1,16 +1,10 @@
 """The command line: bad configs exit 2 with one line and no traceback; the demo config runs."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from train_helpers import ROOT, tiny_overrides, train_cmd, train_env
-
-_env, _train = train_env, train_cmd
+from train_helpers import tiny_overrides, train_cmd as _train
 
 
 @pytest.mark.parametrize(

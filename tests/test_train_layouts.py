@@ -6,7 +6,7 @@ import pytest
 from train.config import ConfigError
 from train.loop import run
 
-from train_helpers import enable_compile_cache, tiny_config
+from train_helpers import enable_compile_cache, packed_stream, tiny_config
 
 RTOL = 2e-5  # float32, different reduction orders across layouts
 
@@ -84,9 +84,7 @@ def test_zigzag_ring_in_the_trainer_equals_one_device(tmp_path, packed):
     """basp (2,4) with ring 2: tokens, targets, segment ids and positions in zig-zag order."""
     data = []
     if packed:
-        from test_train_loop import _packed_stream
-
-        _packed_stream(tmp_path / "docs.bin")
+        packed_stream(tmp_path / "docs.bin")
         data = ["data.source=tokens", f"data.path={tmp_path / 'docs.bin'}", "data.pack=true", "data.eos_id=0"]
     ring = run(tiny_config(tmp_path / "ring", "parallel.ring=2", "train.steps=3", *data))
     single = run(tiny_config(tmp_path / "one", "runtime.cpu_devices=1", "train.steps=3", *data))

@@ -8,7 +8,7 @@ import pytest
 
 from train.loop import run
 
-from train_helpers import tiny_config
+from train_helpers import packed_stream, tiny_config
 
 # float32 on CPU: the layouts reorder reductions (all-to-all, sharded matmuls, gradient sums), so
 # losses agree to ~1e-6 relative; 2e-5 leaves room without hiding a real difference (a wrong
@@ -110,20 +110,8 @@ def _compile_cache(tmp_path_factory):
     enable_compile_cache(tmp_path_factory.mktemp("jax_cache"))
 
 
-def _packed_stream(path, vocab=256, seed=0):
-    """Documents of random lengths from a small Markov-like generator, separated by eos=0."""
-    rng = np.random.default_rng(seed)
-    parts = []
-    for _ in range(300):
-        n = int(rng.integers(5, 40))
-        start = int(rng.integers(1, vocab))
-        parts.append((start + np.arange(n) * 7) % (vocab - 1) + 1)
-        parts.append([0])
-    np.concatenate(parts).astype(np.uint16).tofile(path)
-
-
 def test_packed_documents_agree_across_layouts(tmp_path):
-    _packed_stream(tmp_path / "docs.bin")
+    packed_stream(tmp_path / "docs.bin")
     data = ["data.source=tokens", f"data.path={tmp_path / 'docs.bin'}", "data.pack=true",
             "data.eos_id=0"]
     single = run(tiny_config(tmp_path / "single", *data, "runtime.cpu_devices=1"))

@@ -81,3 +81,17 @@ def snapshot(*dirs) -> dict:
                 digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
                 out[str(path)] = (st.st_size, st.st_mtime_ns, digest)
     return out
+
+
+def packed_stream(path, vocab=256, seed=0):
+    """Documents of random lengths from a small Markov-like generator, separated by eos=0."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    parts = []
+    for _ in range(300):
+        n = int(rng.integers(5, 40))
+        start = int(rng.integers(1, vocab))
+        parts.append((start + np.arange(n) * 7) % (vocab - 1) + 1)
+        parts.append([0])
+    np.concatenate(parts).astype(np.uint16).tofile(path)

@@ -32,7 +32,7 @@ COMMAND = "python -m train.config_doc --write configs/README.md"
 # Meanings of fields whose line in train/config.py has no comment (or only "required").
 # A test fails when an entry here shadows a comment, so each meaning is still written once.
 EXTRA_MEANINGS = {
-    "run.seed": "initialisation and data order",
+    "run.seed": "initialisation and data order; 0 to 2**32 - 1",
     "model.param_dtype": "storage dtype of the parameters",
     "model.attn_impl": "attention kernel: auto (on a GPU cudnn for unpacked, pallas for packed "
                        "data; else blockwise from 2048 tokens, else xla), xla, cudnn (GPU), pallas "
@@ -43,7 +43,7 @@ EXTRA_MEANINGS = {
                    "text or jsonl (documents, tokenized with data.tokenizer)",
     "data.seq_len": "tokens per row",
     "train.steps": "optimizer steps",
-    "optimizer.warmup_steps": "linear warmup from 0 to lr",
+    "optimizer.warmup_steps": "linear warmup from 0 to lr (clamped to train.steps, with a note)",
     "optimizer.b1": "AdamW decay of the first moment",
     "optimizer.b2": "AdamW decay of the second moment",
     "optimizer.eps": "AdamW epsilon",
