@@ -177,6 +177,7 @@ def test_bad_input_is_one_line(cuda_plugin, tmp_path):
         (["--hosts", "3"], "runtime.devices=8 GPUs but the cluster has 3 x 4"),
         (["--hosts", "3", "runtime.devices=12"], "not divisible by sp=6"),
         (["--json", str(tmp_path)], "is a directory"),
+        (["--hlo", str(tmp_path / "none" / "s.hlo")], "is not a writable folder"),
     ]
     for extra, message in cases:
         done = _run("-m", "train.aot", "--config", CONFIG_8B, *extra, timeout=300)

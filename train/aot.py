@@ -395,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
         for path in (args.json, args.hlo):
             if path and os.path.isdir(path):
                 raise AotError(f"{path!r} is a directory; give a file name")
+            folder = os.path.dirname(os.path.abspath(path)) if path else None
+            if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+                raise AotError(f"cannot write {path!r}: {folder} is not a writable folder")
         from basp_jax import LayoutError
         from models import ModelError
 
@@ -408,21 +411,17 @@ def main(argv: list[str] | None = None) -> int:
     except (AotError, ConfigError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    if args.plan:
-        print(format_plan(rows), flush=True)
-        if args.json:
-            _write(args.json, json.dumps(rows, indent=1))
-        return 0 if any(row["report"]["fits"] for row in rows) else 1
-    print(format_report(r), flush=True)
+    print(format_plan(rows) if args.plan else format_report(r), flush=True)
     try:
-        if args.hlo:
+        if args.hlo and not args.plan:
             _write(args.hlo, r.pop("hlo"))
         if args.json:
-            _write(args.json, json.dumps(r, indent=1))
+            _write(args.json, json.dumps(rows if args.plan else r, indent=1))
     except AotError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0 if r["fits"] else 1
+    fits = any(row["report"]["fits"] for row in rows) if args.plan else r["fits"]
+    return 0 if fits else 1
 
 
 if __name__ == "__main__":
