@@ -146,3 +146,23 @@ def test_shipped_configs_accept_a_short_smoke_run(tmp_path):
     for path in paths:
         cfg = load_config(str(path), ["train.steps=4", f"run.dir={tmp_path / 'smoke'}"])
         assert cfg.train.steps == 4
+
+
+def test_a_compiled_step_larger_than_the_device_is_refused(tmp_path):
+    """The compiled program's own memory analysis is checked against the device before step 1
+    (train.loop calls this right after compiling)."""
+    import types
+
+    import jax
+
+    from train import planning
+
+    cfg = load_config(None, tiny_overrides(tmp_path / "run"))
+    limit = planning.device_memory(jax.devices()[0])
+    stats = types.SimpleNamespace(argument_size_in_bytes=int(limit), output_size_in_bytes=0,
+                                  alias_size_in_bytes=0, temp_size_in_bytes=int(limit))
+    compiled = types.SimpleNamespace(memory_analysis=lambda: stats)
+    with pytest.raises(planning.ResourceError, match="from the compiled train step's memory"):
+        planning.check_compiled_memory(cfg, compiled, jax.devices())
+    stats.argument_size_in_bytes, stats.temp_size_in_bytes = int(limit) // 4, 0  # a quarter fits
+    planning.check_compiled_memory(cfg, compiled, jax.devices())
