@@ -3,6 +3,7 @@ what the GPUs would run: memory per device, attention kernels, collectives, comp
 
     python -m train.aot --config configs/gpu/llama-3.1-8b_basp.yaml --target a100-40gb \\
         --hosts 2 --gpus-per-host 4 [key.sub=value ...] [--json OUT.json] [--hlo OUT.hlo]
+    python -m train.aot --config ... --plan   # every candidate layout compiled, ranked
     python -m train.aot --install      # once: the CUDA compiler plugin (about 1.5 GB)
 
 The step is built by the trainer's own code (train.program: layout, model, optimizer, shardings)
