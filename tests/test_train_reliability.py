@@ -91,9 +91,10 @@ def test_stale_lock_export_and_a_metrics_line_without_newline(tmp_path, capsys):
 
 
 def test_a_full_disk_is_one_line_and_keeps_the_newest_checkpoint(tmp_path):
-    """run.dir on a 3 MB file system: the second checkpoint does not fit. Exit 1 with one error
-    line naming the path (orbax's threads logged ~160 lines of tracebacks), the first checkpoint
-    complete."""
+    """run.dir on a 3 MB file system: a later checkpoint (about 1.2 MB each) does not fit. Exit 1
+    with one error line naming the path and the newest complete checkpoint (orbax's threads logged
+    ~160 lines of tracebacks); that checkpoint is whole, and once there is space the same command
+    resumes from it and finishes."""
     small = tmp_path / "small"
     small.mkdir()
     mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(small)],
@@ -102,16 +103,27 @@ def test_a_full_disk_is_one_line_and_keeps_the_newest_checkpoint(tmp_path):
         pytest.skip(f"mounting a small tmpfs needs root (CI runs as root): {mount.stderr.strip()}")
     try:
         run_dir = small / "run"
-        proc = train_cmd(*tiny_overrides(run_dir, "train.steps=6", "checkpoint.every=2"))
+        command = tiny_overrides(run_dir, "train.steps=6", "checkpoint.every=2")
+        proc = train_cmd(*command)
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
         assert proc.returncode == 1, proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr and "ERROR:absl" not in proc.stderr, proc.stderr[-3000:]
         assert len(errors) == 1, errors
         assert errors[0].startswith(f"error: disk: no space left on the device writing {run_dir}/"
                                     "checkpoints"), errors[0]
-        assert f"the newest complete checkpoint is step 1 in {run_dir}/checkpoints" in errors[0]
-        step1 = run_dir / "checkpoints" / "1"
-        assert {"params", "opt_state", "meta"} <= {p.name for p in step1.iterdir()}
+        # Which step is the newest depends on the checkpoint's size; the message must name it.
+        checkpoints = run_dir / "checkpoints"
+        complete = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+        assert complete and complete[-1] < 6, sorted(p.name for p in checkpoints.iterdir())
+        newest = complete[-1]
+        assert f"the newest complete checkpoint is step {newest} in {checkpoints};" in errors[0]
+        assert {"params", "opt_state", "meta"} <= {p.name for p in (checkpoints / str(newest)).iterdir()}
+
+        subprocess.run(["mount", "-o", "remount,size=64m", str(small)], check=True)
+        proc = train_cmd(*command)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert _steps(run_dir) == list(range(1, 7))
+        assert 6 in [int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()]
     finally:
         subprocess.run(["umount", str(small)], check=False)
 
