@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from huggingface_hub import split_state_dict_into_shards_factory
 from jax.sharding import Mesh
 
 from basp_jax.sharding import param_sharding
@@ -90,7 +91,7 @@ def load_hf_params(path: str, config: ModelConfig | None = None, *, mesh: Mesh |
     flat = []
     for key, names, transpose, shape in _expected_tensors(checkpoint, config, param_dtype,
                                                           scan_layers):
-        tensors = [checkpoint.get(name) for name in names]
+        tensors = [checkpoint.slice(name) for name in names]  # lazy: each device reads its block
         stacked = is_stacked(key)
         flat.append((key, _place(tensors if stacked else tensors[0], transpose, shape, dtype, mesh,
                                  param_sharding, stacked)))
@@ -134,9 +135,9 @@ def _place(tensor, transpose: bool, shape, dtype, mesh, strategy, stacked: bool 
     """A (sharded) array of `shape` from a tensor, or from a list of per-layer tensors stacked."""
     def read_one(tensor, index=None):
         if transpose:
-            block = tensor.T if index is None else tensor[index[1], index[0]].T
+            block = tensor[:].T if index is None else tensor[index[1], index[0]].T
         else:
-            block = tensor if index is None else tensor[index]
+            block = tensor[:] if index is None else tensor[index]
         return np.ascontiguousarray(block).astype(dtype)
 
     def read(index=None):
@@ -198,17 +199,6 @@ def hf_state_dict(model_or_state) -> dict[str, np.ndarray]:
     return out
 
 
-def _parse_size(size) -> int:
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B)\s*", str(size), re.IGNORECASE)
-    if not match:
-        raise ModelError(f"max_shard_size must be bytes or like '5GB'/'500MB', got {size!r}")
-    unit = match.group(2).upper()
-    base = 1024 if "I" in unit else 1000
-    return int(float(match.group(1)) * base ** "KMG".index(unit[0]) * base)
-
-
 def save_pretrained(model: Transformer, path: str, *,
                     max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES, params=None) -> None:
     """Write config.json and model.safetensors (or shards + model.safetensors.index.json when the
@@ -220,50 +210,40 @@ def save_pretrained(model: Transformer, path: str, *,
     """
     config: ModelConfig = model.config
     state = nnx.state(model, nnx.Param) if params is None else params
-    leaves = []  # ((name, transposed?), value) per Hugging Face tensor; stacks split per layer
+    values, transposed = {}, {}  # per Hugging Face tensor; stacks split per layer
     for key, leaf in _param_leaves(state):
         value = _leaf_value(leaf)
         names, transpose = hf_names(key, value.shape)
-        if is_stacked(key):
-            value = _to_host(value)
-            leaves += [((name, transpose), value[i]) for i, name in enumerate(names)]
-        else:
-            leaves.append(((names[0], transpose), value))
-    limit = _parse_size(max_shard_size)
-    shards: list[list] = [[]]
-    size = 0
-    for item in leaves:
-        nbytes = int(np.prod(item[1].shape)) * np.dtype(item[1].dtype).itemsize
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(item)
-        size += nbytes
+        parts = _to_host(value) if is_stacked(key) else [value]
+        for name, part in zip(names, parts):
+            values[name], transposed[name] = part, transpose
+    try:  # the same split (and file names) as transformers' save_pretrained
+        split = split_state_dict_into_shards_factory(
+            values, max_shard_size=max_shard_size, get_storage_size=lambda value: value.nbytes,
+            filename_pattern="model{suffix}.safetensors")
+    except ValueError as e:  # a max_shard_size it cannot parse
+        raise ModelError(f"max_shard_size must be bytes or like '5GB'/'500MB': {e}") from None
     writer = jax.process_index() == 0
     if writer:
         os.makedirs(path, exist_ok=True)
         for stale in os.listdir(path):
             if stale == INDEX_FILE or re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", stale):
                 os.remove(os.path.join(path, stale))
-    weight_map, total = {}, 0
     dtypes = set()
-    for i, shard in enumerate(shards):
-        file_name = (SINGLE_FILE if len(shards) == 1
-                     else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+    for file_name, names in split.filename_to_tensors.items():
         tensors = {}
-        for (name, transpose), value in shard:
-            array = _to_host(value)
-            tensors[name] = array.T if transpose else array
-            weight_map[name] = file_name
-            total += array.nbytes
+        for name in names:  # gathered to the host one shard at a time
+            array = _to_host(values[name])
+            tensors[name] = array.T if transposed[name] else array
             dtypes.add(str(np.dtype(array.dtype)))
         if writer:
             write_safetensors(os.path.join(path, file_name), tensors)
     if not writer:
         return
-    if len(shards) > 1:
+    if split.is_sharded:
         with open(os.path.join(path, INDEX_FILE), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+            json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f,
+                      indent=2)
     hf_config = config.to_hf()
     dtype_name = dtypes.pop() if len(dtypes) == 1 else "float32"
     hf_config["torch_dtype"] = hf_config["dtype"] = dtype_name

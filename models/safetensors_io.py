@@ -1,8 +1,8 @@
-"""Read and write *.safetensors checkpoints as Hugging Face lays them out.
+"""Read and write *.safetensors checkpoints as Hugging Face lays them out, with `safetensors`.
 
-Reading parses the header ourselves and memory-maps the file, so a tensor slice touches only the
-bytes it needs (each host reads its shards, nothing is copied whole), and bfloat16 works (the
-`safetensors` numpy backend cannot return bfloat16). Writing uses `safetensors.numpy`.
+Reading goes through `safe_open(path, "numpy")`: the file is memory-mapped and `get_slice` reads
+only the bytes of the requested block, so each device reads just its shard (nothing is copied
+whole), and bfloat16 comes back as ml_dtypes.bfloat16 (safetensors >= 0.8).
 
     model.safetensors                                   one file, or
     model-00001-of-00003.safetensors ... + model.safetensors.index.json  {"weight_map": {name: file}}
@@ -12,85 +12,59 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 
-import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from .config import ModelError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-    "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
-}
-
 
 class SafetensorsFile:
-    """One *.safetensors file: names, shapes, and lazily memory-mapped tensors."""
+    """One *.safetensors file: names, shapes, and lazily read tensors or slices of them."""
 
     def __init__(self, path: str):
         self.path = path
-        try:
-            with open(path, "rb") as f:
-                raw = f.read(8)
-                if len(raw) != 8:
-                    raise ValueError("file shorter than its 8-byte header length")
-                (n,) = struct.unpack("<Q", raw)
-                size = os.path.getsize(path)
-                if n > size - 8:
-                    raise ValueError(f"header length {n} exceeds the file size {size}")
-                header = json.loads(f.read(n))
-        except (OSError, ValueError, UnicodeDecodeError) as e:
-            raise ModelError(f"{path} is not a readable safetensors file: {e}") from None
-        self.metadata = header.pop("__metadata__", None) or {}
-        self._header = header
-        self._data_start = 8 + n
-        self._mmap = None
+        try:  # safetensors checks the header and that the tensors cover the file exactly
+            self._file = safe_open(path, "numpy")
+        except (OSError, SafetensorError) as e:
+            detail = " ".join(str(e).split())
+            if "not fully covered" in detail:
+                raise ModelError(f"{path} is truncated or damaged ({detail}); download or copy it "
+                                 "again") from None
+            raise ModelError(f"{path} is not a readable safetensors file: {detail}") from None
+        self.metadata = self._file.metadata() or {}
+        self._keys = set(self._file.keys())
 
     def keys(self) -> list[str]:
-        return list(self._header)
+        return list(self._file.keys())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._keys
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._header[name]["shape"])
+        return tuple(self._file.get_slice(name).get_shape())
 
     def check(self, name: str) -> None:
-        """The tensor's dtype is readable and its bytes lie inside the file (header only)."""
-        info = self._header[name]
-        dtype = _DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise ModelError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
-        start, end = info["data_offsets"]
-        expected = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(dtype).itemsize
-        if end - start != expected:
-            raise ModelError(f"{self.path}: tensor {name} spans {end - start} bytes; its shape "
-                             f"{tuple(info['shape'])} needs {expected}")
-        size = os.path.getsize(self.path)
-        if self._data_start + end > size:
-            raise ModelError(f"{self.path} is truncated: tensor {name} ends at byte "
-                             f"{self._data_start + end} of a {size}-byte file")
+        """The tensor's dtype can be read into numpy (reads no data: an empty slice)."""
+        part = self._file.get_slice(name)
+        if not part.get_shape():
+            return
+        try:
+            part[0:0]
+        except Exception:  # noqa: BLE001 (an AttributeError for numpy's lack of float8, ...)
+            raise ModelError(f"{self.path}: tensor {name} has dtype {part.get_dtype()}, which "
+                             "numpy cannot read") from None
+
+    def slice(self, name: str):
+        """The tensor as a lazy slice: indexing it (`t[a:b, c:d]`, `t[:]`) reads only that block."""
+        return self._file.get_slice(name)
 
     def get(self, name: str) -> np.ndarray:
-        """A read-only memory-mapped view of the tensor: slicing it reads only those bytes."""
-        info = self._header[name]
-        dtype = _DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise ModelError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
-        if self._mmap is None:
-            self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
-        start, end = info["data_offsets"]
-        buf = self._mmap[self._data_start + start:self._data_start + end]
-        shape = tuple(info["shape"])
-        expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        if buf.size != expected:
-            raise ModelError(
-                f"{self.path}: tensor {name} holds {buf.size} bytes; its shape {shape} needs "
-                f"{expected}"
-            )
-        return buf.view(dtype).reshape(shape)
+        """The whole tensor, read."""
+        return self._file.get_tensor(name)
 
 
 class Checkpoint:
@@ -139,7 +113,7 @@ class Checkpoint:
         if name not in self._where:
             raise ModelError(f"checkpoint {self.directory} lacks tensor {name}")
         file = self._open(self._where[name])
-        if name not in file.keys():
+        if name not in file:
             raise ModelError(f"{file.path} lacks tensor {name}, which {INDEX_FILE} places there")
         return file
 
@@ -148,8 +122,12 @@ class Checkpoint:
         return self._file_of(name).shape(name)
 
     def check(self, name: str) -> None:
-        """The tensor's dtype is readable and its bytes lie inside its file (header only)."""
+        """The tensor's dtype is readable (no data is read)."""
         self._file_of(name).check(name)
+
+    def slice(self, name: str):
+        """A lazy slice of the tensor: indexing it reads only that block."""
+        return self._file_of(name).slice(name)
 
     def get(self, name: str) -> np.ndarray:
         return self._file_of(name).get(name)

@@ -195,7 +195,7 @@ CASES = [
      "error: data: cannot read '{inputs}/empty.npy' as .npy"),
     ("truncated HF weights, fresh run.dir", ["model.preset=null", "model.shape={}",
                                              "model.hf_path={inputs}/hf_truncated"],
-     "error: model: {inputs}/hf_truncated/model.safetensors is truncated: tensor", _fresh),
+     "error: model: {inputs}/hf_truncated/model.safetensors is truncated or damaged (", _fresh),
     ("HF dir of another type, fresh run.dir", ["model.preset=null", "model.shape={}",
                                                "model.hf_path={inputs}/hf_gpt2"],
      "unknown model_type 'gpt2'", _fresh),
