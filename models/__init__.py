@@ -4,6 +4,7 @@
     logits = model(tokens, segment_ids=None, positions=None)          # [B, S, vocab] float32
     loss_sum, count = models.causal_lm_loss(logits, targets)
     models.save_pretrained(model, "out_dir")                          # transformers can load it
+    models.sampler.generate(model, prompt_ids, max_new_tokens=32)     # KV-cached, one device
 """
 
 from .config import MODEL_TYPES, PRESETS, ModelConfig, ModelError
@@ -16,6 +17,7 @@ from .hf import (
     save_pretrained,
 )
 from .loss import causal_lm_loss
+from . import sampler
 from .transformer import REMAT_POLICIES, Transformer, abstract_model, init_model
 
 __all__ = [
@@ -33,5 +35,6 @@ __all__ = [
     "hf_state_dict",
     "init_model",
     "load_hf_params",
+    "sampler",
     "save_pretrained",
 ]

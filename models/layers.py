@@ -181,7 +181,8 @@ class Attention(nnx.Module):
         self.ring = ring
         self.zigzag = zigzag  # the sequence axis is in basp_jax.ring.zigzag_order
 
-    def __call__(self, x, positions, segment_ids):
+    def _qkv(self, x, positions):
+        """q [B, S, Hq, Dh], k and v [B, S, Hkv, Dh], q and k normed (Qwen3) and rotated."""
         b, s, _ = x.shape
         q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
@@ -189,8 +190,12 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = np.asarray(self.inv_freq, np.float32)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def __call__(self, x, positions, segment_ids):
+        b, s, _ = x.shape
         # Global (or per-document) positions, before the all-to-all.
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q, k, v = self._qkv(x, positions)
         q, k, v = (constrain(t, self.mesh) for t in (q, k, v))
         if self.mesh is None:
             out = local_attention(q, k, v, segment_ids=segment_ids, impl=self.attn_impl)
@@ -200,6 +205,22 @@ class Attention(nnx.Module):
                                      zigzag=self.zigzag)
         out = constrain(out.reshape(b, s, self.num_heads * self.head_dim), self.mesh)
         return self.o_proj(out)
+
+    def decode(self, x, index, cache_k, cache_v):
+        """Attention of the T tokens x [B, T, D] that follow the `index` tokens already in the
+        cache (one device, no mesh): their keys and values are written into cache_k / cache_v
+        [B, L, Hkv, Dh] at index..index+T-1, and each token attends causally to the cache up to
+        its own position index + t (the slots beyond hold zeros and are masked out).
+        Returns (output [B, T, D], cache_k, cache_v)."""
+        b, t, _ = x.shape
+        query_pos = index + jnp.arange(t, dtype=jnp.int32)
+        q, k, v = self._qkv(x, jnp.broadcast_to(query_pos, (b, t)))
+        cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, index, 0, 0))
+        cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, index, 0, 0))
+        mask = jnp.arange(cache_k.shape[1])[None, :] <= query_pos[:, None]  # [T, L]
+        out = jax.nn.dot_product_attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype),
+                                           mask=mask[None, None], implementation="xla")
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), cache_k, cache_v
 
 
 class MLP(nnx.Module):

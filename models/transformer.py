@@ -57,6 +57,13 @@ class Block(nnx.Module):
         x = x + self.mlp(self.post_attention_layernorm(x))
         return constrain(x, self.mesh)
 
+    def decode(self, x, index, cache_k, cache_v):
+        """The layer on tokens that follow `index` cached ones (Attention.decode)."""
+        attn, cache_k, cache_v = self.self_attn.decode(self.input_layernorm(x), index, cache_k,
+                                                       cache_v)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), cache_k, cache_v
+
 
 def _run_block(block: Block, x, positions, segment_ids):
     return block(x, positions, segment_ids)
@@ -157,6 +164,44 @@ class Transformer(nnx.Module):
         for layer in self.layers:
             x = block_fn(layer, x, positions, segment_ids)
         return self.norm(x)
+
+    def init_cache(self, batch: int, length: int, dtype=None) -> tuple[jax.Array, jax.Array]:
+        """An empty key/value cache for `decode`: (k, v), each [num_layers, batch, length,
+        num_kv_heads, head_dim] in the compute dtype, preallocated to the whole generation."""
+        c = self.config
+        shape = (c.num_layers, batch, length, c.num_kv_heads, c.head_dim)
+        dtype = self.dtype if dtype is None else dtype
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+    def decode(self, tokens, cache, index):
+        """Incremental forward for sampling, on one device: tokens [B, T] sit at positions
+        index..index+T-1 after the `index` tokens whose keys and values are in `cache`
+        (init_cache; a prompt's prefill is index=0, T=its length; then T=1 per new token).
+        Returns (final normalised hidden states [B, T, hidden], the updated cache); logits are
+        `self.logits(hidden)`. The same parameters and layers as __call__; RoPE at the
+        offset positions, attention causal against the cache."""
+        if self.mesh is not None:
+            raise ModelError("decode runs on one device: load the model without a mesh "
+                             "(e.g. models.from_pretrained(path))")
+        cache_k, cache_v = cache
+        x = self.embed_tokens(tokens)
+        if self.scan_layers:
+            graphdef, stacked = nnx.split(self.layers)
+
+            def body(x, layer_and_cache):
+                layer, k, v = layer_and_cache
+                x, k, v = nnx.merge(graphdef, layer).decode(x, index, k, v)
+                return x, (k, v)
+
+            x, (cache_k, cache_v) = jax.lax.scan(body, x, (stacked, cache_k, cache_v))
+        else:
+            ks, vs = [], []
+            for i, layer in enumerate(self.layers):
+                x, k, v = layer.decode(x, index, cache_k[i], cache_v[i])
+                ks.append(k)
+                vs.append(v)
+            cache_k, cache_v = jnp.stack(ks), jnp.stack(vs)
+        return self.norm(x), (cache_k, cache_v)
 
     def logits(self, x):
         """Logits [B, S, vocab] float32 from hidden states."""

@@ -268,3 +268,43 @@ def abstract_tree(tree, shardings):
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
     )
+
+
+def restore_model(run_dir: str, *, dtype: str | None = None):
+    """(model on the first device, the run's Config): the Transformer that `run_dir/config.yaml`
+    describes, with the parameters of the newest complete checkpoint (for sampling:
+    models.sampler). dtype: the compute dtype (default: the run's model.dtype)."""
+    from flax import nnx
+
+    import models
+
+    from .config import load_config
+    from .loop import model_config
+    from .step import DTYPES
+
+    config_path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(config_path):
+        raise CheckpointError(f"{run_dir!r} has no config.yaml: not a training run directory")
+    cfg = load_config(config_path)
+    directory = checkpoint_dir(run_dir)
+    steps = complete_steps(directory)
+    if not steps:
+        raise CheckpointError(f"{directory} holds no complete checkpoint")
+    mcfg = model_config(cfg)
+    model = models.abstract_model(mcfg, dtype=DTYPES[dtype or cfg.model.dtype],
+                                  param_dtype=DTYPES[cfg.model.param_dtype],
+                                  scan_layers=cfg.model.scan_layers)
+    abstract = nnx.state(model, nnx.Param)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                          nnx.to_pure_dict(abstract))
+    path = os.path.join(directory, str(steps[-1]), "params")
+    try:
+        params = ocp.StandardCheckpointer().restore(path, target)
+    except Exception as e:  # noqa: BLE001 (orbax/tensorstore raise many kinds)
+        detail = " ".join(str(e).split())[:300]
+        raise CheckpointError(f"checkpoint {path} cannot be restored for this model "
+                              f"({type(e).__name__}: {detail})") from None
+    nnx.replace_by_pure_dict(abstract, params)
+    nnx.update(model, abstract)
+    return model, cfg

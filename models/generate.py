@@ -1,0 +1,139 @@
+"""See what a model writes: sample a continuation of a prompt, on one device.
+
+    python -m models.generate --hf_path DIR --prompt "Once upon a time" [--max-new-tokens 64]
+        [--temperature 0.8 --top-p 0.95 --seed 0]
+    python -m models.generate --run_dir runs/NAME --prompt-ids 1,2,3      # a run's newest checkpoint
+
+--hf_path reads a local Hugging Face directory (config.json, safetensors, tokenizer.json);
+--run_dir the newest complete checkpoint in RUN/checkpoints, with the model RUN/config.yaml
+describes. The prompt is text (tokenized with --tokenizer, else the tokenizer.json of the Hugging
+Face directory, else the run's data.tokenizer) or token ids (--prompt-ids). Temperature 0 (the
+default) is greedy. Generation stops after --max-new-tokens or an end-of-text token (--eos-id,
+default the model's eos_token_id, or the run's data.eos_id). The continuation is printed (text, or
+ids when there is no tokenizer). Runs on the first device, without sequence parallelism
+(models.sampler). Exit status 0, or 2 with one line on stderr for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DTYPES = ("float32", "bfloat16")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m models.generate",
+                                description="Sample a continuation of a prompt (KV cache, one "
+                                            "device).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf_path", "--hf-path", help="a local Hugging Face model directory")
+    src.add_argument("--run_dir", "--run-dir", help="a training run: its newest checkpoint")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (needs a tokenizer)")
+    prompt.add_argument("--prompt-ids", help="prompt token ids, comma or space separated")
+    p.add_argument("--tokenizer", help="tokenizer.json (default: the model directory's)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eos-id", type=int, action="append",
+                   help="stop after this id (repeatable; default: the model's eos_token_id)")
+    p.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: float32, or the run's)")
+    return p
+
+
+def _prompt_ids(text: str) -> list[int]:
+    from .config import ModelError
+
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise ModelError(f"--prompt-ids must be integers separated by commas or spaces, got "
+                         f"{text!r}") from None
+
+
+def _tokenizer(path: str | None):
+    if path is None:
+        return None
+    from tokenizers import Tokenizer
+
+    from .config import ModelError
+
+    if not os.path.isfile(path):
+        raise ModelError(f"tokenizer file {path!r} does not exist")
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises a bare Exception on a bad file
+        raise ModelError(f"cannot load tokenizer {path!r}: {str(e).splitlines()[0]}") from None
+
+
+def _eos_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else [int(v) for v in value]
+
+
+def load_model(args):
+    """(model on one device, tokenizer path or None, default eos ids)."""
+    import jax.numpy as jnp
+
+    from . import hf
+
+    if args.hf_path:
+        dtype = getattr(jnp, args.dtype or "float32")
+        model = hf.from_pretrained(args.hf_path, dtype=dtype)
+        local = os.path.join(args.hf_path, "tokenizer.json")
+        return (model, local if os.path.isfile(local) else None,
+                _eos_ids(model.config.eos_token_id))
+    # A run's checkpoint: the trainer's config and checkpoint readers (this command sits on top of
+    # both layers, as train.py does; the models library itself never imports train).
+    from train.checkpoint import restore_model
+
+    model, cfg = restore_model(args.run_dir, dtype=args.dtype)
+    tokenizer = cfg.data.tokenizer
+    if tokenizer is None and cfg.model.hf_path:
+        local = os.path.join(cfg.model.hf_path, "tokenizer.json")
+        tokenizer = local if os.path.isfile(local) else None
+    eos = _eos_ids(model.config.eos_token_id) or _eos_ids(cfg.data.eos_id)
+    return model, tokenizer, eos
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from .config import ModelError
+
+    errors: tuple[type, ...] = (ModelError,)
+    if args.run_dir:
+        from train.checkpoint import CheckpointError
+        from train.config import ConfigError
+
+        errors += (CheckpointError, ConfigError)
+    try:
+        model, tok_path, eos = load_model(args)
+        tok = _tokenizer(args.tokenizer or tok_path)
+        if args.prompt is not None:
+            if tok is None:
+                raise ModelError("--prompt needs a tokenizer: the model has no tokenizer.json; "
+                                 "pass --tokenizer FILE or --prompt-ids")
+            prompt = tok.encode(args.prompt, add_special_tokens=False).ids
+        else:
+            prompt = _prompt_ids(args.prompt_ids)
+        from .sampler import generate
+
+        new = generate(model, prompt, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                       eos_ids=args.eos_id if args.eos_id is not None else eos)
+    except errors as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    if tok is not None and args.prompt is not None:
+        print(tok.decode(new, skip_special_tokens=False))
+    else:
+        print(" ".join(map(str, new)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
