@@ -8,7 +8,9 @@ with the same rows. Sources:
     synthetic   a fixed random Markov chain over the vocabulary (learnable: the loss falls to the
                 chain's entropy), `branching` successors per token
     tokens      one long stream in a .bin (raw uint16/uint32) or .npy file, memory-mapped; a row is
-                a window at a random offset (the nanoGPT / Megatron convention)
+                a window at a random offset (the nanoGPT / Megatron convention). A .bin written
+                by `python -m train.tokenize` has a sidecar FILE.json that is checked instead of
+                scanning every id at start-up
     text/jsonl  documents (non-empty lines / the `text_key` field of each JSON line) tokenized with
                 a local tokenizer.json, joined with eos_id into one stream
 
@@ -112,27 +114,34 @@ def _load_token_file(path: str, dtype: str) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
+def parse_lines(path: str, source: str, first: int, lines, text_key: str) -> list[str]:
+    """The documents of raw lines (bytes) numbered from `first`: non-empty lines (text) or their
+    JSON objects' `text_key` field (jsonl). Shared with train.tokenize, so both read alike."""
+    docs = []
+    for lineno, raw in enumerate(lines, first):  # decoded line by line, so an error names its line
+        try:
+            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # drop a leading BOM
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not UTF-8 text ({e.reason})") from None
+        if not line.strip():
+            continue
+        if source == "text":
+            docs.append(line.rstrip("\r\n"))
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
+            raise DataError(f"{path}:{lineno}: no string field {text_key!r}")
+        docs.append(obj[text_key])
+    return docs
+
+
 def _read_documents(path: str, source: str, text_key: str) -> list[str]:
     _check_file(path, "data file")
-    docs = []
-    with open(path, "rb") as f:  # decoded line by line, so an error names its line
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # drop a leading BOM
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not UTF-8 text ({e.reason})") from None
-            if not line.strip():
-                continue
-            if source == "text":
-                docs.append(line.rstrip("\r\n"))
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
-                raise DataError(f"{path}:{lineno}: no string field {text_key!r}")
-            docs.append(obj[text_key])
+    with open(path, "rb") as f:
+        docs = parse_lines(path, source, 1, f, text_key)
     if not docs:
         raise DataError(f"{path!r} holds no documents")
     return docs
@@ -178,6 +187,48 @@ def _check_ids(stream: np.ndarray, vocab_size: int, name: str, chunk: int = 1 <<
             )
 
 
+SIDECAR_FORMAT = "basp-jax tokens"  # written by train.tokenize next to the file, as FILE.json
+
+
+def checked_sidecar(path: str, cfg: DataConfig, vocab_size: int) -> dict | None:
+    """The sidecar train.tokenize wrote for token file `path` (None: it has none), after checking
+    it against the file (byte size) and the run (data.dtype, data.eos_id, the model's vocabulary).
+    A sidecar that passes replaces the scan of every id (_check_ids): start-up reads no data."""
+    side = path + ".json"
+    if path.endswith(".npy") or not os.path.isfile(side):
+        return None
+    _check_file(path, "token file")
+    fix = "re-run python -m train.tokenize (or delete the sidecar to have the file scanned)"
+    try:
+        with open(side) as f:
+            meta = json.load(f)
+        if meta.get("format") != SIDECAR_FORMAT:
+            raise ValueError(f"format {meta.get('format')!r}, not {SIDECAR_FORMAT!r}")
+        dtype, tokens, size = meta["dtype"], meta["tokens"], meta["bytes"]
+        vocab, eos, top = meta["vocab_size"], meta["eos_id"], meta["max_id"]
+        if dtype not in ("uint16", "uint32") or not all(
+                isinstance(v, int) for v in (tokens, size, vocab, eos, top)):
+            raise ValueError("a field has the wrong type")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise DataError(f"token file sidecar {side!r} cannot be read ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())}); {fix}") from None
+    if dtype != cfg.dtype:
+        raise DataError(f"{path!r} holds {dtype} token ids (its sidecar says) but data.dtype="
+                        f"{cfg.dtype}; set data.dtype={dtype}")
+    found = os.path.getsize(path)
+    if found != size or size != tokens * np.dtype(dtype).itemsize:
+        raise DataError(f"{path!r} has {found} bytes but its sidecar records {tokens} {dtype} "
+                        f"tokens ({size} bytes): the file changed after tokenization; {fix}")
+    if vocab > vocab_size or top >= vocab_size:
+        raise DataError(f"{path!r} was tokenized with a {vocab}-token vocabulary (largest id "
+                        f"{top}), more than the model's vocab_size={vocab_size}; tokenize with "
+                        "the model's own tokenizer")
+    if cfg.eos_id is not None and cfg.eos_id != eos:
+        raise DataError(f"data.eos_id={cfg.eos_id} but the documents of {path!r} end with id "
+                        f"{eos} (its sidecar says); set data.eos_id={eos}")
+    return meta
+
+
 class Pipeline:
     """Builds the rows of each step for this process; `global_batch` places them on the mesh."""
 
@@ -206,10 +257,12 @@ class Pipeline:
             self.source = MarkovSource(vocab_size, cfg.branching, seed)
             self.name = f"synthetic Markov chain (branching {cfg.branching})"
         elif cfg.source == "tokens":
+            sidecar = checked_sidecar(cfg.path, cfg, vocab_size)
             stream = _load_token_file(cfg.path, cfg.dtype)
-            _check_ids(stream, vocab_size, cfg.path)
+            if sidecar is None:  # no record of its ids: scan them all
+                _check_ids(stream, vocab_size, cfg.path)
             self.source = StreamSource(stream, seed, self.num_rows, cfg.path)
-            self.name = f"{cfg.path} ({len(stream):,} tokens)"
+            self.name = f"{cfg.path} ({len(stream):,} tokens{', checked sidecar' if sidecar else ''})"
         else:
             stream = _tokenize(cfg, vocab_size)
             _check_ids(stream, vocab_size, f"{cfg.path} tokenized with {cfg.tokenizer}")

@@ -1,0 +1,273 @@
+"""Tokenize a corpus once into the token file `data.source=tokens` reads, with a checked sidecar.
+
+    python -m train.tokenize INPUT --tokenizer tokenizer.json -o train.bin
+        [--text-key text] [--eos-id N] [--workers K] [--overwrite]
+
+INPUT is a .txt file (one document per non-empty line), a .jsonl file (one JSON object per line,
+the document in --text-key) or a directory (its *.txt and *.jsonl files, recursively, in sorted
+path order). Documents are read exactly as `data.source=text|jsonl` reads them and each is followed
+by the eos id, so training on the output equals training on the text.
+
+Streaming: the input is read in chunks of lines, tokenized in K worker processes, and written in
+document order as results arrive, with a bounded number of chunks in flight (constant memory
+however large the corpus). The stream is uint16 when every id fits, else uint32. Next to it,
+OUTPUT.json records dtype, token count, byte size, the largest id, vocabulary size, eos id, the
+tokenizer's sha256 and the sources; the trainer checks it instead of scanning the file at start.
+Both files are written to temporary names and renamed into place, so a failed or interrupted run
+leaves no half-written output, and an existing output is kept unless --overwrite is given.
+
+Exit status 0 on success, 2 with one line on stderr for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import hashlib
+import json
+import multiprocessing
+import os
+import sys
+
+import numpy as np
+
+from .data import DataError, parse_lines
+
+FORMAT = "basp-jax tokens"
+SIDECAR_SUFFIX = ".json"
+CHUNK_BYTES = 4 << 20  # lines per task: ~4 MiB of text, a few seconds of one worker
+EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|im_end|>")
+
+
+class TokenizeError(ValueError):
+    """Input that cannot be tokenized as asked; the message is one line."""
+
+
+def sidecar_path(path: str) -> str:
+    return path + SIDECAR_SUFFIX
+
+
+# ---- reading: chunks of raw lines, parsed in the workers ----------------------------------------
+
+
+def input_files(path: str) -> list[tuple[str, str]]:
+    """(file, 'text' | 'jsonl') of every input file, in the order their documents are written."""
+    if os.path.isdir(path):
+        found = []
+        for root, dirs, files in os.walk(path):
+            dirs.sort()
+            found += [os.path.join(root, f) for f in files if f.endswith((".txt", ".jsonl"))]
+        if not found:
+            raise TokenizeError(f"directory {path!r} holds no .txt or .jsonl files")
+        return [(f, "jsonl" if f.endswith(".jsonl") else "text") for f in sorted(found)]
+    if not os.path.isfile(path):
+        raise TokenizeError(f"input {path!r} does not exist")
+    return [(path, "jsonl" if path.endswith(".jsonl") else "text")]
+
+
+def _chunks(files, chunk_bytes: int):
+    """(file, kind, first line number, [raw lines]) of about chunk_bytes each, in order."""
+    for path, kind in files:
+        try:
+            f = open(path, "rb")
+        except OSError as e:
+            raise TokenizeError(f"cannot read {path!r}: {e.strerror}") from None
+        with f:
+            lines, size, first = [], 0, 1
+            for lineno, raw in enumerate(f, 1):
+                lines.append(raw)
+                size += len(raw)
+                if size >= chunk_bytes:
+                    yield path, kind, first, lines
+                    lines, size, first = [], 0, lineno + 1
+            if lines:
+                yield path, kind, first, lines
+
+
+# ---- the workers ---------------------------------------------------------------------------------
+
+_worker: dict = {}
+
+
+def _init_worker(tokenizer_path: str, text_key: str, eos_id: int, dtype: str) -> None:
+    from tokenizers import Tokenizer
+
+    _worker.update(tok=Tokenizer.from_file(tokenizer_path), text_key=text_key, eos_id=eos_id,
+                   dtype=np.dtype(dtype))
+
+
+def _encode(task) -> tuple[int, bytes, int, int, int, str | None]:
+    """(input bytes, token bytes, tokens, documents, largest id, error line or None) of a chunk."""
+    path, kind, first, lines = task
+    size = sum(map(len, lines))
+    try:
+        docs = parse_lines(path, kind, first, lines, _worker["text_key"])
+    except DataError as e:
+        return size, b"", 0, 0, -1, str(e)
+    ids = []
+    for enc in _worker["tok"].encode_batch(docs, add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(_worker["eos_id"])
+    arr = np.asarray(ids, dtype=np.int64)
+    top = int(arr.max()) if len(arr) else -1
+    if top > np.iinfo(_worker["dtype"]).max:
+        return size, b"", 0, 0, top, f"token id {top} does not fit {_worker['dtype'].name}"
+    return size, arr.astype(_worker["dtype"]).tobytes(), len(arr), len(docs), top, None
+
+
+def _run_tasks(tasks, workers: int, init_args):
+    """Results of _encode over tasks, in order; at most 2 * workers tasks in flight."""
+    if workers == 1:
+        _init_worker(*init_args)
+        yield from map(_encode, tasks)
+        return
+    # spawn: the tokenizers library's own thread pool does not survive a fork
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
+        pending = collections.deque()
+        for task in tasks:
+            pending.append(pool.apply_async(_encode, (task,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+
+def _load_tokenizer(path: str):
+    from tokenizers import Tokenizer
+
+    if not os.path.isfile(path):
+        raise TokenizeError(f"tokenizer file {path!r} does not exist")
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises a bare Exception on a bad file
+        raise TokenizeError(f"cannot load tokenizer {path!r}: {str(e).splitlines()[0]}") from None
+
+
+def default_eos(tok) -> int:
+    """The id of the tokenizer's end-of-text token, when it has one of the usual names."""
+    for name in EOS_NAMES:
+        found = tok.token_to_id(name)
+        if found is not None:
+            return found
+    raise TokenizeError("the tokenizer has no end-of-text token of a known name "
+                        f"({', '.join(EOS_NAMES)}); pass --eos-id N")
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def tokenize(input_path: str, tokenizer: str, output: str, *, text_key: str = "text",
+             eos_id: int | None = None, workers: int = 1, overwrite: bool = False,
+             progress: bool | None = None, chunk_bytes: int = CHUNK_BYTES) -> dict:
+    """Write `output` and its sidecar (see the module docstring); returns the sidecar's dict."""
+    from tqdm import tqdm
+
+    if output.endswith(".npy"):
+        raise TokenizeError(f"-o {output!r}: the output is a raw .bin stream, not .npy")
+    for path in (output, sidecar_path(output)):
+        if os.path.exists(path) and not overwrite:
+            raise TokenizeError(f"{path!r} exists; pass --overwrite to replace it")
+        if os.path.exists(path) and not os.path.isfile(path):
+            raise TokenizeError(f"{path!r} exists and is not a file; choose another -o")
+    out_dir = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(out_dir):
+        raise TokenizeError(f"the directory of -o {output!r} does not exist")
+    if workers < 1:
+        raise TokenizeError(f"--workers must be at least 1, got {workers}")
+    files = input_files(input_path)
+    tok = _load_tokenizer(tokenizer)
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    eos_id = default_eos(tok) if eos_id is None else eos_id
+    if eos_id < 0:
+        raise TokenizeError(f"--eos-id must be >= 0, got {eos_id}")
+    # uint16 when every id the tokenizer (and eos) can produce fits
+    dtype = "uint16" if max(vocab_size, eos_id + 1) <= 1 << 16 else "uint32"
+    total_bytes = sum(os.path.getsize(f) for f, _ in files)
+    tmp = f"{output}.tmp-{os.getpid()}"
+    tmp_side = f"{sidecar_path(output)}.tmp-{os.getpid()}"
+    tokens = docs = 0
+    top = -1
+    try:
+        with open(tmp, "wb") as out, tqdm(total=total_bytes, unit="B", unit_scale=True,
+                                          desc="tokenize", disable=None if progress is None
+                                          else not progress) as bar:
+            # closing: an error stops the worker processes now, not when the traceback is freed
+            results = contextlib.closing(_run_tasks(_chunks(files, chunk_bytes), workers,
+                                                    (tokenizer, text_key, eos_id, dtype)))
+            with results as chunks:
+                for size, data, n, d, t, error in chunks:
+                    if error:
+                        raise TokenizeError(error)
+                    out.write(data)
+                    tokens, docs, top = tokens + n, docs + d, max(top, t)
+                    bar.update(size)
+        if not docs:
+            raise TokenizeError(f"{input_path!r} holds no documents")
+        meta = {
+            "format": FORMAT, "version": 1, "dtype": dtype, "tokens": tokens,
+            "bytes": tokens * np.dtype(dtype).itemsize, "documents": docs, "max_id": top,
+            "vocab_size": vocab_size, "eos_id": eos_id,
+            "tokenizer": os.path.abspath(tokenizer), "tokenizer_sha256": _sha256(tokenizer),
+            "text_key": text_key, "sources": [os.path.abspath(f) for f, _ in files],
+        }
+        with open(tmp_side, "w") as f:
+            json.dump(meta, f, indent=1)
+        # the old sidecar goes first: a crash between the renames leaves a token file without
+        # one (trainer: checks the ids itself), never a new file under the old description
+        if os.path.exists(sidecar_path(output)):
+            os.remove(sidecar_path(output))
+        os.replace(tmp, output)
+        os.replace(tmp_side, sidecar_path(output))
+    finally:
+        for path in (tmp, tmp_side):
+            if os.path.exists(path):
+                os.remove(path)
+    return meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m train.tokenize",
+        description="Tokenize a .txt/.jsonl file or a directory of them into a token file "
+                    "(uint16/uint32) with a sidecar the trainer checks (data.source=tokens).")
+    p.add_argument("input", help=".txt (a document per line), .jsonl, or a directory of them")
+    p.add_argument("--tokenizer", required=True, help="a local tokenizer.json")
+    p.add_argument("-o", "--output", required=True, help="the token file to write, e.g. train.bin")
+    p.add_argument("--text-key", default="text", help="jsonl: the field holding each document")
+    p.add_argument("--eos-id", type=int, default=None,
+                   help="id appended after each document (default: the tokenizer's end-of-text)")
+    p.add_argument("--workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) - 1)),
+                   help="tokenizing processes (default: CPUs - 1, at most 8)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    args = p.parse_args(argv)
+    try:
+        meta = tokenize(args.input, args.tokenizer, args.output, text_key=args.text_key,
+                        eos_id=args.eos_id, workers=args.workers, overwrite=args.overwrite)
+    except (TokenizeError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # e.g. a full disk or an unwritable directory; temporaries are removed
+        print(f"error: {e.filename or args.output}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    print(f"wrote {args.output}: {meta['tokens']:,} tokens ({meta['dtype']}) from "
+          f"{meta['documents']:,} documents, eos_id {meta['eos_id']}, vocabulary "
+          f"{meta['vocab_size']:,}; train with data.source=tokens data.path={args.output} "
+          f"data.dtype={meta['dtype']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
