@@ -49,6 +49,18 @@ def test_plot_commands_parse():
         plot._parser().parse_args(cmd[3:])  # exits (SystemExit) on an unknown flag
 
 
+def test_tokenize_and_generate_commands_parse():
+    from models import generate
+    from train import tokenize
+
+    for prefix, parser, count in (("python -m train.tokenize", tokenize._parser, 1),
+                                  ("python -m models.generate", generate._parser, 2)):
+        commands = _commands(prefix)
+        assert len(commands) == count, prefix
+        for cmd in commands:
+            parser().parse_args(cmd[3:])  # exits (SystemExit) on an unknown flag
+
+
 def _keys(cls, prefix=""):
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(f.default_factory if f.default_factory is not

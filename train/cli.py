@@ -161,5 +161,10 @@ def exit_with(status: int) -> None:
     sys.exit(status)
 
 
-if __name__ == "__main__":
+def script() -> None:
+    """The `basp-train` console script: the same as `python train.py`."""
     exit_with(main(exiting=True))
+
+
+if __name__ == "__main__":
+    script()

@@ -235,7 +235,7 @@ def tokenize(input_path: str, tokenizer: str, output: str, *, text_key: str = "t
     return meta
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m train.tokenize",
         description="Tokenize a .txt/.jsonl file or a directory of them into a token file "
@@ -249,7 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) - 1)),
                    help="tokenizing processes (default: CPUs - 1, at most 8)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
         meta = tokenize(args.input, args.tokenizer, args.output, text_key=args.text_key,
                         eos_id=args.eos_id, workers=args.workers, overwrite=args.overwrite)
