@@ -24,31 +24,31 @@ from .config import ModelError
 from .transformer import Transformer
 
 
-def pick(logits, key, temperature, top_p, *, greedy: bool):
-    """Next token [B] from last-position logits [B, vocab]: argmax when greedy, else a sample at
-    `temperature` from the smallest set of tokens whose probability reaches top_p (nucleus)."""
-    if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits.astype(jnp.float32) / temperature
-    ordered = jnp.sort(logits, axis=-1)[..., ::-1]
+def pick(logits, key, temperature, top_p):
+    """Next token [B] from last-position logits [B, vocab]: argmax when temperature is 0, else a
+    sample at `temperature` from the smallest set of tokens whose probability reaches top_p
+    (nucleus). Both are traced values, so one compiled step serves every setting."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
+    ordered = jnp.sort(scaled, axis=-1)[..., ::-1]
     probs = jax.nn.softmax(ordered, axis=-1)
     # keep a token while the mass before it is below top_p (the most likely one always)
     kept = jnp.sum((jnp.cumsum(probs, axis=-1) - probs) < top_p, axis=-1, keepdims=True)
     threshold = jnp.take_along_axis(ordered, kept - 1, axis=-1)
-    logits = jnp.where(logits < threshold, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    scaled = jnp.where(scaled < threshold, -jnp.inf, scaled)
+    sampled = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)
 
 
 @functools.lru_cache(maxsize=8)
-def _programs(graphdef, greedy: bool):
+def _programs(graphdef):
     """(prefill, step) jitted for one model structure; both donate the cache."""
 
     def advance(state, tokens, cache, index, key, temperature, top_p):
         model = nnx.merge(graphdef, state)
         hidden, cache = model.decode(tokens, cache, index)
         key, sub = jax.random.split(key)
-        token = pick(model.logits(hidden[:, -1]), sub, temperature, top_p, greedy=greedy)
-        return token, cache, key
+        return pick(model.logits(hidden[:, -1]), sub, temperature, top_p), cache, key
 
     def first(state, tokens, cache, key, temperature, top_p):
         return advance(state, tokens, cache, 0, key, temperature, top_p)
@@ -78,10 +78,10 @@ def generate(model: Transformer, prompt: Iterable[int], *, max_new_tokens: int,
         raise ModelError("generate runs on one device: load the model without a mesh")
     eos = set(int(e) for e in eos_ids)
     graphdef, state = nnx.split(model)
-    prefill, step = _programs(graphdef, temperature == 0)
+    prefill, step = _programs(graphdef)
     cache = model.init_cache(1, len(prompt) + max_new_tokens)
     key = jax.random.key(seed)
-    temperature, top_p = jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p)
+    temperature, top_p = jnp.float32(temperature), jnp.float32(top_p)
     token, cache, key = prefill(state, jnp.asarray(prompt[None], jnp.int32), cache, key,
                                 temperature, top_p)
     out: list[int] = []

@@ -69,16 +69,16 @@ def test_decode_with_cache_equals_the_full_forward(tmp_path, scan_layers):
 def test_sampling_is_seeded_and_top_p_keeps_the_head(tmp_path):
     hf_tiny.save("llama", tmp_path)
     model = models.from_pretrained(str(tmp_path))
-    a = sampler.generate(model, PROMPT, max_new_tokens=8, temperature=1.0, seed=3)
-    assert a == sampler.generate(model, PROMPT, max_new_tokens=8, temperature=1.0, seed=3)
-    assert a != sampler.generate(model, PROMPT, max_new_tokens=8, temperature=1.0, seed=4)
+    a = sampler.generate(model, PROMPT, max_new_tokens=NEW, temperature=1.0, seed=3)
+    assert a == sampler.generate(model, PROMPT, max_new_tokens=NEW, temperature=1.0, seed=3)
+    assert a != sampler.generate(model, PROMPT, max_new_tokens=NEW, temperature=1.0, seed=4)
     # a vanishing nucleus keeps only the most likely token: greedy
-    assert (sampler.generate(model, PROMPT, max_new_tokens=8, temperature=1.0, top_p=1e-6)
-            == sampler.generate(model, PROMPT, max_new_tokens=8))
+    assert (sampler.generate(model, PROMPT, max_new_tokens=NEW, temperature=1.0, top_p=1e-6)
+            == sampler.generate(model, PROMPT, max_new_tokens=NEW))
     import jax
 
     logits = jnp.log(jnp.tile(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]), (256, 1)))
-    picks = np.asarray(sampler.pick(logits, jax.random.key(0), 1.0, 0.7, greedy=False))
+    picks = np.asarray(sampler.pick(logits, jax.random.key(0), 1.0, 0.7))
     assert set(picks.tolist()) == {0, 1}  # 0.5 + 0.3 reach 0.7; the tail is never drawn
 
 
