@@ -117,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
             if tok is None:
                 raise ModelError("--prompt needs a tokenizer: the model has no tokenizer.json; "
                                  "pass --tokenizer FILE or --prompt-ids")
-            prompt = tok.encode(args.prompt, add_special_tokens=False).ids
+            # with the tokenizer's own special tokens (e.g. Llama 3's <|begin_of_text|>), as
+            # transformers' pipelines encode a prompt
+            prompt = tok.encode(args.prompt).ids
         else:
             prompt = _prompt_ids(args.prompt_ids)
         from .sampler import generate
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     if tok is not None and args.prompt is not None:
-        print(tok.decode(new, skip_special_tokens=False))
+        print(tok.decode(new, skip_special_tokens=True))
     else:
         print(" ".join(map(str, new)))
     return 0
