@@ -168,7 +168,7 @@ def test_sharded_checkpoint_both_ways(checkpoints, tokens, tmp_path):
 
 
 def test_bfloat16_checkpoint_and_compute(tmp_path, checkpoints, tokens):
-    """A bfloat16 checkpoint loads (safetensors >= 0.8 reads BF16); bf16 compute stays close to float32."""
+    """A bfloat16 checkpoint loads (safetensors >= 0.8 reads BF16); bf16 compute stays near f32."""
     import torch
 
     torch_model = hf_tiny.build("llama").to(torch.bfloat16)
