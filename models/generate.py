@@ -2,7 +2,7 @@
 
     python -m models.generate --hf_path DIR --prompt "Once upon a time" [--max-new-tokens 64]
         [--temperature 0.8 --top-p 0.95 --seed 0]
-    python -m models.generate --run_dir runs/NAME --prompt-ids 1,2,3      # a run's newest checkpoint
+    python -m models.generate --run_dir runs/NAME --prompt-ids 1,2,3   # a run's newest checkpoint
 
 --hf_path reads a local Hugging Face directory (config.json, safetensors, tokenizer.json);
 --run_dir the newest complete checkpoint in RUN/checkpoints, with the model RUN/config.yaml
