@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import sys
 
 from . import gpu_defaults
 from .config import Config, ConfigError
@@ -41,6 +42,11 @@ def configure(cfg: Config) -> None:
     platform = cfg.runtime.platform
     expect_gpu = platform == "gpu" or (platform == "auto" and _gpu_likely())
     settings = gpu_defaults.apply_env(os.environ) if expect_gpu else None
+    if platform != "auto" and not os.environ.get("JAX_PLATFORMS") and "jax" not in sys.modules:
+        # Named platforms make a failing CUDA backend an exception (caught below) instead of
+        # JAX's multi-line warning and a silent fall back to the CPU; the CPU stays available.
+        # (In a process that runs JAX already, its backends stay: select_devices picks.)
+        os.environ["JAX_PLATFORMS"] = "cpu" if platform == "cpu" else "cuda,cpu"
     n = cfg.runtime.cpu_devices
     if platform != "gpu":
         flags = os.environ.get("XLA_FLAGS", "")
@@ -56,10 +62,6 @@ def configure(cfg: Config) -> None:
                 jax.config.update("jax_num_cpu_devices", n)
         except RuntimeError:
             pass  # backends already up (e.g. in-process tests); loop.run checks the device count
-    if platform != "auto" and not os.environ.get("JAX_PLATFORMS"):
-        # Named platforms make a failing CUDA backend an exception (caught below) instead of
-        # JAX's multi-line warning and a silent fall back to the CPU; the CPU stays available.
-        jax.config.update("jax_platforms", "cpu" if platform == "cpu" else "cuda,cpu")
     if _want_distributed(cfg) and not jax.distributed.is_initialized():
         dist = cfg.runtime.distributed
         num_processes = dist.num_processes if dist.num_processes is not None \
