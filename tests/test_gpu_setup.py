@@ -101,10 +101,17 @@ def test_the_users_flags_and_memory_fraction_win():
     again = dict(env)
     assert gpu_defaults.apply_env(again)[0] == [] and again == env  # applying twice adds nothing
 
+    line = gpu_defaults.describe(done, kept, "/c", False)
+    assert line.startswith("gpu defaults: XLA_FLAGS += --xla_gpu_enable_pipelined_all_gather=true")
+    assert line.endswith("(yours kept: --xla_gpu_enable_latency_hiding_scheduler, "
+                         "XLA_PYTHON_CLIENT_MEM_FRACTION=0.5, compilation cache /c)")
+
     fresh = {}
     done, kept = gpu_defaults.apply_env(fresh)
     assert fresh["XLA_CLIENT_MEM_FRACTION"] == "0.9" and kept == []
     assert fresh["XLA_FLAGS"].split() == [f"--{n}={v}" for n, v in gpu_defaults.XLA_FLAGS]
+    line = gpu_defaults.describe(done, kept, "/c", True)
+    assert "XLA_CLIENT_MEM_FRACTION=0.9; compilation cache /c" in line and "yours" not in line
 
 
 def test_every_default_flag_is_known_to_this_jaxlib():

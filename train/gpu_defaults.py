@@ -3,6 +3,7 @@ compute, the share of GPU memory JAX takes, and a persistent compilation cache.
 
     added, kept = apply_env(os.environ)   # before JAX starts its backends (train.runtime, train.aot)
     cache = enable_compilation_cache()   # any time before the first compile
+    print(describe(added, kept, *cache))  # the start-up line
 
 One list, read by the trainer (train.runtime) and the compile-for-GPU command (train.aot), so the
 program train.aot reports is the program a run compiles. A flag or variable the user set (in
@@ -106,3 +107,11 @@ def enable_compilation_cache() -> tuple[str, bool]:
     path = default_cache_dir()
     jax.config.update("jax_compilation_cache_dir", path)
     return path, True
+
+
+def describe(done: list[str], kept: list[str], cache: str, cache_is_ours: bool) -> str:
+    """The start-up line of a GPU run: what was set, and what the user had set instead."""
+    done = done + ([f"compilation cache {cache}"] if cache_is_ours else [])
+    kept = kept + ([] if cache_is_ours else [f"compilation cache {cache}"])
+    return (f"gpu defaults: {'; '.join(done) or 'none needed'}"
+            + (f" (yours kept: {', '.join(kept)})" if kept else ""))

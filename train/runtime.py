@@ -88,13 +88,9 @@ def configure(cfg: Config) -> None:
         if not on_gpu:
             raise ConfigError(no_gpu_message(jax.__version__, detail))
     if settings is not None and jax.devices()[0].platform == "gpu":
-        cache, ours = gpu_defaults.enable_compilation_cache()
-        done, kept = settings
-        done += [f"compilation cache {cache}"] if ours else []
-        kept += [] if ours else [f"compilation cache {cache}"]
+        cache = gpu_defaults.enable_compilation_cache()
         if jax.process_index() == 0:
-            print(f"gpu defaults: {'; '.join(done) or 'none needed'}"
-                  + (f" (yours kept: {', '.join(kept)})" if kept else ""), flush=True)
+            print(gpu_defaults.describe(*settings, *cache), flush=True)
 
 
 def _gpu_likely() -> bool:
