@@ -1,7 +1,8 @@
-"""Check one GPU in a few minutes: versions and device, every attention kernel against a float32
-reference (forward and gradients, packed and not), fwd+bwd attention time per kernel at 16K
-tokens, and a few train steps of a Llama-3.2-1B-shaped model at 16K (step time, tokens/s, MFU,
-peak memory measured against the compiled program's prediction). Writes everything as JSON.
+"""Check one GPU in a few minutes: versions and device, a few train steps of a Llama-3.2-1B-shaped
+model at 16K tokens (step time, tokens/s, MFU, peak memory measured against the compiled
+program's prediction), every attention kernel against a float32 reference (forward and
+gradients, packed and not), and fwd+bwd attention time per kernel at 16K tokens. Writes
+everything as JSON, after each section.
 
     python -m benchmarks.gpu_check --out gpu_check.json          # on a GPU (scripts/gpu_check.sh)
     python -m benchmarks.gpu_check --cpu-smoke --out smoke.json  # the same code on the CPU with
@@ -244,12 +245,11 @@ def train_steps(shapes: Shapes, steps: int, on_gpu: bool) -> dict:
     import jax
     import numpy as np
 
+    from train import planning
     from train.loop import model_config, select_devices
     from train.metrics import peak_flops
     from train.program import build_program, model_factory, plan_run
     from train.step import build_model, init_opt_state
-
-    from train import planning
 
     run_dir = os.path.join(tempfile.gettempdir(), "gpu-check-run")  # required; never written
     cfg = step_config(shapes, steps, run_dir)
@@ -373,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
 
+    # the train steps first: device.memory_stats()'s peak then is theirs, not the kernels' below
+    report["train"] = _section(f"train steps: {shapes.preset} at {shapes.step_seq} tokens",
+                               train_steps, shapes, args.steps, on_gpu)
+    save()
     for impl in KERNELS:
         for packed in (False, True):
             name = f"{impl}, {'packed' if packed else 'unpacked'}"
@@ -385,8 +389,6 @@ def main(argv: list[str] | None = None) -> int:
             f"attention {impl}: forward + backward at {shapes.time_seq} tokens",
             time_kernel, impl, shapes, on_gpu, args.repeats)
         save()
-    report["train"] = _section(f"train steps: {shapes.preset} at {shapes.step_seq} tokens",
-                               train_steps, shapes, args.steps, on_gpu)
     failed = [f"kernels: {k}" for k, v in report["kernels"].items() if v["status"] == "failed"]
     failed += [f"timing: {k}" for k, v in report["timing"].items() if v["status"] == "failed"]
     failed += ["train"] if report["train"]["status"] == "failed" else []
