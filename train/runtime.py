@@ -11,8 +11,9 @@
                      scripts/slurm_train.sbatch does), or each process gets one GPU.
                      runtime.platform: gpu stops with one line (ConfigError) when JAX has no GPU,
                      naming the pip extra to install; cpu keeps JAX off the GPUs. Where a GPU
-                     run is expected, train.gpu_defaults fills in XLA flags, the memory fraction
-                     and a compilation cache the user has not set, and says so on stdout.
+                     run is expected (and JAX is not imported yet), train.gpu_defaults fills in
+                     XLA flags, the memory fraction and a compilation cache the user has not
+                     set, and says so on stdout.
 """
 
 from __future__ import annotations
@@ -41,8 +42,11 @@ def _want_distributed(cfg: Config) -> bool:
 def configure(cfg: Config) -> None:
     platform = cfg.runtime.platform
     expect_gpu = platform == "gpu" or (platform == "auto" and _gpu_likely())
-    settings = gpu_defaults.apply_env(os.environ) if expect_gpu else None
-    if platform != "auto" and not os.environ.get("JAX_PLATFORMS") and "jax" not in sys.modules:
+    # XLA reads XLA_FLAGS once, as JAX starts: a process that imported JAX already (a notebook,
+    # tests) has made its choice, and a start-up line about flags set now would not be true
+    fresh = "jax" not in sys.modules
+    settings = gpu_defaults.apply_env(os.environ) if expect_gpu and fresh else None
+    if platform != "auto" and not os.environ.get("JAX_PLATFORMS") and fresh:
         # Named platforms make a failing CUDA backend an exception (caught below) instead of
         # JAX's multi-line warning and a silent fall back to the CPU; the CPU stays available.
         # (In a process that runs JAX already, its backends stay: select_devices picks.)
