@@ -191,7 +191,14 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Col
         total = sum(b for _, b in sizes)
         if kind == "reduce-scatter" and not operands:
             total *= n  # the result is one shard of the reduced buffer
-        found.append(Collective(kind, sizes[0][0], total, tuple(tuple(g) for g in groups),
+        # XLA's combiners may merge arrays of several dtypes into one collective (with the GPU
+        # defaults of train.gpu_defaults, a layer's s32 positions ride with its bf16 weights):
+        # it is named by the dtype that carries most of its bytes
+        by_dtype: dict[str, int] = defaultdict(int)
+        for dtype, b in sizes:
+            by_dtype[dtype] += b
+        dtype = max(by_dtype, key=lambda d: (by_dtype[d], d == sizes[0][0]))
+        found.append(Collective(kind, dtype, total, tuple(tuple(g) for g in groups),
                                 inst.executions))
     return found
 

@@ -51,7 +51,8 @@ GPUS = {
 CUDA_VERSION = (12, 8)
 CUDNN_VERSION = (9, 8)
 
-# JAX preallocates this share of GPU memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise.
+# JAX preallocates this share of GPU memory unless XLA_CLIENT_MEM_FRACTION (or the older
+# XLA_PYTHON_CLIENT_MEM_FRACTION) says otherwise.
 DEFAULT_MEM_FRACTION = 0.75
 
 
@@ -65,15 +66,18 @@ def get(name: str) -> Gpu:
 
 def memory_fraction() -> float:
     """The share of device memory JAX's allocator may use in this environment."""
-    raw = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-    if raw is None:
+    # jaxlib >= 0.10 reads XLA_CLIENT_MEM_FRACTION, and the older name when that one is unset
+    name = next((n for n in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+                 if os.environ.get(n)), None)
+    if name is None:
         return DEFAULT_MEM_FRACTION
+    raw = os.environ[name]
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={raw!r} is not a number") from None
+        raise ValueError(f"{name}={raw!r} is not a number") from None
     if not 0 < value <= 1:
-        raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={raw!r} must lie in (0, 1]")
+        raise ValueError(f"{name}={raw!r} must lie in (0, 1]")
     return value
 
 

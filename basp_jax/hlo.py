@@ -208,3 +208,32 @@ def attention_kernels(hlo_text: str) -> dict[str, dict]:
     if not found and other_attention_ops:
         found[KERNEL_XLA] = {"count": other_attention_ops, "targets": []}
     return found
+
+
+# Ops that do work on the device (as opposed to bitcasts, tuples, parameters, copies of views).
+_WORK_OPS = ("fusion", "custom-call", "convolution", "dot", "while", "call", "conditional")
+
+
+def overlapped_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """Of the async collectives of a scheduled (compiled GPU) program, per kind: how many start
+    pairs there are ("pairs") and how many have work scheduled between their start and done
+    ("overlapped"). The optimized HLO lists instructions in execution order; without XLA's
+    latency-hiding scheduler most dones follow their start at once, with it most enclose compute,
+    so this shows whether that scheduler ran. Counted per instruction, not per execution."""
+    module = Module(hlo_text)
+    out: dict[str, dict[str, int]] = {}
+    for insts in module.computations.values():
+        started: dict[str, tuple[int, str]] = {}
+        for i, (name, _, op, line) in enumerate(insts):
+            if op.endswith("-start") and op != "async-start":
+                started[name] = (i, op[: -len("-start")])
+            elif op.endswith("-done"):
+                args = line.split(f"{op}(", 1)[1]  # "%start)" or "(shape) %start)"
+                operand = re.search(r"%([\w.\-]+)", args) or re.match(r"\s*([\w.\-]+)", args)
+                if operand is None or operand.group(1) not in started:
+                    continue
+                begin, kind = started.pop(operand.group(1))
+                row = out.setdefault(kind, {"pairs": 0, "overlapped": 0})
+                row["pairs"] += 1
+                row["overlapped"] += any(o in _WORK_OPS for _, _, o, _ in insts[begin + 1:i])
+    return out

@@ -22,6 +22,10 @@
 #                            jax.distributed.initialize; default all visible ones, which
 #                            CUDA_VISIBLE_DEVICES can restrict). Every host must use as many.
 #   PYTHON                   optional: the interpreter, e.g. .venv/bin/python (default: python).
+#   NCCL_*                   InfiniBand between the hosts: NCCL_DEBUG=INFO on the first run (its
+#                            log must say NET/IB, not NET/Socket), NCCL_IB_HCA, NCCL_SOCKET_IFNAME,
+#                            NCCL_IB_GID_INDEX (RoCE): scripts/README.md says when; the same on
+#                            every host.
 # The three JAX_* variables are passed to train.py as runtime.distributed.* overrides, so the config
 # checks them (rank in range, all three set) before anything starts.
 set -euo pipefail

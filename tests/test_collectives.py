@@ -168,3 +168,28 @@ def test_stored_gpu_hlo_is_read_with_async_pairs_tuples_and_loops():
     kernels = hlo.attention_kernels(text)
     assert kernels[hlo.KERNEL_CUDNN]["targets"] == ["__cudnn$fmhaSoftmax"]
     assert kernels[hlo.KERNEL_LOOP]["count"] == 1  # the while from basp_jax/kernels.py
+
+
+def test_a_combined_collective_of_several_dtypes_is_named_by_its_bulk():
+    """XLA's combiner (train.gpu_defaults' thresholds) can gather a layer's s32 positions with
+    its bf16 weights in one op: the weights' dtype names it, all bytes count."""
+    line = ("%g = ((s32[4]{0}, bf16[2,8]{1,0}), (s32[16]{0}, bf16[8,8]{1,0})) all-gather-start("
+            "s32[4]{0} %p, bf16[2,8]{1,0} %w), replica_groups={{0,1,2,3}}, dimensions={0}")
+    (c,) = comm.parse_collectives(line)
+    assert (c.kind, c.dtype, c.bytes) == ("all-gather", "bf16", 16 * 4 + 64 * 2)
+
+
+def test_overlapped_collectives_sees_compute_between_start_and_done():
+    text = """
+ENTRY %main (p: bf16[8]) -> bf16[8] {
+  %p = bf16[8]{0} parameter(0)
+  %s1 = (bf16[8]{0}, bf16[8]{0}) all-to-all-start(bf16[8]{0} %p), replica_groups={{0,1}}
+  %d1 = bf16[8]{0} all-to-all-done((bf16[8]{0}, bf16[8]{0}) %s1)
+  %s2 = (bf16[8]{0}, bf16[32]{0}) all-gather-start(bf16[8]{0} %d1), replica_groups={{0,1,2,3}}
+  %f = bf16[8]{0} fusion(bf16[8]{0} %d1), kind=kLoop, calls=%fused
+  %d2 = bf16[32]{0} all-gather-done((bf16[8]{0}, bf16[32]{0}) %s2)
+  ROOT %r = bf16[8]{0} bitcast(bf16[8]{0} %f)
+}
+"""
+    assert hlo.overlapped_collectives(text) == {"all-to-all": {"pairs": 1, "overlapped": 0},
+                                                "all-gather": {"pairs": 1, "overlapped": 1}}

@@ -168,7 +168,7 @@ def test_gpu_config_runs_scaled_down(tmp_path):
         f"run.dir={tmp_path / 'r'}", "model.hf_path=null", "model.preset=tiny",
         f"data.path={tmp_path / 'train.npy'}", "data.eos_id=0", "data.seq_len=256",
         "train.steps=3", "optimizer.warmup_steps=1", "metrics.peak_flops=1e11",
-        "metrics.progress=false",
+        "metrics.progress=false", "runtime.platform=cpu", "runtime.cpu_devices=8",
     ])
     summary = run(cfg)
     assert len(summary["losses"]) == 3 and all(np.isfinite(summary["losses"]))

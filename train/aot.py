@@ -86,11 +86,16 @@ def install_plugin() -> str:
 
 
 def use_plugin() -> None:
-    """Make the CUDA plugin importable and keep JAX on the CPU (must run before `import jax`)."""
+    """Make the CUDA plugin importable and keep JAX on the CPU (must run before `import jax`).
+    The XLA flags and memory fraction a GPU run of the trainer sets (train.gpu_defaults) are set
+    here too, so the program compiled is the one a run would compile."""
     os.environ["JAX_PLATFORMS"] = "cpu"  # compile for the GPU topology; run nothing on a GPU
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no CUDA driver is needed
     if "jax" in sys.modules:
         raise RuntimeError("train.aot.use_plugin() must run before jax is imported")
+    from . import gpu_defaults
+
+    gpu_defaults.apply_env(os.environ)
     if not _plugin_installed_here():
         _add_plugin_folder()
     _start_jax()
@@ -186,6 +191,9 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False)
         "peak_bytes_per_device": (mem.argument_size_in_bytes + mem.temp_size_in_bytes
                                   + mem.output_size_in_bytes - mem.alias_size_in_bytes),
         "attention_kernels": hlo.attention_kernels(text),
+        # async collectives with compute between start and done: the latency-hiding scheduler's work
+        "overlapped_collectives": hlo.overlapped_collectives(text),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "collectives": collective_rows(collectives, layout.devices_per_host, mcfg.num_layers,
                                        cfg.train.grad_accum),
         "compile_s": compile_s,
@@ -246,6 +254,10 @@ def format_report(r: dict) -> str:
         lines.append("attention kernel: " + "; ".join(parts))
     else:
         lines.append("attention kernel: none found")
+    overlap = r["overlapped_collectives"]
+    pairs = sum(v["pairs"] for v in overlap.values())
+    lines.append(f"async collectives overlapping compute: {sum(v['overlapped'] for v in overlap.values())}"
+                 f" of {pairs} in the program text (XLA flags: train.gpu_defaults and XLA_FLAGS)")
     lines += ["", "collectives per step, bytes per device:",
               f"  {'kind':<20}{'dtype':<7}{'group':>6}{'count':>7}{'/layer':>8}{'MiB':>11}"
               f"{'wire MiB':>11}{'inter-host MiB':>16}"]

@@ -122,7 +122,11 @@ class DistributedConfig:
 
 @dataclasses.dataclass
 class RuntimeConfig:
-    cpu_devices: int = 0  # required: CPU devices (per process) to use when no accelerator exists
+    # auto: the GPUs when JAX has a CUDA backend that finds one, else cpu_devices emulated CPU
+    # devices; gpu: GPUs or stop with one line naming the pip extra to install (the configs in
+    # configs/gpu); cpu: the CPU even where GPUs are (emulating cpu_devices)
+    platform: Literal["auto", "cpu", "gpu"] = "auto"
+    cpu_devices: int = 0  # required unless platform=gpu: CPU devices (per process) to emulate
     devices: Optional[int] = None  # use the first N devices of all processes (null: all of them)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
@@ -400,10 +404,11 @@ def validate(cfg: Config) -> None:
             f"train.grad_accum must be a positive integer (1: no accumulation), "
             f"got {cfg.train.grad_accum}"
         )
-    if cfg.runtime.cpu_devices <= 0:
+    if cfg.runtime.cpu_devices <= 0 and not (cfg.runtime.platform == "gpu"
+                                             and cfg.runtime.cpu_devices == 0):
         raise ConfigError(
             f"runtime.cpu_devices must be a positive integer, got {cfg.runtime.cpu_devices} "
-            f"(CPU devices to emulate when no accelerator is present)"
+            f"(CPU devices to emulate when training on the CPU; runtime.platform=gpu needs none)"
         )
     if cfg.runtime.devices is not None and cfg.runtime.devices <= 0:
         raise ConfigError(

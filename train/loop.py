@@ -57,8 +57,12 @@ def model_config(cfg: Config) -> "models.ModelConfig":
 
 def select_devices(cfg: Config) -> list:
     """The devices to train on: all of them, or the first runtime.devices; on a single-process CPU
-    run at most runtime.cpu_devices."""
-    devices = jax.devices()
+    run at most runtime.cpu_devices. runtime.platform=cpu takes the CPU even beside GPUs; gpu
+    refuses a JAX without one."""
+    platform = cfg.runtime.platform
+    devices = jax.devices("cpu") if platform == "cpu" else jax.devices()
+    if platform == "gpu" and devices[0].platform != "gpu":
+        raise ConfigError(runtime.no_gpu_message(jax.__version__))
     want = cfg.runtime.cpu_devices
     if devices[0].platform == "cpu":
         local = jax.local_device_count()

@@ -9,13 +9,27 @@
                      Under such a launcher JAX assumes one process per GPU; with one process per
                      node set JAX_LOCAL_DEVICE_IDS to all of the node's GPUs (as
                      scripts/slurm_train.sbatch does), or each process gets one GPU.
+                     runtime.platform: gpu stops with one line (ConfigError) when JAX has no GPU,
+                     naming the pip extra to install; cpu keeps JAX off the GPUs. Where a GPU
+                     run is expected (and JAX is not imported yet), train.gpu_defaults fills in
+                     XLA flags, the memory fraction and a compilation cache the user has not
+                     set, and says so on stdout.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
+import sys
 
+from . import gpu_defaults
 from .config import Config, ConfigError
+
+CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")
+NVIDIA_DRIVER_VERSION = "/proc/driver/nvidia/version"
+# the oldest NVIDIA driver each of JAX's CUDA builds runs on (JAX's installation guide)
+MIN_DRIVER = {"cuda13": 580, "cuda12": 525}
 
 
 def _want_distributed(cfg: Config) -> bool:
@@ -26,19 +40,32 @@ def _want_distributed(cfg: Config) -> bool:
 
 
 def configure(cfg: Config) -> None:
+    platform = cfg.runtime.platform
+    expect_gpu = platform == "gpu" or (platform == "auto" and _gpu_likely())
+    # XLA reads XLA_FLAGS once, as JAX starts: a process that imported JAX already (a notebook,
+    # tests) has made its choice, and a start-up line about flags set now would not be true
+    fresh = "jax" not in sys.modules
+    settings = gpu_defaults.apply_env(os.environ) if expect_gpu and fresh else None
+    if platform != "auto" and not os.environ.get("JAX_PLATFORMS") and fresh:
+        # Named platforms make a failing CUDA backend an exception (caught below) instead of
+        # JAX's multi-line warning and a silent fall back to the CPU; the CPU stays available.
+        # (In a process that runs JAX already, its backends stay: select_devices picks.)
+        os.environ["JAX_PLATFORMS"] = "cpu" if platform == "cpu" else "cuda,cpu"
     n = cfg.runtime.cpu_devices
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        # older jax reads only the XLA flag; it is harmless when jax_num_cpu_devices is honoured
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    if platform != "gpu":
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            # older jax reads only the XLA flag; harmless when jax_num_cpu_devices is honoured
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     import jax
 
-    current = getattr(jax.config, "jax_num_cpu_devices", -1)
-    try:
-        if current is None or current < n:  # a caller that already asked for more keeps them
-            jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError:
-        pass  # backends already up (e.g. in-process tests); loop.run checks the device count
+    if platform != "gpu":
+        current = getattr(jax.config, "jax_num_cpu_devices", -1)
+        try:
+            if current is None or current < n:  # a caller that already asked for more keeps them
+                jax.config.update("jax_num_cpu_devices", n)
+        except RuntimeError:
+            pass  # backends already up (e.g. in-process tests); loop.run checks the device count
     if _want_distributed(cfg) and not jax.distributed.is_initialized():
         dist = cfg.runtime.distributed
         num_processes = dist.num_processes if dist.num_processes is not None \
@@ -56,6 +83,64 @@ def configure(cfg: Config) -> None:
                 "runtime.distributed.coordinator, num_processes and process_id (or "
                 "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID), run under SLURM or "
                 "Open MPI, or set runtime.distributed.enabled=false") from None
+    if platform == "gpu":
+        try:
+            on_gpu = jax.devices()[0].platform == "gpu"
+            detail = None
+        except RuntimeError as e:  # the CUDA backend failed to start
+            on_gpu, detail = False, " ".join(str(e).split())[:240]
+        if not on_gpu:
+            raise ConfigError(no_gpu_message(jax.__version__, detail))
+    if settings is not None and jax.devices()[0].platform == "gpu":
+        cache = gpu_defaults.enable_compilation_cache()
+        if jax.process_index() == 0:
+            print(gpu_defaults.describe(*settings, *cache), flush=True)
+
+
+def _gpu_likely() -> bool:
+    """Before JAX starts: a CUDA build of JAX and a visible NVIDIA GPU (what JAX itself checks)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (any(importlib.util.find_spec(p) for p in CUDA_PLUGINS)
+            and os.path.exists(NVIDIA_DRIVER_VERSION) and visible not in ("", "-1"))
+
+
+def driver_version(path: str = NVIDIA_DRIVER_VERSION) -> str | None:
+    """The NVIDIA kernel driver's version, e.g. '550.54.15'; None without a driver."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    found = re.search(r"Kernel Module.*?\s(\d{3,}\.\d+(?:\.\d+)?)\s", text)
+    return found.group(1) if found else None
+
+
+def install_advice(driver: str | None) -> str:
+    """Which extra of this project installs the CUDA build of JAX that this machine's driver runs."""
+    both = (f'pip install -e ".[cuda13]" (NVIDIA driver >= {MIN_DRIVER["cuda13"]}) or '
+            f'".[cuda12]" (driver >= {MIN_DRIVER["cuda12"]})')
+    if driver is None:
+        return f"this machine has no NVIDIA driver ({NVIDIA_DRIVER_VERSION} is missing); on a GPU host: {both}"
+    major = int(driver.split(".")[0])
+    for extra, minimum in MIN_DRIVER.items():
+        if major >= minimum:
+            return f'NVIDIA driver {driver} found: pip install -e ".[{extra}]"'
+    return (f"NVIDIA driver {driver} is older than JAX's CUDA 12 build needs "
+            f"({MIN_DRIVER['cuda12']}); update the driver, then {both}")
+
+
+def no_gpu_message(jax_version: str, detail: str | None = None,
+                   driver_path: str = NVIDIA_DRIVER_VERSION) -> str:
+    """The one line for runtime.platform=gpu on a JAX without a GPU."""
+    plugins = [p for p in CUDA_PLUGINS if importlib.util.find_spec(p)]
+    if detail:
+        what = f"JAX {jax_version}'s CUDA backend failed to start ({detail})"
+    elif plugins:
+        what = f"JAX {jax_version} ({plugins[0]}) found no visible GPU"
+    else:
+        what = f"JAX {jax_version} is the CPU-only build (no CUDA plugin)"
+    return (f"runtime.platform=gpu but {what}; {install_advice(driver_version(driver_path))}; "
+            "or train on the CPU with runtime.platform=cpu runtime.cpu_devices=N")
 
 
 def _env_int(name: str, minimum: int) -> int | None:
