@@ -1,0 +1,149 @@
+"""Metrics writers beside metrics.jsonl: TensorBoard event files in {run.dir}/tb and, when
+metrics.wandb_project is set, Weights & Biases. Only process 0 writes.
+
+    check(cfg, is_writer)                        # before compiling: the libraries import
+    writers = Writers(cfg, run_dir, start_step=start, is_writer=is_writer, devices=devices)
+    writers.write(record)                        # each metrics.jsonl record, after the logger
+    writers.close()
+
+A step writes every number of its metrics.jsonl record, as train/KEY (eval_KEY as eval/KEY), plus
+the memory in use on this process's devices (device.memory_stats(); the CPU backend has none) and
+percentiles of the last STEP_WINDOW step times. View with `tensorboard --logdir RUN_DIR/tb`.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import secrets
+import sys
+from typing import Any
+
+import jax
+import numpy as np
+
+from .config import Config, ConfigError, to_dict
+
+STEP_WINDOW = 100  # step times the percentiles cover
+PERCENTILES = (50, 90, 99)
+WANDB_ID_FILE = "wandb_id"  # in run.dir: a resumed run goes on logging to the same W&B run
+
+
+def tag(key: str) -> str:
+    """The TensorBoard / W&B name of a metrics.jsonl key."""
+    return f"eval/{key[len('eval_'):]}" if key.startswith("eval_") else f"train/{key}"
+
+
+def _import_tensorboardx():
+    """tensorboardX, imported without torch: its writer imports torch when installed (3-4 s and
+    much memory) only to accept torch tensors, and we pass floats."""
+    if "torch" in sys.modules:
+        import tensorboardX
+        return tensorboardX
+    sys.modules["torch"] = None  # `import torch` raises ImportError while this entry is None
+    try:
+        import tensorboardX
+    finally:
+        del sys.modules["torch"]
+    return tensorboardX
+
+
+def check(cfg: Config, is_writer: bool) -> None:
+    """The writers the config asks for can be made: one line each, before anything compiles."""
+    if not is_writer:
+        return
+    if cfg.metrics.tensorboard:
+        try:
+            _import_tensorboardx()
+        except ImportError as e:
+            raise ConfigError(f"metrics.tensorboard=true needs tensorboardX ({e}); "
+                              "pip install tensorboardX or set metrics.tensorboard=false") from None
+    if cfg.metrics.wandb_project:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"metrics.wandb_project={cfg.metrics.wandb_project} but wandb is not "
+                              "installed; pip install wandb or set metrics.wandb_project=null"
+                              ) from None
+
+
+def memory_in_use(devices) -> dict[str, float]:
+    """GiB in use and at peak on the busiest of these devices, where the backend reports it."""
+    in_use, peak = [], []
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:  # noqa: BLE001 (a backend without the call)
+            stats = None
+        if stats:
+            in_use.append(stats.get("bytes_in_use", 0))
+            peak.append(stats.get("peak_bytes_in_use", 0))
+    if not in_use:
+        return {}
+    return {"memory/in_use_gib": max(in_use) / 2**30, "memory/peak_gib": max(peak) / 2**30}
+
+
+class Writers:
+    """TensorBoard and W&B writers of the per-step records (no-ops on other processes)."""
+
+    def __init__(self, cfg: Config, run_dir: str, *, start_step: int, is_writer: bool,
+                 devices=()):
+        self.tb = None
+        self.wandb = None
+        self.devices = [d for d in devices if d.process_index == jax.process_index()]
+        self.step_times = collections.deque(maxlen=STEP_WINDOW)
+        if not is_writer:
+            return
+        if cfg.metrics.tensorboard:
+            tbx = _import_tensorboardx()
+            # purge_step: on resume, TensorBoard hides the events of steps after the checkpoint
+            # that an earlier invocation wrote, as metrics.jsonl drops their lines
+            self.tb = tbx.SummaryWriter(os.path.join(run_dir, "tb"), flush_secs=30,
+                                        purge_step=start_step + 1 if start_step else None)
+        if cfg.metrics.wandb_project:
+            import wandb
+
+            id_path = os.path.join(run_dir, WANDB_ID_FILE)
+            if os.path.isfile(id_path):
+                with open(id_path) as f:
+                    run_id = f.read().strip()
+            else:
+                run_id = secrets.token_hex(4)
+                with open(id_path, "w") as f:
+                    f.write(run_id + "\n")
+            self.wandb = wandb.init(project=cfg.metrics.wandb_project,
+                                    name=os.path.basename(run_dir), id=run_id, resume="allow",
+                                    dir=run_dir, config=to_dict(cfg))
+
+    def scalars(self, record: dict[str, Any]) -> dict[str, float]:
+        """The tagged numbers of one record, with memory and step-time percentiles."""
+        out = {}
+        for key, value in record.items():
+            if key == "step" or value is None or isinstance(value, str):
+                continue
+            out[tag(key)] = float(value)
+        if isinstance(record.get("step_time_s"), (int, float)):
+            self.step_times.append(record["step_time_s"])
+            for q, v in zip(PERCENTILES, np.percentile(self.step_times, PERCENTILES)):
+                out[f"perf/step_time_p{q}_s"] = float(v)
+        out.update(memory_in_use(self.devices))
+        return out
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.tb is None and self.wandb is None:
+            return
+        step = int(record["step"])
+        scalars = self.scalars(record)
+        if self.tb is not None:
+            for name, value in scalars.items():
+                self.tb.add_scalar(name, value, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
