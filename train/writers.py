@@ -98,8 +98,11 @@ class Writers:
             tbx = _import_tensorboardx()
             # purge_step: on resume, TensorBoard hides the events of steps after the checkpoint
             # that an earlier invocation wrote, as metrics.jsonl drops their lines
+            # (the suffix: event files are named by the second, and a file of the same name
+            # would be overwritten by a resume within that second)
             self.tb = tbx.SummaryWriter(os.path.join(run_dir, "tb"), flush_secs=30,
-                                        purge_step=start_step + 1 if start_step else None)
+                                        purge_step=start_step + 1 if start_step else None,
+                                        filename_suffix=f".from-step-{start_step}")
         if cfg.metrics.wandb_project:
             import wandb
 
