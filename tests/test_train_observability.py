@@ -270,3 +270,27 @@ def test_missing_eval_file_or_wandb_stop_before_anything_is_written(tmp_path):
         with pytest.raises(ConfigError, match="metrics.wandb_project=p but wandb is not installed"):
             run(tiny_config(run_dir, "metrics.wandb_project=p"))
     assert not run_dir.exists()
+
+
+def test_a_file_where_tb_goes_stops_the_run_before_it_writes(tmp_path):
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / "tb").write_text("not a directory")
+    with pytest.raises(ConfigError, match=r"/r/tb is not a directory .*; move it out of run.dir$"):
+        run(tiny_config(run_dir))
+    assert sorted(p.name for p in run_dir.iterdir()) == ["tb"]
+
+
+def test_held_out_synthetic_rows_are_fixed_and_never_trained_on(tmp_path):
+    from train.data import Pipeline
+
+    cfg = tiny_config(tmp_path / "r", "eval.every=1")
+    kwargs = dict(vocab_size=256, grad_accum=2, microbatch=4, seed=0)
+    train, held_out = Pipeline(cfg.data, **kwargs), Pipeline(cfg.data, held_out=True, **kwargs)
+    rows = np.arange(8)
+    evaluated = held_out.rows(0, rows)["tokens"]
+    np.testing.assert_array_equal(evaluated, Pipeline(cfg.data, held_out=True, **kwargs)
+                                  .rows(0, rows)["tokens"])
+    assert np.array_equal(train.source.table, held_out.source.table)  # the same chain
+    trained = {tuple(r) for step in range(50) for r in train.rows(step, rows)["tokens"]}
+    assert not any(tuple(r) in trained for r in evaluated)

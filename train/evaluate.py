@@ -84,7 +84,7 @@ class Evaluator:
         self.step_fn = make_eval_step(parts, program) if data is not None else None
         self.compiled = None
         self.batch = None
-        self.compiles = 0
+        self.compile_s = None  # the first evaluation's compile time, reported once
 
     def due(self, step: int) -> bool:
         """Whether to evaluate after `step` (1-based): every eval.every steps and after the last."""
@@ -97,9 +97,10 @@ class Evaluator:
         if self.batch is None:
             self.batch = self.data.global_batch(0, self.program.batch_sharding)
         if self.compiled is None:
+            t = time.perf_counter()
             with jax.set_mesh(mesh):
                 self.compiled = self.step_fn.lower(params, self.batch).compile()
-            self.compiles += 1
+            self.compile_s = time.perf_counter() - t
         return time.perf_counter(), self.compiled(params, self.batch)
 
     def finish(self, pending) -> dict:
@@ -115,7 +116,9 @@ class Evaluator:
         """Evaluate `params` now; `log` gets one line for the console."""
         result = self.finish(self.start(params))
         if log is not None:
+            compiled = "" if self.compile_s is None else f"; compiled in {self.compile_s:.1f}s"
+            self.compile_s = None
             log(f"step {step}: eval loss {result['eval_loss']:.4f}, perplexity "
                 f"{result['eval_perplexity']:.2f} ({result['eval_tokens']:,} tokens, "
-                f"{result['eval_time_s']:.2f}s)")
+                f"{result['eval_time_s']:.2f}s{compiled})")
         return result

@@ -49,9 +49,15 @@ def _import_tensorboardx():
 
 
 def check(cfg: Config, is_writer: bool) -> None:
-    """The writers the config asks for can be made: one line each, before anything compiles."""
+    """The writers (and the profiler) the config asks for can be made: one line each, before
+    anything compiles or is written."""
     if not is_writer:
         return
+    for name, wanted in (("tb", cfg.metrics.tensorboard), ("profile", cfg.profile.steps > 0)):
+        path = os.path.join(os.path.abspath(cfg.run.dir), name)
+        if wanted and os.path.lexists(path) and not os.path.isdir(path):
+            raise ConfigError(f"{path} is not a directory (the trainer writes one there); move it "
+                              "out of run.dir")
     if cfg.metrics.tensorboard:
         try:
             _import_tensorboardx()
