@@ -214,6 +214,27 @@ def test_a_resumed_run_replaces_the_tensorboard_steps_after_its_checkpoint(tmp_p
     assert Writers(cfg, str(tmp_path), start_step=0, is_writer=False).tb is None  # process > 0
 
 
+def test_a_full_disk_under_tensorboard_raises_at_that_step_naming_the_file(tmp_path, monkeypatch):
+    """The event file is written in the trainer's thread, so ENOSPC reaches the trainer's
+    one-line disk error (not a dead writer thread, after which writes would block)."""
+    import builtins
+    import errno
+
+    from tensorboardX import record_writer
+
+    from train.writers import TensorBoardFile
+
+    # every byte written to the event file goes to /dev/full
+    monkeypatch.setattr(record_writer, "open", lambda path, mode: builtins.open("/dev/full", mode),
+                        raising=False)
+    tb = TensorBoardFile(str(tmp_path / "tb"), start_step=0)
+    with pytest.raises(OSError) as e:
+        tb.write(1, {"train/loss": 1.0})
+    assert e.value.errno == errno.ENOSPC and e.value.filename == tb.path
+    assert tb.path.startswith(str(tmp_path / "tb" / "events.out.tfevents."))
+    tb.close()  # nothing pending is lost: it does not raise again
+
+
 def test_memory_in_use_reads_the_devices_that_report_it():
     class Device:
         def __init__(self, stats):

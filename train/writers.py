@@ -17,6 +17,7 @@ import collections
 import os
 import secrets
 import sys
+import time
 from typing import Any
 
 import jax
@@ -89,6 +90,53 @@ def memory_in_use(devices) -> dict[str, float]:
     return {"memory/in_use_gib": max(in_use) / 2**30, "memory/peak_gib": max(peak) / 2**30}
 
 
+class TensorBoardFile:
+    """One event file, written in the caller's thread and flushed every step: a full disk raises
+    OSError at the step that hit it (the trainer's one-line error) instead of killing a writer
+    thread, after which tensorboardX's SummaryWriter blocks once its queue is full."""
+
+    def __init__(self, directory: str, start_step: int):
+        _import_tensorboardx()
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.summary import scalar
+
+        self.Event, self.scalar = Event, scalar
+        os.makedirs(directory, exist_ok=True)
+        # File names carry the second they were made in; the suffix keeps a resume within that
+        # second from overwriting the file before it.
+        self.events = EventsWriter(os.path.join(directory, "events"), f".from-step-{start_step}")
+        self.path = self.events._file_name
+        if start_step:
+            # A session start at step start+1: TensorBoard drops the events of later steps that
+            # an earlier invocation wrote, as metrics.jsonl drops their lines (SummaryWriter's
+            # purge_step does the same).
+            self._guard(lambda: self.events.write_event(Event(
+                step=start_step + 1, wall_time=time.time(),
+                session_log=SessionLog(status=SessionLog.START))))
+
+    def _guard(self, write) -> None:
+        try:
+            write()
+        except OSError as e:  # name the file (a buffered write's error has no filename)
+            raise OSError(e.errno, e.strerror, self.path) from e
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        def write():
+            for name, value in scalars.items():
+                self.events.write_event(self.Event(step=step, wall_time=time.time(),
+                                                   summary=self.scalar(name, value)))
+            self.events.flush()
+
+        self._guard(write)
+
+    def close(self) -> None:
+        try:
+            self.events.close()
+        except OSError:
+            pass  # every step was flushed already: nothing is lost
+
+
 class Writers:
     """TensorBoard and W&B writers of the per-step records (no-ops on other processes)."""
 
@@ -101,14 +149,7 @@ class Writers:
         if not is_writer:
             return
         if cfg.metrics.tensorboard:
-            tbx = _import_tensorboardx()
-            # purge_step: on resume, TensorBoard hides the events of steps after the checkpoint
-            # that an earlier invocation wrote, as metrics.jsonl drops their lines
-            # (the suffix: event files are named by the second, and a file of the same name
-            # would be overwritten by a resume within that second)
-            self.tb = tbx.SummaryWriter(os.path.join(run_dir, "tb"), flush_secs=30,
-                                        purge_step=start_step + 1 if start_step else None,
-                                        filename_suffix=f".from-step-{start_step}")
+            self.tb = TensorBoardFile(os.path.join(run_dir, "tb"), start_step)
         if cfg.metrics.wandb_project:
             import wandb
 
@@ -144,8 +185,7 @@ class Writers:
         step = int(record["step"])
         scalars = self.scalars(record)
         if self.tb is not None:
-            for name, value in scalars.items():
-                self.tb.add_scalar(name, value, step)
+            self.tb.write(step, scalars)
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
 
