@@ -4,6 +4,8 @@
     evaluator = Evaluator(cfg, program, parts, data)          # program: train.program.TrainProgram
     if evaluator.due(step):
         record.update(evaluator.run(params))                  # eval_loss, eval_perplexity, ...
+    # a loop that reads step k's metrics after dispatching step k+1: pending = start(params)
+    # before that dispatch (it donates params), finish(pending) when step k's record is made
 
 The eval step is built like the train step, from the same micro-loss (train.step.make_micro_loss:
 layout, shardings, token order, chunked loss), without gradients: jit(eval_step)(params, batch)

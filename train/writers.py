@@ -14,6 +14,7 @@ percentiles of the last STEP_WINDOW step times. View with `tensorboard --logdir 
 from __future__ import annotations
 
 import collections
+import numbers
 import os
 import secrets
 import sys
@@ -106,7 +107,7 @@ class TensorBoardFile:
         # File names carry the second they were made in; the suffix keeps a resume within that
         # second from overwriting the file before it.
         self.events = EventsWriter(os.path.join(directory, "events"), f".from-step-{start_step}")
-        self.path = self.events._file_name
+        self.path = getattr(self.events, "_file_name", directory)  # for error messages
         if start_step:
             # A session start at step start+1: TensorBoard drops the events of later steps that
             # an earlier invocation wrote, as metrics.jsonl drops their lines (SummaryWriter's
@@ -169,10 +170,9 @@ class Writers:
         """The tagged numbers of one record, with memory and step-time percentiles."""
         out = {}
         for key, value in record.items():
-            if key == "step" or value is None or isinstance(value, str):
-                continue
-            out[tag(key)] = float(value)
-        if isinstance(record.get("step_time_s"), (int, float)):
+            if key != "step" and isinstance(value, numbers.Real):  # (None: e.g. mfu on CPU)
+                out[tag(key)] = float(value)
+        if isinstance(record.get("step_time_s"), numbers.Real):
             self.step_times.append(record["step_time_s"])
             for q, v in zip(PERCENTILES, np.percentile(self.step_times, PERCENTILES)):
                 out[f"perf/step_time_p{q}_s"] = float(v)
