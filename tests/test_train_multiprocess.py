@@ -29,8 +29,8 @@ def _free_port() -> int:
 @pytest.mark.parametrize("mode", ["basp", "ulysses"])
 def test_two_processes_match_one(tmp_path, mode):
     """basp: each process holds whole rows (its group); ulysses: half of every row's sequence."""
-    reference = run(tiny_config(tmp_path / "single", "train.microbatch_size=2", "train.grad_accum=2",
-                                "eval.every=5"))
+    reference = run(tiny_config(tmp_path / "single", "train.microbatch_size=2",
+                                "train.grad_accum=2", "eval.every=5"))
 
     run_dir = tmp_path / "multi"
     procs = _launch(
