@@ -30,7 +30,8 @@ from .data import DataError, Pipeline
 from .step import make_micro_loss
 
 
-def eval_data(cfg: Config, vocab_size: int, *, pad_rows: int = 0, seq_order=None) -> Pipeline | None:
+def eval_data(cfg: Config, vocab_size: int, *, pad_rows: int = 0,
+              seq_order=None) -> Pipeline | None:
     """The held-out rows (eval.path read as data.source says, or held-out synthetic rows), checked
     now, before anything compiles; None when evaluation is off."""
     if cfg.eval.every == 0:
