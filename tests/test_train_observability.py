@@ -87,7 +87,7 @@ def observed(tmp_path_factory):
 def numbers(line):
     """The numeric entries of a metrics.jsonl line (bools as 0/1), without the step."""
     return {k: float(v) for k, v in line.items()
-            if k != "step" and isinstance(v, (int, float)) and v is not None}
+            if k != "step" and isinstance(v, (int, float))}
 
 
 def tb_name(key):
