@@ -211,6 +211,12 @@ def test_a_resumed_run_replaces_the_tensorboard_steps_after_its_checkpoint(tmp_p
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [
         (1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+    fresh = Writers(cfg, str(tmp_path), start_step=0, is_writer=True)  # a new run, same run.dir
+    fresh.write({"step": 1, "loss": 7.0})
+    fresh.close()
+    acc = ea.EventAccumulator(str(tmp_path / "tb"), size_guidance={ea.SCALARS: 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 7.0)]
     assert Writers(cfg, str(tmp_path), start_step=0, is_writer=False).tb is None  # process > 0
 
 

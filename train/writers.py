@@ -104,17 +104,18 @@ class TensorBoardFile:
 
         self.Event, self.scalar = Event, scalar
         os.makedirs(directory, exist_ok=True)
-        # File names carry the second they were made in; the suffix keeps a resume within that
-        # second from overwriting the file before it.
-        self.events = EventsWriter(os.path.join(directory, "events"), f".from-step-{start_step}")
+        # File names carry the second they were made in; the suffix (nanoseconds) keeps a file
+        # made within the same second from overwriting the one before, and sorts after it, as
+        # TensorBoard reads them.
+        self.events = EventsWriter(os.path.join(directory, "events"),
+                                   f".{time.time_ns()}.from-step-{start_step}")
         self.path = getattr(self.events, "_file_name", directory)  # for error messages
-        if start_step:
-            # A session start at step start+1: TensorBoard drops the events of later steps that
-            # an earlier invocation wrote, as metrics.jsonl drops their lines (SummaryWriter's
-            # purge_step does the same).
-            self._guard(lambda: self.events.write_event(Event(
-                step=start_step + 1, wall_time=time.time(),
-                session_log=SessionLog(status=SessionLog.START))))
+        # A session start at step start+1: TensorBoard drops the events of later steps that an
+        # earlier invocation wrote (a resumed run, or a fresh one in an old run.dir), as
+        # metrics.jsonl drops their lines (SummaryWriter's purge_step does the same).
+        self._guard(lambda: self.events.write_event(Event(
+            step=start_step + 1, wall_time=time.time(),
+            session_log=SessionLog(status=SessionLog.START))))
 
     def _guard(self, write) -> None:
         try:
