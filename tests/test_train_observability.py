@@ -220,6 +220,19 @@ def test_a_resumed_run_replaces_the_tensorboard_steps_after_its_checkpoint(tmp_p
     assert Writers(cfg, str(tmp_path), start_step=0, is_writer=False).tb is None  # process > 0
 
 
+def test_a_resumed_run_goes_on_in_the_same_wandb_run_a_fresh_one_starts_another(tmp_path):
+    cfg = tiny_config(tmp_path / "r", "metrics.wandb_project=p", "metrics.tensorboard=false")
+    ids = []
+    with pytest.MonkeyPatch.context() as mp:
+        wandb = FakeWandb()
+        mp.setitem(sys.modules, "wandb", wandb)
+        for start in (0, 3, 0, 5):
+            Writers(cfg, str(tmp_path), start_step=start, is_writer=True).close()
+            ids.append(wandb.calls[-2][1]["id"])
+    assert ids[0] == ids[1] != ids[2] == ids[3]
+    assert not (tmp_path / "tb").exists()
+
+
 def test_a_full_disk_under_tensorboard_raises_at_that_step_naming_the_file(tmp_path, monkeypatch):
     """The event file is written in the trainer's thread, so ENOSPC reaches the trainer's
     one-line disk error (not a dead writer thread, after which writes would block)."""

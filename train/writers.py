@@ -156,10 +156,10 @@ class Writers:
             import wandb
 
             id_path = os.path.join(run_dir, WANDB_ID_FILE)
-            if os.path.isfile(id_path):
+            if start_step and os.path.isfile(id_path):  # resumed: the same W&B run goes on
                 with open(id_path) as f:
                     run_id = f.read().strip()
-            else:
+            else:  # a fresh run (even in an old run.dir) is a new W&B run
                 run_id = secrets.token_hex(4)
                 with open(id_path, "w") as f:
                     f.write(run_id + "\n")
