@@ -67,14 +67,16 @@ def _seq_to_heads(x, sp):
     """[b, s/sp, h, d] sequence shard -> [b, s, h/sp, d] head shard (whole sequence)."""
     if sp == 1:
         return x
-    return name_exchange(lax.all_to_all(x, SEQ, split_axis=2, concat_axis=1, tiled=True))
+    with jax.named_scope("seq_to_heads"):  # named scopes: what a profiler trace calls the ops
+        return name_exchange(lax.all_to_all(x, SEQ, split_axis=2, concat_axis=1, tiled=True))
 
 
 def _heads_to_seq(x, sp):
     """Inverse of _seq_to_heads."""
     if sp == 1:
         return x
-    return name_exchange(lax.all_to_all(x, SEQ, split_axis=1, concat_axis=2, tiled=True))
+    with jax.named_scope("heads_to_seq"):
+        return name_exchange(lax.all_to_all(x, SEQ, split_axis=1, concat_axis=2, tiled=True))
 
 
 def attention(
@@ -130,13 +132,15 @@ def attention(
         if copies > 1:
             k, v = jnp.repeat(k, copies, axis=2), jnp.repeat(v, copies, axis=2)
         if ring > 1:
-            return ring_local_attention(q, k, v, seg, sp=sp, ring=ring, causal=causal,
-                                        block_size=block_size, zigzag=zigzag)
+            with jax.named_scope("ring_attention"):
+                return ring_local_attention(q, k, v, seg, sp=sp, ring=ring, causal=causal,
+                                            block_size=block_size, zigzag=zigzag)
         q, k, v = (_seq_to_heads(x, sp) for x in (q, k, v))
         if seg is not None and sp > 1:
             seg = lax.all_gather(seg, SEQ, axis=1, tiled=True)  # small ints, never activations
             seg = name_exchange(seg)
-        out = kernel(q, k, v, causal=causal, segment_ids=seg, **kernel_kwargs)
+        with jax.named_scope("attention_kernel"):
+            out = kernel(q, k, v, causal=causal, segment_ids=seg, **kernel_kwargs)
         return _heads_to_seq(out, sp)
 
     seg_spec = None if segment_ids is None else ACTIVATION_SPEC

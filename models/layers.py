@@ -151,7 +151,8 @@ def local_attention(q, k, v, *, segment_ids, impl: str):
     """Single-device attention through the basp_jax kernels (no mesh, no all-to-all)."""
     platform = jax.devices()[0].platform
     name = basp_kernels.resolve_impl(impl, q, q.shape[1], platform, segment_ids is not None)
-    return basp_kernels.KERNELS[name](q, k, v, causal=True, segment_ids=segment_ids)
+    with jax.named_scope("attention_kernel"):  # as basp_jax.attention names it
+        return basp_kernels.KERNELS[name](q, k, v, causal=True, segment_ids=segment_ids)
 
 
 class Attention(nnx.Module):

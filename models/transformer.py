@@ -52,9 +52,12 @@ class Block(nnx.Module):
         self.mesh = mesh
 
     def __call__(self, x, positions, segment_ids):
-        x = x + self.self_attn(self.input_layernorm(x), positions, segment_ids)
+        # named scopes: a profiler trace (train.profiling) shows each op under its part
+        with jax.named_scope("attention"):
+            x = x + self.self_attn(self.input_layernorm(x), positions, segment_ids)
         x = constrain(x, self.mesh)
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        with jax.named_scope("mlp"):
+            x = x + self.mlp(self.post_attention_layernorm(x))
         return constrain(x, self.mesh)
 
     def decode(self, x, index, cache_k, cache_v):
@@ -232,8 +235,9 @@ class Transformer(nnx.Module):
         else:
             weight, project = self.lm_head.kernel[...], _project_untied
         project = functools.partial(project, dtype=self.dtype)
-        return chunked_lm_loss(hidden, targets, project, weight, loss_fn, mesh=self.mesh,
-                               chunk_tokens=chunk_tokens)
+        with jax.named_scope("loss"):
+            return chunked_lm_loss(hidden, targets, project, weight, loss_fn, mesh=self.mesh,
+                                   chunk_tokens=chunk_tokens)
 
 
 def _project_tied(x, weight, *, dtype):  # weight [vocab, embed], as Embed.attend

@@ -73,7 +73,8 @@ def _keys(cls, prefix=""):
 def test_every_config_key_in_the_readme_exists():
     keys = set(_keys(config.Config))
     mentioned = set(re.findall(r"\b((?:run|model|data|train|optimizer|parallel|checkpoint|metrics|"
-                               r"runtime)\.[a-z_.]+[a-z_])=", README))  # as in key=value overrides
+                               r"runtime|eval|profile)\.[a-z_.]+[a-z_])=",
+                               README))  # as in key=value overrides
     assert len(mentioned) > 10
     unknown = sorted(k for k in mentioned if k not in keys)
     assert not unknown, f"README names config keys that do not exist: {unknown}"

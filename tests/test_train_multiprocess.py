@@ -29,13 +29,15 @@ def _free_port() -> int:
 @pytest.mark.parametrize("mode", ["basp", "ulysses"])
 def test_two_processes_match_one(tmp_path, mode):
     """basp: each process holds whole rows (its group); ulysses: half of every row's sequence."""
-    reference = run(tiny_config(tmp_path / "single", "train.microbatch_size=2", "train.grad_accum=2"))
+    reference = run(tiny_config(tmp_path / "single", "train.microbatch_size=2",
+                                "train.grad_accum=2", "eval.every=5"))
 
     run_dir = tmp_path / "multi"
     procs = _launch(
         run_dir, "train.grad_accum=2", f"parallel.mode={mode}",
         # a tight watchdog: no false alarm while compiling, exporting or finishing unevenly
         "runtime.distributed.peer_timeout_s=5", f"checkpoint.export_hf={tmp_path / 'hf'}",
+        "eval.every=5",  # each process builds its own rows of the held-out batch
     )
     outputs = []
     try:
@@ -52,7 +54,11 @@ def test_two_processes_match_one(tmp_path, mode):
     lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [l["loss"] for l in lines]
     np.testing.assert_allclose(losses, reference["losses"], rtol=2e-5)
+    single = (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()
+    single = [json.loads(line) for line in single]
+    assert lines[-1]["eval_loss"] == pytest.approx(single[-1]["eval_loss"], rel=2e-5)
     assert (run_dir / "checkpoints" / "5").is_dir()
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))  # written by process 0
 
 
 def _launch(run_dir, *extra, per_process=((), ())) -> list[subprocess.Popen]:

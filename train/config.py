@@ -107,6 +107,27 @@ class MetricsConfig:
     peak_flops: Optional[float] = None  # peak FLOP/s of one device, for mfu
     device: Optional[str] = None  # or a preset: a100, h100, h200 (bf16 dense); null: from device kind
     progress: bool = True  # tqdm bar on the console
+    # TensorBoard event files in {run.dir}/tb: the metrics.jsonl scalars, eval loss, memory in
+    # use and step-time percentiles
+    tensorboard: bool = True
+    # Weights & Biases project to log the same scalars to (needs `pip install wandb`); null: off
+    wandb_project: Optional[str] = None
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    every: int = 0  # evaluate every k steps and after the last one (0: no evaluation)
+    batches: int = 1  # held-out microbatches (of train.microbatch_size rows) per evaluation
+    # held-out data read as data.source says (tokens: .bin/.npy of data.dtype; text/jsonl:
+    # tokenized with data.tokenizer), consecutive windows from its start; null with synthetic
+    # data: rows of the same Markov chain that no training step draws
+    path: Optional[str] = None
+
+
+@dataclasses.dataclass
+class ProfileConfig:
+    steps: int = 0  # trace this many steps with jax.profiler into {run.dir}/profile (0: off)
+    start_step: int = 3  # the first traced step (1-based, as metrics.jsonl counts steps)
 
 
 @dataclasses.dataclass
@@ -141,6 +162,8 @@ class Config:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
 
 
@@ -507,6 +530,8 @@ def validate(cfg: Config) -> None:
             f"{', '.join(PEAK_FLOPS)} or set metrics.peak_flops"
         )
 
+    _validate_eval_and_profile(cfg)
+
     dist = cfg.runtime.distributed
     if dist.peer_timeout_s != 0 and dist.peer_timeout_s < MIN_PEER_TIMEOUT_S:
         raise ConfigError(
@@ -527,6 +552,37 @@ def validate(cfg: Config) -> None:
             f"runtime.distributed.process_id={dist.process_id} must lie in "
             f"[0, num_processes={dist.num_processes})"
         )
+
+
+def _validate_eval_and_profile(cfg: Config) -> None:
+    ev, d = cfg.eval, cfg.data
+    if ev.every < 0:
+        raise ConfigError(f"eval.every must be >= 0 (0: no evaluation), got {ev.every}")
+    if ev.batches <= 0:
+        raise ConfigError(f"eval.batches must be a positive integer, got {ev.batches}")
+    if ev.path is not None:
+        if ev.every == 0:
+            raise ConfigError("eval.path is set but eval.every=0 never evaluates; set eval.every "
+                              "(e.g. 100) or drop eval.path")
+        if d.source == "synthetic":
+            raise ConfigError("eval.path is read as data.source says, and synthetic data has no "
+                              "files; drop eval.path (held-out synthetic rows) or use "
+                              "data.source=tokens, text or jsonl")
+        if d.source == "tokens" and not ev.path.endswith((".bin", ".npy")):
+            raise ConfigError(f"eval.path {ev.path!r}: token files must end in .bin or .npy "
+                              "(data.source=tokens)")
+    elif ev.every > 0 and d.source != "synthetic":
+        raise ConfigError(f"eval.every={ev.every} needs eval.path: held-out data in the format of "
+                          f"data.source={d.source}")
+    pr = cfg.profile
+    if pr.steps < 0:
+        raise ConfigError(f"profile.steps must be >= 0 (0: no trace), got {pr.steps}")
+    if pr.start_step < 1:
+        raise ConfigError(f"profile.start_step must be >= 1 (steps count from 1), got "
+                          f"{pr.start_step}")
+    if pr.steps and pr.start_step > cfg.train.steps:
+        raise ConfigError(f"profile.start_step={pr.start_step} is beyond train.steps="
+                          f"{cfg.train.steps}: nothing would be traced; lower it")
 
 
 # seeds key numpy's and JAX's generators: a non-negative 32-bit integer fits both everywhere

@@ -33,6 +33,9 @@ class DataError(ValueError):
     """Data that cannot be used as configured; the message is one line."""
 
 
+HELD_OUT = 0xE7A1  # the extra key of held-out synthetic rows (Pipeline(held_out=True))
+
+
 def _rng(*keys: int) -> np.random.Generator:
     return np.random.default_rng([int(k) for k in keys])
 
@@ -40,7 +43,7 @@ def _rng(*keys: int) -> np.random.Generator:
 class MarkovSource:
     """Rows walked on a fixed random Markov chain; each token has `branching` likely successors."""
 
-    def __init__(self, vocab_size: int, branching: int, seed: int):
+    def __init__(self, vocab_size: int, branching: int, seed: int, held_out: bool = False):
         branching = min(branching, vocab_size)
         table_rng = _rng(seed, 0x5EED)
         self.table = np.stack(
@@ -51,11 +54,14 @@ class MarkovSource:
         self.entropy = float(-(self.probs * np.log(self.probs)).sum())
         self.vocab_size = vocab_size
         self.seed = seed
+        # held-out rows come from streams keyed (seed, step, row, HELD_OUT): no training row uses
+        # a 4-element key, so they never coincide with one
+        self.tag = (HELD_OUT,) if held_out else ()
 
     def rows(self, step: int, row_ids: np.ndarray, length: int) -> np.ndarray:
         out = np.empty((len(row_ids), length), dtype=np.int64)
         for i, r in enumerate(row_ids):
-            rng = _rng(self.seed, step, r)
+            rng = _rng(self.seed, step, r, *self.tag)
             choice = rng.choice(len(self.probs), size=length - 1, p=self.probs)
             tok = int(rng.integers(self.vocab_size))
             out[i, 0] = tok
@@ -68,11 +74,15 @@ class MarkovSource:
 class StreamSource:
     """Windows of one long token stream at offsets drawn from (seed, step)."""
 
-    def __init__(self, stream: np.ndarray, seed: int, num_rows: int, name: str):
+    def __init__(self, stream: np.ndarray, seed: int, num_rows: int, name: str,
+                 sequential: bool = False):
         self.stream = stream
         self.seed = seed
         self.num_rows = num_rows
         self.name = name
+        # held-out evaluation: consecutive windows from the start of the file, so every evaluation
+        # sees the same tokens, each once
+        self.sequential = sequential
 
     def rows(self, step: int, row_ids: np.ndarray, length: int) -> np.ndarray:
         n = len(self.stream)
@@ -80,7 +90,15 @@ class StreamSource:
             raise DataError(
                 f"{self.name} holds {n} tokens, fewer than one row of seq_len+1={length}"
             )
-        offsets = _rng(self.seed, step).integers(0, n - length + 1, size=self.num_rows)
+        if self.sequential:
+            offsets = (step * self.num_rows + np.arange(self.num_rows)) * (length - 1)
+            if offsets[-1] + length > n:
+                raise DataError(
+                    f"{self.name} holds {n} tokens, fewer than the {offsets[-1] + length} that "
+                    f"{self.num_rows} consecutive rows of seq_len={length - 1} need; use a longer "
+                    "file or fewer rows (eval.batches)")
+        else:
+            offsets = _rng(self.seed, step).integers(0, n - length + 1, size=self.num_rows)
         out = np.stack([np.asarray(self.stream[o : o + length]) for o in offsets[row_ids]])
         return out.astype(np.int64)
 
@@ -230,10 +248,13 @@ def checked_sidecar(path: str, cfg: DataConfig, vocab_size: int) -> dict | None:
 
 
 class Pipeline:
-    """Builds the rows of each step for this process; `global_batch` places them on the mesh."""
+    """Builds the rows of each step for this process; `global_batch` places them on the mesh.
+
+    held_out=True gives evaluation rows (train.evaluate): consecutive windows from the start of a
+    file, or synthetic rows no training step draws."""
 
     def __init__(self, cfg: DataConfig, *, vocab_size: int, grad_accum: int, microbatch: int,
-                 seed: int, pad_rows: int = 0, seq_order=None):
+                 seed: int, pad_rows: int = 0, seq_order=None, held_out: bool = False):
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.accum = grad_accum
@@ -254,19 +275,19 @@ class Pipeline:
                 f"data.eos_id={cfg.eos_id} is not below the model's vocab_size={vocab_size}"
             )
         if cfg.source == "synthetic":
-            self.source = MarkovSource(vocab_size, cfg.branching, seed)
+            self.source = MarkovSource(vocab_size, cfg.branching, seed, held_out)
             self.name = f"synthetic Markov chain (branching {cfg.branching})"
         elif cfg.source == "tokens":
             sidecar = checked_sidecar(cfg.path, cfg, vocab_size)
             stream = _load_token_file(cfg.path, cfg.dtype)
             if sidecar is None:  # no record of its ids: scan them all
                 _check_ids(stream, vocab_size, cfg.path)
-            self.source = StreamSource(stream, seed, self.num_rows, cfg.path)
+            self.source = StreamSource(stream, seed, self.num_rows, cfg.path, held_out)
             self.name = f"{cfg.path} ({len(stream):,} tokens{', checked sidecar' if sidecar else ''})"
         else:
             stream = _tokenize(cfg, vocab_size)
             _check_ids(stream, vocab_size, f"{cfg.path} tokenized with {cfg.tokenizer}")
-            self.source = StreamSource(stream, seed, self.num_rows, cfg.path)
+            self.source = StreamSource(stream, seed, self.num_rows, cfg.path, held_out)
             self.name = f"{cfg.path} ({len(stream):,} tokens after tokenization)"
         # Fail now, not at step 0 of a compiled run, when the stream is too short.
         self.rows(0, np.arange(1))

@@ -21,6 +21,7 @@ import models
 from basp_jax import Layout, comm
 
 from . import planning, runtime
+from . import evaluate, profiling, writers
 from .checkpoint import (Checkpointer, abstract_tree, checkpoint_dir, complete_steps,
                          inspect_latest, storage_error)
 from .config import Config, ConfigError, _coerce, to_yaml, yaml_load
@@ -349,6 +350,7 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: "RunDirLock | None") -> 
         models.check_pretrained(cfg.model.hf_path, mcfg)  # tensor names and shapes, headers only
     devices = select_devices(cfg)
     check_kernel(cfg, devices[0].platform)
+    writers.check(cfg, is_writer)
     per_host = cfg.parallel.devices_per_host or len(devices) // jax.process_count()
     run_plan = plan_run(cfg, mcfg, devices, per_host)
     layout, strategy, mesh, seq_order = (run_plan.layout, run_plan.strategy, run_plan.mesh,
@@ -363,6 +365,8 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: "RunDirLock | None") -> 
         pad_rows=layout.batch - cfg.train.microbatch_size,
         seq_order=seq_order,
     )
+    eval_data = evaluate.eval_data(cfg, mcfg.vocab_size, seq_order=seq_order,  # None: no eval
+                                   pad_rows=layout.batch - cfg.train.microbatch_size)
     dtype, param_dtype = DTYPES[cfg.model.dtype], DTYPES[cfg.model.param_dtype]
     tx, _ = make_optimizer(cfg.optimizer, cfg.train.steps)  # its state's structure, for inspection
     latest = None
@@ -457,7 +461,12 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: "RunDirLock | None") -> 
     wall0 = time.perf_counter()
     step_times = []
     stop = StopRequest()
+    writer = None
+    profiler = profiling.Profiler(cfg, run_dir, is_writer=is_writer, log=logger.message)
+    evaluator = evaluate.Evaluator(cfg, program, parts, eval_data)
     try:
+        writer = writers.Writers(cfg, run_dir, start_step=start, is_writer=is_writer,
+                                 devices=devices)
         with stop:  # to the end: a signal while saving or exporting waits for them
             with jax.set_mesh(mesh):
                 end = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
@@ -479,12 +488,14 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: "RunDirLock | None") -> 
                             f"compiled the train step in {time.perf_counter() - t:.1f}s; per step: "
                             + described
                         )
+                    profiler.before_step(step + 1)
                     t0 = time.perf_counter()
                     params, opt_state, metrics = compiled(params, opt_state, batch, step_arr)
                     if step + 1 < end:  # build the next batch while the device runs this step
                         batch = data.global_batch(step + 1, batch_sharding)
                     metrics = jax.device_get(metrics)
                     dt = time.perf_counter() - t0
+                    profiler.after_step(step + 1, (params, opt_state))
                     step_times.append(dt)
                     loss = float(metrics["loss"])
                     losses.append(loss)
@@ -501,7 +512,10 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: "RunDirLock | None") -> 
                     }
                     finite = bool(metrics["finite"])
                     record["skipped"] = not finite
+                    if evaluator.due(step + 1):  # before the next step donates params
+                        record.update(evaluator.run(params, log=logger.message, step=step + 1))
                     logger.log(record)
+                    writer.write(record)
                     if not finite:
                         if math.isfinite(loss) and math.isfinite(record["grad_norm"]):
                             what = (f"the update (loss {loss}, grad norm {record['grad_norm']}) "
@@ -537,6 +551,9 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: "RunDirLock | None") -> 
                 export_hf(parts.module(params), export_dir, run_dir, is_writer)
                 logger.message(f"exported Hugging Face weights to {export_dir}")
     finally:
+        profiler.close()
+        if writer is not None:
+            writer.close()
         ckpt.close()
         logger.close()
 

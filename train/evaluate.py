@@ -1,0 +1,127 @@
+"""Held-out evaluation: loss and perplexity of the current parameters on the same batches each time.
+
+    data = eval_data(cfg, vocab_size, pad_rows, seq_order)   # None when eval.every == 0
+    evaluator = Evaluator(cfg, program, parts, data)          # program: train.program.TrainProgram
+    if evaluator.due(step):
+        record.update(evaluator.run(params))                  # eval_loss, eval_perplexity, ...
+    # a loop that reads step k's metrics after dispatching step k+1: pending = start(params)
+    # before that dispatch (it donates params), finish(pending) when step k's record is made
+
+The eval step is built like the train step, from the same micro-loss (train.step.make_micro_loss:
+layout, shardings, token order, chunked loss), without gradients: jit(eval_step)(params, batch)
+sums the loss and the token count over eval.batches microbatches under lax.scan. It is compiled
+once, at the first evaluation, and its batch is built once and kept on the devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import models
+
+from .config import Config
+from .data import DataError, Pipeline
+from .step import make_micro_loss
+
+
+def eval_data(cfg: Config, vocab_size: int, *, pad_rows: int = 0,
+              seq_order=None) -> Pipeline | None:
+    """The held-out rows (eval.path read as data.source says, or held-out synthetic rows), checked
+    now, before anything compiles; None when evaluation is off."""
+    if cfg.eval.every == 0:
+        return None
+    dcfg = cfg.data if cfg.eval.path is None else dataclasses.replace(cfg.data, path=cfg.eval.path)
+    try:
+        return Pipeline(dcfg, vocab_size=vocab_size, grad_accum=cfg.eval.batches,
+                        microbatch=cfg.train.microbatch_size, seed=cfg.run.seed,
+                        pad_rows=pad_rows, seq_order=seq_order, held_out=True)
+    except DataError as e:
+        raise DataError(f"eval: {e}") from None
+
+
+def make_eval_step(parts, program, *, loss_fn=models.causal_lm_loss):
+    """jit(eval_step)(params, batch) -> {"loss_sum", "tokens"} (replicated float32 scalars), with
+    the train step's parameter and batch shardings."""
+    mesh = program.plan.mesh
+    micro_loss = make_micro_loss(parts, loss_fn, program.plan.seq_order)
+    packed = program.packed
+
+    def eval_step(params, batch):
+        def body(carry, micro):
+            loss, n = micro_loss(params, micro["tokens"], micro["targets"],
+                                 micro["segment_ids"] if packed else None)
+            return (carry[0] + loss, carry[1] + n), None
+
+        zero = jnp.zeros((), jnp.float32)
+        (total, count), _ = jax.lax.scan(body, (zero, zero), batch)
+        return {"loss_sum": total, "tokens": count}
+
+    names = ("tokens", "targets") + (("segment_ids",) if packed else ())
+    return jax.jit(eval_step,
+                   in_shardings=(program.param_shardings,
+                                 {n: program.batch_sharding for n in names}),
+                   out_shardings=NamedSharding(mesh, P()))
+
+
+def perplexity(loss: float) -> float:
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
+class Evaluator:
+    """Runs the eval step when eval.every says; compiles it once."""
+
+    def __init__(self, cfg: Config, program, parts, data: Pipeline | None):
+        self.every = cfg.eval.every
+        self.last = cfg.train.steps
+        self.data = data
+        self.program = program
+        self.step_fn = make_eval_step(parts, program) if data is not None else None
+        self.compiled = None
+        self.batch = None
+        self.compile_s = None  # the first evaluation's compile time, reported once
+
+    def due(self, step: int) -> bool:
+        """Whether to evaluate after `step` (1-based): every eval.every steps and after the last."""
+        return self.data is not None and (step % self.every == 0 or step == self.last)
+
+    def start(self, params):
+        """Dispatch an evaluation of `params` (asynchronous). Call it before the next train step,
+        which donates them."""
+        mesh = self.program.plan.mesh
+        if self.batch is None:
+            self.batch = self.data.global_batch(0, self.program.batch_sharding)
+        if self.compiled is None:
+            t = time.perf_counter()
+            with jax.set_mesh(mesh):
+                self.compiled = self.step_fn.lower(params, self.batch).compile()
+            self.compile_s = time.perf_counter() - t
+        return time.perf_counter(), self.compiled(params, self.batch)
+
+    def finish(self, pending) -> dict:
+        """The metrics of a started evaluation (waits for it)."""
+        t0, out = pending
+        out = jax.device_get(out)
+        count = float(out["tokens"])
+        loss = float(out["loss_sum"]) / max(count, 1.0)
+        return {"eval_loss": loss, "eval_perplexity": perplexity(loss),
+                "eval_tokens": int(count), "eval_time_s": time.perf_counter() - t0}
+
+    def run(self, params, *, log=None, step: int | None = None) -> dict:
+        """Evaluate `params` now; `log` gets one line for the console."""
+        result = self.finish(self.start(params))
+        if log is not None:
+            compiled = "" if self.compile_s is None else f"; compiled in {self.compile_s:.1f}s"
+            self.compile_s = None
+            log(f"step {step}: eval loss {result['eval_loss']:.4f}, perplexity "
+                f"{result['eval_perplexity']:.2f} ({result['eval_tokens']:,} tokens, "
+                f"{result['eval_time_s']:.2f}s{compiled})")
+        return result
