@@ -55,7 +55,7 @@ def test_tokenize_and_generate_commands_parse():
 
     for prefix, parser, count in (("python -m train.tokenize", tokenize._parser, 1),
                                   ("python -m models.generate", generate._parser, 2)):
-        commands = _commands(prefix)
+        commands = [c for c in _commands(prefix) if len(c) > 3]  # not prose naming the module
         assert len(commands) == count, prefix
         for cmd in commands:
             parser().parse_args(cmd[3:])  # exits (SystemExit) on an unknown flag
