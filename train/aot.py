@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import fcntl
 import importlib.metadata
 import importlib.util
 import json
@@ -75,10 +76,15 @@ def install_plugin() -> str:
     version = _jaxlib_version()
     target = plugin_dir()
     packages = [f"jax-cuda12-plugin=={version}", f"jax-cuda12-pjrt=={version}", CUDNN_REQUIREMENT]
-    print(f"installing {', '.join(packages)} into {target}", flush=True)
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade",
-           "--target", target, *packages]
-    done = subprocess.run(cmd)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    # Two installs at once (parallel test workers, two shells) would interleave pip's writes into
+    # one folder: the second waits for the first, then installs over a complete copy.
+    with open(target + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        print(f"installing {', '.join(packages)} into {target}", flush=True)
+        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade",
+               "--target", target, *packages]
+        done = subprocess.run(cmd)
     if done.returncode:
         raise AotError(f"pip could not install {' '.join(packages)} (exit {done.returncode}); "
                        "see its output above")
