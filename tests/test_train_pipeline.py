@@ -1,12 +1,14 @@
 """The step loop keeps the devices busy: step k's metrics are read after step k+1 is dispatched,
-the step counter stays on the devices, step_time_s includes the host's time."""
+the step counter stays on the devices, step_time_s includes the host's time, MFU counts causal
+attention."""
 
 import json
 
 import jax
+import pytest
 
 from train import metrics as metrics_module, program
-from train.loop import run
+from train.loop import model_config, run
 
 from train_helpers import tiny_config
 
@@ -69,7 +71,8 @@ def test_metrics_are_read_one_step_late_and_step_time_includes_host_time(tmp_pat
     monkeypatch.setattr(metrics_module.MetricsLogger, "log", slow_log)
 
     steps = 6
-    cfg = tiny_config(tmp_path / "run", f"train.steps={steps}", "checkpoint.save_final=false")
+    cfg = tiny_config(tmp_path / "run", f"train.steps={steps}", "checkpoint.save_final=false",
+                      "metrics.peak_flops=1e11")
     summary = run(cfg)
     assert len(summary["losses"]) == steps and placed == [0]
 
@@ -86,3 +89,10 @@ def test_metrics_are_read_one_step_late_and_step_time_includes_host_time(tmp_pat
     # from step end to step end: the host's logging is in every step after the first
     assert all(r["step_time_s"] >= SLOW_HOST_S for r in records[1:]), records
     assert sum(r["step_time_s"] for r in records) <= summary["wall_s"]
+
+    # MFU: 6N plus the causal half of the attention scores, against the configured peak
+    mcfg = model_config(cfg)
+    per_token = mcfg.flops_per_token(cfg.data.seq_len, causal=True)
+    assert per_token < mcfg.flops_per_token(cfg.data.seq_len)
+    for r in records:
+        assert r["mfu"] == pytest.approx(per_token * r["tokens_per_s"] / (1e11 * 8), rel=1e-9)

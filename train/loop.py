@@ -305,6 +305,7 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: "RunDirLock | None") -> 
         models.check_pretrained(cfg.model.hf_path, mcfg)  # tensor names and shapes, headers only
     devices = select_devices(cfg)
     check_kernel(cfg, devices[0].platform)
+    peak, peak_source = peak_flops(cfg.metrics, getattr(devices[0], "device_kind", None))
     per_host = cfg.parallel.devices_per_host or len(devices) // jax.process_count()
     run_plan = plan_run(cfg, mcfg, devices, per_host)
     layout, strategy, mesh, seq_order = (run_plan.layout, run_plan.strategy, run_plan.mesh,
@@ -406,8 +407,10 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: "RunDirLock | None") -> 
 
     losses: list[float] = []
     tokens_per_step = cfg.train.grad_accum * cfg.train.microbatch_size * cfg.data.seq_len
-    flops_per_token = mcfg.flops_per_token(cfg.data.seq_len)
-    peak = peak_flops(cfg.metrics, getattr(devices[0], "device_kind", None))
+    # MaxText's and Megatron's count: a causal kernel computes half of the S x S scores
+    flops_per_token = mcfg.flops_per_token(cfg.data.seq_len, causal=True)
+    logger.message(f"mfu: {flops_per_token / 1e9:.4g} GFLOP per token (6N + causal attention) "
+                   f"against {peak_source}" if peak else f"mfu: {peak_source}")
     compiled = None
     collectives = []
     wall0 = time.perf_counter()
