@@ -4,11 +4,13 @@
     gpus.target_config("h100-80gb")               # XLA's GpuTargetConfig text proto, for
                                                   # compiling without a GPU (train.aot)
     gpus.usable_memory_bytes(gpus.GPUS["a100-40gb"])   # what JAX may take of it
+    gpus.by_device_kind("NVIDIA H100 PCIe").peak_bf16_flops   # for MFU (None: not in the table)
 
 The planner (basp_jax.cost), the compile-for-GPU command (train.aot) and the trainer's peak FLOP/s
-read this table, so a GPU's memory and speed are written once. Memory sizes are the totals the
-CUDA driver reports (a little less than the marketing GB); peak FLOP/s are dense bf16 without
-sparsity (NVIDIA's data sheets).
+(MFU) read this table, so a GPU's memory and speed are written once. Every GPU has its exact
+device kind and peak; the compile targets (TARGETS) also have what XLA needs to compile for
+them. Memory sizes are the totals the CUDA driver reports (a little less than the marketing GB);
+peak FLOP/s are dense bf16 without sparsity (NVIDIA's data sheets).
 """
 
 from __future__ import annotations
@@ -20,32 +22,56 @@ import os
 @dataclasses.dataclass(frozen=True)
 class Gpu:
     name: str  # the key: a100-40gb, ...
-    device_kind: str  # what jax.Device.device_kind says on this GPU
-    compute_capability: tuple[int, int]
-    memory_bytes: int  # total device memory as the driver reports it
-    peak_bf16_flops: float  # dense
-    memory_bandwidth: float  # bytes/s
-    sm_count: int
-    clock_ghz: float  # boost clock
-    l2_cache_bytes: int
-    fp32_cores_per_sm: int
-    shared_memory_per_sm: int
-    shared_memory_per_block_optin: int
+    device_kind: str  # exactly what jax.Device.device_kind says on this GPU
+    peak_bf16_flops: float  # dense (half the data sheet's "with sparsity" figure)
+    # What compiling for it without one needs (compile targets only; None for the others)
+    compute_capability: tuple[int, int] | None = None
+    memory_bytes: int | None = None  # total device memory as the driver reports it
+    memory_bandwidth: float | None = None  # bytes/s
+    sm_count: int | None = None
+    clock_ghz: float | None = None  # boost clock
+    l2_cache_bytes: int | None = None
+    fp32_cores_per_sm: int | None = None
+    shared_memory_per_sm: int | None = None
+    shared_memory_per_block_optin: int | None = None
+
+    @property
+    def is_target(self) -> bool:
+        """Whether the table holds what compiling for it needs (train.aot, the planner)."""
+        return self.sm_count is not None
 
 
+def _target(name, device_kind, cc, memory_bytes, peak, bandwidth, sms, clock, l2, fp32, smem,
+            optin) -> Gpu:
+    return Gpu(name, device_kind, peak, cc, memory_bytes, bandwidth, sms, clock, l2, fp32, smem,
+               optin)
+
+
+# Peaks: NVIDIA's data sheets (A100; H100 SXM/PCIe/NVL, whose H800 and H200 siblings have the same
+# Tensor Core peak as the H100 of their form factor; HGX B200).
 GPUS = {
     g.name: g
     for g in (
-        Gpu("a100-40gb", "NVIDIA A100-SXM4-40GB", (8, 0), 42_505_273_344, 312e12, 1.555e12,
-            108, 1.41, 40 * 2**20, 64, 167_936, 166_912),
-        Gpu("a100-80gb", "NVIDIA A100-SXM4-80GB", (8, 0), 85_198_045_184, 312e12, 2.039e12,
-            108, 1.41, 40 * 2**20, 64, 167_936, 166_912),
-        Gpu("h100-80gb", "NVIDIA H100 80GB HBM3", (9, 0), 84_929_347_584, 989e12, 3.35e12,
-            132, 1.98, 50 * 2**20, 128, 233_472, 232_448),
-        Gpu("h200-141gb", "NVIDIA H200", (9, 0), 150_754_820_096, 989e12, 4.8e12,
-            132, 1.98, 50 * 2**20, 128, 233_472, 232_448),
+        _target("a100-40gb", "NVIDIA A100-SXM4-40GB", (8, 0), 42_505_273_344, 312e12, 1.555e12,
+                108, 1.41, 40 * 2**20, 64, 167_936, 166_912),
+        _target("a100-80gb", "NVIDIA A100-SXM4-80GB", (8, 0), 85_198_045_184, 312e12, 2.039e12,
+                108, 1.41, 40 * 2**20, 64, 167_936, 166_912),
+        _target("h100-80gb", "NVIDIA H100 80GB HBM3", (9, 0), 84_929_347_584, 989e12, 3.35e12,
+                132, 1.98, 50 * 2**20, 128, 233_472, 232_448),
+        _target("h200-141gb", "NVIDIA H200", (9, 0), 150_754_820_096, 989e12, 4.8e12,
+                132, 1.98, 50 * 2**20, 128, 233_472, 232_448),
+        # peak FLOP/s only (MFU), not compile targets
+        Gpu("a100-40gb-pcie", "NVIDIA A100-PCIE-40GB", 312e12),
+        Gpu("a100-80gb-pcie", "NVIDIA A100 80GB PCIe", 312e12),
+        Gpu("h100-pcie", "NVIDIA H100 PCIe", 756e12),
+        Gpu("h100-nvl", "NVIDIA H100 NVL", 835e12),
+        Gpu("h800", "NVIDIA H800", 989e12),
+        Gpu("h200-nvl", "NVIDIA H200 NVL", 835e12),
+        Gpu("b200", "NVIDIA B200", 2250e12),
     )
 }
+TARGETS = {name: g for name, g in GPUS.items() if g.is_target}  # what train.aot compiles for
+_BY_KIND = {g.device_kind: g for g in GPUS.values()}
 
 # The CUDA runtime and cuDNN versions the compiled program assumes (XLA picks kernels by them).
 CUDA_VERSION = (12, 8)
@@ -57,11 +83,17 @@ DEFAULT_MEM_FRACTION = 0.75
 
 
 def get(name: str) -> Gpu:
-    """The GPU called `name`, or a ValueError listing the known ones."""
+    """The compile target called `name`, or a ValueError listing them."""
     try:
-        return GPUS[name]
+        return TARGETS[name]
     except KeyError:
-        raise ValueError(f"unknown GPU {name!r}; use one of {', '.join(GPUS)}") from None
+        raise ValueError(f"unknown GPU {name!r}; use one of {', '.join(TARGETS)}") from None
+
+
+def by_device_kind(device_kind: str) -> Gpu | None:
+    """The GPU whose jax device_kind is exactly `device_kind`, or None (a substring match would
+    give an H100 PCIe the SXM peak)."""
+    return _BY_KIND.get(device_kind)
 
 
 def memory_fraction() -> float:

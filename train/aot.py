@@ -365,8 +365,8 @@ def resolve_cluster(cfg, args) -> tuple[str, int, int]:
     from basp_jax import gpus
 
     target = args.target or cfg.parallel.hardware
-    if target not in gpus.GPUS:
-        raise AotError(f"unknown target {target!r}; use --target with one of {', '.join(gpus.GPUS)}")
+    if target not in gpus.TARGETS:
+        raise AotError(f"unknown target {target!r}; use --target with one of {', '.join(gpus.TARGETS)}")
     per_host = args.gpus_per_host or cfg.parallel.devices_per_host or 8
     if per_host <= 0:
         raise AotError(f"--gpus-per-host must be positive, got {per_host}")

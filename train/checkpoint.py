@@ -201,6 +201,10 @@ class Checkpointer:
             self.directory, options=options, item_names=ITEMS
         )
 
+    def due(self, step: int) -> bool:
+        """Whether save(step) would save without force (the interval, or orbax's first save)."""
+        return step not in self.manager.all_steps() and self.manager.should_save(step)
+
     def save(self, step: int, params, opt_state, meta: dict[str, Any], *, force: bool = False) -> bool:
         """Save after `step` completed steps when the interval says so (or `force`)."""
         if step in self.manager.all_steps():

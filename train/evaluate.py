@@ -106,18 +106,16 @@ class Evaluator:
             self.compile_s = time.perf_counter() - t
         return time.perf_counter(), self.compiled(params, self.batch)
 
-    def finish(self, pending) -> dict:
-        """The metrics of a started evaluation (waits for it)."""
+    def finish(self, pending, *, log=None, step: int | None = None) -> dict:
+        """The metrics of a started evaluation (waits for it); `log` gets one console line.
+        eval_time_s runs from start to here: in the trainer, which reads a step's results after
+        dispatching the next, it includes that train step (and the first evaluation's compile)."""
         t0, out = pending
         out = jax.device_get(out)
         count = float(out["tokens"])
         loss = float(out["loss_sum"]) / max(count, 1.0)
-        return {"eval_loss": loss, "eval_perplexity": perplexity(loss),
-                "eval_tokens": int(count), "eval_time_s": time.perf_counter() - t0}
-
-    def run(self, params, *, log=None, step: int | None = None) -> dict:
-        """Evaluate `params` now; `log` gets one line for the console."""
-        result = self.finish(self.start(params))
+        result = {"eval_loss": loss, "eval_perplexity": perplexity(loss),
+                  "eval_tokens": int(count), "eval_time_s": time.perf_counter() - t0}
         if log is not None:
             compiled = "" if self.compile_s is None else f"; compiled in {self.compile_s:.1f}s"
             self.compile_s = None
@@ -125,3 +123,7 @@ class Evaluator:
                 f"{result['eval_perplexity']:.2f} ({result['eval_tokens']:,} tokens, "
                 f"{result['eval_time_s']:.2f}s{compiled})")
         return result
+
+    def run(self, params, *, log=None, step: int | None = None) -> dict:
+        """Evaluate `params` now; `log` gets one line for the console."""
+        return self.finish(self.start(params), log=log, step=step)

@@ -6,9 +6,7 @@ import dataclasses
 import math
 import os
 import re
-import signal
 import sys
-import threading
 import time
 import typing
 from typing import Any
@@ -30,6 +28,7 @@ from .lock import RunDirLock, check_free
 from .metrics import MetricsLogger, peak_flops
 from .peers import PeerWatchdog
 from .program import build_program, model_factory, plan_run
+from .stop import StopRequest
 from .step import DTYPES, build_model, from_module, init_opt_state, make_optimizer
 
 
@@ -213,45 +212,6 @@ def check_finite_weights(params, source: str) -> None:
                     "(re-download or re-export it)")
 
 
-class StopRequest:
-    """SIGINT/SIGTERM while training: remember it, let the current step finish, then checkpoint
-    and leave the loop (instead of dying mid-step). Handlers are installed only in the main
-    thread and restored on exit."""
-
-    def __init__(self):
-        self.requested: str | None = None  # the signal this process received
-        self.stopped = False  # all processes agreed to stop
-        self._previous = {}
-
-    def agreed(self) -> bool:
-        """Whether to stop after this step. In a multi-process run every process must stop after
-        the same step (the checkpoint save is collective, and a process that left early would
-        strand the others in the next step's collectives), yet a scheduler's signals reach the
-        processes at different moments: so they exchange their flags once per step (a few bytes
-        between hosts) and stop together when any of them was signalled."""
-        flag = self.requested is not None
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            flag = bool(np.any(multihost_utils.process_allgather(np.array(flag))))
-        self.stopped = flag
-        return flag
-
-    def _handle(self, signum, frame):
-        self.requested = signal.Signals(signum).name
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        return False
-
-
 class NonFiniteError(RuntimeError):
     """The loss or gradients became NaN/Inf and the config says to stop."""
 
@@ -351,6 +311,7 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: "RunDirLock | None") -> 
     devices = select_devices(cfg)
     check_kernel(cfg, devices[0].platform)
     writers.check(cfg, is_writer)
+    peak, peak_source = peak_flops(cfg.metrics, getattr(devices[0], "device_kind", None))
     per_host = cfg.parallel.devices_per_host or len(devices) // jax.process_count()
     run_plan = plan_run(cfg, mcfg, devices, per_host)
     layout, strategy, mesh, seq_order = (run_plan.layout, run_plan.strategy, run_plan.mesh,
@@ -454,8 +415,10 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: "RunDirLock | None") -> 
 
     losses: list[float] = []
     tokens_per_step = cfg.train.grad_accum * cfg.train.microbatch_size * cfg.data.seq_len
-    flops_per_token = mcfg.flops_per_token(cfg.data.seq_len)
-    peak = peak_flops(cfg.metrics, getattr(devices[0], "device_kind", None))
+    # MaxText's and Megatron's count: a causal kernel computes half of the S x S scores
+    flops_per_token = mcfg.flops_per_token(cfg.data.seq_len, causal=True)
+    logger.message(f"mfu: {flops_per_token / 1e9:.4g} GFLOP per token (6N + causal attention) "
+                   f"against {peak_source}" if peak else f"mfu: {peak_source}")
     compiled = None
     collectives = []
     wall0 = time.perf_counter()
@@ -464,6 +427,53 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: "RunDirLock | None") -> 
     writer = None
     profiler = profiling.Profiler(cfg, run_dir, is_writer=is_writer, log=logger.message)
     evaluator = evaluate.Evaluator(cfg, program, parts, eval_data)
+
+    def finish(step: int, metrics, evaluation, last_end: float) -> float:
+        """Read step `step`'s metrics (waiting for it to end) and its evaluation's (None: none
+        started), log them, apply the non-finite policy; returns when it was seen to end.
+        step_time_s runs from the previous step's end, so it includes any time the host kept the
+        devices waiting."""
+        metrics = jax.device_get(metrics)
+        ended = time.perf_counter()
+        dt = ended - last_end
+        step_times.append(dt)
+        loss = float(metrics["loss"])
+        losses.append(loss)
+        tps = tokens_per_step / dt
+        record = {
+            "step": step + 1,
+            "loss": loss,
+            "grad_norm": float(metrics["grad_norm"]),
+            "lr": float(metrics["lr"]),
+            "tokens_per_s": tps,
+            "step_time_s": dt,
+            "loss_tokens": int(metrics["tokens"]),  # targets that count (not masked)
+            "mfu": (flops_per_token * tps / (peak * len(devices))) if peak else None,
+        }
+        finite = bool(metrics["finite"])
+        record["skipped"] = not finite
+        if evaluation is not None:
+            record.update(evaluator.finish(evaluation, log=logger.message, step=step + 1))
+        logger.log(record)
+        writer.write(record)
+        if not finite:
+            if math.isfinite(loss) and math.isfinite(record["grad_norm"]):
+                what = (f"the update (loss {loss}, grad norm {record['grad_norm']}) "
+                        "made the parameters or optimizer state non-finite")
+            else:
+                what = f"loss {loss} / grad norm {record['grad_norm']} is not finite"
+            message = f"step {step + 1}: {what}; the parameters were left unchanged"
+            if cfg.train.on_nonfinite == "stop":
+                ckpt.wait()  # an async save of an earlier step completes first
+                saved = complete_steps(ckpt.directory)
+                where = (f"the last checkpoint (step {saved[-1]}) holds finite state"
+                         if saved else "no checkpoint was written")
+                raise NonFiniteError(
+                    f"{message}; stopping (train.on_nonfinite=stop); {where}; lower "
+                    "optimizer.lr or set optimizer.clip_norm")
+            logger.message(f"{message}; skipped (train.on_nonfinite=skip)")
+        return ended
+
     try:
         writer = writers.Writers(cfg, run_dir, start_step=start, is_writer=is_writer,
                                  devices=devices)
@@ -471,8 +481,10 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: "RunDirLock | None") -> 
             with jax.set_mesh(mesh):
                 end = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
                 batch = data.global_batch(start, batch_sharding) if start < end else None
+                step_arr = None
+                pending = None  # (step, metrics, evaluation) read after the next dispatch
+                last_end = None  # when the previous step was seen to end
                 for step in range(start, end):
-                    step_arr = program.step_index(step)
                     if compiled is None:
                         t = time.perf_counter()
                         compiled = program.lower(params, opt_state).compile()
@@ -488,61 +500,40 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: "RunDirLock | None") -> 
                             f"compiled the train step in {time.perf_counter() - t:.1f}s; per step: "
                             + described
                         )
+                        # placed once, then the step returns the next one: a device_put per step
+                        # would be a cross-process check (assert_equal) in multi-process runs
+                        step_arr = program.step_index(step)
+                        last_end = time.perf_counter()
                     profiler.before_step(step + 1)
-                    t0 = time.perf_counter()
                     params, opt_state, metrics = compiled(params, opt_state, batch, step_arr)
-                    if step + 1 < end:  # build the next batch while the device runs this step
-                        batch = data.global_batch(step + 1, batch_sharding)
-                    metrics = jax.device_get(metrics)
-                    dt = time.perf_counter() - t0
+                    step_arr = metrics.pop("next_step")
                     profiler.after_step(step + 1, (params, opt_state))
-                    step_times.append(dt)
-                    loss = float(metrics["loss"])
-                    losses.append(loss)
-                    tps = tokens_per_step / dt
-                    record = {
-                        "step": step + 1,
-                        "loss": loss,
-                        "grad_norm": float(metrics["grad_norm"]),
-                        "lr": float(metrics["lr"]),
-                        "tokens_per_s": tps,
-                        "step_time_s": dt,
-                        "loss_tokens": int(metrics["tokens"]),  # targets that count (not masked)
-                        "mfu": (flops_per_token * tps / (peak * len(devices))) if peak else None,
-                    }
-                    finite = bool(metrics["finite"])
-                    record["skipped"] = not finite
-                    if evaluator.due(step + 1):  # before the next step donates params
-                        record.update(evaluator.run(params, log=logger.message, step=step + 1))
-                    logger.log(record)
-                    writer.write(record)
-                    if not finite:
-                        if math.isfinite(loss) and math.isfinite(record["grad_norm"]):
-                            what = (f"the update (loss {loss}, grad norm {record['grad_norm']}) "
-                                    "made the parameters or optimizer state non-finite")
-                        else:
-                            what = f"loss {loss} / grad norm {record['grad_norm']} is not finite"
-                        message = f"step {step + 1}: {what}; the parameters were left unchanged"
-                        if cfg.train.on_nonfinite == "stop":
-                            ckpt.wait()  # an async save of the previous step completes first
-                            saved = complete_steps(ckpt.directory)
-                            where = (f"the last checkpoint (step {saved[-1]}) holds finite state"
-                                     if saved else "no checkpoint was written")
-                            raise NonFiniteError(
-                                f"{message}; stopping (train.on_nonfinite=stop); {where}; lower "
-                                "optimizer.lr or set optimizer.clip_norm")
-                        logger.message(f"{message}; skipped (train.on_nonfinite=skip)")
-                    meta = {"step": step + 1, "data_step": step + 1, "seed": cfg.run.seed,
+                    # dispatched before the next step, which takes (donates) these parameters
+                    evaluation = evaluator.start(params) if evaluator.due(step + 1) else None
+                    if pending is not None:  # read step k's metrics while step k+1 runs
+                        last_end = finish(*pending, last_end)
+                        pending = None
+                    done = step + 1
+                    last = done == end
+                    if not last:  # build the next batch while the device runs this step
+                        batch = data.global_batch(done, batch_sharding)
+                    stopping = stop.agree_at_end() if last else stop.should_stop(done)
+                    force = stopping or (last and (cfg.checkpoint.save_final
+                                                   or done < cfg.train.steps))
+                    if not (last or force or ckpt.due(done)):
+                        pending = (step, metrics, evaluation)
+                        continue
+                    # the last step, a checkpoint or a stop: this step's metrics first (a
+                    # non-finite step under on_nonfinite=stop is never saved), then its state,
+                    # before the next dispatch takes (donates) it
+                    last_end = finish(step, metrics, evaluation, last_end)
+                    meta = {"step": done, "data_step": done, "seed": cfg.run.seed,
                             "layout": layout.describe()}
-                    last = step + 1 == end
-                    stopping = stop.agreed()
-                    ckpt.save(step + 1, params, opt_state, meta,
-                              force=stopping
-                              or (last and (cfg.checkpoint.save_final or step + 1 < cfg.train.steps)))
+                    ckpt.save(done, params, opt_state, meta, force=force)
                     if stopping and not last:
                         logger.message(
                             f"received {stop.requested or 'a stop signal on another process'}: "
-                            f"finished step {step + 1} and saved a checkpoint; run the same command "
+                            f"finished step {done} and saved a checkpoint; run the same command "
                             "again to resume")
                         break
             ckpt.wait()

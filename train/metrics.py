@@ -12,21 +12,30 @@ import os
 import sys
 from typing import Any
 
-from .config import PEAK_FLOPS, MetricsConfig
+from .config import ConfigError, MetricsConfig
 
 
-def peak_flops(cfg: MetricsConfig, device_kind: str | None = None) -> float | None:
-    """Peak FLOP/s of one device: configured, or a preset named by metrics.device, else None."""
+def peak_flops(cfg: MetricsConfig, device_kind: str | None = None) -> tuple[float | None, str]:
+    """Peak FLOP/s of one device for MFU, and a line for the log naming it (or saying why MFU is
+    not reported): metrics.peak_flops, else the GPU metrics.device names, else the GPU whose
+    device kind is exactly `device_kind` (basp_jax.gpus, bf16 dense)."""
+    from basp_jax import gpus
+
     if cfg.peak_flops is not None:
-        return cfg.peak_flops
+        return cfg.peak_flops, f"{cfg.peak_flops / 1e12:g} TFLOP/s per device (metrics.peak_flops)"
     if cfg.device is not None:
-        return PEAK_FLOPS[cfg.device.lower()]
-    if device_kind:
-        kind = device_kind.lower()
-        for name, value in PEAK_FLOPS.items():
-            if name in kind:
-                return value
-    return None
+        gpu = gpus.GPUS.get(cfg.device.lower())
+        if gpu is None:
+            raise ConfigError(f"metrics.device {cfg.device!r} is not a known GPU; use one of "
+                              f"{', '.join(gpus.GPUS)} or set metrics.peak_flops")
+        return gpu.peak_bf16_flops, (f"{gpu.peak_bf16_flops / 1e12:g} TFLOP/s per device, the bf16 "
+                                     f"dense peak of {gpu.device_kind} (metrics.device={gpu.name})")
+    gpu = gpus.by_device_kind(device_kind) if device_kind else None
+    if gpu is None:
+        return None, (f"no peak FLOP/s is known for device kind {device_kind!r}, so mfu is not "
+                      "reported; set metrics.peak_flops (FLOP/s per device) or metrics.device")
+    return gpu.peak_bf16_flops, (f"{gpu.peak_bf16_flops / 1e12:g} TFLOP/s per device, the bf16 "
+                                 f"dense peak of {gpu.device_kind}")
 
 
 def _clean(value: Any) -> Any:

@@ -28,10 +28,30 @@ _PREFIX = "basp_jax/peers"
 _generation = 0  # watchdogs made by this process: keys of an earlier run() in it stay apart
 
 
-def _client():
-    from jax._src import distributed  # the client of jax.distributed.initialize
+# What distributed_client() reads, and the client methods this project calls (tested against the
+# installed JAX by tests/test_peers.py, so a JAX release that changes them fails there, by name).
+PRIVATE_CLIENT = "jax._src.distributed.global_state.client"
+CLIENT_METHODS = ("key_value_set", "key_value_dir_get")
 
-    return distributed.global_state.client
+
+def distributed_client():
+    """The key-value client of jax.distributed.initialize, or None in a run without it.
+
+    JAX has no public accessor for it (checked up to jax 0.11.1, where JAX's own
+    multihost_utils and array_serialization read the same private attribute), so this is the one
+    place that reaches into jax._src; the public jax.distributed.is_initialized() guards it.
+    """
+    import jax
+
+    if not jax.distributed.is_initialized():
+        return None
+    from jax._src import distributed
+
+    client = getattr(getattr(distributed, "global_state", None), "client", None)
+    if client is None:
+        raise RuntimeError(f"jax.distributed is initialized but {PRIVATE_CLIENT} is missing in "
+                           f"jax {jax.__version__}; train.peers.distributed_client needs updating")
+    return client
 
 
 class PeerWatchdog:
@@ -102,7 +122,7 @@ class PeerWatchdog:
         """fn(client) on a daemon thread, waited for at most `timeout` s (the store may hang)."""
         def call():
             try:
-                fn(_client())
+                fn(distributed_client())
             except Exception:  # noqa: BLE001 (the run is ending either way)
                 pass
         thread = threading.Thread(target=call, daemon=True)
@@ -142,7 +162,7 @@ class PeerWatchdog:
     # ---------------------------------------------------------------- threads
 
     def _beat(self) -> None:
-        client = _client()
+        client = distributed_client()
         beat = 0
         last_value: dict[int, str] = {}
         while not self._stop.wait(self.interval_s):

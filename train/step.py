@@ -226,6 +226,8 @@ def make_train_step(
             "grad_norm": grad_norm,
             "lr": schedule(step),
             "tokens": count,
+            # the next step's counter, for the caller to pass on: it stays on the devices
+            "next_step": step + 1,
         }
         return params, opt_state, metrics
 
