@@ -57,7 +57,8 @@ def test_param_sharding_auto_prefers_host_then_hsdp_where_they_fit(tmp_path):
     tight = tiny_config(tmp_path / "tight", "train.microbatch_size=2", "parallel.memory_gb=1e-4")
     assert planning.plan(tight, mcfg, 8, 4)[1] == "fsdp"  # larger shards do not fit
     ulysses = tiny_config(tmp_path / "u", "parallel.mode=ulysses")
-    assert planning.plan(ulysses, mcfg, 8, 4)[1] == "fsdp"
+    assert planning.plan(ulysses, mcfg, 8, 4)[1] == "host"  # any seq group size
+    assert planning.plan(ulysses, mcfg, 8, 8)[1] == "fsdp"  # one host, one group
 
 
 def test_auto_takes_the_papers_layout_in_the_papers_case(tmp_path):
