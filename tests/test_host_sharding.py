@@ -63,7 +63,7 @@ def test_hsdp_at_b8_sends_devices_per_host_times_the_minimum():
     assert _inter_host(found, "all-reduce", "reduce-scatter") >= HOST * minimum
 
 
-@pytest.mark.parametrize("batch", [2, 8])
+@pytest.mark.parametrize("batch", [8])  # seq groups of one device: what hsdp could not shard
 def test_host_sharding_trains_the_single_device_losses(tmp_path, batch):
     host = run(tiny_config(tmp_path / "host", "parallel.param_sharding=host", "train.steps=3",
                            f"train.microbatch_size={batch}", "parallel.devices_per_host=4"))
