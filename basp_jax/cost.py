@@ -167,7 +167,7 @@ class Candidate:
 
     groups: int
     sp: int
-    param_sharding: str  # "fsdp" | "hsdp"
+    param_sharding: str  # "fsdp" | "hsdp" | "host"
     pad_rows: int = 0  # rows added to the microbatch to make a layout possible
     ring: int = 1  # sp = ring x all-to-all degree
     pad_heads: bool = False  # zero query heads added so the all-to-all degree divides them
@@ -180,6 +180,19 @@ class Candidate:
         extras += [f"+{self.pad_rows} pad rows"] if self.pad_rows else []
         extra = f" [{', '.join(extras)}]" if extras else ""
         return f"{kind} ({self.groups},{self.sp}) {self.param_sharding}{extra}"
+
+
+def min_inter_host_gradient_bytes(gradient_bytes: float, num_devices: int,
+                                  devices_per_host: int) -> float:
+    """The fewest bytes one device must send across hosts per step to sum a gradient of
+    `gradient_bytes` (a full copy per device) over `num_devices`: reduced inside each host first,
+    every element then crosses hosts once, as one device's 1/devices_per_host shard in a
+    bandwidth-optimal all-reduce over the hosts, 2 (hosts - 1) / hosts x the shard. Zero on one
+    host. What host parameter sharding compiles to (tests/test_host_sharding.py)."""
+    hosts = num_devices // devices_per_host
+    if hosts <= 1:
+        return 0.0
+    return 2.0 * (hosts - 1) / hosts * gradient_bytes / devices_per_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,10 +247,13 @@ def predict(
     a2a = a2a.scale(shape.num_layers * grad_accum)
 
     # Parameters: gathered forward and backward (ZeRO-3), gradients reduce-scattered, per
-    # microbatch; HSDP adds one cross-group all-reduce of the local shard per step.
+    # microbatch; HSDP adds one cross-group all-reduce of the local shard per step, host
+    # sharding one cross-host all-reduce of the host-local shard.
     all_params = shape.num_params * param_bytes
     if candidate.param_sharding == "fsdp":
         shard_group, shard_share = num_devices, _remote_share(num_devices, dph)
+    elif candidate.param_sharding == "host":
+        shard_group, shard_share = min(dph, num_devices), 0.0
     else:
         shard_group, shard_share = sp, _remote_share(sp, dph)
     per_micro = (
@@ -249,6 +265,9 @@ def predict(
         params = params + collective_traffic(
             "all-reduce", all_params * 2 / sp, g, _remote_share(g, dph, spread=sp)
         )
+    if candidate.param_sharding == "host" and num_devices > dph:
+        params = params + Traffic(inter=min_inter_host_gradient_bytes(
+            all_params * 2, num_devices, dph), launches=1)
 
     attention_flops = shape.attention_flops_per_token(seq_len) * q_heads / shape.num_heads
     if candidate.ring > 1:
@@ -323,9 +342,11 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
-               max_pad_rows: int = 0) -> list[Candidate]:
-    """Every layout the attention can run: (groups, sp) x ring split x {fsdp, hsdp}, with head
-    padding where no ring split divides the heads, and up to max_pad_rows masked rows."""
+               max_pad_rows: int = 0, devices_per_host: int | None = None) -> list[Candidate]:
+    """Every layout the attention can run: (groups, sp) x ring split x {fsdp, host, hsdp}
+    (host on several hosts; hsdp where it differs from both), with head padding where no ring
+    split divides the heads, and up to max_pad_rows masked rows. Ties go to the earlier sharding:
+    host before hsdp."""
     out = []
     for pad in range(0, max_pad_rows + 1):
         rows = batch + pad
@@ -340,10 +361,19 @@ def candidates(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
             if not splits or splits[0][0] != 1:
                 splits.append((1, True))  # pad heads instead of a ring
             for ring, pad_heads in splits:
-                for sharding in ("fsdp", "hsdp"):
-                    if g == 1 and sharding == "hsdp":
-                        continue  # one group: hsdp is fsdp
+                for sharding in _shardings(g, sp, num_devices, devices_per_host):
                     out.append(Candidate(g, sp, sharding, pad, ring, pad_heads))
+    return out
+
+
+def _shardings(groups: int, sp: int, num_devices: int, devices_per_host: int | None) -> list[str]:
+    """The parameter shardings that differ from each other for one (groups, sp) split."""
+    out = ["fsdp"]
+    several_hosts = devices_per_host is not None and devices_per_host < num_devices
+    if several_hosts:
+        out.append("host")
+    if groups > 1 and not (several_hosts and sp == devices_per_host):  # else fsdp / host
+        out.append("hsdp")
     return out
 
 
@@ -356,7 +386,7 @@ def plan_table(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
         predict(shape, c, batch=batch, seq_len=seq_len, num_devices=num_devices, hw=hw,
                 grad_accum=grad_accum, overlap=overlap, remat=remat)
         for c in candidates(shape, batch=batch, seq_len=seq_len, num_devices=num_devices,
-                            max_pad_rows=max_pad_rows)
+                            max_pad_rows=max_pad_rows, devices_per_host=hw.devices_per_host)
     ]
     return sorted(preds, key=lambda p: (p.memory_bytes > limit, p.step_s))
 

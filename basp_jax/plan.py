@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     print("bytes are per device per step; 'inter' = crossing hosts; times are predictions\n")
     print(format_plan(preds, limit))
     best = preds[0]
-    ulysses = next((p for p in preds if p.candidate.groups == 1), None)
+    # The paper's baseline: Ulysses with ZeRO-3 (fsdp) parameters.
+    ulysses = next((p for p in preds if p.candidate.groups == 1
+                    and p.candidate.param_sharding == "fsdp"), None)
     line = f"\npick: {best.candidate.name}, predicted {best.step_s:.3f} s/step"
     if ulysses is not None and best is not ulysses:
         line += f" ({ulysses.step_s / best.step_s:.2f}x vs {ulysses.candidate.name})"

@@ -6,7 +6,8 @@ inter-node network. At each link rate it runs
 
   1. the attention all-to-alls alone (benchmarks/a2a_worker.py), Ulysses (1,8) vs BASP (2,4);
   2. real training steps of the trainer (`train.py`, optimizer update and parameter sharding
-     included) for ulysses+fsdp and basp with every parameter sharding (fsdp, hsdp, replicated),
+     included) for ulysses+fsdp and basp with every parameter sharding (fsdp, hsdp, host,
+     replicated), or the --setups named,
 
 and writes a JSON of everything, a markdown table and a PNG plot into --out.
 
@@ -33,7 +34,8 @@ from netns_cluster import Cluster, require_root  # noqa: E402
 from train.plot import bench_figure, rate_label  # noqa: E402  (one drawing for this and the CLI)
 
 TRAIN_CONFIG = ROOT / "benchmarks" / "cluster_train.yaml"
-SETUPS = [("ulysses", "fsdp"), ("basp", "fsdp"), ("basp", "hsdp"), ("basp", "replicated")]
+SETUPS = [("ulysses", "fsdp"), ("basp", "fsdp"), ("basp", "hsdp"), ("basp", "host"),
+          ("basp", "replicated")]
 
 
 def _launch(cluster: Cluster, argv_for_host, timeout: float) -> list[str]:
@@ -151,7 +153,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--out", default="bench/emulated_cluster")
+    parser.add_argument("--setups", default=",".join(f"{m}+{s}" for m, s in SETUPS),
+                        help="comma-separated mode+sharding to time; the first is the baseline")
     args = parser.parse_args()
+    known = {f"{m}+{s}": (m, s) for m, s in SETUPS}
+    names = [name.strip() for name in args.setups.split(",")]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        parser.error(f"unknown setup(s) {', '.join(unknown)}; use some of {', '.join(known)}")
+    setups = [known[name] for name in names]
     require_root()
     rates = [None if r.strip().lower() == "none" else float(r) for r in args.rates.split(",")]
     out = Path(args.out)
@@ -164,7 +174,7 @@ def main() -> None:
             entry = {"rate": rate, "batch": args.batch, "a2a": time_all_to_alls(cluster, args, run_index),
                      "train": {}}
             run_index += 1
-            for mode, sharding in SETUPS:
+            for mode, sharding in setups:
                 run_dir = Path(tmp) / f"{rate}-{mode}-{sharding}"
                 entry["train"][f"{mode}+{sharding}"] = train_steps(cluster, args, run_index, mode, sharding, run_dir)
                 run_index += 1

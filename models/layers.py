@@ -10,6 +10,7 @@ mechanical (see models/hf.py).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -59,19 +60,65 @@ class Linear(nnx.Module):
         return y
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def cotangent_sharding(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """The identity, whose cotangent is constrained to `sharding` (where a sum must happen)."""
+    return x
+
+
+def _cotangent_sharding_fwd(x, sharding):
+    return x, None
+
+
+def _cotangent_sharding_bwd(sharding, _, g):
+    return (jax.lax.with_sharding_constraint(g, sharding),)
+
+
+cotangent_sharding.defvjp(_cotangent_sharding_fwd, _cotangent_sharding_bwd)
+
+
+def host_copies(w: jax.Array, mesh: Mesh, host_mesh: Mesh) -> jax.Array:
+    """[hosts, *w.shape]: one copy of a host-sharded parameter per host (no data moves). Host h's
+    tokens use copy h; every use's cotangent is summed into the host's shards (the constraint),
+    and the broadcast's transpose sums the hosts' shards once: 1/(devices per host) of the
+    gradient crosses hosts, however many uses and loop iterations contributed."""
+    from basp_jax.sharding import param_spec  # the parameter's own placement
+
+    spec = param_spec(w.shape, mesh, "host", host_mesh.shape["local"])
+    copies = jnp.broadcast_to(w, (host_mesh.shape["host"], *w.shape))
+    return cotangent_sharding(copies, NamedSharding(host_mesh, P("host", *spec)))
+
+
+def host_major(x: jax.Array, mesh: Mesh, host_mesh: Mesh) -> jax.Array:
+    """[B, S, ...] sharded P('group', 'seq') -> [hosts, B*S/hosts, ...]: row h holds exactly the
+    tokens of host h's devices, in device order (a relabelling: nothing moves)."""
+    b, s, rest = x.shape[0], x.shape[1], x.shape[2:]
+    g, sp = mesh.shape["group"], mesh.shape["seq"]
+    x = x.reshape(g, b // g, sp, s // sp, *rest)
+    x = jnp.moveaxis(x, 2, 1).reshape(host_mesh.shape["host"], -1, *rest)
+    spec = P("host", "local", *([None] * len(rest)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(host_mesh, spec))
+
+
 class Embed(nnx.Module):
-    """Token embedding table [vocab, embed]; `attend` reuses it as the output projection (tied)."""
+    """Token embedding table [vocab, embed]; `attend` reuses it as the output projection (tied).
+
+    `host_mesh` (basp_jax.sharding.host_mesh, when parameters are sharded inside hosts) makes the
+    lookup's gradient reduce hierarchically: summed inside each host into the host's shards, then
+    one all-reduce of each shard across hosts.
+    """
 
     def __init__(self, vocab: int, features: int, *, rngs: nnx.Rngs, dtype, param_dtype,
-                 init_std: float, mesh: Mesh | None = None):
+                 init_std: float, mesh: Mesh | None = None, host_mesh: Mesh | None = None):
         self.weight = param(
             init_std * jax.random.normal(rngs.params(), (vocab, features), param_dtype),
             ("vocab", "embed"),
         )
         self.dtype = dtype
         self.mesh = mesh
+        self.host_mesh = host_mesh
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, copies: jax.Array | None = None) -> jax.Array:
         if self.mesh is None:
             return jnp.take(self.weight[...], tokens, axis=0).astype(self.dtype)
         # Gather over the tokens flattened to one axis sharded over the whole mesh: the gradient
@@ -83,9 +130,25 @@ class Embed(nnx.Module):
         g, sp = self.mesh.shape["group"], self.mesh.shape["seq"]
         flat = tokens.reshape(g, b // g, sp, s // sp).transpose(0, 2, 1, 3).reshape(-1)
         flat = jax.lax.with_sharding_constraint(flat, NamedSharding(self.mesh, P(("group", "seq"))))
-        out = jnp.take(self.weight[...], flat, axis=0)
+        out = jnp.take(self.weight[...], flat, axis=0) if self.host_mesh is None \
+            else self._lookup_per_host(flat, copies)
         out = out.reshape(g, sp, b // g, s // sp, -1).transpose(0, 2, 1, 3, 4).reshape(b, s, -1)
         return constrain(out, self.mesh).astype(self.dtype)
+
+    def _lookup_per_host(self, flat: jax.Array, copies: jax.Array | None) -> jax.Array:
+        """The lookup from one copy of the table per host. Over the whole mesh XLA sums the
+        gradient (a scatter-add) with one all-reduce over every device, each device sending the
+        full table's gradient across hosts; here the copies' cotangents are first summed inside
+        each host into its parameter shards (the constraint), and the broadcast's transpose then
+        adds the hosts' shards: 1/(devices per host) of the table crosses hosts."""
+        hosts = self.host_mesh.shape["host"]
+        if copies is None:
+            copies = host_copies(self.weight[...], self.mesh, self.host_mesh)
+        # The flat token order is host-major (basp_jax.mesh), so row h holds host h's tokens.
+        tokens = jax.lax.with_sharding_constraint(
+            flat.reshape(hosts, -1), NamedSharding(self.host_mesh, P("host", "local")))
+        out = jax.vmap(lambda table, t: jnp.take(table, t, axis=0))(copies, tokens)
+        return out.reshape(flat.shape[0], -1)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Logits [..., vocab] in float32 from hidden states [..., embed]."""

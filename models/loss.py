@@ -50,7 +50,7 @@ def _chunk_len(local_len: int, rows: int, chunk_tokens: int) -> int:
 
 def chunked_lm_loss(hidden: jax.Array, targets: jax.Array, project: Callable, weight: jax.Array,
                     loss_fn: Callable = causal_lm_loss, *, mesh: Mesh | None = None,
-                    chunk_tokens: int = LOSS_CHUNK_TOKENS):
+                    chunk_tokens: int = LOSS_CHUNK_TOKENS, host_mesh: Mesh | None = None):
     """loss_fn(project(hidden, weight), targets) computed over chunks of tokens: the same
     (sum, count), but no [tokens, vocab] logits of the whole batch ever exist.
 
@@ -59,6 +59,10 @@ def chunked_lm_loss(hidden: jax.Array, targets: jax.Array, project: Callable, we
     causal_lm_loss does). The chunks are slices of every device's own tokens (chunk_tokens per
     device at most), so nothing moves between devices; a scan visits them with each chunk's
     projection and loss rematerialised, so the backward pass too holds one chunk's logits at a time.
+
+    With `host_mesh` (host parameter sharding), `weight` is models.layers.host_copies of the
+    projection: each host's tokens use its own copy, so the weight's gradient crosses hosts once
+    after the loop, not once per chunk.
     """
     b, s, d = hidden.shape
     if targets.shape != (b, s):
@@ -78,6 +82,11 @@ def chunked_lm_loss(hidden: jax.Array, targets: jax.Array, project: Callable, we
 
     @jax.checkpoint
     def chunk_loss(h, t, w):
+        if host_mesh is not None:  # the loss is a sum over tokens: their order does not matter
+            from .layers import host_major
+
+            h, t = host_major(h, mesh, host_mesh), host_major(t, mesh, host_mesh)
+            return loss_fn(jax.vmap(project)(h, w), t)
         # Each device's logits for its own tokens, the vocabulary whole (as Transformer.logits).
         logits = constrain(project(constrain(h, P("group", "seq")), w), P("group", "seq"))
         return loss_fn(logits, t)

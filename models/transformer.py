@@ -23,7 +23,7 @@ from basp_jax import kernels as basp_kernels
 from basp_jax.remat import save_exchanges
 
 from .config import ModelConfig, ModelError
-from .layers import MLP, Attention, Embed, Linear, RMSNorm, constrain
+from .layers import MLP, Attention, Embed, Linear, RMSNorm, constrain, host_copies
 from .loss import LOSS_CHUNK_TOKENS, causal_lm_loss, chunked_lm_loss
 
 # Every policy also saves the outputs of attention's exchanges (basp_jax.remat.save_exchanges): the
@@ -96,7 +96,7 @@ class Transformer(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
                  dtype=jnp.float32, param_dtype=jnp.float32, attn_impl: str = "auto",
                  remat: str = "none", ring: int = 1, zigzag: bool = False,
-                 scan_layers: bool = True):
+                 scan_layers: bool = True, host_mesh: Mesh | None = None):
         if remat not in REMAT_POLICIES:
             raise ModelError(f"unknown remat {remat!r}; use one of {', '.join(REMAT_POLICIES)}")
         if attn_impl not in basp_kernels.IMPLS:
@@ -118,7 +118,8 @@ class Transformer(nnx.Module):
         self.remat = remat
         std = config.initializer_range
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs, dtype=dtype,
-                                  param_dtype=param_dtype, init_std=std, mesh=mesh)
+                                  param_dtype=param_dtype, init_std=std, mesh=mesh,
+                                  host_mesh=host_mesh)
         block_kwargs = dict(config=config, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
                             attn_impl=attn_impl, ring=ring, zigzag=zigzag)
         # scan_layers: one Block of stacked [num_layers, ...] parameters run under lax.scan, so
@@ -138,8 +139,9 @@ class Transformer(nnx.Module):
                                   use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
                                   init_std=std)
 
-    def hidden_states(self, tokens, segment_ids=None, positions=None):
-        """Final normalised hidden states [B, S, hidden] in the compute dtype."""
+    def hidden_states(self, tokens, segment_ids=None, positions=None, _table=None):
+        """Final normalised hidden states [B, S, hidden] in the compute dtype. (_table: the
+        embedding's per-host copies when the loss shares them, models.layers.host_copies.)"""
         if tokens.ndim != 2:
             raise ModelError(f"tokens must be [batch, seq], got shape {tokens.shape}")
         b, s = tokens.shape
@@ -150,7 +152,7 @@ class Transformer(nnx.Module):
             positions = constrain(positions, self.mesh)
             if segment_ids is not None:
                 segment_ids = constrain(segment_ids, self.mesh)
-        x = constrain(self.embed_tokens(tokens), self.mesh)
+        x = constrain(self.embed_tokens(tokens, copies=_table), self.mesh)
         if self.scan_layers:
             graphdef, stacked = nnx.split(self.layers)
 
@@ -229,15 +231,20 @@ class Transformer(nnx.Module):
         """loss_fn(self(tokens, ...), targets) -> (sum, count), with the logits computed and
         differentiated chunk_tokens tokens per device at a time (models.loss.chunked_lm_loss):
         no [tokens, vocab] float32 buffer of the whole batch exists, forward or backward."""
-        hidden = self.hidden_states(tokens, segment_ids, positions)
+        host_mesh = self.embed_tokens.host_mesh
         if self.lm_head is None:
-            weight, project = self.embed_tokens.weight[...], _project_tied
+            project = _project_tied
+            weight = self.embed_tokens.weight[...]
         else:
             weight, project = self.lm_head.kernel[...], _project_untied
+        if host_mesh is not None:  # tied: one set of per-host copies for lookup and projection
+            weight = host_copies(weight, self.mesh, host_mesh)
+        table = weight if host_mesh is not None and self.lm_head is None else None
+        hidden = self.hidden_states(tokens, segment_ids, positions, _table=table)
         project = functools.partial(project, dtype=self.dtype)
         with jax.named_scope("loss"):
             return chunked_lm_loss(hidden, targets, project, weight, loss_fn, mesh=self.mesh,
-                                   chunk_tokens=chunk_tokens)
+                                   chunk_tokens=chunk_tokens, host_mesh=host_mesh)
 
 
 def _project_tied(x, weight, *, dtype):  # weight [vocab, embed], as Embed.attend

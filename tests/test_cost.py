@@ -40,6 +40,22 @@ def test_planner_picks_the_papers_layout_in_the_papers_case():
     assert basp_fsdp.all_to_all_s < ulysses.all_to_all_s / 3  # no inter-host all-to-all at all
 
 
+def test_host_sharding_sends_the_minimal_gradient_across_hosts_at_any_batch():
+    """Host sharding's inter-host bytes are the closed-form minimum for every seq group size;
+    HSDP reaches it only when a seq group fills a host (at B=8 it sends devices-per-host x)."""
+    shape, hw = MODEL_SHAPES["llama-3.2-1b"], HARDWARE["a100-40gb"]  # 4 devices per host
+    grads = shape.num_params * 4  # fp32 gradient of bf16 parameters
+    minimum = cost.min_inter_host_gradient_bytes(grads, 8, 4)
+    assert minimum == pytest.approx(grads / 4)  # 2 hosts: all-reduce of a quarter shard
+    assert cost.min_inter_host_gradient_bytes(grads, 8, 8) == 0
+    for groups in (1, 2, 4, 8):
+        host = cost.predict(shape, Candidate(groups, 8 // groups, "host"), batch=8,
+                            seq_len=4096, num_devices=8, hw=hw)
+        assert host.params.inter == pytest.approx(minimum), groups
+    hsdp = cost.predict(shape, Candidate(8, 1, "hsdp"), batch=8, seq_len=4096, num_devices=8, hw=hw)
+    assert hsdp.params.inter == pytest.approx(4 * minimum)
+
+
 def test_candidates_respect_heads_and_padding():
     shape = MODEL_SHAPES["qwen2.5-3b"]  # 16 heads
     names = {c.name for c in cost.candidates(shape, batch=3, seq_len=4096, num_devices=8)}
@@ -52,7 +68,7 @@ def test_plan_cli_prints_a_table_and_a_pick(capsys):
     assert plan.main(["--model", "llama-3.1-8b", "--seq", "16384", "--batch", "2", "--devices", "8",
                       "--devices-per-host", "4", "--hardware", "a100-40gb"]) == 0
     out = capsys.readouterr().out
-    assert "ulysses (1,8) fsdp" in out and "basp (2,4) hsdp" in out
+    assert "ulysses (1,8) fsdp" in out and "basp (2,4) host" in out
     assert "pick: basp (2,4)" in out
 
 
@@ -91,9 +107,10 @@ def test_cost_model_shapes_equal_the_model_presets(name):
 
 
 def test_auto_picks_the_papers_layout_in_the_papers_case():
-    """BASP (2,4) with groups inside hosts; HSDP (parameters replicated across the two groups)
-    where it fits: not in an A100-40GB (the paper's testbed), but in an A100-80GB."""
-    for gpu, sharding in (("a100-40gb", "fsdp"), ("a100-80gb", "hsdp")):
+    """BASP (2,4) with groups inside hosts; host sharding (parameters sharded inside each host,
+    here the seq group, replicated across hosts) where it fits: not in an A100-40GB (the paper's
+    testbed), but in an A100-80GB."""
+    for gpu, sharding in (("a100-40gb", "fsdp"), ("a100-80gb", "host")):
         layout, pred = cost.auto_layout(MODEL_SHAPES["llama-3.1-8b"], batch=2, seq_len=16384,
                                         num_devices=8, hw=HARDWARE[gpu])
         assert (layout.groups, layout.sp, layout.batch, layout.ring) == (2, 4, 2, 1)

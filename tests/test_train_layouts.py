@@ -43,18 +43,22 @@ def test_hsdp_and_fsdp_train_the_same_losses(tmp_path):
     np.testing.assert_allclose(hsdp["losses"], fsdp["losses"], rtol=RTOL)
 
 
-def test_param_sharding_auto_prefers_hsdp_where_it_fits(tmp_path):
+def test_param_sharding_auto_prefers_host_then_hsdp_where_they_fit(tmp_path):
     from train import planning
     from train.loop import model_config
 
     cfg = tiny_config(tmp_path / "plan", "train.microbatch_size=2", "parallel.devices_per_host=4")
     mcfg = model_config(cfg)
     layout, strategy = planning.plan(cfg, mcfg, 8, 4)
-    assert (layout.groups, layout.sp, strategy) == (2, 4, "hsdp")
+    assert (layout.groups, layout.sp, strategy) == (2, 4, "host")
+    b8 = tiny_config(tmp_path / "b8", "train.microbatch_size=8")
+    assert planning.plan(b8, mcfg, 8, 4)[1] == "host"  # seq groups of one device
+    assert planning.plan(cfg, mcfg, 8, 8)[1] == "hsdp"  # one host: host would be fsdp
     tight = tiny_config(tmp_path / "tight", "train.microbatch_size=2", "parallel.memory_gb=1e-4")
-    assert planning.plan(tight, mcfg, 8, 4)[1] == "fsdp"  # hsdp's larger shards do not fit
+    assert planning.plan(tight, mcfg, 8, 4)[1] == "fsdp"  # larger shards do not fit
     ulysses = tiny_config(tmp_path / "u", "parallel.mode=ulysses")
-    assert planning.plan(ulysses, mcfg, 8, 4)[1] == "fsdp"
+    assert planning.plan(ulysses, mcfg, 8, 4)[1] == "host"  # any seq group size
+    assert planning.plan(ulysses, mcfg, 8, 8)[1] == "fsdp"  # one host, one group
 
 
 def test_auto_takes_the_papers_layout_in_the_papers_case(tmp_path):

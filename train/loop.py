@@ -362,15 +362,18 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: "RunDirLock | None") -> 
         if latest is None and cfg.model.hf_path and cfg.model.load_weights:
             module = models.from_pretrained(
                 cfg.model.hf_path, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
-                attn_impl=cfg.model.attn_impl, param_sharding=strategy, remat=cfg.model.remat,
+                attn_impl=cfg.model.attn_impl, remat=cfg.model.remat,
+                # loaded over the whole mesh; from_module places it by the run's strategy
+                param_sharding="fsdp" if strategy == "host" else strategy,
                 ring=layout.ring, zigzag=run_plan.zigzag, scan_layers=cfg.model.scan_layers,
             )
-            parts = from_module(module, mesh, strategy)
+            parts = from_module(module, mesh, strategy, layout.devices_per_host)
             del module
             check_finite_weights(parts.params, cfg.model.hf_path)
         else:
             parts = build_model(model_factory(cfg, mcfg, run_plan), mesh, strategy,
-                                init_params=latest is None)
+                                init_params=latest is None,
+                                devices_per_host=layout.devices_per_host)
         program = build_program(cfg, run_plan, parts)
         param_sh, abs_opt, opt_sh = (program.param_shardings, program.abstract_opt_state,
                                      program.opt_shardings)

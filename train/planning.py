@@ -3,8 +3,9 @@
     parallel.mode = basp | ulysses   the layout Layout.plan gives (groups = gcd(B, N) for basp)
     parallel.mode = auto             the planner's fastest predicted layout for parallel.hardware:
                                      groups, ring split, head padding and masked pad rows
-    parallel.param_sharding = auto   hsdp (shards inside each seq group, the least inter-host
-                                     traffic) where the planner says it fits in memory, else fsdp
+    parallel.param_sharding = auto   on several hosts: host (shards inside each host, the least
+                                     inter-host traffic) where the planner says it fits in memory,
+                                     else hsdp where that fits, else fsdp; on one host: hsdp or fsdp
 """
 
 from __future__ import annotations
@@ -62,12 +63,14 @@ def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[La
     )
     if p.param_sharding != "auto":
         return layout, p.param_sharding
-    if layout.groups == 1:
-        return layout, "fsdp"  # one group: hsdp is fsdp
-    candidate = cost.Candidate(layout.groups, layout.sp, "hsdp", ring=layout.ring,
-                               pad_heads=layout.pad_heads)
-    predicted = cost.predict(shape, candidate, **common)
-    return layout, "hsdp" if predicted.memory_bytes <= hw.memory_bytes else "fsdp"
+    # Fewest inter-host bytes first; each later choice shards over more devices.
+    choices = (["host"] if layout.num_hosts > 1 else []) + (["hsdp"] if layout.groups > 1 else [])
+    for strategy in choices:
+        candidate = cost.Candidate(layout.groups, layout.sp, strategy, ring=layout.ring,
+                                   pad_heads=layout.pad_heads)
+        if cost.predict(shape, candidate, **common).memory_bytes <= hw.memory_bytes:
+            return layout, strategy
+    return layout, "fsdp"
 
 
 def sequence_order(cfg: Config, layout: Layout):
@@ -112,7 +115,8 @@ def device_memory(device) -> float | None:
 def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str) -> tuple[float, str]:
     """The bytes per device a train step holds (basp_jax.cost.memory_terms, the planner's
     formula: within 15% of the compiled GPU programs of the paper's models) and a breakdown."""
-    share = {"fsdp": layout.num_devices, "hsdp": layout.sp}.get(strategy, 1)
+    share = {"fsdp": layout.num_devices, "hsdp": layout.sp,
+             "host": min(layout.devices_per_host, layout.num_devices)}.get(strategy, 1)
     q_heads, kv_heads = cost.exchanged_heads(model_shape(mcfg), layout.a2a)
     terms = cost.memory_terms(
         model_shape(mcfg), layout.tokens_per_device, share,

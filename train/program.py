@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
 from basp_jax import Layout, make_mesh
-from basp_jax.sharding import tree_shardings
+from basp_jax.sharding import host_mesh, tree_shardings
 
 from . import planning
 from .checkpoint import abstract_tree
@@ -32,7 +32,7 @@ class RunPlan:
     """How a run splits its work: the layout, the parameter sharding, the mesh, the token order."""
 
     layout: Layout
-    strategy: str  # fsdp | hsdp | replicated
+    strategy: str  # fsdp | hsdp | host | replicated
     mesh: Mesh
     seq_order: Any  # None (natural order) or the zig-zag permutation of ring attention
 
@@ -51,12 +51,15 @@ def plan_run(cfg: Config, mcfg, devices, devices_per_host: int) -> RunPlan:
 def model_factory(cfg: Config, mcfg, plan: RunPlan) -> Callable[[], nnx.Module]:
     """A function that builds the configured model on the plan's mesh (for nnx.eval_shape or jit)."""
     dtype, param_dtype = DTYPES[cfg.model.dtype], DTYPES[cfg.model.param_dtype]
+    # Host sharding: the embedding's gradient is summed inside each host before it crosses hosts.
+    hosts = host_mesh(plan.mesh, plan.layout.devices_per_host) if plan.strategy == "host" else None
 
     def make():
         return models.Transformer(
             mcfg, rngs=nnx.Rngs(cfg.run.seed), mesh=plan.mesh, dtype=dtype,
             param_dtype=param_dtype, attn_impl=cfg.model.attn_impl, remat=cfg.model.remat,
             ring=plan.layout.ring, zigzag=plan.zigzag, scan_layers=cfg.model.scan_layers,
+            host_mesh=hosts,
         )
 
     return make
@@ -102,8 +105,9 @@ def build_program(cfg: Config, plan: RunPlan, parts) -> TrainProgram:
     """The optimizer, the shardings and the jitted train step for the model `parts`
     (train.step.ModelParts, with real or abstract parameters)."""
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
-    param_sh = tree_shardings(parts.params, plan.mesh, plan.strategy)
-    abs_opt, opt_sh = opt_state_shardings(tx, parts.params, plan.mesh, plan.strategy)
+    per_host = plan.layout.devices_per_host
+    param_sh = tree_shardings(parts.params, plan.mesh, plan.strategy, per_host)
+    abs_opt, opt_sh = opt_state_shardings(tx, parts.params, plan.mesh, plan.strategy, per_host)
     step_fn, batch_sharding = make_train_step(
         parts, tx, schedule, plan.mesh, param_sh, opt_sh,
         loss_fn=models.causal_lm_loss, packed=cfg.data.pack, seq_order=plan.seq_order,
@@ -128,7 +132,7 @@ def compile_program(cfg: Config, devices, devices_per_host: int, mcfg=None):
     mcfg = model_config(cfg) if mcfg is None else mcfg
     run_plan = plan_run(cfg, mcfg, devices, devices_per_host)
     parts = build_model(model_factory(cfg, mcfg, run_plan), run_plan.mesh, run_plan.strategy,
-                        init_params=False)
+                        init_params=False, devices_per_host=run_plan.layout.devices_per_host)
     program = build_program(cfg, run_plan, parts)
     params, opt_state = abstract_state(program, parts)
     t0 = time.perf_counter()

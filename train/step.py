@@ -56,7 +56,7 @@ def _with_values(abstract_state, pure):
 
 
 def build_model(make: Callable[[], nnx.Module], mesh: Mesh, strategy: str, *,
-                init_params: bool = True) -> ModelParts:
+                init_params: bool = True, devices_per_host: int | None = None) -> ModelParts:
     """Initialise `make()` directly onto the mesh: every parameter created already sharded.
 
     With init_params=False the params are ShapeDtypeStructs carrying their shardings (a restore
@@ -65,8 +65,8 @@ def build_model(make: Callable[[], nnx.Module], mesh: Mesh, strategy: str, *,
     abstract = nnx.eval_shape(make)
     graphdef, abs_params, abs_rest = nnx.split(abstract, nnx.Param, ...)
     pure_params, pure_rest = nnx.to_pure_dict(abs_params), nnx.to_pure_dict(abs_rest)
-    param_sh = tree_shardings(pure_params, mesh, strategy)
-    rest_sh = tree_shardings(pure_rest, mesh, strategy)
+    param_sh = tree_shardings(pure_params, mesh, strategy, devices_per_host)
+    rest_sh = tree_shardings(pure_rest, mesh, strategy, devices_per_host)
 
     def init():
         _, params, rest = nnx.split(make(), nnx.Param, ...)
@@ -83,14 +83,17 @@ def build_model(make: Callable[[], nnx.Module], mesh: Mesh, strategy: str, *,
     return ModelParts(graphdef, (abs_params, abs_rest), params, rest)
 
 
-def from_module(model: nnx.Module, mesh: Mesh, strategy: str) -> ModelParts:
+def from_module(model: nnx.Module, mesh: Mesh, strategy: str,
+                devices_per_host: int | None = None) -> ModelParts:
     """Split an existing (e.g. pretrained) module and place its parameters on the mesh."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     abs_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     abs_rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rest)
     pure_params, pure_rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
-    pure_params = jax.device_put(pure_params, tree_shardings(pure_params, mesh, strategy))
-    pure_rest = jax.device_put(pure_rest, tree_shardings(pure_rest, mesh, strategy))
+    pure_params = jax.device_put(pure_params,
+                                 tree_shardings(pure_params, mesh, strategy, devices_per_host))
+    pure_rest = jax.device_put(pure_rest,
+                               tree_shardings(pure_rest, mesh, strategy, devices_per_host))
     return ModelParts(graphdef, (abs_params, abs_rest), pure_params, pure_rest)
 
 
@@ -134,10 +137,11 @@ def make_optimizer(
     return optax.chain(*parts), schedule
 
 
-def opt_state_shardings(tx, params, mesh: Mesh, strategy: str):
+def opt_state_shardings(tx, params, mesh: Mesh, strategy: str,
+                        devices_per_host: int | None = None):
     """Optimizer state sharded like the parameters it mirrors (same shapes, same rule)."""
     abstract = jax.eval_shape(tx.init, params)
-    return abstract, tree_shardings(abstract, mesh, strategy)
+    return abstract, tree_shardings(abstract, mesh, strategy, devices_per_host)
 
 
 def init_opt_state(tx, params, shardings):
