@@ -286,8 +286,9 @@ def train_steps(shapes: Shapes, steps: int, on_gpu: bool) -> dict:
     steady = times[1:] or times  # the first step also transfers and warms up
     step_s = statistics.median(steady)
     tokens_per_s = np.prod(program.batch_shape) / step_s
-    peak = peak_flops(cfg.metrics, devices[0].device_kind)
-    mfu = mcfg.flops_per_token(cfg.data.seq_len) * tokens_per_s / peak if peak else None
+    peak, _ = peak_flops(cfg.metrics, devices[0].device_kind)  # (FLOP/s or None, log line)
+    mfu = (mcfg.flops_per_token(cfg.data.seq_len, causal=True) * tokens_per_s / peak
+           if peak else None)
     stats = devices[0].memory_stats() if on_gpu else None
     measured = stats.get("peak_bytes_in_use") if stats else None
     out = {
