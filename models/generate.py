@@ -57,16 +57,10 @@ def _prompt_ids(text: str) -> list[int]:
 def _tokenizer(path: str | None):
     if path is None:
         return None
-    from tokenizers import Tokenizer
-
     from .config import ModelError
+    from .tokenizer import load_tokenizer
 
-    if not os.path.isfile(path):
-        raise ModelError(f"tokenizer file {path!r} does not exist")
-    try:
-        return Tokenizer.from_file(path)
-    except Exception as e:  # tokenizers raises a bare Exception on a bad file
-        raise ModelError(f"cannot load tokenizer {path!r}: {str(e).splitlines()[0]}") from None
+    return load_tokenizer(path, ModelError)
 
 
 def _eos_ids(value) -> list[int]:

@@ -138,14 +138,9 @@ def _run_tasks(tasks, workers: int, init_args):
 
 
 def _load_tokenizer(path: str):
-    from tokenizers import Tokenizer
+    from models.tokenizer import load_tokenizer
 
-    if not os.path.isfile(path):
-        raise TokenizeError(f"tokenizer file {path!r} does not exist")
-    try:
-        return Tokenizer.from_file(path)
-    except Exception as e:  # tokenizers raises a bare Exception on a bad file
-        raise TokenizeError(f"cannot load tokenizer {path!r}: {str(e).splitlines()[0]}") from None
+    return load_tokenizer(path, TokenizeError)
 
 
 def default_eos(tok) -> int:
