@@ -167,7 +167,7 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype=jnp.float32, p
     param_dtype = dtype if param_dtype is None else param_dtype
     model = abstract_model(config, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
                            attn_impl=attn_impl, remat=remat, ring=ring,
-                           zigzag=zigzag, scan_layers=scan_layers)
+                           zigzag=zigzag, scan_layers=scan_layers, param_sharding=param_sharding)
     nnx.update(model, load_hf_params(path, config, mesh=mesh, param_dtype=param_dtype,
                                      param_sharding=param_sharding, scan_layers=scan_layers))
     return model

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import basp_jax
 from basp_jax import kernels as basp_kernels
 
+from . import vocab_parallel
 from .config import ModelConfig
 
 # [B, S, ...] activations: rows over groups, sequence over the devices of a seq group.
@@ -117,6 +118,7 @@ class Embed(nnx.Module):
         self.dtype = dtype
         self.mesh = mesh
         self.host_mesh = host_mesh
+        self.vocab_axes = None  # mesh axes of a vocabulary-sharded table (models.vocab_parallel)
 
     def __call__(self, tokens: jax.Array, copies: jax.Array | None = None) -> jax.Array:
         if self.mesh is None:
@@ -130,8 +132,13 @@ class Embed(nnx.Module):
         g, sp = self.mesh.shape["group"], self.mesh.shape["seq"]
         flat = tokens.reshape(g, b // g, sp, s // sp).transpose(0, 2, 1, 3).reshape(-1)
         flat = jax.lax.with_sharding_constraint(flat, NamedSharding(self.mesh, P(("group", "seq"))))
-        out = jnp.take(self.weight[...], flat, axis=0) if self.host_mesh is None \
-            else self._lookup_per_host(flat, copies)
+        if self.vocab_axes is not None:
+            out = vocab_parallel.lookup(self.weight[...], flat, mesh=self.mesh,
+                                        axes=self.vocab_axes, dtype=self.dtype)
+        elif self.host_mesh is None:
+            out = jnp.take(self.weight[...], flat, axis=0)
+        else:
+            out = self._lookup_per_host(flat, copies)
         out = out.reshape(g, sp, b // g, s // sp, -1).transpose(0, 2, 1, 3, 4).reshape(b, s, -1)
         return constrain(out, self.mesh).astype(self.dtype)
 

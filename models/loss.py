@@ -34,9 +34,10 @@ def causal_lm_loss(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array |
     return losses.sum(dtype=jnp.float32), valid.sum(dtype=jnp.float32)
 
 
-# Tokens per device whose logits exist at once in chunked_lm_loss: 1,024 x a 128K vocabulary in
-# float32 is 0.5 GB (and as much again for their gradient), against 2.1 GB per buffer for 4,096.
-LOSS_CHUNK_TOKENS = 1024
+# Tokens per device whose logits exist at once in chunked_lm_loss (and models.vocab_parallel):
+# 256 x a 128K vocabulary in float32 is 128 MiB per buffer, against 2.1 GB for 4,096 tokens. At
+# 1,024 the 8B step at 16K held 1.5 GiB of chunk buffers; more, smaller chunks cost no FLOPs.
+LOSS_CHUNK_TOKENS = 256
 
 
 def _chunk_len(local_len: int, rows: int, chunk_tokens: int) -> int:

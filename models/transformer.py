@@ -22,6 +22,7 @@ import basp_jax
 from basp_jax import kernels as basp_kernels
 from basp_jax.remat import save_exchanges
 
+from . import vocab_parallel
 from .config import ModelConfig, ModelError
 from .layers import MLP, Attention, Embed, Linear, RMSNorm, constrain, host_copies
 from .loss import LOSS_CHUNK_TOKENS, causal_lm_loss, chunked_lm_loss
@@ -96,7 +97,8 @@ class Transformer(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
                  dtype=jnp.float32, param_dtype=jnp.float32, attn_impl: str = "auto",
                  remat: str = "none", ring: int = 1, zigzag: bool = False,
-                 scan_layers: bool = True, host_mesh: Mesh | None = None):
+                 scan_layers: bool = True, host_mesh: Mesh | None = None,
+                 param_sharding: str = "fsdp"):
         if remat not in REMAT_POLICIES:
             raise ModelError(f"unknown remat {remat!r}; use one of {', '.join(REMAT_POLICIES)}")
         if attn_impl not in basp_kernels.IMPLS:
@@ -120,6 +122,14 @@ class Transformer(nnx.Module):
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs, dtype=dtype,
                                   param_dtype=param_dtype, init_std=std, mesh=mesh,
                                   host_mesh=host_mesh)
+        # The vocabulary's mesh axes when the parameters are stored sharded on it (fsdp/hsdp):
+        # lookup and loss then move tokens, not tables (models.vocab_parallel).
+        vocab, width = config.vocab_size, config.hidden_size
+        self.embed_tokens.vocab_axes = vocab_parallel.vocab_axes(
+            (vocab, width), 0, mesh, param_sharding)
+        self.head_vocab_axes = vocab_parallel.vocab_axes(
+            (vocab, width) if config.tie_word_embeddings else (width, vocab),
+            0 if config.tie_word_embeddings else 1, mesh, param_sharding)
         block_kwargs = dict(config=config, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
                             attn_impl=attn_impl, ring=ring, zigzag=zigzag)
         # scan_layers: one Block of stacked [num_layers, ...] parameters run under lax.scan, so
@@ -241,8 +251,13 @@ class Transformer(nnx.Module):
             weight = host_copies(weight, self.mesh, host_mesh)
         table = weight if host_mesh is not None and self.lm_head is None else None
         hidden = self.hidden_states(tokens, segment_ids, positions, _table=table)
-        project = functools.partial(project, dtype=self.dtype)
         with jax.named_scope("loss"):
+            if self.head_vocab_axes is not None and loss_fn is causal_lm_loss:
+                return vocab_parallel.lm_loss(
+                    hidden, targets, weight, mesh=self.mesh, axes=self.head_vocab_axes,
+                    vocab_dim=0 if self.lm_head is None else 1, dtype=self.dtype,
+                    chunk_tokens=chunk_tokens)
+            project = functools.partial(project, dtype=self.dtype)
             return chunked_lm_loss(hidden, targets, project, weight, loss_fn, mesh=self.mesh,
                                    chunk_tokens=chunk_tokens, host_mesh=host_mesh)
 
@@ -264,11 +279,13 @@ def _compiled_call(model: Transformer, tokens, segment_ids, positions):
 
 def abstract_model(config: ModelConfig, *, mesh: Mesh | None = None, dtype=jnp.float32,
                    param_dtype=jnp.float32, attn_impl: str = "auto", remat: str = "none",
-                   ring: int = 1, zigzag: bool = False, scan_layers: bool = True):
+                   ring: int = 1, zigzag: bool = False, scan_layers: bool = True,
+                   param_sharding: str = "fsdp"):
     """The model with ShapeDtypeStructs in place of parameters (no memory, no compute)."""
     return nnx.eval_shape(lambda: Transformer(
         config, rngs=nnx.Rngs(0), mesh=mesh, dtype=dtype, param_dtype=param_dtype,
         attn_impl=attn_impl, remat=remat, ring=ring, zigzag=zigzag, scan_layers=scan_layers,
+        param_sharding=param_sharding,
     ))
 
 
@@ -283,7 +300,7 @@ def init_model(config: ModelConfig, *, mesh: Mesh | None = None, seed: int = 0,
     The values equal Transformer(config, rngs=nnx.Rngs(seed)) on one device (to the last ulp).
     """
     kwargs = dict(mesh=mesh, dtype=dtype, param_dtype=param_dtype, attn_impl=attn_impl, remat=remat,
-                  ring=ring, zigzag=zigzag, scan_layers=scan_layers)
+                  ring=ring, zigzag=zigzag, scan_layers=scan_layers, param_sharding=param_sharding)
     if mesh is None:
         return Transformer(config, rngs=nnx.Rngs(seed), **kwargs)
     graphdef, abstract_state = nnx.split(abstract_model(config, **kwargs))

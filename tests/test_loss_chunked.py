@@ -97,3 +97,49 @@ def test_chunked_loss_temporaries_fall():
     logits_bytes = 2 * 2048 * 4096 * 4
     assert whole >= logits_bytes, whole
     assert chunked < logits_bytes / 8, (chunked, whole)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("strategy", ["fsdp", "hsdp"])
+def test_vocab_sharded_lookup_and_loss_equal_the_gathering_ones_and_move_no_table(tied, strategy):
+    """models.vocab_parallel (the embedding and the head stored sharded on the vocabulary under
+    fsdp/hsdp): loss and every parameter gradient equal the same model computed by gathering the
+    tables (vocab_axes switched off), on the (2, 4) mesh; and no collective of the compiled step
+    carries a whole [vocab, hidden] table, where the gathering program does."""
+    from basp_jax import comm
+
+    # A vocabulary large enough that a whole table (2 MiB) outweighs the layer's collectives.
+    config = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=1,
+                                 tie_word_embeddings=tied, vocab_size=4096)
+    layout = basp_jax.Layout.plan(8, 2, 64, config.num_heads, config.num_kv_heads, groups=2)
+    model = models.init_model(config, mesh=basp_jax.make_mesh(layout), seed=2,
+                              param_sharding=strategy)
+    want_axes = ("group", "seq") if strategy == "fsdp" else ("seq",)
+    assert model.embed_tokens.vocab_axes == model.head_vocab_axes == want_axes
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 64), 0, config.vocab_size)
+    targets = jnp.roll(tokens, -1, axis=1).at[:, -1].set(-100).at[1, 10:20].set(-100)
+    graphdef, params = nnx.split(model, nnx.Param)
+    gathering = nnx.clone(model)
+    gathering.embed_tokens.vocab_axes = gathering.head_vocab_axes = None
+    graphdef_gathering = nnx.graphdef(gathering)
+
+    def loss(params, graphdef):
+        total, count = nnx.merge(graphdef, params).loss(tokens, targets, chunk_tokens=8)
+        return total / count
+
+    def compiled(graphdef):
+        return jax.jit(jax.value_and_grad(lambda p: loss(p, graphdef))).lower(params).compile()
+
+    got_fn, want_fn = compiled(graphdef), compiled(graphdef_gathering)
+    (got, got_g), (want, want_g) = got_fn(params), want_fn(params)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for (path, g), (_, w) in zip(jax.tree_util.tree_leaves_with_path(got_g),
+                                 jax.tree_util.tree_leaves_with_path(want_g)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+    table = config.vocab_size * config.hidden_size * 4  # float32 bytes
+
+    def largest(fn):
+        return max(c.bytes for c in comm.parse_collectives(fn.as_text(), 8))
+
+    assert largest(want_fn) >= table  # the gathering program moves a whole table
+    assert largest(got_fn) < table / 2, largest(got_fn)

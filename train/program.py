@@ -59,7 +59,7 @@ def model_factory(cfg: Config, mcfg, plan: RunPlan) -> Callable[[], nnx.Module]:
             mcfg, rngs=nnx.Rngs(cfg.run.seed), mesh=plan.mesh, dtype=dtype,
             param_dtype=param_dtype, attn_impl=cfg.model.attn_impl, remat=cfg.model.remat,
             ring=plan.layout.ring, zigzag=plan.zigzag, scan_layers=cfg.model.scan_layers,
-            host_mesh=hosts,
+            host_mesh=hosts, param_sharding=plan.strategy,
         )
 
     return make
