@@ -295,7 +295,10 @@ def test_plan_compiles_every_candidate_and_picks_one_that_fits(cuda_plugin, tmp_
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())
     names = [row["name"] for row in rows]
-    assert sorted(names) == ["basp (2,4) fsdp", "basp (2,4) hsdp", "ulysses (1,8) fsdp"]
+    # two hosts: host sharding beside fsdp; hsdp over the 4 devices of a seq group is host
+    # sharding here (cost.candidates lists it once)
+    assert sorted(names) == ["basp (2,4) fsdp", "basp (2,4) host", "ulysses (1,8) fsdp",
+                             "ulysses (1,8) host"]
     fitting = [row for row in rows if row["report"]["fits"]]
     best = min(fitting, key=lambda row: row["predicted_step_s"])
     assert f"pick: {best['name']}" in done.stdout
@@ -303,3 +306,8 @@ def test_plan_compiles_every_candidate_and_picks_one_that_fits(cuda_plugin, tmp_
         lay = row["report"]["layout"]
         assert row["name"].startswith(f"{lay['mode']} ({lay['groups']},{lay['sp']}) "
                                       f"{row['report']['param_sharding']}")
+    from train import aot
+
+    inter = {row["name"]: aot.inter_host_bytes(row["report"]) for row in rows}
+    assert inter["basp (2,4) host"] < inter["basp (2,4) fsdp"] / 10, inter  # no gathers cross
+    assert "inter-host MiB" in done.stdout

@@ -301,7 +301,8 @@ def report(cfg, target: str, hosts: int, gpus_per_host: int, *, want_hlo: bool =
 
 def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict]:
     """Every layout the planner would consider for `cfg` on this cluster, each compiled: rows
-    with the prediction (basp_jax.cost) and the compiled report, fastest fitting first."""
+    with the prediction (basp_jax.cost) and the compiled report, fastest fitting first. On
+    several hosts the candidates include host parameter sharding beside fsdp and hsdp."""
     from basp_jax import cost
 
     from .config import replace
@@ -314,7 +315,7 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
     hw = dataclasses.replace(hw, devices_per_host=gpus_per_host)
     rows = []
     for c in cost.candidates(shape, batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len,
-                             num_devices=devices):
+                             num_devices=devices, devices_per_host=gpus_per_host):
         pred = cost.predict(shape, c, batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len,
                             num_devices=devices, hw=hw, grad_accum=cfg.train.grad_accum,
                             remat=cfg.model.remat)
@@ -329,13 +330,20 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
     return rows
 
 
+def inter_host_bytes(report: dict) -> float:
+    """Bytes one device sends to other hosts per step in a compiled report, every collective."""
+    return sum(c["inter_host_wire_bytes"] for c in report["collectives"])
+
+
 def format_plan(rows: list[dict]) -> str:
-    lines = [f"{'layout':<34}{'step s':>8}{'formula GiB':>13}{'compiled GiB':>14}  fits"]
+    lines = [f"{'layout':<34}{'step s':>8}{'formula GiB':>13}{'compiled GiB':>14}"
+             f"{'inter-host MiB':>16}  fits"]
     for row in rows:
         r = row["report"]
         lines.append(f"{row['name']:<34}{row['predicted_step_s']:>8.3f}"
                      f"{row['formula_memory_bytes'] / GiB:>13.1f}"
-                     f"{r['peak_bytes_per_device'] / GiB:>14.1f}  {'yes' if r['fits'] else 'no'}")
+                     f"{r['peak_bytes_per_device'] / GiB:>14.1f}"
+                     f"{inter_host_bytes(r) / 2**20:>16.1f}  {'yes' if r['fits'] else 'no'}")
     fitting = [row for row in rows if row["report"]["fits"]]
     lines.append("")
     lines.append(f"pick: {fitting[0]['name']} (fastest predicted step whose compiled memory fits)"
