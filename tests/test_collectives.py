@@ -193,3 +193,21 @@ ENTRY %main (p: bf16[8]) -> bf16[8] {
 """
     assert hlo.overlapped_collectives(text) == {"all-to-all": {"pairs": 1, "overlapped": 0},
                                                 "all-gather": {"pairs": 1, "overlapped": 1}}
+
+
+def test_compile_report_rows_do_not_merge_group_sizes():
+    """train.aot's table, one row per (kind, dtype, group size). Two f32 all-reduces of the GPU
+    host-sharded step (issue #17): the loss's 8-byte sums over all 8 devices, and the embedding
+    gradient's 1/4 shard between the hosts. Merged, they printed as 250.5 MiB over 8 devices."""
+    from train.aot import collective_rows
+
+    text = """
+  %all-reduce-start.2 = f32[2]{0} all-reduce-start(%wrapped_concatenate), channel_id=204, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%region_29.32.clone
+  %all-reduce-start = f32[32064,2048]{1,0} all-reduce-start(%bitcast.311.0), channel_id=83, replica_groups=mesh['axis_0'=2,'axis_1'=4,'axis_2'=1] {'axis_0'}, use_global_device_ids=true, to_apply=%region_24.28.clone
+"""
+    found = comm.parse_collectives(text, 8)
+    assert {c.groups[0] for c in found} == {tuple(range(8)), (0, 4)}
+    rows = collective_rows(found, devices_per_host=4, num_layers=2, grad_accum=1)
+    assert [(r["dtype"], r["group_size"], r["bytes"]) for r in rows] == [
+        ("f32", 2, 32064 * 2048 * 4), ("f32", 8, 8)]
+    assert rows[0]["inter_host_wire_bytes"] == 32064 * 2048 * 4  # 2 (n-1)/n x the shard, n = 2

@@ -8,6 +8,8 @@ Compiling needs JAX's CUDA plugin: installed once per environment by `python -m 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import glob
 import json
 import os
@@ -179,6 +181,57 @@ def test_hsdp_parameter_gathers_stay_inside_hosts(reports):
     assert 0 < inter <= 4 * r["model"]["params"] / 4 * 2
 
 
+HOST_1B = ("configs/gpu/llama-3.2-1b_basp.yaml,model.shape={num_layers: 2},"
+           "parallel.param_sharding=host,data.seq_len=4096")
+
+
+@pytest.fixture(scope="session")
+def host_1b(cuda_plugin, tmp_path_factory):
+    """Llama-3.2-1B with 2 layers at 4K tokens under host sharding, compiled with the GPU
+    defaults (issue #17's program, smaller), in its bf16 compute and in float32 compute."""
+    out = tmp_path_factory.mktemp("aot") / "host.json"
+    done = _run("tests/aot_worker.py", str(out), HOST_1B, f"{HOST_1B},model.dtype=float32")
+    assert done.returncode == 0, done.stderr[-3000:]
+    bf16, f32 = json.loads(out.read_text())
+    return {"bfloat16": bf16, "float32": f32}
+
+
+def _inter_host(rows, dtype=None):
+    return sum(c["inter_host_wire_bytes"] for c in rows
+               if c["kind"] in ("all-reduce", "reduce-scatter") and dtype in (None, c["dtype"]))
+
+
+def test_host_sharding_gradients_cross_hosts_once_as_shards_on_gpu(host_1b):
+    """Every gradient element crosses hosts once, as a 1/4 shard between the two devices of the
+    same rank on each host: cost.min_inter_host_gradient_bytes of the gradient in the dtype XLA
+    reduces it in. Under bf16 compute that is bf16 for every matmul and norm weight (their
+    gradients are dots of bf16 operands, reduced before the convert to the fp32 parameter) and
+    fp32 for the tied embedding (the lookup reads the fp32 table; its scatter-add and the tied
+    projection's gradient are fp32): 0.84 x the all-fp32 closed form here. Under fp32 compute it
+    is the all-fp32 closed form the CPU test checks (tests/test_host_sharding.py), plus the final
+    norm's 8 KiB that XLA all-reduces whole."""
+    shape = dataclasses.replace(cost.MODEL_SHAPES["llama-3.2-1b"], num_layers=2)
+    n, table = shape.num_params, shape.embedding_params
+    assert host_1b["bfloat16"]["model"]["params"] == n
+    minimum = functools.partial(cost.min_inter_host_gradient_bytes, num_devices=8,
+                                devices_per_host=4)
+    scalars = 64  # the loss sum and token count, all-reduced over the 8 devices
+    rows = host_1b["bfloat16"]["collectives"]
+    assert minimum(4 * table) <= _inter_host(rows, "f32") <= minimum(4 * table) + scalars
+    assert _inter_host(rows, "bf16") == minimum(2 * (n - table))
+    total = _inter_host(rows)
+    assert minimum(4 * table + 2 * (n - table)) <= total <= minimum(4 * table + 2 * (n - table)) \
+        + scalars
+    assert total < 0.85 * minimum(4 * n)
+    rows32 = host_1b["float32"]["collectives"]
+    norm = 4 * shape.hidden_size  # the final norm's gradient, all-reduced whole over the mesh
+    assert minimum(4 * n) <= _inter_host(rows32) <= minimum(4 * n) + norm + scalars
+    for r in rows + rows32:
+        if r["inter_host_wire_bytes"] and r["group_size"] > 2:  # over more than one per host
+            assert r["bytes"] <= norm + scalars, r
+    assert not any(r["inter_host_wire_bytes"] for r in rows + rows32 if r["kind"] == "all-gather")
+
+
 def test_ulysses_configs_are_their_basp_twins():
     from train.config import load_config, to_dict
 
@@ -242,7 +295,10 @@ def test_plan_compiles_every_candidate_and_picks_one_that_fits(cuda_plugin, tmp_
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())
     names = [row["name"] for row in rows]
-    assert sorted(names) == ["basp (2,4) fsdp", "basp (2,4) hsdp", "ulysses (1,8) fsdp"]
+    # two hosts: host sharding beside fsdp; hsdp over the 4 devices of a seq group is host
+    # sharding here (cost.candidates lists it once)
+    assert sorted(names) == ["basp (2,4) fsdp", "basp (2,4) host", "ulysses (1,8) fsdp",
+                             "ulysses (1,8) host"]
     fitting = [row for row in rows if row["report"]["fits"]]
     best = min(fitting, key=lambda row: row["predicted_step_s"])
     assert f"pick: {best['name']}" in done.stdout
@@ -250,3 +306,8 @@ def test_plan_compiles_every_candidate_and_picks_one_that_fits(cuda_plugin, tmp_
         lay = row["report"]["layout"]
         assert row["name"].startswith(f"{lay['mode']} ({lay['groups']},{lay['sp']}) "
                                       f"{row['report']['param_sharding']}")
+    from train import aot
+
+    inter = {row["name"]: aot.inter_host_bytes(row["report"]) for row in rows}
+    assert inter["basp (2,4) host"] < inter["basp (2,4) fsdp"] / 10, inter  # no gathers cross
+    assert "inter-host MiB" in done.stdout

@@ -209,15 +209,18 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False)
 
 
 def collective_rows(collectives, devices_per_host: int, num_layers: int, grad_accum: int) -> list:
-    """Per (kind, dtype): executions per step and per layer per microbatch, bytes per device."""
+    """Per (kind, dtype, group size): executions per step and per layer per microbatch, bytes
+    per device. The group size is part of the key: a row merged over sizes would print one size
+    beside bytes of another (the loss's 8-byte f32 sum over all devices beside a 250 MiB f32
+    gradient all-reduce between two hosts read as a 250 MiB all-reduce over every device)."""
     from basp_jax import comm
 
     rows = {}
     for c in collectives:
-        rows.setdefault((c.kind, c.dtype), []).append(c)
+        rows.setdefault((c.kind, c.dtype, c.group_size), []).append(c)
     out = []
     for kind in comm.KINDS:
-        for (k, dtype), group in sorted(rows.items()):
+        for (k, dtype, size), group in sorted(rows.items()):
             if k != kind:
                 continue
             row = comm.summarize(group, devices_per_host)[kind]
@@ -226,7 +229,7 @@ def collective_rows(collectives, devices_per_host: int, num_layers: int, grad_ac
                 "per_layer": row["count"] / (num_layers * grad_accum),
                 "bytes": int(row["bytes"]), "wire_bytes": row["wire_bytes"],
                 "inter_host_wire_bytes": row["inter_host_wire_bytes"],
-                "group_size": max(c.group_size for c in group),
+                "group_size": size,
             })
     return out
 
@@ -298,7 +301,8 @@ def report(cfg, target: str, hosts: int, gpus_per_host: int, *, want_hlo: bool =
 
 def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict]:
     """Every layout the planner would consider for `cfg` on this cluster, each compiled: rows
-    with the prediction (basp_jax.cost) and the compiled report, fastest fitting first."""
+    with the prediction (basp_jax.cost) and the compiled report, fastest fitting first. On
+    several hosts the candidates include host parameter sharding beside fsdp and hsdp."""
     from basp_jax import cost
 
     from .config import replace
@@ -311,7 +315,7 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
     hw = dataclasses.replace(hw, devices_per_host=gpus_per_host)
     rows = []
     for c in cost.candidates(shape, batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len,
-                             num_devices=devices):
+                             num_devices=devices, devices_per_host=gpus_per_host):
         pred = cost.predict(shape, c, batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len,
                             num_devices=devices, hw=hw, grad_accum=cfg.train.grad_accum,
                             remat=cfg.model.remat)
@@ -326,13 +330,20 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
     return rows
 
 
+def inter_host_bytes(report: dict) -> float:
+    """Bytes one device sends to other hosts per step in a compiled report, every collective."""
+    return sum(c["inter_host_wire_bytes"] for c in report["collectives"])
+
+
 def format_plan(rows: list[dict]) -> str:
-    lines = [f"{'layout':<34}{'step s':>8}{'formula GiB':>13}{'compiled GiB':>14}  fits"]
+    lines = [f"{'layout':<34}{'step s':>8}{'formula GiB':>13}{'compiled GiB':>14}"
+             f"{'inter-host MiB':>16}  fits"]
     for row in rows:
         r = row["report"]
         lines.append(f"{row['name']:<34}{row['predicted_step_s']:>8.3f}"
                      f"{row['formula_memory_bytes'] / GiB:>13.1f}"
-                     f"{r['peak_bytes_per_device'] / GiB:>14.1f}  {'yes' if r['fits'] else 'no'}")
+                     f"{r['peak_bytes_per_device'] / GiB:>14.1f}"
+                     f"{inter_host_bytes(r) / 2**20:>16.1f}  {'yes' if r['fits'] else 'no'}")
     fitting = [row for row in rows if row["report"]["fits"]]
     lines.append("")
     lines.append(f"pick: {fitting[0]['name']} (fastest predicted step whose compiled memory fits)"
