@@ -190,7 +190,8 @@ def test_named_scopes_reach_the_train_step_hlo(tmp_path):
     for scope in ("seq_to_heads/all_to_all", "heads_to_seq/all_to_all", "attention_kernel/",
                   "attention/", "mlp/", "loss"):
         assert any(scope in n for n in names), scope
-    assert any(n.startswith("transpose(jvp(") and "loss" in n for n in names)  # backward too
+    # backward too (jax >= 0.11 prefixes the enclosing jit and loop: "jit(train_step)/while/...")
+    assert any("transpose(jvp(loss" in n for n in names)
 
 
 def test_a_resumed_run_replaces_the_tensorboard_steps_after_its_checkpoint(tmp_path):
