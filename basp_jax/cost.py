@@ -207,6 +207,14 @@ class Prediction:
     memory_bytes: float
 
 
+def vocab_parallel(shape: ModelShape, param_sharding: str, shard_group: int) -> bool:
+    """Whether the embedding and LM head are used where they are stored (models.vocab_parallel):
+    fsdp/hsdp parameters sharded on the vocabulary (basp_jax.sharding shards a parameter's
+    largest dimension that the shard group divides; the vocabulary is the largest)."""
+    return (param_sharding in ("fsdp", "hsdp") and shard_group > 1
+            and shape.vocab_size % shard_group == 0 and shape.vocab_size >= shape.hidden_size)
+
+
 def predict(
     shape: ModelShape,
     candidate: Candidate,
@@ -256,9 +264,23 @@ def predict(
         shard_group, shard_share = min(dph, num_devices), 0.0
     else:
         shard_group, shard_share = sp, _remote_share(sp, dph)
-    per_micro = (
-        collective_traffic("all-gather", all_params, shard_group, shard_share).scale(2)
-        + collective_traffic("reduce-scatter", all_params * 2, shard_group, shard_share)  # fp32 grads
+    gathered = all_params
+    if vocab_parallel(shape, candidate.param_sharding, shard_group):
+        # models.vocab_parallel: the embedding and LM head stay where they are stored; the
+        # tokens' rows move instead. Embedding: its rows reduce-scattered forward, their
+        # cotangent gathered backward; loss: the hidden states gathered forward and again when
+        # rematerialised, their f32 cotangent reduce-scattered.
+        tables = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+        gathered = all_params - tables * param_bytes
+        rows = shard_group * tokens_per_device * shape.hidden_size * act_bytes
+        per_micro = (collective_traffic("reduce-scatter", rows, shard_group, shard_share)
+                     + collective_traffic("all-gather", rows, shard_group, shard_share).scale(3)
+                     + collective_traffic("reduce-scatter", 2 * rows, shard_group, shard_share))
+    else:
+        per_micro = Traffic()
+    per_micro = per_micro + (
+        collective_traffic("all-gather", gathered, shard_group, shard_share).scale(2)
+        + collective_traffic("reduce-scatter", gathered * 2, shard_group, shard_share)  # fp32 grads
     )
     params = per_micro.scale(grad_accum)
     if candidate.param_sharding == "hsdp" and g > 1:
@@ -301,10 +323,11 @@ def _saved_per_token(shape: ModelShape, remat: str, q_heads: int, kv_heads: int)
 
 
 # Factors fitted to the compiled GPU programs of the paper's five models (BASP and Ulysses, FSDP
-# and HSDP, 16K tokens, B=2, 2 x 4 A100-40GB: 15 programs, all within 6%; BENCHMARKS.md section 6).
-_GRADIENT_BUFFERS = 1.4  # the float32 gradient sum, and part of a second gradient-sized buffer
-_SAVED_SHARE = 0.63  # of _saved_per_token that XLA keeps
-_WORKING_FACTOR = 2.5  # a layer's recompute, its gathered weights and the chunked loss's buffers
+# and HSDP, 16K tokens, B=2, 2 x 4 A100-40GB: 15 programs, all within 1.3%; BENCHMARKS.md section
+# 6), refitted after the vocab-parallel embedding and loss (models/vocab_parallel.py).
+_GRADIENT_BUFFERS = 1.65  # the float32 gradient sum, and part of a second gradient-sized buffer
+_SAVED_SHARE = 0.62  # of _saved_per_token that XLA keeps
+_WORKING_FACTOR = 0.95  # a layer's recompute, its gathered weights and the chunked loss's buffers
 
 
 def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, *,
