@@ -272,6 +272,7 @@ def test_loading_onto_a_mesh_hands_each_device_only_its_slice(checkpoints, monke
     models.from_pretrained(checkpoints["qwen2"][0], mesh=mesh_for(2, 4), param_sharding="fsdp")
     embed_shape = (hf_tiny.VOCAB, 64)
     assert blocks[embed_shape] == [(hf_tiny.VOCAB // 8, 64)] * 8
-    # gate/up stacked over 2 layers; ours [layers, in, out], read from [out, in] and transposed
+    # gate/up stacked over 2 layers; ours [layers, in, out], read from [out, in] and transposed,
+    # sharded on `in` (the major-most large dimension, basp_jax.sharding.param_spec)
     up_proj = (2, 64, 160)
-    assert blocks[up_proj] == [(2, 64, 20)] * 8 * 2
+    assert blocks[up_proj] == [(2, 8, 160)] * 8 * 2
