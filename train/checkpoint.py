@@ -283,7 +283,7 @@ def restore_model(run_dir: str, *, dtype: str | None = None):
     import models
 
     from .config import load_config
-    from .loop import model_config
+    from .prepare import model_config
     from .step import DTYPES
 
     config_path = os.path.join(run_dir, "config.yaml")
