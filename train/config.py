@@ -2,8 +2,9 @@
 
     cfg = load_config("configs/demo_cpu.yaml", ["train.steps=20", "parallel.mode=ulysses"])
 
-Unknown keys, values of the wrong type and impossible combinations raise a ConfigError whose one
-line names the key and what would work. Nothing here imports JAX: the CLI must read the config
+Unknown keys, values of the wrong type, required keys left out (None until set: no placeholder
+value stands in for them) and impossible combinations raise a ConfigError whose one line names the
+key and what would work. Nothing here imports JAX: the CLI must read the config
 (runtime.cpu_devices, runtime.distributed) before JAX initialises its backends.
 """
 
@@ -29,14 +30,19 @@ MAX_SEED = 2**32 - 1
 MIN_PEER_TIMEOUT_S = 2.0
 
 
+def _require(key: str, value: Any, what: str) -> None:
+    """A required key is None until set: no placeholder value stands in for it."""
+    if value is None:
+        raise ConfigError(f"{key} is required: {what}")
+
+
 @dataclasses.dataclass
 class RunConfig:
-    dir: str = ""  # required: outputs, checkpoints, metrics.jsonl, config.yaml
+    dir: Optional[str] = None  # required: outputs, checkpoints, metrics.jsonl, config.yaml
     seed: int = 0
 
     def validate(self) -> None:
-        if not self.dir:
-            raise ConfigError("run.dir is required: where checkpoints and metrics.jsonl go")
+        _require("run.dir", self.dir or None, "where checkpoints and metrics.jsonl go")
         if not 0 <= self.seed <= MAX_SEED:
             raise ConfigError(f"run.seed must lie in [0, {MAX_SEED}], got {self.seed}")
 
@@ -78,14 +84,14 @@ class DataConfig:
     tokenizer: Optional[str] = None  # text/jsonl: a local tokenizer.json
     text_key: str = "text"  # jsonl: the field holding each document
     eos_id: Optional[int] = None  # document separator; text/jsonl: appended after each document
-    seq_len: int = 0  # required
+    seq_len: Optional[int] = None  # required
     pack: bool = False  # segment ids from eos_id: tokens attend only within their document
     branching: int = 4  # synthetic: successors per token of the Markov chain (probabilities halve)
 
     def require(self) -> None:
         """The required keys (checked with the other sections' before the combinations)."""
-        if self.source is None:
-            raise ConfigError("data.source is required: synthetic, tokens, text or jsonl")
+        _require("data.source", self.source, "synthetic, tokens, text or jsonl")
+        _require("data.seq_len", self.seq_len, "tokens per row, an integer > 1")
         if self.seq_len <= 1:
             raise ConfigError(f"data.seq_len must be an integer > 1, got {self.seq_len}")
 
@@ -117,20 +123,25 @@ class DataConfig:
 
 @dataclasses.dataclass
 class TrainSection:
-    steps: int = 0  # required
-    microbatch_size: int = 0  # required: rows per microbatch (B of the layout)
-    grad_accum: int = 0  # required: microbatches per optimizer step (1: no accumulation)
+    steps: Optional[int] = None  # required
+    microbatch_size: Optional[int] = None  # required: rows per microbatch (B of the layout)
+    grad_accum: Optional[int] = None  # required: microbatches per optimizer step (1: no accumulation)
     # A step whose loss or gradient norm is NaN/Inf never changes the parameters; then: skip it
     # and go on, or stop the run (exit status 1). Non-finite state is never checkpointed either way.
     on_nonfinite: Literal["skip", "stop"] = "skip"
 
     def validate(self) -> None:
+        _require("train.steps", self.steps, "a positive integer (optimizer steps)")
         if self.steps <= 0:
             raise ConfigError(f"train.steps must be a positive integer, got {self.steps}")
+        _require("train.microbatch_size", self.microbatch_size,
+                 "a positive integer (rows per microbatch)")
         if self.microbatch_size <= 0:
             raise ConfigError(
                 f"train.microbatch_size must be a positive integer, got {self.microbatch_size}"
             )
+        _require("train.grad_accum", self.grad_accum,
+                 "a positive integer (microbatches per step; 1: no accumulation)")
         if self.grad_accum <= 0:
             raise ConfigError(
                 f"train.grad_accum must be a positive integer (1: no accumulation), "
@@ -140,7 +151,7 @@ class TrainSection:
 
 @dataclasses.dataclass
 class OptimizerConfig:
-    lr: float = 0.0  # required: peak learning rate
+    lr: Optional[float] = None  # required: peak learning rate
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at train.steps
     weight_decay: float = 0.1  # not applied to norms and biases (parameters of rank < 2)
@@ -150,6 +161,7 @@ class OptimizerConfig:
     clip_norm: Optional[float] = 1.0  # global gradient norm clip; null disables
 
     def validate(self) -> None:
+        _require("optimizer.lr", self.lr, "the peak learning rate, > 0")
         if self.lr <= 0:
             raise ConfigError(f"optimizer.lr is required and must be > 0, got {self.lr}")
         if self.warmup_steps < 0:  # longer than the run: the trainer clamps it, with a note
@@ -180,8 +192,7 @@ class ParallelConfig:
     zigzag: bool = True  # with ring > 1: zig-zag token order, balancing the causal ring work
 
     def require(self) -> None:
-        if self.mode is None:
-            raise ConfigError("parallel.mode is required: basp, ulysses or auto")
+        _require("parallel.mode", self.mode, "basp, ulysses or auto")
 
     def validate(self) -> None:
         if self.mode == "ulysses" and self.groups not in (None, 1):
@@ -325,13 +336,17 @@ class RuntimeConfig:
     # devices; gpu: GPUs or stop with one line naming the pip extra to install (the configs in
     # configs/gpu); cpu: the CPU even where GPUs are (emulating cpu_devices)
     platform: Literal["auto", "cpu", "gpu"] = "auto"
-    cpu_devices: int = 0  # required unless platform=gpu: CPU devices (per process) to emulate
+    cpu_devices: Optional[int] = None  # required unless platform=gpu: CPU devices (per process) to emulate
     devices: Optional[int] = None  # use the first N devices of all processes (null: all of them)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def validate(self) -> None:
         """The device counts (runtime.distributed validates itself)."""
-        if self.cpu_devices <= 0 and not (self.platform == "gpu" and self.cpu_devices == 0):
+        if self.platform != "gpu":
+            _require("runtime.cpu_devices", self.cpu_devices, "CPU devices to emulate when "
+                     "training on the CPU (runtime.platform=gpu needs none)")
+        if self.cpu_devices is not None and self.cpu_devices <= 0 and not (
+                self.platform == "gpu" and self.cpu_devices == 0):
             raise ConfigError(
                 f"runtime.cpu_devices must be a positive integer, got {self.cpu_devices} "
                 f"(CPU devices to emulate when training on the CPU; runtime.platform=gpu needs "
