@@ -1,5 +1,6 @@
 """The step loop's hooks (train.loop): compile the step on first use, report each finished step
-(metrics, evaluation, the non-finite policy), say what a run starts and ends with.
+(metrics, evaluation, the non-finite policy), save a checkpoint, export, say what a run starts and
+ends with.
 
     report = StepReport(run, logger, writer, evaluator)
     last_end = report.finish(step, metrics, evaluation, last_end)   # step k, after k+1 dispatched
@@ -8,6 +9,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any, Callable
 
@@ -18,7 +20,7 @@ from basp_jax import comm
 from . import planning
 from .checkpoint import complete_steps
 from .metrics import MetricsLogger
-from .outputs import write_collectives
+from .outputs import export_hf, write_collectives
 from .prepare import Run
 
 
@@ -54,6 +56,20 @@ def compile_step(run: Run, log: Callable[[str], None]) -> tuple[Any, list]:
     return compiled, collectives
 
 
+def save_checkpoint(run: Run, step: int, force: bool) -> None:
+    """The state after `step` (1-based), with what a resume checks and reads."""
+    meta = {"step": step, "data_step": step, "seed": run.cfg.run.seed,
+            "layout": run.layout.describe()}
+    run.ckpt.save(step, run.params, run.opt_state, meta, force=force)
+
+
+def export(run: Run, log: Callable[[str], None]) -> None:
+    """checkpoint.export_hf: the final weights as a Hugging Face directory."""
+    export_dir = os.path.realpath(run.cfg.checkpoint.export_hf)
+    export_hf(run.parts.module(run.params), export_dir, run.run_dir, run.is_writer)
+    log(f"exported Hugging Face weights to {export_dir}")
+
+
 def log_start(run: Run, logger: MetricsLogger) -> None:
     """The layout, the model, where the run resumes and what mfu is measured against."""
     cfg = run.cfg
@@ -82,8 +98,9 @@ class StepReport:
 
     def mfu(self, tokens_per_s: float) -> float | None:
         run = self.run
-        return run.flops_per_token * tokens_per_s / (run.peak * len(run.devices)) if run.peak \
-            else None
+        if not run.peak:
+            return None
+        return run.flops_per_token * tokens_per_s / (run.peak * len(run.devices))
 
     def finish(self, step: int, metrics, evaluation, last_end: float) -> float:
         """Read step `step`'s metrics (waiting for it to end) and its evaluation's (None: none

@@ -14,10 +14,10 @@ import jax
 from . import evaluate, profiling, runtime, writers
 from .checkpoint import checkpoint_dir, complete_steps, storage_error
 from .config import Config
-from .hooks import NonFiniteError, StepReport, compile_step, log_start
+from .hooks import NonFiniteError, StepReport, compile_step, export, log_start, save_checkpoint
 from .lock import RunDirLock
 from .metrics import MetricsLogger
-from .outputs import export_hf, write_config
+from .outputs import write_config
 from .peers import PeerWatchdog
 from .prepare import Run, model_config, prepare, select_devices
 from .stop import StopRequest
@@ -100,9 +100,7 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: RunDirLock | None) -> di
                 collectives = train_steps(run, end, report, profiler, stop)
             run.ckpt.wait()
             if cfg.checkpoint.export_hf and not stop.stopped:
-                export_dir = os.path.realpath(cfg.checkpoint.export_hf)
-                export_hf(run.parts.module(run.params), export_dir, run.run_dir, run.is_writer)
-                logger.message(f"exported Hugging Face weights to {export_dir}")
+                export(run, logger.message)
     finally:
         profiler.close()
         if writer is not None:
@@ -151,9 +149,7 @@ def train_steps(run: Run, end: int, report: StepReport, profiler, stop: StopRequ
         # under on_nonfinite=stop is never saved), then its state, before the next dispatch
         # takes (donates) it
         last_end = report.finish(step, metrics, evaluation, last_end)
-        meta = {"step": done, "data_step": done, "seed": cfg.run.seed,
-                "layout": run.layout.describe()}
-        ckpt.save(done, run.params, run.opt_state, meta, force=force)
+        save_checkpoint(run, done, force)
         if stopping and not last:
             log(f"received {stop.requested or 'a stop signal on another process'}: finished step "
                 f"{done} and saved a checkpoint; run the same command again to resume")
