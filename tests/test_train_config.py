@@ -105,12 +105,11 @@ def test_shipped_configs_load_and_plan():
 
 def test_required_keys_one_by_one(tmp_path):
     full = tiny_overrides(tmp_path / "r")
-    required = {"run.dir": "run.dir is required", "train.steps": "train.steps must be",
-                "train.microbatch_size": "train.microbatch_size must be",
-                "train.grad_accum": "train.grad_accum must be", "parallel.mode": "parallel.mode is required",
-                "runtime.cpu_devices": "runtime.cpu_devices must be", "data.source": "data.source is required",
-                "data.seq_len": "data.seq_len must be", "optimizer.lr": "optimizer.lr is required",
-                "model.preset": "set exactly one of model.preset"}
+    # a required key left out is None, never a placeholder like 0: the error says it is required
+    required = {key: f"{key} is required: " for key in (
+        "run.dir", "train.steps", "train.microbatch_size", "train.grad_accum", "parallel.mode",
+        "runtime.cpu_devices", "data.source", "data.seq_len", "optimizer.lr")}
+    required["model.preset"] = "set exactly one of model.preset"
     for key, fragment in required.items():
         args = [a for a in full if not a.startswith(key + "=")]
         assert len(args) == len(full) - 1, key

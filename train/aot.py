@@ -306,7 +306,7 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
     from basp_jax import cost
 
     from .config import replace
-    from .loop import model_config
+    from .prepare import model_config
     from .planning import model_shape
 
     devices = hosts * gpus_per_host

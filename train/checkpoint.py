@@ -101,6 +101,16 @@ def inspect_latest(run_dir: str, expected_params, expected_opt_state) -> tuple[i
     path = os.path.join(directory, str(step))
     earlier = (f"move {path} out of the way to resume from step {steps[-2]}"
                if len(steps) > 1 else "use a new run.dir to start afresh")
+    found, found_opt, meta = _read_newest(directory, steps, earlier)
+    _check_shapes(path, found, found_opt, expected_params, expected_opt_state)
+    return step, meta
+
+
+def _read_newest(directory: str, steps: list[int], earlier: str) -> tuple[dict, dict, dict]:
+    """The parameter and optimizer-state shapes and the meta of the newest of `steps`, after
+    checking that every step's metadata reads; `earlier` says what to do when one does not."""
+    step = steps[-1]
+    path = os.path.join(directory, str(step))
     missing = [name for name in ITEMS if not os.path.isdir(os.path.join(path, name))]
     if missing:
         raise CheckpointError(
@@ -127,6 +137,12 @@ def inspect_latest(run_dir: str, expected_params, expected_opt_state) -> tuple[i
         raise CheckpointError(
             f"checkpoint {path} cannot be read ({detail}): it is corrupt or half-written; {earlier}"
         ) from None
+    return found, found_opt, meta
+
+
+def _check_shapes(path: str, found: dict, found_opt: dict, expected_params,
+                  expected_opt_state) -> None:
+    """The checkpoint at `path` holds this model's parameters and this optimizer's state."""
     wanted = _param_shapes(expected_params)
     if _per_layer(found) and not _per_layer(wanted):
         raise CheckpointError(
@@ -145,7 +161,6 @@ def inspect_latest(run_dir: str, expected_params, expected_opt_state) -> tuple[i
             f"checkpoint {path} holds another optimizer state: {mismatch}; the optimizer settings "
             "changed since it was written (e.g. optimizer.clip_norm); restore them or use a new "
             "run.dir")
-    return step, meta
 
 
 def _step_metadata(path: str) -> None:
@@ -283,7 +298,7 @@ def restore_model(run_dir: str, *, dtype: str | None = None):
     import models
 
     from .config import load_config
-    from .loop import model_config
+    from .prepare import model_config
     from .step import DTYPES
 
     config_path = os.path.join(run_dir, "config.yaml")

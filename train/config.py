@@ -2,8 +2,9 @@
 
     cfg = load_config("configs/demo_cpu.yaml", ["train.steps=20", "parallel.mode=ulysses"])
 
-Unknown keys, values of the wrong type and impossible combinations raise a ConfigError whose one
-line names the key and what would work. Nothing here imports JAX: the CLI must read the config
+Unknown keys, values of the wrong type, required keys left out (None until set: no placeholder
+value stands in for them) and impossible combinations raise a ConfigError whose one line names the
+key and what would work. Nothing here imports JAX: the CLI must read the config
 (runtime.cpu_devices, runtime.distributed) before JAX initialises its backends.
 """
 
@@ -22,10 +23,28 @@ class ConfigError(ValueError):
     """A config that cannot run; the single-line message names the key and the fix."""
 
 
+# seeds key numpy's and JAX's generators: a non-negative 32-bit integer fits both everywhere
+MAX_SEED = 2**32 - 1
+
+# train.peers polls the peers every min(1 s, timeout / 4); shorter timeouts would fire on noise
+MIN_PEER_TIMEOUT_S = 2.0
+
+
+def _require(key: str, value: Any, what: str) -> None:
+    """A required key is None until set: no placeholder value stands in for it."""
+    if value is None:
+        raise ConfigError(f"{key} is required: {what}")
+
+
 @dataclasses.dataclass
 class RunConfig:
-    dir: str = ""  # required: outputs, checkpoints, metrics.jsonl, config.yaml
+    dir: Optional[str] = None  # required: outputs, checkpoints, metrics.jsonl, config.yaml
     seed: int = 0
+
+    def validate(self) -> None:
+        _require("run.dir", self.dir or None, "where checkpoints and metrics.jsonl go")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"run.seed must lie in [0, {MAX_SEED}], got {self.seed}")
 
 
 @dataclasses.dataclass
@@ -42,6 +61,20 @@ class ModelSection:
     # depth; the compiled step (collectives.json) then holds a layer's collectives once, not per layer
     scan_layers: bool = True
 
+    def validate(self) -> None:
+        if (self.preset is None) == (self.hf_path is None):
+            raise ConfigError(
+                "set exactly one of model.preset (e.g. tiny, llama-3.2-1b) and model.hf_path "
+                f"(a local Hugging Face directory); got preset={self.preset!r}, "
+                f"hf_path={self.hf_path!r}"
+            )
+        if self.hf_path is not None and self.load_weights and self.shape:
+            raise ConfigError(
+                "model.shape overrides change the architecture and cannot apply to pretrained "
+                "weights from model.hf_path; set model.load_weights=false to train that shape "
+                "from scratch"
+            )
+
 
 @dataclasses.dataclass
 class DataConfig:
@@ -51,24 +84,74 @@ class DataConfig:
     tokenizer: Optional[str] = None  # text/jsonl: a local tokenizer.json
     text_key: str = "text"  # jsonl: the field holding each document
     eos_id: Optional[int] = None  # document separator; text/jsonl: appended after each document
-    seq_len: int = 0  # required
+    seq_len: Optional[int] = None  # required
     pack: bool = False  # segment ids from eos_id: tokens attend only within their document
     branching: int = 4  # synthetic: successors per token of the Markov chain (probabilities halve)
+
+    def require(self) -> None:
+        """The required keys (checked with the other sections' before the combinations)."""
+        _require("data.source", self.source, "synthetic, tokens, text or jsonl")
+        _require("data.seq_len", self.seq_len, "tokens per row, an integer > 1")
+        if self.seq_len <= 1:
+            raise ConfigError(f"data.seq_len must be an integer > 1, got {self.seq_len}")
+
+    def validate(self) -> None:
+        if self.source == "tokens":
+            if not self.path:
+                raise ConfigError("data.source=tokens needs data.path: a .bin or .npy token file")
+            if not (self.path.endswith(".bin") or self.path.endswith(".npy")):
+                raise ConfigError(f"data.path {self.path!r}: token files must end in .bin or .npy")
+        if self.source in ("text", "jsonl"):
+            if not self.path:
+                raise ConfigError(f"data.source={self.source} needs data.path")
+            if not self.tokenizer:
+                raise ConfigError(
+                    f"data.source={self.source} needs data.tokenizer: a local tokenizer.json")
+            if self.eos_id is None:
+                raise ConfigError(f"data.source={self.source} needs data.eos_id: the token id "
+                                  "that separates documents")
+        if self.pack and self.source != "synthetic" and self.eos_id is None:
+            raise ConfigError("data.pack=true needs data.eos_id: documents end at that token")
+        if self.pack and self.source == "synthetic":
+            raise ConfigError(
+                "data.pack=true needs documents; synthetic data is one stream (pack=false)")
+        if self.branching <= 0:
+            raise ConfigError(f"data.branching must be a positive integer, got {self.branching}")
+        if self.eos_id is not None and self.eos_id < 0:
+            raise ConfigError(f"data.eos_id must be >= 0, got {self.eos_id}")
 
 
 @dataclasses.dataclass
 class TrainSection:
-    steps: int = 0  # required
-    microbatch_size: int = 0  # required: rows per microbatch (B of the layout)
-    grad_accum: int = 0  # required: microbatches per optimizer step (1: no accumulation)
+    steps: Optional[int] = None  # required
+    microbatch_size: Optional[int] = None  # required: rows per microbatch (B of the layout)
+    grad_accum: Optional[int] = None  # required: microbatches per optimizer step (1: no accumulation)
     # A step whose loss or gradient norm is NaN/Inf never changes the parameters; then: skip it
     # and go on, or stop the run (exit status 1). Non-finite state is never checkpointed either way.
     on_nonfinite: Literal["skip", "stop"] = "skip"
 
+    def validate(self) -> None:
+        _require("train.steps", self.steps, "a positive integer (optimizer steps)")
+        if self.steps <= 0:
+            raise ConfigError(f"train.steps must be a positive integer, got {self.steps}")
+        _require("train.microbatch_size", self.microbatch_size,
+                 "a positive integer (rows per microbatch)")
+        if self.microbatch_size <= 0:
+            raise ConfigError(
+                f"train.microbatch_size must be a positive integer, got {self.microbatch_size}"
+            )
+        _require("train.grad_accum", self.grad_accum,
+                 "a positive integer (microbatches per step; 1: no accumulation)")
+        if self.grad_accum <= 0:
+            raise ConfigError(
+                f"train.grad_accum must be a positive integer (1: no accumulation), "
+                f"got {self.grad_accum}"
+            )
+
 
 @dataclasses.dataclass
 class OptimizerConfig:
-    lr: float = 0.0  # required: peak learning rate
+    lr: Optional[float] = None  # required: peak learning rate
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at train.steps
     weight_decay: float = 0.1  # not applied to norms and biases (parameters of rank < 2)
@@ -76,6 +159,23 @@ class OptimizerConfig:
     b2: float = 0.95
     eps: float = 1e-8
     clip_norm: Optional[float] = 1.0  # global gradient norm clip; null disables
+
+    def validate(self) -> None:
+        _require("optimizer.lr", self.lr, "the peak learning rate, > 0")
+        if self.lr <= 0:
+            raise ConfigError(f"optimizer.lr is required and must be > 0, got {self.lr}")
+        if self.warmup_steps < 0:  # longer than the run: the trainer clamps it, with a note
+            raise ConfigError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(
+                f"optimizer.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
+            raise ConfigError(
+                f"optimizer.b1 and b2 must lie in [0, 1), got {self.b1}, {self.b2}")
+        if self.clip_norm is not None and self.clip_norm <= 0:
+            raise ConfigError(f"optimizer.clip_norm must be > 0 or null, got {self.clip_norm}")
 
 
 @dataclasses.dataclass
@@ -91,6 +191,31 @@ class ParallelConfig:
     pad_heads: bool = False  # allow zero-padded query heads when sp does not divide num_heads
     zigzag: bool = True  # with ring > 1: zig-zag token order, balancing the causal ring work
 
+    def require(self) -> None:
+        _require("parallel.mode", self.mode, "basp, ulysses or auto")
+
+    def validate(self) -> None:
+        if self.mode == "ulysses" and self.groups not in (None, 1):
+            raise ConfigError(
+                f"parallel.mode=ulysses means one group; got parallel.groups={self.groups} "
+                "(use parallel.mode=basp)"
+            )
+        if self.groups is not None and self.groups <= 0:
+            raise ConfigError(f"parallel.groups must be a positive integer, got {self.groups}")
+        if self.mode == "auto" and (self.groups is not None or self.ring != 1 or self.pad_heads):
+            raise ConfigError(
+                "parallel.mode=auto chooses groups, ring and head padding itself; drop "
+                "parallel.groups/ring/pad_heads or use parallel.mode=basp"
+            )
+        if self.memory_gb is not None and self.memory_gb <= 0:
+            raise ConfigError(f"parallel.memory_gb must be > 0, got {self.memory_gb}")
+        if self.ring <= 0:
+            raise ConfigError(
+                f"parallel.ring must be a positive integer (1: no ring), got {self.ring}")
+        if self.devices_per_host is not None and self.devices_per_host <= 0:
+            raise ConfigError(
+                f"parallel.devices_per_host must be positive, got {self.devices_per_host}")
+
 
 @dataclasses.dataclass
 class CheckpointConfig:
@@ -100,6 +225,13 @@ class CheckpointConfig:
     save_final: bool = True
     resume: bool = True  # continue from the latest checkpoint in run.dir/checkpoints
     export_hf: Optional[str] = None  # write final weights as HF safetensors to this directory
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise ConfigError(
+                f"checkpoint.every must be >= 0 (0: only at the end), got {self.every}")
+        if self.keep <= 0:
+            raise ConfigError(f"checkpoint.keep must be a positive integer, got {self.keep}")
 
 
 @dataclasses.dataclass
@@ -113,6 +245,10 @@ class MetricsConfig:
     # Weights & Biases project to log the same scalars to (needs `pip install wandb`); null: off
     wandb_project: Optional[str] = None
 
+    def validate(self) -> None:
+        if self.peak_flops is not None and self.peak_flops <= 0:
+            raise ConfigError(f"metrics.peak_flops must be > 0 or null, got {self.peak_flops}")
+
 
 @dataclasses.dataclass
 class EvalConfig:
@@ -123,11 +259,43 @@ class EvalConfig:
     # data: rows of the same Markov chain that no training step draws
     path: Optional[str] = None
 
+    def validate(self, source: str) -> None:
+        """source: data.source, which says how eval.path is read."""
+        if self.every < 0:
+            raise ConfigError(f"eval.every must be >= 0 (0: no evaluation), got {self.every}")
+        if self.batches <= 0:
+            raise ConfigError(f"eval.batches must be a positive integer, got {self.batches}")
+        if self.path is None:
+            if self.every > 0 and source != "synthetic":
+                raise ConfigError(f"eval.every={self.every} needs eval.path: held-out data in the "
+                                  f"format of data.source={source}")
+            return
+        if self.every == 0:
+            raise ConfigError("eval.path is set but eval.every=0 never evaluates; set eval.every "
+                              "(e.g. 100) or drop eval.path")
+        if source == "synthetic":
+            raise ConfigError("eval.path is read as data.source says, and synthetic data has no "
+                              "files; drop eval.path (held-out synthetic rows) or use "
+                              "data.source=tokens, text or jsonl")
+        if source == "tokens" and not self.path.endswith((".bin", ".npy")):
+            raise ConfigError(f"eval.path {self.path!r}: token files must end in .bin or .npy "
+                              "(data.source=tokens)")
+
 
 @dataclasses.dataclass
 class ProfileConfig:
     steps: int = 0  # trace this many steps with jax.profiler into {run.dir}/profile (0: off)
     start_step: int = 3  # the first traced step (1-based, as metrics.jsonl counts steps)
+
+    def validate(self, train_steps: int) -> None:
+        if self.steps < 0:
+            raise ConfigError(f"profile.steps must be >= 0 (0: no trace), got {self.steps}")
+        if self.start_step < 1:
+            raise ConfigError(f"profile.start_step must be >= 1 (steps count from 1), got "
+                              f"{self.start_step}")
+        if self.steps and self.start_step > train_steps:
+            raise ConfigError(f"profile.start_step={self.start_step} is beyond train.steps="
+                              f"{train_steps}: nothing would be traced; lower it")
 
 
 @dataclasses.dataclass
@@ -140,6 +308,27 @@ class DistributedConfig:
     # instead of hanging in a collective; 0 disables
     peer_timeout_s: float = 30.0
 
+    def validate(self) -> None:
+        if self.peer_timeout_s != 0 and self.peer_timeout_s < MIN_PEER_TIMEOUT_S:
+            raise ConfigError(
+                f"runtime.distributed.peer_timeout_s must be 0 (off) or at least "
+                f"{MIN_PEER_TIMEOUT_S:g} seconds, got {self.peer_timeout_s:g}")
+        if self.coordinator and (self.num_processes is None or self.process_id is None):
+            raise ConfigError(
+                "runtime.distributed.coordinator needs num_processes and process_id as well"
+            )
+        if self.num_processes is not None and self.num_processes <= 0:
+            raise ConfigError(
+                f"runtime.distributed.num_processes must be positive, got {self.num_processes}"
+            )
+        if self.process_id is not None and self.num_processes is not None and not (
+            0 <= self.process_id < self.num_processes
+        ):
+            raise ConfigError(
+                f"runtime.distributed.process_id={self.process_id} must lie in "
+                f"[0, num_processes={self.num_processes})"
+            )
+
 
 @dataclasses.dataclass
 class RuntimeConfig:
@@ -147,9 +336,27 @@ class RuntimeConfig:
     # devices; gpu: GPUs or stop with one line naming the pip extra to install (the configs in
     # configs/gpu); cpu: the CPU even where GPUs are (emulating cpu_devices)
     platform: Literal["auto", "cpu", "gpu"] = "auto"
-    cpu_devices: int = 0  # required unless platform=gpu: CPU devices (per process) to emulate
+    cpu_devices: Optional[int] = None  # required unless platform=gpu: CPU devices (per process) to emulate
     devices: Optional[int] = None  # use the first N devices of all processes (null: all of them)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+
+    def validate(self) -> None:
+        """The device counts (runtime.distributed validates itself)."""
+        if self.platform != "gpu":
+            _require("runtime.cpu_devices", self.cpu_devices, "CPU devices to emulate when "
+                     "training on the CPU (runtime.platform=gpu needs none)")
+        if self.cpu_devices is not None and self.cpu_devices <= 0 and not (
+                self.platform == "gpu" and self.cpu_devices == 0):
+            raise ConfigError(
+                f"runtime.cpu_devices must be a positive integer, got {self.cpu_devices} "
+                f"(CPU devices to emulate when training on the CPU; runtime.platform=gpu needs "
+                f"none)"
+            )
+        if self.devices is not None and self.devices <= 0:
+            raise ConfigError(
+                f"runtime.devices must be a positive integer or null (all devices), "
+                f"got {self.devices}"
+            )
 
 
 @dataclasses.dataclass
@@ -165,6 +372,24 @@ class Config:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
+
+    def validate(self) -> None:
+        """Each section checks its own keys: the required ones first, then the combinations.
+        Model and layout checks come later (train.prepare), still before anything compiles."""
+        self.run.validate()
+        self.train.validate()
+        self.runtime.validate()
+        self.parallel.require()
+        self.data.require()
+        self.model.validate()
+        self.data.validate()
+        self.optimizer.validate()
+        self.parallel.validate()
+        self.checkpoint.validate()
+        self.metrics.validate()
+        self.eval.validate(self.data.source)
+        self.profile.validate(self.train.steps)
+        self.runtime.distributed.validate()
 
 
 # --------------------------------------------------------------------------- coercion
@@ -189,79 +414,101 @@ def _coerce(key: str, value: Any, tp) -> Any:
     """Convert a YAML value or a command-line string to the field type, or raise ConfigError."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None or (isinstance(value, str) and value.strip().lower() in _NULL):
-            if type(None) in args:
-                return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(key, value, arg)
-            except ConfigError as e:
-                errors.append(e)
-        if len(errors) == 1:  # Optional[X]: X's own message says what was expected
-            raise errors[0]
-        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+        return _to_union(key, value, tp)
     if origin is Literal:
-        choices = typing.get_args(tp)
-        if value in choices:
-            return value
-        if isinstance(value, str) and value.strip() in choices:
-            return value.strip()
-        raise ConfigError(f"{key}: expected one of {', '.join(map(str, choices))}, got {value!r}")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-            return value.strip().lower() in _TRUE
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.strip().replace("_", ""))
-            except ValueError:
-                try:
-                    f = float(value)
-                    if f.is_integer():
-                        return int(f)
-                except ValueError:
-                    pass
+        return _to_literal(key, value, typing.get_args(tp))
+    if tp not in _SCALARS:
+        raise ConfigError(f"{key}: unsupported field type {tp!r}")  # pragma: no cover
+    return _SCALARS[tp](key, value)
+
+
+def _to_union(key: str, value: Any, tp) -> Any:
+    args = typing.get_args(tp)
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NULL):
+        if type(None) in args:
+            return None
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _coerce(key, value, arg)
+        except ConfigError as e:
+            errors.append(e)
+    if len(errors) == 1:  # Optional[X]: X's own message says what was expected
+        raise errors[0]
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _to_literal(key: str, value: Any, choices: tuple) -> Any:
+    if value in choices:
+        return value
+    if isinstance(value, str) and value.strip() in choices:
+        return value.strip()
+    raise ConfigError(f"{key}: expected one of {', '.join(map(str, choices))}, got {value!r}")
+
+
+def _to_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ConfigError(f"{key}: expected true or false, got {value!r}")
+
+
+def _to_int(key: str, value: Any) -> int:
+    if isinstance(value, bool):
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        number = None
-        if isinstance(value, (int, float)):
-            number = float(value)
-        elif isinstance(value, str):
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip().replace("_", ""))
+        except ValueError:
             try:
-                number = float(value.strip())
+                f = float(value)
+                if f.is_integer():
+                    return int(f)
             except ValueError:
                 pass
-        if number is None:
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        if not math.isfinite(number):  # nan passes every `x <= 0` check, then poisons the run
-            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
-        return number
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
-    if tp is dict:
-        if isinstance(value, dict):
-            return dict(value)
-        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-    raise ConfigError(f"{key}: unsupported field type {tp!r}")  # pragma: no cover
+    raise ConfigError(f"{key}: expected an integer, got {value!r}")
+
+
+def _to_float(key: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    number = None
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            pass
+    if number is None:
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if not math.isfinite(number):  # nan passes every `x <= 0` check, then poisons the run
+        raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+    return number
+
+
+def _to_str(key: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{key}: expected a string, got {value!r}")
+
+
+def _to_dict(key: str, value: Any) -> dict:
+    if isinstance(value, dict):
+        return dict(value)
+    raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+
+
+_SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str, dict: _to_dict}
 
 
 class DuplicateKeyError(yaml.YAMLError):
@@ -389,7 +636,7 @@ def load_config(path: Optional[str], overrides: list[str] | tuple[str, ...] = ()
 
 def from_dict(tree: dict) -> Config:
     cfg = _build(Config, tree, "")
-    validate(cfg)
+    cfg.validate()
     return cfg
 
 
@@ -409,179 +656,3 @@ def replace(cfg: Config, *overrides: str) -> Config:
         _set_dotted(tree, key, value)
     return from_dict(tree)
 
-
-def validate(cfg: Config) -> None:
-    """Required keys and impossible combinations; model/layout checks come later, still pre-compile."""
-    if not cfg.run.dir:
-        raise ConfigError("run.dir is required: where checkpoints and metrics.jsonl go")
-    if not 0 <= cfg.run.seed <= MAX_SEED:
-        raise ConfigError(f"run.seed must lie in [0, {MAX_SEED}], got {cfg.run.seed}")
-    if cfg.train.steps <= 0:
-        raise ConfigError(f"train.steps must be a positive integer, got {cfg.train.steps}")
-    if cfg.train.microbatch_size <= 0:
-        raise ConfigError(
-            f"train.microbatch_size must be a positive integer, got {cfg.train.microbatch_size}"
-        )
-    if cfg.train.grad_accum <= 0:
-        raise ConfigError(
-            f"train.grad_accum must be a positive integer (1: no accumulation), "
-            f"got {cfg.train.grad_accum}"
-        )
-    if cfg.runtime.cpu_devices <= 0 and not (cfg.runtime.platform == "gpu"
-                                             and cfg.runtime.cpu_devices == 0):
-        raise ConfigError(
-            f"runtime.cpu_devices must be a positive integer, got {cfg.runtime.cpu_devices} "
-            f"(CPU devices to emulate when training on the CPU; runtime.platform=gpu needs none)"
-        )
-    if cfg.runtime.devices is not None and cfg.runtime.devices <= 0:
-        raise ConfigError(
-            f"runtime.devices must be a positive integer or null (all devices), "
-            f"got {cfg.runtime.devices}"
-        )
-    if cfg.parallel.mode is None:
-        raise ConfigError("parallel.mode is required: basp, ulysses or auto")
-    if cfg.data.source is None:
-        raise ConfigError("data.source is required: synthetic, tokens, text or jsonl")
-    if cfg.data.seq_len <= 1:
-        raise ConfigError(f"data.seq_len must be an integer > 1, got {cfg.data.seq_len}")
-
-    m = cfg.model
-    if (m.preset is None) == (m.hf_path is None):
-        raise ConfigError(
-            "set exactly one of model.preset (e.g. tiny, llama-3.2-1b) and model.hf_path "
-            f"(a local Hugging Face directory); got preset={m.preset!r}, hf_path={m.hf_path!r}"
-        )
-    if m.hf_path is not None and m.load_weights and m.shape:
-        raise ConfigError(
-            "model.shape overrides change the architecture and cannot apply to pretrained weights "
-            "from model.hf_path; set model.load_weights=false to train that shape from scratch"
-        )
-
-    d = cfg.data
-    if d.source == "tokens":
-        if not d.path:
-            raise ConfigError("data.source=tokens needs data.path: a .bin or .npy token file")
-        if not (d.path.endswith(".bin") or d.path.endswith(".npy")):
-            raise ConfigError(f"data.path {d.path!r}: token files must end in .bin or .npy")
-    if d.source in ("text", "jsonl"):
-        if not d.path:
-            raise ConfigError(f"data.source={d.source} needs data.path")
-        if not d.tokenizer:
-            raise ConfigError(f"data.source={d.source} needs data.tokenizer: a local tokenizer.json")
-        if d.eos_id is None:
-            raise ConfigError(
-                f"data.source={d.source} needs data.eos_id: the token id that separates documents"
-            )
-    if d.pack and d.source != "synthetic" and d.eos_id is None:
-        raise ConfigError("data.pack=true needs data.eos_id: documents end at that token")
-    if d.pack and d.source == "synthetic":
-        raise ConfigError("data.pack=true needs documents; synthetic data is one stream (pack=false)")
-    if d.branching <= 0:
-        raise ConfigError(f"data.branching must be a positive integer, got {d.branching}")
-    if d.eos_id is not None and d.eos_id < 0:
-        raise ConfigError(f"data.eos_id must be >= 0, got {d.eos_id}")
-
-    o = cfg.optimizer
-    if o.lr <= 0:
-        raise ConfigError(f"optimizer.lr is required and must be > 0, got {o.lr}")
-    if o.warmup_steps < 0:  # longer than the run: the trainer clamps it to train.steps, with a note
-        raise ConfigError(f"optimizer.warmup_steps must be >= 0, got {o.warmup_steps}")
-    if not 0.0 <= o.min_lr_ratio <= 1.0:
-        raise ConfigError(f"optimizer.min_lr_ratio must lie in [0, 1], got {o.min_lr_ratio}")
-    if o.weight_decay < 0:
-        raise ConfigError(f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
-    if not (0 <= o.b1 < 1 and 0 <= o.b2 < 1):
-        raise ConfigError(f"optimizer.b1 and b2 must lie in [0, 1), got {o.b1}, {o.b2}")
-    if o.clip_norm is not None and o.clip_norm <= 0:
-        raise ConfigError(f"optimizer.clip_norm must be > 0 or null, got {o.clip_norm}")
-
-    p = cfg.parallel
-    if p.mode == "ulysses" and p.groups not in (None, 1):
-        raise ConfigError(
-            f"parallel.mode=ulysses means one group; got parallel.groups={p.groups} "
-            "(use parallel.mode=basp)"
-        )
-    if p.groups is not None and p.groups <= 0:
-        raise ConfigError(f"parallel.groups must be a positive integer, got {p.groups}")
-    if p.mode == "auto" and (p.groups is not None or p.ring != 1 or p.pad_heads):
-        raise ConfigError(
-            "parallel.mode=auto chooses groups, ring and head padding itself; drop "
-            "parallel.groups/ring/pad_heads or use parallel.mode=basp"
-        )
-    if p.memory_gb is not None and p.memory_gb <= 0:
-        raise ConfigError(f"parallel.memory_gb must be > 0, got {p.memory_gb}")
-    if p.ring <= 0:
-        raise ConfigError(f"parallel.ring must be a positive integer (1: no ring), got {p.ring}")
-    if p.devices_per_host is not None and p.devices_per_host <= 0:
-        raise ConfigError(f"parallel.devices_per_host must be positive, got {p.devices_per_host}")
-
-    c = cfg.checkpoint
-    if c.every < 0:
-        raise ConfigError(f"checkpoint.every must be >= 0 (0: only at the end), got {c.every}")
-    if c.keep <= 0:
-        raise ConfigError(f"checkpoint.keep must be a positive integer, got {c.keep}")
-
-    mt = cfg.metrics
-    if mt.peak_flops is not None and mt.peak_flops <= 0:
-        raise ConfigError(f"metrics.peak_flops must be > 0 or null, got {mt.peak_flops}")
-
-    _validate_eval_and_profile(cfg)
-
-    dist = cfg.runtime.distributed
-    if dist.peer_timeout_s != 0 and dist.peer_timeout_s < MIN_PEER_TIMEOUT_S:
-        raise ConfigError(
-            f"runtime.distributed.peer_timeout_s must be 0 (off) or at least {MIN_PEER_TIMEOUT_S:g} "
-            f"seconds, got {dist.peer_timeout_s:g}")
-    if dist.coordinator and (dist.num_processes is None or dist.process_id is None):
-        raise ConfigError(
-            "runtime.distributed.coordinator needs num_processes and process_id as well"
-        )
-    if dist.num_processes is not None and dist.num_processes <= 0:
-        raise ConfigError(
-            f"runtime.distributed.num_processes must be positive, got {dist.num_processes}"
-        )
-    if dist.process_id is not None and dist.num_processes is not None and not (
-        0 <= dist.process_id < dist.num_processes
-    ):
-        raise ConfigError(
-            f"runtime.distributed.process_id={dist.process_id} must lie in "
-            f"[0, num_processes={dist.num_processes})"
-        )
-
-
-def _validate_eval_and_profile(cfg: Config) -> None:
-    ev, d = cfg.eval, cfg.data
-    if ev.every < 0:
-        raise ConfigError(f"eval.every must be >= 0 (0: no evaluation), got {ev.every}")
-    if ev.batches <= 0:
-        raise ConfigError(f"eval.batches must be a positive integer, got {ev.batches}")
-    if ev.path is not None:
-        if ev.every == 0:
-            raise ConfigError("eval.path is set but eval.every=0 never evaluates; set eval.every "
-                              "(e.g. 100) or drop eval.path")
-        if d.source == "synthetic":
-            raise ConfigError("eval.path is read as data.source says, and synthetic data has no "
-                              "files; drop eval.path (held-out synthetic rows) or use "
-                              "data.source=tokens, text or jsonl")
-        if d.source == "tokens" and not ev.path.endswith((".bin", ".npy")):
-            raise ConfigError(f"eval.path {ev.path!r}: token files must end in .bin or .npy "
-                              "(data.source=tokens)")
-    elif ev.every > 0 and d.source != "synthetic":
-        raise ConfigError(f"eval.every={ev.every} needs eval.path: held-out data in the format of "
-                          f"data.source={d.source}")
-    pr = cfg.profile
-    if pr.steps < 0:
-        raise ConfigError(f"profile.steps must be >= 0 (0: no trace), got {pr.steps}")
-    if pr.start_step < 1:
-        raise ConfigError(f"profile.start_step must be >= 1 (steps count from 1), got "
-                          f"{pr.start_step}")
-    if pr.steps and pr.start_step > cfg.train.steps:
-        raise ConfigError(f"profile.start_step={pr.start_step} is beyond train.steps="
-                          f"{cfg.train.steps}: nothing would be traced; lower it")
-
-
-# seeds key numpy's and JAX's generators: a non-negative 32-bit integer fits both everywhere
-MAX_SEED = 2**32 - 1
-
-# train.peers polls the peers every min(1 s, timeout / 4); shorter timeouts would fire on noise
-MIN_PEER_TIMEOUT_S = 2.0

@@ -127,7 +127,7 @@ def compile_program(cfg: Config, devices, devices_per_host: int, mcfg=None):
     """Compile the train step of `cfg` for `devices` from shapes alone (nothing is initialised,
     read or run): (compiled, run plan, model config, compile seconds). `mcfg` replaces the
     config's model (e.g. a preset with fewer layers)."""
-    from .loop import model_config  # the trainer's reading of model.preset/hf_path/shape
+    from .prepare import model_config  # the trainer's reading of model.preset/hf_path/shape
 
     mcfg = model_config(cfg) if mcfg is None else mcfg
     run_plan = plan_run(cfg, mcfg, devices, devices_per_host)

@@ -176,6 +176,25 @@ def make_micro_loss(parts: ModelParts, loss_fn: Callable, seq_order=None) -> Cal
     return micro_loss
 
 
+def _accumulate(grad_fn, params, batch, param_shardings, packed: bool):
+    """The float32 sums of the microbatches' gradients (constrained to the parameters' sharding),
+    losses and loss tokens, under lax.scan over the accumulation axis of `batch`."""
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    zeros = jax.lax.with_sharding_constraint(zeros, param_shardings)
+
+    def body(carry, micro):
+        grad_sum, loss_sum, count = carry
+        segment_ids = micro["segment_ids"] if packed else None
+        (loss, n), grads = grad_fn(params, micro["tokens"], micro["targets"], segment_ids)
+        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
+        return (grad_sum, loss_sum + loss, count + n), None
+
+    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    (grad_sum, loss_sum, count), _ = jax.lax.scan(body, init, batch)
+    return grad_sum, loss_sum, count
+
+
 def make_train_step(
     parts: ModelParts,
     tx: optax.GradientTransformation,
@@ -198,19 +217,7 @@ def make_train_step(
     grad_fn = jax.value_and_grad(make_micro_loss(parts, loss_fn, seq_order), has_aux=True)
 
     def train_step(params, opt_state, batch, step):
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        zeros = jax.lax.with_sharding_constraint(zeros, param_shardings)
-
-        def body(carry, micro):
-            grad_sum, loss_sum, count = carry
-            segment_ids = micro["segment_ids"] if packed else None
-            (loss, n), grads = grad_fn(params, micro["tokens"], micro["targets"], segment_ids)
-            grads = jax.lax.with_sharding_constraint(grads, param_shardings)
-            grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
-            return (grad_sum, loss_sum + loss, count + n), None
-
-        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-        (grad_sum, loss_sum, count), _ = jax.lax.scan(body, init, batch)
+        grad_sum, loss_sum, count = _accumulate(grad_fn, params, batch, param_shardings, packed)
         denom = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grad_sum, params)
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)

@@ -161,12 +161,8 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def tokenize(input_path: str, tokenizer: str, output: str, *, text_key: str = "text",
-             eos_id: int | None = None, workers: int = 1, overwrite: bool = False,
-             progress: bool | None = None, chunk_bytes: int = CHUNK_BYTES) -> dict:
-    """Write `output` and its sidecar (see the module docstring); returns the sidecar's dict."""
-    from tqdm import tqdm
-
+def _check_output(output: str, *, overwrite: bool, workers: int) -> None:
+    """-o names a new (or, with overwrite, a replaceable) .bin file in an existing directory."""
     if output.endswith(".npy"):
         raise TokenizeError(f"-o {output!r}: the output is a raw .bin stream, not .npy")
     for path in (output, sidecar_path(output)):
@@ -179,6 +175,15 @@ def tokenize(input_path: str, tokenizer: str, output: str, *, text_key: str = "t
         raise TokenizeError(f"the directory of -o {output!r} does not exist")
     if workers < 1:
         raise TokenizeError(f"--workers must be at least 1, got {workers}")
+
+
+def tokenize(input_path: str, tokenizer: str, output: str, *, text_key: str = "text",
+             eos_id: int | None = None, workers: int = 1, overwrite: bool = False,
+             progress: bool | None = None, chunk_bytes: int = CHUNK_BYTES) -> dict:
+    """Write `output` and its sidecar (see the module docstring); returns the sidecar's dict."""
+    from tqdm import tqdm
+
+    _check_output(output, overwrite=overwrite, workers=workers)
     files = input_files(input_path)
     tok = _load_tokenizer(tokenizer)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)

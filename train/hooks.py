@@ -1,0 +1,174 @@
+"""The step loop's hooks (train.loop): compile the step on first use, report each finished step
+(metrics, evaluation, the non-finite policy), save a checkpoint, export, say what a run starts and
+ends with.
+
+    report = StepReport(run, logger, writer, evaluator)
+    last_end = report.finish(step, metrics, evaluation, last_end)   # step k, after k+1 dispatched
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any, Callable
+
+import jax
+
+from basp_jax import comm
+
+from . import planning
+from .checkpoint import complete_steps
+from .metrics import MetricsLogger
+from .outputs import export_hf, write_collectives
+from .prepare import Run
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradients became NaN/Inf and the config says to stop."""
+
+
+def describe_collectives(collectives, devices_per_host: int) -> str:
+    """One line: per kind, the count and MiB per device (inter-host MiB where any)."""
+    parts = []
+    for kind, row in comm.summarize(collectives, devices_per_host).items():
+        text = f"{kind} {row['count']} ({row['bytes'] / 2**20:.2f} MiB"
+        if row["inter_host_wire_bytes"]:
+            text += f", {row['inter_host_wire_bytes'] / 2**20:.2f} MiB inter-host"
+        parts.append(text + ")")
+    return ", ".join(parts) or "none"
+
+
+def compile_step(run: Run, log: Callable[[str], None]) -> tuple[Any, list]:
+    """The compiled train step for the run's state, checked against device memory, and its
+    collectives (logged, and written to collectives.json)."""
+    t = time.perf_counter()
+    compiled = run.program.lower(run.params, run.opt_state).compile()
+    planning.check_compiled_memory(run.cfg, compiled, run.devices)
+    try:  # a diagnostic: an HLO printing the parser does not know never stops a run
+        collectives = comm.parse_collectives(compiled.as_text(), len(run.devices))
+        described = describe_collectives(collectives, run.layout.devices_per_host)
+    except Exception as e:  # noqa: BLE001
+        collectives, described = [], f"(not parsed: {type(e).__name__}: {e})"
+    if run.is_writer:
+        write_collectives(run.run_dir, collectives, run.layout)
+    log(f"compiled the train step in {time.perf_counter() - t:.1f}s; per step: " + described)
+    return compiled, collectives
+
+
+def save_checkpoint(run: Run, step: int, force: bool) -> None:
+    """The state after `step` (1-based), with what a resume checks and reads."""
+    meta = {"step": step, "data_step": step, "seed": run.cfg.run.seed,
+            "layout": run.layout.describe()}
+    run.ckpt.save(step, run.params, run.opt_state, meta, force=force)
+
+
+def export(run: Run, log: Callable[[str], None]) -> None:
+    """checkpoint.export_hf: the final weights as a Hugging Face directory."""
+    export_dir = os.path.realpath(run.cfg.checkpoint.export_hf)
+    export_hf(run.parts.module(run.params), export_dir, run.run_dir, run.is_writer)
+    log(f"exported Hugging Face weights to {export_dir}")
+
+
+def log_start(run: Run, logger: MetricsLogger) -> None:
+    """The layout, the model, where the run resumes and what mfu is measured against."""
+    cfg = run.cfg
+    logger.message(f"layout: {run.layout.describe()}")
+    logger.message(
+        f"model: {run.mcfg.model_type} {run.mcfg.num_params() / 1e6:.2f}M params, "
+        f"{run.plan.strategy} parameters; data: {run.data.name}"
+    )
+    if run.latest is not None:
+        logger.message(f"resumed from {run.ckpt.directory} at step {run.start}")
+    if cfg.optimizer.warmup_steps > cfg.train.steps:
+        logger.message(f"note: optimizer.warmup_steps={cfg.optimizer.warmup_steps} is longer than "
+                       f"the run; warming up over train.steps={cfg.train.steps} instead")
+    logger.message(f"mfu: {run.flops_per_token / 1e9:.4g} GFLOP per token (6N + causal attention) "
+                   f"against {run.peak_source}" if run.peak else f"mfu: {run.peak_source}")
+
+
+class StepReport:
+    """Reads a finished step's metrics, logs them (metrics.jsonl, the progress bar, the writers)
+    and applies train.on_nonfinite; keeps the losses and step times for the summary."""
+
+    def __init__(self, run: Run, logger: MetricsLogger, writer, evaluator):
+        self.run, self.logger, self.writer, self.evaluator = run, logger, writer, evaluator
+        self.losses: list[float] = []
+        self.step_times: list[float] = []
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        run = self.run
+        if not run.peak:
+            return None
+        return run.flops_per_token * tokens_per_s / (run.peak * len(run.devices))
+
+    def finish(self, step: int, metrics, evaluation, last_end: float) -> float:
+        """Read step `step`'s metrics (waiting for it to end) and its evaluation's (None: none
+        started), log them, apply the non-finite policy; returns when it was seen to end.
+        step_time_s runs from the previous step's end, so it includes any time the host kept the
+        devices waiting."""
+        metrics = jax.device_get(metrics)
+        ended = time.perf_counter()
+        dt = ended - last_end
+        self.step_times.append(dt)
+        loss = float(metrics["loss"])
+        self.losses.append(loss)
+        tps = self.run.tokens_per_step / dt
+        record = {
+            "step": step + 1,
+            "loss": loss,
+            "grad_norm": float(metrics["grad_norm"]),
+            "lr": float(metrics["lr"]),
+            "tokens_per_s": tps,
+            "step_time_s": dt,
+            "loss_tokens": int(metrics["tokens"]),  # targets that count (not masked)
+            "mfu": self.mfu(tps),
+        }
+        finite = bool(metrics["finite"])
+        record["skipped"] = not finite
+        if evaluation is not None:
+            record.update(self.evaluator.finish(evaluation, log=self.logger.message, step=step + 1))
+        self.logger.log(record)
+        self.writer.write(record)
+        if not finite:
+            self.non_finite(step + 1, loss, record["grad_norm"])
+        return ended
+
+    def non_finite(self, step: int, loss: float, grad_norm: float) -> None:
+        """train.on_nonfinite: the step left the parameters unchanged; go on, or stop the run."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            what = (f"the update (loss {loss}, grad norm {grad_norm}) "
+                    "made the parameters or optimizer state non-finite")
+        else:
+            what = f"loss {loss} / grad norm {grad_norm} is not finite"
+        message = f"step {step}: {what}; the parameters were left unchanged"
+        if self.run.cfg.train.on_nonfinite == "stop":
+            ckpt = self.run.ckpt
+            ckpt.wait()  # an async save of an earlier step completes first
+            saved = complete_steps(ckpt.directory)
+            where = (f"the last checkpoint (step {saved[-1]}) holds finite state"
+                     if saved else "no checkpoint was written")
+            raise NonFiniteError(
+                f"{message}; stopping (train.on_nonfinite=stop); {where}; lower "
+                "optimizer.lr or set optimizer.clip_norm")
+        self.logger.message(f"{message}; skipped (train.on_nonfinite=skip)")
+
+    def summary(self, wall: float, collectives) -> dict[str, Any]:
+        """run()'s result; process 0 prints the closing line."""
+        run, losses = self.run, self.losses
+        if run.is_writer:
+            print(self.done_line(wall), flush=True)
+        return {"steps": run.start + len(losses), "start_step": run.start, "losses": losses,
+                "wall_s": wall, "params": run.params, "layout": run.layout,
+                "collectives": collectives}
+
+    def done_line(self, wall: float) -> str:
+        run, losses, steps = self.run, self.losses, self.run.cfg.train.steps
+        if not losses:
+            return f"done: {run.run_dir} already holds step {run.start} of {steps}"
+        steady = self.step_times[1:] or self.step_times
+        mean_tps = run.tokens_per_step / (sum(steady) / len(steady))
+        mfu = f", mfu {self.mfu(mean_tps):.1%}" if run.peak else ""
+        return (f"done: steps {run.start + 1}-{run.start + len(losses)} of {steps} in "
+                f"{wall:.1f}s, loss {losses[0]:.4f} -> {losses[-1]:.4f}, {mean_tps:,.0f} "
+                f"tokens/s{mfu}; outputs in {run.run_dir}")

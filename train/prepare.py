@@ -1,0 +1,254 @@
+"""`prepare(cfg, owner) -> Run`: every check, then the state built or restored, all before the train
+step compiles; run.dir is first written (its lock, then checkpoints/) once the checks have passed.
+
+    run = prepare(cfg, owner)   # owner: process 0's train.lock.RunDirLock, else None
+    run.params, run.opt_state, run.start, run.program, run.ckpt, run.data, ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+import models
+from basp_jax import Layout
+
+from . import evaluate, planning, runtime, writers
+from .checkpoint import Checkpointer, checkpoint_dir, complete_steps, inspect_latest
+from .config import Config, ConfigError, _coerce, yaml_load
+from .data import Pipeline
+from .lock import RunDirLock, check_free
+from .metrics import peak_flops
+from .outputs import check_output_paths
+from .program import RunPlan, TrainProgram, abstract_state, build_program, model_factory, plan_run
+from .step import DTYPES, build_model, from_module, init_opt_state, make_optimizer
+
+
+def model_config(cfg: Config) -> "models.ModelConfig":
+    """The ModelConfig from a preset or an HF directory, with model.shape overrides applied."""
+    m = cfg.model
+    base = models.ModelConfig.preset(m.preset) if m.preset else models.ModelConfig.from_hf(m.hf_path)
+    if not m.shape:
+        return base
+    fields = {f.name: f for f in dataclasses.fields(base)}
+    hints = typing.get_type_hints(type(base))
+    changes = {}
+    for key, value in m.shape.items():
+        if key not in fields:
+            raise ConfigError(
+                f"unknown config key 'model.shape.{key}'; model fields: {', '.join(fields)}"
+            )
+        tp = hints[key]
+        if tp in (int, float, bool, str):
+            value = _coerce(f"model.shape.{key}", value, tp)
+        elif isinstance(value, str):
+            value = yaml_load(value)
+        changes[key] = value
+    return dataclasses.replace(base, **changes)
+
+
+def select_devices(cfg: Config) -> list:
+    """The devices to train on: all of them, or the first runtime.devices; on a single-process CPU
+    run at most runtime.cpu_devices. runtime.platform=cpu takes the CPU even beside GPUs; gpu
+    refuses a JAX without one."""
+    platform = cfg.runtime.platform
+    devices = jax.devices("cpu") if platform == "cpu" else jax.devices()
+    if platform == "gpu" and devices[0].platform != "gpu":
+        raise ConfigError(runtime.no_gpu_message(jax.__version__))
+    want = cfg.runtime.cpu_devices
+    if devices[0].platform == "cpu":
+        local = jax.local_device_count()
+        if local < want:
+            raise ConfigError(
+                f"runtime.cpu_devices={want} but JAX started with {local} CPU devices per process; "
+                "set it before JAX initialises (python train.py does) or lower it"
+            )
+        if jax.process_count() == 1:
+            devices = devices[:want]
+    n = cfg.runtime.devices
+    if n is not None:
+        if n > len(devices):
+            raise ConfigError(
+                f"runtime.devices={n} but only {len(devices)} {devices[0].platform} device(s) are "
+                f"visible; lower runtime.devices or leave it null (all devices)"
+            )
+        if jax.process_count() > 1 and n != len(devices):
+            raise ConfigError(
+                f"runtime.devices={n} would leave some of the {jax.process_count()} processes' "
+                f"{len(devices)} devices idle; leave it null in multi-process runs"
+            )
+        devices = devices[:n]
+    return devices
+
+
+def check_kernel(cfg: Config, platform: str) -> None:
+    """model.attn_impl names a kernel this platform has."""
+    if cfg.model.attn_impl == "cudnn" and platform != "gpu":
+        raise ConfigError(f"model.attn_impl=cudnn needs a GPU but the devices are {platform}; use "
+                          "auto (cuDNN where it applies), xla or blockwise")
+
+
+def check_finite_weights(params, source: str) -> None:
+    """Every loaded weight is finite (a NaN in the pretrained weights would make every step
+    non-finite and skipped). Checked on the host, shard by shard: nothing compiles."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        for shard in leaf.addressable_shards:
+            data = np.asarray(shard.data)
+            if jax.numpy.issubdtype(data.dtype, jax.numpy.inexact) and not np.isfinite(data).all():
+                name = ".".join(str(getattr(k, "key", k)) for k in path)
+                raise models.ModelError(
+                    f"{source}: weight {name} holds NaN or Inf values; the checkpoint is damaged "
+                    "(re-download or re-export it)")
+
+
+@dataclasses.dataclass
+class Run:
+    """One invocation of the trainer: what the checks found, then the state the loop advances."""
+
+    cfg: Config
+    run_dir: str  # absolute
+    is_writer: bool  # process 0: writes run.dir
+    mcfg: Any  # models.ModelConfig
+    devices: list
+    plan: RunPlan
+    peak: float | None  # peak FLOP/s of one device (None: no mfu)
+    peak_source: str  # the log line naming it
+    data: Pipeline
+    eval_data: Pipeline | None  # None: no evaluation
+    latest: int | None  # the checkpoint step to resume from (None: a fresh start)
+    # filled by build_state
+    parts: Any = None  # train.step.ModelParts
+    program: TrainProgram | None = None
+    ckpt: Checkpointer | None = None
+    start: int = 0  # the first step this invocation runs (0-based)
+    params: Any = None  # the current parameters and optimizer state (the step donates them)
+    opt_state: Any = None
+
+    @property
+    def layout(self) -> Layout:
+        return self.plan.layout
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.grad_accum * self.cfg.train.microbatch_size * self.cfg.data.seq_len
+
+    @property
+    def flops_per_token(self) -> float:
+        # MaxText's and Megatron's count: a causal kernel computes half of the S x S scores
+        return self.mcfg.flops_per_token(self.cfg.data.seq_len, causal=True)
+
+
+def prepare(cfg: Config, owner: RunDirLock | None) -> Run:
+    """The checked run with its state in place; a checkpoint that fails to restore (damaged array
+    data, which no metadata shows) still stops here, before the train step compiles."""
+    run = check(cfg, is_writer=owner is not None)
+    build_state(run, owner)
+    return run
+
+
+def check(cfg: Config, *, is_writer: bool) -> Run:
+    """Everything that can be wrong, checked before anything compiles or is written."""
+    run_dir = os.path.abspath(cfg.run.dir)
+    if is_writer:
+        check_free(run_dir)  # another run owns it: say so before reading what it is writing
+    check_output_paths(cfg, run_dir)
+    mcfg = model_config(cfg)
+    if cfg.model.hf_path and cfg.model.load_weights:
+        models.check_pretrained(cfg.model.hf_path, mcfg)  # tensor names and shapes, headers only
+    devices = select_devices(cfg)
+    check_kernel(cfg, devices[0].platform)
+    writers.check(cfg, is_writer)
+    peak, peak_source = peak_flops(cfg.metrics, getattr(devices[0], "device_kind", None))
+    per_host = cfg.parallel.devices_per_host or len(devices) // jax.process_count()
+    plan = plan_run(cfg, mcfg, devices, per_host)
+    planning.check_memory(cfg, mcfg, plan.layout, plan.strategy, devices)  # before any row is made
+    pad_rows = plan.layout.batch - cfg.train.microbatch_size
+    data = Pipeline(cfg.data, vocab_size=mcfg.vocab_size, grad_accum=cfg.train.grad_accum,
+                    microbatch=cfg.train.microbatch_size, seed=cfg.run.seed, pad_rows=pad_rows,
+                    seq_order=plan.seq_order)
+    eval_data = evaluate.eval_data(cfg, mcfg.vocab_size, seq_order=plan.seq_order,
+                                   pad_rows=pad_rows)
+    latest = check_resume(cfg, mcfg, run_dir)
+    return Run(cfg, run_dir, is_writer, mcfg, devices, plan, peak, peak_source, data, eval_data,
+               latest)
+
+
+def check_resume(cfg: Config, mcfg, run_dir: str) -> int | None:
+    """The checkpoint step to resume from (None: start fresh), after checking that it fits this
+    config (checkpoint metadata only: no array is read)."""
+    tx, _ = make_optimizer(cfg.optimizer, cfg.train.steps)  # its state's structure, for inspection
+    if not cfg.checkpoint.resume:
+        existing = complete_steps(checkpoint_dir(run_dir))
+        if existing:
+            raise ConfigError(
+                f"checkpoint.resume=false but {checkpoint_dir(run_dir)} holds steps "
+                f"{existing}, which a fresh run would overwrite or prune; use a new run.dir, "
+                "or resume (checkpoint.resume=true)"
+            )
+        return None
+    expected = nnx.to_pure_dict(nnx.state(models.abstract_model(
+        mcfg, param_dtype=DTYPES[cfg.model.param_dtype], scan_layers=cfg.model.scan_layers),
+        nnx.Param))
+    latest, meta = inspect_latest(run_dir, expected, jax.eval_shape(tx.init, expected))
+    if latest is not None and latest > cfg.train.steps:
+        raise ConfigError(
+            f"run.dir holds a checkpoint of step {latest}, beyond train.steps={cfg.train.steps}; "
+            "raise train.steps or use a new run.dir"
+        )
+    if latest is not None and int(meta.get("seed", cfg.run.seed)) != cfg.run.seed:
+        raise ConfigError(
+            f"run.seed={cfg.run.seed} differs from the checkpoint's seed {meta['seed']}; "
+            "a resumed run must keep its seed (or use a new run.dir)"
+        )
+    return latest
+
+
+def build_state(run: Run, owner: RunDirLock | None) -> None:
+    """The model and train step (not yet compiled), then run.dir's lock and checkpointer, then the
+    parameters and optimizer state: restored from run.latest, else initialised or loaded."""
+    cfg, plan = run.cfg, run.plan
+    try:
+        if run.latest is None and cfg.model.hf_path and cfg.model.load_weights:
+            run.parts = _pretrained_parts(cfg, plan)
+        else:
+            run.parts = build_model(model_factory(cfg, run.mcfg, plan), plan.mesh, plan.strategy,
+                                    init_params=run.latest is None,
+                                    devices_per_host=plan.layout.devices_per_host)
+        run.program = build_program(cfg, plan, run.parts)
+        if owner is not None:
+            owner.__enter__()  # the first write: run.dir (if new) and its lock
+        run.ckpt = Checkpointer(run.run_dir, cfg.checkpoint, cfg.train.steps)  # makes checkpoints/
+        if run.latest is not None:
+            params, opt_state, meta = run.ckpt.restore(run.latest,
+                                                       *abstract_state(run.program, run.parts))
+            run.parts.params = params
+            run.start = int(meta["data_step"])
+        else:
+            opt_state = init_opt_state(run.program.tx, run.parts.params, run.program.opt_shardings)
+        run.params, run.opt_state = run.parts.params, opt_state
+    except BaseException:
+        if run.ckpt is not None:
+            run.ckpt.close()  # its threads
+        raise
+
+
+def _pretrained_parts(cfg: Config, plan: RunPlan):
+    """model.hf_path's weights, placed by the run's strategy and checked to be finite."""
+    module = models.from_pretrained(
+        cfg.model.hf_path, mesh=plan.mesh, dtype=DTYPES[cfg.model.dtype],
+        param_dtype=DTYPES[cfg.model.param_dtype], attn_impl=cfg.model.attn_impl,
+        remat=cfg.model.remat,
+        # loaded over the whole mesh; from_module places it by the run's strategy
+        param_sharding="fsdp" if plan.strategy == "host" else plan.strategy,
+        ring=plan.layout.ring, zigzag=plan.zigzag, scan_layers=cfg.model.scan_layers,
+    )
+    parts = from_module(module, plan.mesh, plan.strategy, plan.layout.devices_per_host)
+    del module
+    check_finite_weights(parts.params, cfg.model.hf_path)
+    return parts
