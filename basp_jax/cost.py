@@ -323,11 +323,12 @@ def _saved_per_token(shape: ModelShape, remat: str, q_heads: int, kv_heads: int)
 
 
 # Factors fitted to the compiled GPU programs of the paper's five models (BASP and Ulysses, FSDP
-# and HSDP, 16K tokens, B=2, 2 x 4 A100-40GB: 15 programs, all within 1.3%; BENCHMARKS.md section
-# 6), refitted after the vocab-parallel embedding and loss (models/vocab_parallel.py).
-_GRADIENT_BUFFERS = 1.65  # the float32 gradient sum, and part of a second gradient-sized buffer
-_SAVED_SHARE = 0.62  # of _saved_per_token that XLA keeps
-_WORKING_FACTOR = 0.95  # a layer's recompute, its gathered weights and the chunked loss's buffers
+# and HSDP, 16K tokens, B=2, 2 x 4 A100-40GB: 15 programs, all within 3%; BENCHMARKS.md section
+# 6), refitted after the vocab-parallel embedding and loss (models/vocab_parallel.py) and the
+# major-dimension parameter sharding (basp_jax.sharding.param_spec).
+_GRADIENT_BUFFERS = 1.55  # the float32 gradient sum, and part of a second gradient-sized buffer
+_SAVED_SHARE = 0.59  # of _saved_per_token that XLA keeps
+_WORKING_FACTOR = 0.50  # a layer's recompute, its gathered weights and the chunked loss's buffers
 
 
 def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, *,

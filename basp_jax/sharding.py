@@ -28,9 +28,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .mesh import GROUP, SEQ
 
 STRATEGIES = ("fsdp", "hsdp", "host", "replicated")
-# A dimension at least 1/MAJOR_RATIO of the largest is "large" (embed vs mlp: 4096 vs 14336);
-# vocabularies (128K vs 4096) and stacked layer counts stay apart.
-MAJOR_RATIO = 4
+# A dimension at least 1/MAJOR_RATIO of the largest is "large": hidden vs MLP width is 2.7-5.4x
+# in Llama/Qwen (4096 vs 14336, 2048 vs 11008); vocabularies are 7.8x the hidden size and more
+# (32000 vs 4096 to 151936 vs 896), and stacked layer counts far smaller, so they stay apart.
+MAJOR_RATIO = 6
 HOST, LOCAL = "host", "local"
 
 
