@@ -74,8 +74,12 @@ class _HeldUnraisable:
                                                   report.exc_traceback))
         self.reports.append(f"Exception ignored in: {report.object!r}\n{text}")
 
+    # absl (orbax) and asyncio errors are held too: a failed save logs its traceback from each
+    # thread, and orbax's background writes as 'Task exception was never retrieved'.
+    LOGGERS = ("absl", "asyncio")
+
     def filter(self, record: logging.LogRecord) -> bool:
-        """absl (orbax) errors are held too: a failed save logs its traceback from each thread."""
+        """Holds ERROR records of LOGGERS (see above)."""
         if record.levelno >= logging.ERROR:
             self.records.append(record)
             return False
@@ -85,21 +89,22 @@ class _HeldUnraisable:
         self._previous = sys.unraisablehook
         sys.unraisablehook = self._hold
         self.records: list[logging.LogRecord] = []
-        logging.getLogger("absl").addFilter(self)
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self)
         return self
 
     def __exit__(self, exc_type, exc, tb):
         one_line_error = exc_type is not None and issubclass(exc_type, self.expected)
         sys.unraisablehook = (lambda report: None) if one_line_error and self.exiting \
             else self._previous
-        logger = logging.getLogger("absl")
         if not (one_line_error and self.exiting):
-            logger.removeFilter(self)
+            for name in self.LOGGERS:
+                logging.getLogger(name).removeFilter(self)
         if not one_line_error:
             for text in self.reports:
                 sys.stderr.write(text)
             for record in self.records:
-                logger.handle(record)
+                logging.getLogger(record.name).handle(record)
         return False
 
 
