@@ -80,8 +80,8 @@ def test_cpu_devices_are_needed_only_off_the_gpu():
     from train.config import ConfigError, load_config
 
     cfg = load_config(CONFIG, ["run.dir=r"])
-    assert (cfg.runtime.platform, cfg.runtime.cpu_devices) == ("gpu", 0)
-    with pytest.raises(ConfigError, match="runtime.cpu_devices must be a positive integer"):
+    assert (cfg.runtime.platform, cfg.runtime.cpu_devices) == ("gpu", None)  # unset: not needed
+    with pytest.raises(ConfigError, match="runtime.cpu_devices is required"):
         load_config(CONFIG, ["run.dir=r", "runtime.platform=cpu"])
     assert load_config(CONFIG, ["run.dir=r", "runtime.platform=cpu",
                                 "runtime.cpu_devices=8"]).runtime.cpu_devices == 8

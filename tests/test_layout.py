@@ -149,7 +149,9 @@ def test_unknown_or_unavailable_kernels_are_refused():
 def test_parameter_shardings():
     mesh = _mesh(2)  # (2, 4)
     assert param_spec((1024, 256), mesh, "fsdp") == P(("group", "seq"), None)
-    assert param_spec((256, 1024), mesh, "hsdp") == P(None, "seq")
+    # the major-most dimension at least 1/6 of the largest: (256, 1024) like an MLP on 256
+    assert param_spec((256, 1024), mesh, "hsdp") == P("seq", None)
+    assert param_spec((256, 4096), mesh, "hsdp") == P(None, "seq")  # a vocabulary-like 16x
     assert param_spec((6, 12), mesh, "hsdp") == P(None, "seq")  # 12 % 4 == 0, 6 % 4 != 0
     assert param_spec((7,), mesh, "fsdp") == P()  # nothing divides: replicated
     assert param_spec((1024, 256), mesh, "replicated") == P()
