@@ -49,6 +49,15 @@ def _chunk_len(local_len: int, rows: int, chunk_tokens: int) -> int:
     return best
 
 
+def token_chunks(hidden: jax.Array, targets: jax.Array, sp: int, c: int):
+    """[B, S, D], [B, S] -> [n, B, sp, c, D], [n, B, sp, c]: chunk i holds positions
+    i*c..(i+1)*c-1 of every device's slice of the sequence (S split over sp devices)."""
+    b, s, d = hidden.shape
+    n = s // sp // c
+    return (jnp.moveaxis(hidden.reshape(b, sp, n, c, d), 2, 0),
+            jnp.moveaxis(targets.reshape(b, sp, n, c), 2, 0))
+
+
 def chunked_lm_loss(hidden: jax.Array, targets: jax.Array, project: Callable, weight: jax.Array,
                     loss_fn: Callable = causal_lm_loss, *, mesh: Mesh | None = None,
                     chunk_tokens: int = LOSS_CHUNK_TOKENS, host_mesh: Mesh | None = None):
@@ -71,10 +80,7 @@ def chunked_lm_loss(hidden: jax.Array, targets: jax.Array, project: Callable, we
     groups, sp = (1, 1) if mesh is None else (mesh.shape["group"], mesh.shape["seq"])
     local = s // sp
     c = _chunk_len(local, b // groups, chunk_tokens)
-    n = local // c
-    # [B, S] -> [n, B, sp, c]: chunk i holds positions i*c..(i+1)*c-1 of every device's slice.
-    hs = jnp.moveaxis(hidden.reshape(b, sp, n, c, d), 2, 0)
-    ts = jnp.moveaxis(targets.reshape(b, sp, n, c), 2, 0)
+    hs, ts = token_chunks(hidden, targets, sp, c)
 
     def constrain(x, spec):
         return x if mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from basp_jax.mesh import GROUP, SEQ
 from basp_jax.sharding import param_spec
 
-from .loss import _chunk_len
+from .loss import _chunk_len, token_chunks
 
 TOKENS = (GROUP, SEQ)  # a flat token axis sharded over the whole mesh, group-major
 
@@ -91,10 +91,7 @@ def lm_loss(hidden: jax.Array, targets: jax.Array, weight: jax.Array, *, mesh: M
     groups, sp = mesh.shape[GROUP], mesh.shape[SEQ]
     local_len, rows = s // sp, b // groups
     c = _chunk_len(local_len, rows, chunk_tokens)
-    n = local_len // c
-    # [B, S] -> [n, B, sp, c]: chunk i holds positions i*c..(i+1)*c-1 of every device's slice.
-    hs = jnp.moveaxis(hidden.reshape(b, sp, n, c, d), 2, 0)
-    ts = jnp.moveaxis(targets.reshape(b, sp, n, c), 2, 0)
+    hs, ts = token_chunks(hidden, targets, sp, c)
     spec = P(None, GROUP, SEQ)
     w_spec = P(axes, None) if vocab_dim == 0 else P(None, axes)
     contract = "td,vd->tv" if vocab_dim == 0 else "td,dv->tv"
