@@ -160,12 +160,17 @@ def _buffers(kind: str, async_start: bool, shape: str) -> tuple[list[tuple[str, 
 
     Synchronous ops (CPU programs) print their result. Async starts (GPU programs) print a tuple:
     all-to-all, all-gather and reduce-scatter starts hold (operands, results[, context]);
-    collective-permute starts (operand, result, contexts...); all-reduce starts only the results.
+    collective-permute starts (operand, result, contexts...). All-reduce starts hold only the
+    results under jax 0.10's XLA (`(f32[8], f32[4])` when combined), but (operands, results) under
+    newer ones, the operands always a tuple: `((bf16[2048]), bf16[2048])`.
     The counted buffer is the results, except for reduce-scatter: its operands (the full buffer).
     """
-    if not async_start or kind == "all-reduce":
+    if not async_start:
         return _array_sizes(shape), False
     parts = _top_level(shape)
+    if kind == "all-reduce":
+        operands_first = len(parts) == 2 and parts[0].startswith("(")
+        return _array_sizes(parts[1] if operands_first else shape), False
     if len(parts) < 2:
         return _array_sizes(shape), False
     if kind == "reduce-scatter":

@@ -179,6 +179,23 @@ def test_a_combined_collective_of_several_dtypes_is_named_by_its_bulk():
     assert (c.kind, c.dtype, c.bytes) == ("all-gather", "bf16", 16 * 4 + 64 * 2)
 
 
+def test_an_all_reduce_start_counts_its_results_once_in_either_xla_printing():
+    """jax 0.10's XLA prints an async all-reduce start with its results only; newer ones (jax
+    >= 0.11) with (operands, results), the operands always a tuple: both read the same bytes."""
+    lines = [
+        "%a = bf16[2048]{0} all-reduce-start(bf16[2048]{0} %x), replica_groups={{0,4}}",
+        "%b = (f32[8]{0}, f32[4]{0}) all-reduce-start(f32[8]{0} %x, f32[4]{0} %y), "
+        "replica_groups={{0,4}}",
+        "%c = ((bf16[2048]{0}), bf16[2048]{0}) all-reduce-start(%x), channel_id=1, "
+        "replica_groups={{0,4}}, output_to_operand_aliasing={{1}: (0, {})}",
+        "%d = ((f32[8]{0}, f32[4]{0}), (f32[8]{0}, f32[4]{0})) all-reduce-start(%x, %y), "
+        "replica_groups={{0,4}}",
+    ]
+    a, b, c, d = comm.parse_collectives("\n".join(lines))
+    assert [x.bytes for x in (a, b, c, d)] == [4096, 48, 4096, 48]
+    assert (c.dtype, d.dtype) == ("bf16", "f32")
+
+
 def test_overlapped_collectives_sees_compute_between_start_and_done():
     text = """
 ENTRY %main (p: bf16[8]) -> bf16[8] {
