@@ -229,6 +229,7 @@ def predict(
     overlap: float = 0.0,
     remat: str = "full",
     master_bytes: int = 4,
+    moment_bytes: int | None = None,
 ) -> Prediction:
     """Predicted per-step time and memory of one candidate."""
     g, sp = candidate.groups, candidate.sp
@@ -301,7 +302,7 @@ def predict(
 
     memory = memory_bytes(shape, tokens_per_device, shard_group, q_heads=q_heads,
                           kv_heads=kv_heads, remat=remat, act_bytes=act_bytes,
-                          master_bytes=master_bytes)
+                          master_bytes=master_bytes, moment_bytes=moment_bytes)
     return Prediction(candidate, a2a, params, compute_s, a2a_s, params_s,
                       compute_s + a2a_s + params_s, memory)
 
@@ -335,11 +336,12 @@ _WORKING_FACTOR = 2.95  # a layer's recompute, its gathered weights and the chun
 
 def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, *,
                  q_heads: int, kv_heads: int, remat: str = "full", act_bytes: int = 2,
-                 master_bytes: int = 4) -> dict[str, float]:
+                 master_bytes: int = 4, moment_bytes: int | None = None) -> dict[str, float]:
     """Peak memory per device of a train step (layers under a scan, chunked loss), by term:
 
-    - state: parameters and Adam's two moments in the master dtype, over the devices that shard
-      them (exactly the compiled program's arguments);
+    - state: parameters and Adam's second moment in the master dtype, its first moment in
+      `moment_bytes` (default: the master dtype), over the devices that shard them (exactly the
+      compiled program's arguments);
     - grads: the float32 gradient sum and the update's working copy, sharded alike;
     - saved: what the backward pass keeps of every layer (by remat policy, _saved_per_token);
     - working: one layer being recomputed and differentiated (its gathered weights, twice,
@@ -349,7 +351,7 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
     p = shape.num_params
     per_token = _saved_per_token(shape, remat, q_heads, kv_heads)
     return {
-        "state": p * 3 * master_bytes / shard_group,
+        "state": p * (2 * master_bytes + (moment_bytes or master_bytes)) / shard_group,
         "grads": _GRADIENT_BUFFERS * p * 4 / shard_group,
         "saved": _SAVED_SHARE * shape.num_layers * tokens_per_device * per_token * act_bytes,
         "working": _WORKING_FACTOR * act_bytes * (
@@ -405,12 +407,14 @@ def _shardings(groups: int, sp: int, num_devices: int, devices_per_host: int | N
 
 def plan_table(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int, hw: Hardware,
                grad_accum: int = 1, memory_limit: float | None = None, max_pad_rows: int = 0,
-               overlap: float = 0.0, remat: str = "full") -> list[Prediction]:
+               overlap: float = 0.0, remat: str = "full", master_bytes: int = 4,
+               moment_bytes: int | None = None) -> list[Prediction]:
     """Predictions for every valid candidate, fastest first; those over memory last."""
     limit = hw.memory_bytes if memory_limit is None else memory_limit
     preds = [
         predict(shape, c, batch=batch, seq_len=seq_len, num_devices=num_devices, hw=hw,
-                grad_accum=grad_accum, overlap=overlap, remat=remat)
+                grad_accum=grad_accum, overlap=overlap, remat=remat, master_bytes=master_bytes,
+                moment_bytes=moment_bytes)
         for c in candidates(shape, batch=batch, seq_len=seq_len, num_devices=num_devices,
                             max_pad_rows=max_pad_rows, devices_per_host=hw.devices_per_host)
     ]
@@ -433,7 +437,8 @@ def default_pad_rows(batch: int, num_devices: int) -> int:
 def auto_layout(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int, hw: Hardware,
                 devices_per_host: int | None = None, grad_accum: int = 1,
                 memory_limit: float | None = None, max_pad_rows: int | None = None,
-                overlap: float = 0.0, remat: str = "full") -> tuple[Layout, Prediction]:
+                overlap: float = 0.0, remat: str = "full", master_bytes: int = 4,
+                moment_bytes: int | None = None) -> tuple[Layout, Prediction]:
     """mode="auto": the fastest predicted layout that fits in memory, as a validated Layout.
 
     The Layout's batch includes any pad rows (the trainer masks them out of the loss); the
@@ -445,7 +450,8 @@ def auto_layout(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int
         max_pad_rows = default_pad_rows(batch, num_devices)
     preds = plan_table(shape, batch=batch, seq_len=seq_len, num_devices=num_devices, hw=hw,
                        grad_accum=grad_accum, memory_limit=memory_limit,
-                       max_pad_rows=max_pad_rows, overlap=overlap, remat=remat)
+                       max_pad_rows=max_pad_rows, overlap=overlap, remat=remat,
+                       master_bytes=master_bytes, moment_bytes=moment_bytes)
     if not preds:
         raise ValueError(
             f"no layout splits seq_len={seq_len} over {num_devices} devices; use a multiple of "

@@ -35,9 +35,10 @@ def causal_lm_loss(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array |
 
 
 # Tokens per device whose logits exist at once in chunked_lm_loss (and models.vocab_parallel):
-# 256 x a 128K vocabulary in float32 is 128 MiB per buffer, against 2.1 GB for 4,096 tokens. At
-# 1,024 the 8B step at 16K held 1.5 GiB of chunk buffers; more, smaller chunks cost no FLOPs.
-LOSS_CHUNK_TOKENS = 256
+# 128 x a 128K vocabulary in float32 is 64 MiB per buffer, against 2.1 GB for 4,096 tokens. At
+# 1,024 the 8B step at 16K held 1.5 GiB of chunk buffers, at 256 0.06 GiB more than at 128
+# (compiled GPU program); more, smaller chunks cost no FLOPs, only more (small) collectives.
+LOSS_CHUNK_TOKENS = 128
 
 
 def _chunk_len(local_len: int, rows: int, chunk_tokens: int) -> int:

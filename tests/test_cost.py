@@ -142,3 +142,13 @@ def test_auto_finds_a_valid_exact_layout_beyond_the_paper(batch, heads, kv_heads
     out = jax.jit(lambda q, k: attention(q, k, k, mesh=mesh, ring=layout.ring, block_size=16))(
         jax.device_put(q, sharding), jax.device_put(k, sharding))
     np.testing.assert_allclose(out, reference_attention(q, k, k, causal=True), atol=5e-5, rtol=5e-5)
+
+
+def test_a_bfloat16_first_moment_saves_its_half_of_the_state():
+    shape = cost.MODEL_SHAPES["llama-3.1-8b"]
+    kw = dict(q_heads=32, kv_heads=8)
+    f32 = cost.memory_terms(shape, 4096, 8, **kw)
+    bf16 = cost.memory_terms(shape, 4096, 8, moment_bytes=2, **kw)
+    assert f32["state"] - bf16["state"] == shape.num_params * 2 / 8
+    assert {k: v for k, v in f32.items() if k != "state"} == \
+        {k: v for k, v in bf16.items() if k != "state"}

@@ -81,6 +81,21 @@ def test_resume_is_exact(tmp_path):
         assert key in lines[0]
 
 
+def test_bfloat16_first_moment_follows_float32_and_resumes_exactly(tmp_path):
+    """optimizer.mu_dtype=bfloat16 (Adam's first moment in half the memory): the run follows the
+    float32 one closely but not bitwise (the option reaches optax), and its checkpoint, holding
+    the bf16 moment, resumes exactly."""
+    f32 = run(tiny_config(tmp_path / "f32", "train.steps=6"))
+    straight = run(tiny_config(tmp_path / "straight", "train.steps=6", "optimizer.mu_dtype=bfloat16"))
+    cfg = tiny_config(tmp_path / "resumed", "train.steps=6", "optimizer.mu_dtype=bfloat16")
+    first = run(cfg, stop_at=3)
+    second = run(cfg)
+    np.testing.assert_allclose(first["losses"] + second["losses"], straight["losses"], rtol=1e-6)
+    np.testing.assert_allclose(straight["losses"], f32["losses"], rtol=1e-2)
+    assert straight["losses"][0] == f32["losses"][0]  # before any update
+    assert not np.allclose(straight["losses"][2:], f32["losses"][2:], rtol=1e-7, atol=0)
+
+
 def test_checkpoint_from_ulysses_resumes_under_basp(tmp_path):
     straight = run(tiny_config(tmp_path / "straight", "train.steps=6", "parallel.groups=2"))
     cfg = tiny_config(tmp_path / "cross", "train.steps=6", "parallel.mode=ulysses")

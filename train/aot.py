@@ -307,7 +307,7 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
 
     from .config import replace
     from .prepare import model_config
-    from .planning import model_shape
+    from .planning import model_shape, state_bytes
 
     devices = hosts * gpus_per_host
     shape = model_shape(model_config(cfg))
@@ -318,7 +318,7 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
                              num_devices=devices, devices_per_host=gpus_per_host):
         pred = cost.predict(shape, c, batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len,
                             num_devices=devices, hw=hw, grad_accum=cfg.train.grad_accum,
-                            remat=cfg.model.remat)
+                            remat=cfg.model.remat, **state_bytes(cfg))
         mode = ["parallel.mode=ulysses", "parallel.groups=null"] if c.groups == 1 else \
             ["parallel.mode=basp", f"parallel.groups={c.groups}"]
         variant = replace(cfg, *mode, f"parallel.ring={c.ring}", f"parallel.pad_heads={c.pad_heads}",

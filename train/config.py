@@ -159,6 +159,9 @@ class OptimizerConfig:
     b2: float = 0.95
     eps: float = 1e-8
     clip_norm: Optional[float] = 1.0  # global gradient norm clip; null disables
+    # dtype of Adam's first moment: null keeps model.param_dtype; bfloat16 halves its memory
+    # (second moment and master weights stay in param_dtype)
+    mu_dtype: Optional[Literal["float32", "bfloat16"]] = None
 
     def validate(self) -> None:
         _require("optimizer.lr", self.lr, "the peak learning rate, > 0")

@@ -41,13 +41,22 @@ def hardware(cfg: Config, devices_per_host: int) -> cost.Hardware:
     return hw
 
 
+def state_bytes(cfg: Config) -> dict[str, int]:
+    """Bytes per value of the master parameters and of Adam's first moment, for cost.predict
+    and cost.memory_terms."""
+    master = 2 if cfg.model.param_dtype == "bfloat16" else 4
+    return {"master_bytes": master,
+            "moment_bytes": {"bfloat16": 2, "float32": 4}.get(cfg.optimizer.mu_dtype, master)}
+
+
 def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[Layout, str]:
     """The layout (its batch includes any pad rows) and the parameter sharding strategy."""
     p = cfg.parallel
     shape = model_shape(mcfg)
     hw = hardware(cfg, devices_per_host)
     common = dict(batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len, num_devices=num_devices,
-                  hw=hw, grad_accum=cfg.train.grad_accum, remat=cfg.model.remat)
+                  hw=hw, grad_accum=cfg.train.grad_accum, remat=cfg.model.remat,
+                  **state_bytes(cfg))
     if p.mode == "auto":
         try:
             layout, best = cost.auto_layout(shape, **common)
@@ -122,7 +131,7 @@ def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str) -> tuple[f
         model_shape(mcfg), layout.tokens_per_device, share,
         q_heads=q_heads, kv_heads=kv_heads, remat=cfg.model.remat,
         act_bytes=2 if cfg.model.dtype == "bfloat16" else 4,
-        master_bytes=2 if cfg.model.param_dtype == "bfloat16" else 4)
+        **state_bytes(cfg))
     detail = ", ".join(f"{name} {value / 1e9:.3g} GB" for name, value in terms.items())
     return sum(terms.values()), detail
 

@@ -131,7 +131,7 @@ def make_optimizer(
     parts.append(
         optax.adamw(
             schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-            mask=decay_mask,
+            mask=decay_mask, mu_dtype=cfg.mu_dtype,
         )
     )
     return optax.chain(*parts), schedule
