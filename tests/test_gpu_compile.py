@@ -108,10 +108,13 @@ def test_the_command_prints_the_report_and_writes_json_and_hlo(basp_8b):
     mem = r["memory"]
     assert r["peak_bytes_per_device"] == (mem["argument_bytes"] + mem["temp_bytes"]
                                           + mem["output_bytes"] - mem["alias_bytes"])
-    # parameters (fp32) and Adam moments, FSDP over 8: about 12 B x 8.03e9 / 8 = 11.2 GiB
-    assert 10.5 * GiB < mem["argument_bytes"] < 12 * GiB
+    # fp32 parameters and second moment, bf16 first moment (optimizer.mu_dtype), FSDP over 8:
+    # 10 B x 8.03e9 / 8 = 9.35 GiB
+    assert 9 * GiB < mem["argument_bytes"] < 9.7 * GiB
     assert r["fits"] and r["peak_bytes_per_device"] < gpus.usable_memory_bytes(
         gpus.GPUS["a100-40gb"])
+    # issue #14's target for this config as shipped (17.97 GiB with jax 0.10.2, 17.92 with 0.12)
+    assert r["peak_bytes_per_device"] <= 18 * GiB
     assert r["attention_kernels"], "no attention kernel recognised"
     # the HLO written is the program reported
     assert comm.summarize(comm.parse_collectives(basp_8b["hlo"], 8), 4)["all-to-all"]["count"] \

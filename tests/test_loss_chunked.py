@@ -143,3 +143,46 @@ def test_vocab_sharded_lookup_and_loss_equal_the_gathering_ones_and_move_no_tabl
 
     assert largest(want_fn) >= table  # the gathering program moves a whole table
     assert largest(got_fn) < table / 2, largest(got_fn)
+
+
+@pytest.mark.parametrize("strategy", ["replicated", "hsdp"])
+def test_a_replicated_heads_gradient_is_reduced_once_not_once_per_chunk(strategy):
+    """With the head replicated over the token shards (replicated parameters; hsdp with sp=1, B=8
+    on 8 devices), the gathering loss's chunks accumulate the head's gradient on each device and
+    the compiled step all-reduces it once, where it used to all-reduce the [vocab, hidden] table
+    once per chunk (8 times here, twice each: over seq, then over group)."""
+    from basp_jax import comm
+
+    config = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=1, vocab_size=4096)
+    groups = 2 if strategy == "replicated" else 8
+    layout = basp_jax.Layout.plan(8, groups, 256, config.num_heads, config.num_kv_heads,
+                                  groups=groups)
+    model = models.init_model(config, mesh=basp_jax.make_mesh(layout), seed=2,
+                              param_sharding=strategy)
+    assert model.head_vocab_axes is None
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (groups, 256), 0, config.vocab_size)
+    targets = jnp.roll(tokens, -1, axis=1).at[:, -1].set(-100)
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss(params):
+        total, count = nnx.merge(graphdef, params).loss(tokens, targets, chunk_tokens=8)
+        return total / count
+
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
+    reduces = [c for c in comm.parse_collectives(compiled.as_text(), 8) if c.kind == "all-reduce"]
+    assert all(c.executions == 1 for c in reduces), [(c.bytes, c.executions) for c in reduces]
+    # At most twice the gradient: the tied table's two uses (lookup and head) reduced as two
+    # buffers, and the layers' reduced over seq, then over group. One reduction per chunk read
+    # 34 MiB here (the 2 MiB table 8 times over seq and 8 over group) against 2.5 MiB of gradient.
+    grads = sum(x.size * 4 for x in jax.tree.leaves(params))
+    assert sum(c.bytes for c in reduces) <= 2 * grads + 64, (reduces, grads)
+    # and the loss and gradients are the whole [tokens, vocab] computation's
+    def whole(params):
+        total, count = models.causal_lm_loss(nnx.merge(graphdef, params)(tokens), targets)
+        return total / count
+
+    want, want_g = jax.jit(jax.value_and_grad(whole))(params)
+    got, got_g = compiled(params)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for g, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
