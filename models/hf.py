@@ -29,6 +29,7 @@ from flax import nnx
 from huggingface_hub import split_state_dict_into_shards_factory
 from jax.sharding import Mesh
 
+from basp_jax import Layout
 from basp_jax.sharding import param_sharding
 
 from .config import ModelConfig, ModelError
@@ -155,8 +156,8 @@ def _place(tensor, transpose: bool, shape, dtype, mesh, strategy, stacked: bool 
 
 def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype=jnp.float32, param_dtype=None,
                     attn_impl: str = "auto", param_sharding: str = "fsdp",
-                    remat: str = "none", ring: int = 1,
-                    zigzag: bool = False, scan_layers: bool = True) -> Transformer:
+                    remat: str = "none", layout: Layout | None = None,
+                    scan_layers: bool = True) -> Transformer:
     """A Transformer with the weights of a local Hugging Face directory (config.json + safetensors).
 
     dtype is the compute dtype; param_dtype the storage dtype (None: the same as dtype). With a
@@ -166,8 +167,8 @@ def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype=jnp.float32, p
     config = ModelConfig.from_hf(path)
     param_dtype = dtype if param_dtype is None else param_dtype
     model = abstract_model(config, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
-                           attn_impl=attn_impl, remat=remat, ring=ring,
-                           zigzag=zigzag, scan_layers=scan_layers, param_sharding=param_sharding)
+                           attn_impl=attn_impl, remat=remat, layout=layout,
+                           scan_layers=scan_layers, param_sharding=param_sharding)
     nnx.update(model, load_hf_params(path, config, mesh=mesh, param_dtype=param_dtype,
                                      param_sharding=param_sharding, scan_layers=scan_layers))
     return model

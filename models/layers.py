@@ -229,8 +229,7 @@ class Attention(nnx.Module):
     """Grouped-query self-attention: projections, optional per-head q/k norm, RoPE, BASP attention."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh: Mesh | None, dtype,
-                 param_dtype, attn_impl: str, ring: int = 1,
-                 zigzag: bool = False):
+                 param_dtype, attn_impl: str, layout: basp_jax.Layout | None = None):
         d, hd = config.hidden_size, config.head_dim
         hq, hkv = config.num_heads, config.num_kv_heads
         std = config.initializer_range
@@ -249,8 +248,7 @@ class Attention(nnx.Module):
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(config))  # static, hashable
         self.mesh = mesh
         self.attn_impl = attn_impl
-        self.ring = ring
-        self.zigzag = zigzag  # the sequence axis is in basp_jax.ring.zigzag_order
+        self.layout = layout  # ring and token order (None: the mesh's plain split)
 
     def _qkv(self, x, positions):
         """q [B, S, Hq, Dh], k and v [B, S, Hkv, Dh], q and k normed (Qwen3) and rotated."""
@@ -271,9 +269,8 @@ class Attention(nnx.Module):
         if self.mesh is None:
             out = local_attention(q, k, v, segment_ids=segment_ids, impl=self.attn_impl)
         else:
-            out = basp_jax.attention(q, k, v, mesh=self.mesh, causal=True,
-                                     segment_ids=segment_ids, impl=self.attn_impl, ring=self.ring,
-                                     zigzag=self.zigzag)
+            out = basp_jax.attention(q, k, v, mesh=self.mesh, layout=self.layout, causal=True,
+                                     segment_ids=segment_ids, impl=self.attn_impl)
         out = constrain(out.reshape(b, s, self.num_heads * self.head_dim), self.mesh)
         return self.o_proj(out)
 

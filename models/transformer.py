@@ -19,7 +19,9 @@ from jax.sharding import Mesh
 from basp_jax.sharding import tree_shardings
 
 import basp_jax
+from basp_jax import Layout
 from basp_jax import kernels as basp_kernels
+from basp_jax.mesh import layout_on
 from basp_jax.remat import save_exchanges
 
 from . import vocab_parallel
@@ -42,12 +44,11 @@ class Block(nnx.Module):
     """One pre-norm decoder layer."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh: Mesh | None, dtype,
-                 param_dtype, attn_impl: str, ring: int = 1, zigzag: bool = False):
+                 param_dtype, attn_impl: str, layout: Layout | None = None):
         nkw = dict(eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, ("embed",), **nkw)
         self.self_attn = Attention(config, rngs=rngs, mesh=mesh, dtype=dtype,
-                                   param_dtype=param_dtype, attn_impl=attn_impl, ring=ring,
-                                   zigzag=zigzag)
+                                   param_dtype=param_dtype, attn_impl=attn_impl, layout=layout)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, ("embed",), **nkw)
         self.mlp = MLP(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.mesh = mesh
@@ -91,12 +92,13 @@ class Transformer(nnx.Module):
     segment_ids [B, S] (packed documents; tokens attend within their segment) and positions [B, S]
     (default: 0..S-1, or restarting at each new segment) are optional. With `mesh`, B must be
     divisible by the mesh's 'group' size and S by its 'seq' size; logits come back sharded
-    P('group', 'seq', None).
+    P('group', 'seq', None). `layout` (the one the mesh was made from) adds a ring and its token
+    order: with layout.zigzag, tokens come in layout.token_order and so do default positions.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
                  dtype=jnp.float32, param_dtype=jnp.float32, attn_impl: str = "auto",
-                 remat: str = "none", ring: int = 1, zigzag: bool = False,
+                 remat: str = "none", layout: Layout | None = None,
                  scan_layers: bool = True, host_mesh: Mesh | None = None,
                  param_sharding: str = "fsdp"):
         if remat not in REMAT_POLICIES:
@@ -110,10 +112,14 @@ class Transformer(nnx.Module):
                 f"the mesh must have axes {basp_jax.AXES}, got {tuple(mesh.axis_names)}; "
                 f"build it with basp_jax.make_mesh(layout)"
             )
-        if mesh is not None and (not isinstance(ring, int) or ring < 1 or mesh.shape["seq"] % ring):
-            raise ModelError(f"ring={ring} must be a positive divisor of sp={mesh.shape['seq']}")
+        if layout is not None:
+            if mesh is None:
+                raise ModelError("a layout needs its mesh: pass mesh=basp_jax.make_mesh(layout)")
+            layout_on(mesh, layout.batch, layout.seq_len, config.num_heads, config.num_kv_heads,
+                      like=layout)  # the layout's own checks, before anything compiles
         self.config = config
         self.mesh = mesh
+        self.layout = layout
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.attn_impl = attn_impl
@@ -131,7 +137,7 @@ class Transformer(nnx.Module):
             (vocab, width) if config.tie_word_embeddings else (width, vocab),
             0 if config.tie_word_embeddings else 1, mesh, param_sharding)
         block_kwargs = dict(config=config, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
-                            attn_impl=attn_impl, ring=ring, zigzag=zigzag)
+                            attn_impl=attn_impl, layout=layout)
         # scan_layers: one Block of stacked [num_layers, ...] parameters run under lax.scan, so
         # the step compiles one layer whatever the depth; else a list of Blocks in a Python loop.
         self.scan_layers = scan_layers
@@ -156,7 +162,7 @@ class Transformer(nnx.Module):
             raise ModelError(f"tokens must be [batch, seq], got shape {tokens.shape}")
         b, s = tokens.shape
         if positions is None:
-            positions = basp_jax.position_ids(b, s, segment_ids)
+            positions = basp_jax.position_ids(b, s, segment_ids, order=self._token_order(b, s))
         if self.mesh is not None:
             tokens = constrain(tokens, self.mesh)
             positions = constrain(positions, self.mesh)
@@ -179,6 +185,14 @@ class Transformer(nnx.Module):
         for layer in self.layers:
             x = block_fn(layer, x, positions, segment_ids)
         return self.norm(x)
+
+    def _token_order(self, batch: int, seq_len: int):
+        """The order of the sequence axis the layout wants for [batch, seq_len] (None: natural)."""
+        if self.layout is None or not self.layout.zigzag:
+            return None
+        c = self.config
+        return layout_on(self.mesh, batch, seq_len, c.num_heads, c.num_kv_heads,
+                         like=self.layout).token_order
 
     def init_cache(self, batch: int, length: int, dtype=None) -> tuple[jax.Array, jax.Array]:
         """An empty key/value cache for `decode`: (k, v), each [num_layers, batch, length,
@@ -279,20 +293,20 @@ def _compiled_call(model: Transformer, tokens, segment_ids, positions):
 
 def abstract_model(config: ModelConfig, *, mesh: Mesh | None = None, dtype=jnp.float32,
                    param_dtype=jnp.float32, attn_impl: str = "auto", remat: str = "none",
-                   ring: int = 1, zigzag: bool = False, scan_layers: bool = True,
+                   layout: Layout | None = None, scan_layers: bool = True,
                    param_sharding: str = "fsdp"):
     """The model with ShapeDtypeStructs in place of parameters (no memory, no compute)."""
     return nnx.eval_shape(lambda: Transformer(
         config, rngs=nnx.Rngs(0), mesh=mesh, dtype=dtype, param_dtype=param_dtype,
-        attn_impl=attn_impl, remat=remat, ring=ring, zigzag=zigzag, scan_layers=scan_layers,
+        attn_impl=attn_impl, remat=remat, layout=layout, scan_layers=scan_layers,
         param_sharding=param_sharding,
     ))
 
 
 def init_model(config: ModelConfig, *, mesh: Mesh | None = None, seed: int = 0,
                param_sharding: str = "fsdp", dtype=jnp.float32, param_dtype=jnp.float32,
-               attn_impl: str = "auto", remat: str = "none", ring: int = 1,
-               zigzag: bool = False, scan_layers: bool = True) -> Transformer:
+               attn_impl: str = "auto", remat: str = "none", layout: Layout | None = None,
+               scan_layers: bool = True) -> Transformer:
     """A randomly initialised Transformer whose parameters are created already sharded.
 
     With a mesh, initialisation runs under jit with out_shardings from
@@ -300,7 +314,7 @@ def init_model(config: ModelConfig, *, mesh: Mesh | None = None, seed: int = 0,
     The values equal Transformer(config, rngs=nnx.Rngs(seed)) on one device (to the last ulp).
     """
     kwargs = dict(mesh=mesh, dtype=dtype, param_dtype=param_dtype, attn_impl=attn_impl, remat=remat,
-                  ring=ring, zigzag=zigzag, scan_layers=scan_layers, param_sharding=param_sharding)
+                  layout=layout, scan_layers=scan_layers, param_sharding=param_sharding)
     if mesh is None:
         return Transformer(config, rngs=nnx.Rngs(seed), **kwargs)
     graphdef, abstract_state = nnx.split(abstract_model(config, **kwargs))

@@ -168,12 +168,12 @@ def check(cfg: Config, *, is_writer: bool) -> Run:
     per_host = cfg.parallel.devices_per_host or len(devices) // jax.process_count()
     plan = plan_run(cfg, mcfg, devices, per_host)
     planning.check_memory(cfg, mcfg, plan.layout, plan.strategy, devices)  # before any row is made
-    pad_rows = plan.layout.batch - cfg.train.microbatch_size
+    layout = plan.layout  # the rows it pads and the token order it wants
     data = Pipeline(cfg.data, vocab_size=mcfg.vocab_size, grad_accum=cfg.train.grad_accum,
-                    microbatch=cfg.train.microbatch_size, seed=cfg.run.seed, pad_rows=pad_rows,
-                    seq_order=plan.seq_order)
-    eval_data = evaluate.eval_data(cfg, mcfg.vocab_size, seq_order=plan.seq_order,
-                                   pad_rows=pad_rows)
+                    microbatch=cfg.train.microbatch_size, seed=cfg.run.seed,
+                    pad_rows=layout.pad_rows, seq_order=layout.token_order)
+    eval_data = evaluate.eval_data(cfg, mcfg.vocab_size, seq_order=layout.token_order,
+                                   pad_rows=layout.pad_rows)
     latest = check_resume(cfg, mcfg, run_dir)
     return Run(cfg, run_dir, is_writer, mcfg, devices, plan, peak, peak_source, data, eval_data,
                latest)
@@ -246,7 +246,7 @@ def _pretrained_parts(cfg: Config, plan: RunPlan):
         remat=cfg.model.remat,
         # loaded over the whole mesh; from_module places it by the run's strategy
         param_sharding="fsdp" if plan.strategy == "host" else plan.strategy,
-        ring=plan.layout.ring, zigzag=plan.zigzag, scan_layers=cfg.model.scan_layers,
+        layout=plan.layout, scan_layers=cfg.model.scan_layers,
     )
     parts = from_module(module, plan.mesh, plan.strategy, plan.layout.devices_per_host)
     del module

@@ -29,23 +29,18 @@ from .step import DTYPES, build_model, make_optimizer, make_train_step, opt_stat
 
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
-    """How a run splits its work: the layout, the parameter sharding, the mesh, the token order."""
+    """How a run splits its work: the layout (with its pad rows and token order), the parameter
+    sharding, the mesh."""
 
     layout: Layout
     strategy: str  # fsdp | hsdp | host | replicated
     mesh: Mesh
-    seq_order: Any  # None (natural order) or the zig-zag permutation of ring attention
-
-    @property
-    def zigzag(self) -> bool:
-        return self.seq_order is not None
 
 
 def plan_run(cfg: Config, mcfg, devices, devices_per_host: int) -> RunPlan:
     """The layout and mesh for `devices`; raises LayoutError/ConfigError before anything compiles."""
     layout, strategy = planning.plan(cfg, mcfg, len(devices), devices_per_host)
-    mesh = make_mesh(layout, devices)
-    return RunPlan(layout, strategy, mesh, planning.sequence_order(cfg, layout))
+    return RunPlan(layout, strategy, make_mesh(layout, devices))
 
 
 def model_factory(cfg: Config, mcfg, plan: RunPlan) -> Callable[[], nnx.Module]:
@@ -58,7 +53,7 @@ def model_factory(cfg: Config, mcfg, plan: RunPlan) -> Callable[[], nnx.Module]:
         return models.Transformer(
             mcfg, rngs=nnx.Rngs(cfg.run.seed), mesh=plan.mesh, dtype=dtype,
             param_dtype=param_dtype, attn_impl=cfg.model.attn_impl, remat=cfg.model.remat,
-            ring=plan.layout.ring, zigzag=plan.zigzag, scan_layers=cfg.model.scan_layers,
+            layout=plan.layout, scan_layers=cfg.model.scan_layers,
             host_mesh=hosts, param_sharding=plan.strategy,
         )
 
@@ -110,7 +105,7 @@ def build_program(cfg: Config, plan: RunPlan, parts) -> TrainProgram:
     abs_opt, opt_sh = opt_state_shardings(tx, parts.params, plan.mesh, plan.strategy, per_host)
     step_fn, batch_sharding = make_train_step(
         parts, tx, schedule, plan.mesh, param_sh, opt_sh,
-        loss_fn=models.causal_lm_loss, packed=cfg.data.pack, seq_order=plan.seq_order,
+        loss_fn=models.causal_lm_loss, packed=cfg.data.pack,
     )
     shape = (cfg.train.grad_accum, plan.layout.batch, cfg.data.seq_len)
     return TrainProgram(plan, step_fn, tx, schedule, param_sh, abs_opt, opt_sh, batch_sharding,

@@ -14,13 +14,11 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
-import numpy as np
 import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from basp_jax import position_ids
 from basp_jax.mesh import GROUP, SEQ
 from basp_jax.sharding import tree_shardings
 from models.hf import is_stacked
@@ -155,23 +153,16 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
 
 
-def make_micro_loss(parts: ModelParts, loss_fn: Callable, seq_order=None) -> Callable:
+def make_micro_loss(parts: ModelParts, loss_fn: Callable) -> Callable:
     """micro_loss(params, tokens, targets, segment_ids) -> (loss sum, token count) of one
-    microbatch: what the train step differentiates and the eval step (train.evaluate) sums."""
+    microbatch: what the train step differentiates and the eval step (train.evaluate) sums.
+    The model's positions follow its layout's token order (models.Transformer)."""
     graphdef, (abs_params, abs_rest), rest = parts.graphdef, parts.abstract_state, parts.rest
 
     def micro_loss(params, tokens, targets, segment_ids):
         model = nnx.merge(graphdef, _with_values(abs_params, params), _with_values(abs_rest, rest))
-        b, s = tokens.shape
-        if seq_order is None:
-            positions = position_ids(b, s, segment_ids)
-        elif segment_ids is None:
-            positions = jnp.broadcast_to(jnp.asarray(seq_order, jnp.int32), (b, s))
-        else:  # document positions in the natural order, then permuted like the tokens
-            natural = segment_ids[:, np.argsort(seq_order)]
-            positions = position_ids(b, s, natural)[:, seq_order]
         # The logits exist a chunk of tokens at a time (models.loss.chunked_lm_loss).
-        return model.loss(tokens, targets, segment_ids, positions, loss_fn=loss_fn)
+        return model.loss(tokens, targets, segment_ids, loss_fn=loss_fn)
 
     return micro_loss
 
@@ -205,7 +196,6 @@ def make_train_step(
     *,
     loss_fn: Callable,
     packed: bool,
-    seq_order=None,
 ):
     """jit(train_step)(params, opt_state, batch, step) -> (params, opt_state, metrics).
 
@@ -214,7 +204,7 @@ def make_train_step(
     """
     batch_sharding = NamedSharding(mesh, BATCH_SPEC)
     replicated = NamedSharding(mesh, P())
-    grad_fn = jax.value_and_grad(make_micro_loss(parts, loss_fn, seq_order), has_aux=True)
+    grad_fn = jax.value_and_grad(make_micro_loss(parts, loss_fn), has_aux=True)
 
     def train_step(params, opt_state, batch, step):
         grad_sum, loss_sum, count = _accumulate(grad_fn, params, batch, param_shardings, packed)
