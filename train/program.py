@@ -19,10 +19,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
 from basp_jax import Layout, make_mesh
-from basp_jax.sharding import host_mesh, tree_shardings
+from basp_jax.sharding import abstract_arrays, host_mesh, tree_shardings
 
 from . import planning
-from .checkpoint import abstract_tree
 from .config import Config
 from .step import DTYPES, build_model, make_optimizer, make_train_step, opt_state_shardings
 
@@ -43,19 +42,29 @@ def plan_run(cfg: Config, mcfg, devices, devices_per_host: int) -> RunPlan:
     return RunPlan(layout, strategy, make_mesh(layout, devices))
 
 
+def model_options(cfg: Config, plan: RunPlan | None = None, *,
+                  dtype: str | None = None) -> "models.RunOptions":
+    """How the configured model runs: on the plan's mesh and layout with its parameter sharding,
+    or on one device without a plan; dtype replaces model.dtype."""
+    m = cfg.model
+    fields = dict(dtype=DTYPES[dtype or m.dtype], param_dtype=DTYPES[m.param_dtype],
+                  attn_impl=m.attn_impl, remat=m.remat, scan_layers=m.scan_layers)
+    if plan is not None:
+        # Host sharding: the embedding's gradient is summed inside each host before it crosses
+        # hosts.
+        hosts = (host_mesh(plan.mesh, plan.layout.devices_per_host) if plan.strategy == "host"
+                 else None)
+        fields.update(mesh=plan.mesh, layout=plan.layout, param_sharding=plan.strategy,
+                      host_mesh=hosts)
+    return models.RunOptions(**fields)
+
+
 def model_factory(cfg: Config, mcfg, plan: RunPlan) -> Callable[[], nnx.Module]:
     """A function that builds the configured model on the plan's mesh (for nnx.eval_shape or jit)."""
-    dtype, param_dtype = DTYPES[cfg.model.dtype], DTYPES[cfg.model.param_dtype]
-    # Host sharding: the embedding's gradient is summed inside each host before it crosses hosts.
-    hosts = host_mesh(plan.mesh, plan.layout.devices_per_host) if plan.strategy == "host" else None
+    options = model_options(cfg, plan)
 
     def make():
-        return models.Transformer(
-            mcfg, rngs=nnx.Rngs(cfg.run.seed), mesh=plan.mesh, dtype=dtype,
-            param_dtype=param_dtype, attn_impl=cfg.model.attn_impl, remat=cfg.model.remat,
-            layout=plan.layout, scan_layers=cfg.model.scan_layers,
-            host_mesh=hosts, param_sharding=plan.strategy,
-        )
+        return models.Transformer(mcfg, rngs=nnx.Rngs(cfg.run.seed), options=options)
 
     return make
 
@@ -114,8 +123,8 @@ def build_program(cfg: Config, plan: RunPlan, parts) -> TrainProgram:
 
 def abstract_state(program: TrainProgram, parts):
     """ShapeDtypeStructs (with shardings) of the parameters and the optimizer state."""
-    return (abstract_tree(parts.params, program.param_shardings),
-            abstract_tree(program.abstract_opt_state, program.opt_shardings))
+    return (abstract_arrays(parts.params, program.param_shardings),
+            abstract_arrays(program.abstract_opt_state, program.opt_shardings))
 
 
 def compile_program(cfg: Config, devices, devices_per_host: int, mcfg=None):
