@@ -1,7 +1,8 @@
 """Sequence-parallel attention: all-to-all over 'seq' (sequence -> heads), local kernel, and back.
 
 With a ('group', 'seq') mesh, the all-to-alls run inside each seq group only, so BASP (several
-groups) and Ulysses (one group) are the same code.
+groups) and Ulysses (one group) are the same code. What to exchange (head padding, kv
+replication, ring runs, token order) is asked of the Layout (basp_jax.mesh.layout_on).
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ from jax import lax
 from jax.sharding import Mesh
 
 from . import kernels
-from .layout import LayoutError, head_padding, kv_replication
-from .mesh import ACTIVATION_SPEC, GROUP, SEQ
+from .layout import Layout, LayoutError
+from .mesh import ACTIVATION_SPEC, SEQ, layout_on
 from .remat import name_exchange
 from .ring import ring_local_attention
 
 
-def _check_inputs(q, k, v, segment_ids, mesh: Mesh) -> None:
-    """Shape checks at trace time, before anything compiles; one line each."""
+def _check_inputs(q, k, v, segment_ids) -> None:
+    """Shape checks at trace time, before anything compiles; one line each. (What the layout
+    needs of the sizes, Layout.plan checks.)"""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise LayoutError(
             f"attention takes q, k, v of rank 4 [batch, seq, heads, head_dim]; got ranks "
@@ -27,24 +29,17 @@ def _check_inputs(q, k, v, segment_ids, mesh: Mesh) -> None:
         )
     if k.shape != v.shape:
         raise LayoutError(f"k and v must have the same shape; got {k.shape} and {v.shape}")
-    (b, s, hq, d), (bk, sk, hkv, dk) = q.shape, k.shape
+    (b, s, _, d), (bk, sk, _, dk) = q.shape, k.shape
     if (b, s, d) != (bk, sk, dk):
         raise LayoutError(
             f"q {q.shape} and k {k.shape} disagree on batch, seq or head_dim; self-attention needs "
             f"the same [batch, seq, :, head_dim]"
         )
-    if hq % hkv:
-        raise LayoutError(f"query heads {hq} are not a multiple of kv heads {hkv}")
     if segment_ids is not None:
         if segment_ids.shape != (b, s):
             raise LayoutError(f"segment_ids must have shape {(b, s)}, got {segment_ids.shape}")
         if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
             raise LayoutError(f"segment_ids must be integers, got {segment_ids.dtype}")
-    groups, sp = mesh.shape[GROUP], mesh.shape[SEQ]
-    if b % groups:
-        raise LayoutError(f"batch {b} is not divisible by groups={groups}; use a multiple of {groups}")
-    if s % sp:
-        raise LayoutError(f"seq_len {s} is not divisible by sp={sp}; pad it to a multiple of {sp}")
 
 
 def _pad_heads(q, k, v, kv_heads, group):
@@ -85,12 +80,11 @@ def attention(
     v: jax.Array,
     *,
     mesh: Mesh,
+    layout: Layout | None = None,
     causal: bool = True,
     segment_ids: jax.Array | None = None,
     impl: str = "auto",
     block_size: int = kernels.DEFAULT_BLOCK,
-    ring: int = 1,
-    zigzag: bool = False,
 ) -> jax.Array:
     """Sequence-parallel multi-head attention on a ('group', 'seq') mesh.
 
@@ -101,26 +95,21 @@ def attention(
     query heads are not divisible by it, zero heads are added and dropped again (exact; see
     basp_jax.layout.head_padding).
 
-    ring > 1 splits each seq group into `ring` runs of sp / ring devices: all-to-all inside a
-    run, ring attention across runs (basp_jax.ring), so sp may exceed the head count. The ring
-    path always uses the blockwise kernel. zigzag=True balances the causal work over the ring;
-    the sequence axis must then be in basp_jax.ring.zigzag_order(S, ring).
+    `layout` (the one make_mesh(layout) placed; default: the mesh's plain split) may split each
+    seq group into `layout.ring` runs of sp / ring devices: all-to-all inside a run, ring
+    attention across runs (basp_jax.ring), so sp may exceed the head count. The ring path always
+    uses the blockwise kernel. With layout.zigzag the sequence axis must be in
+    layout.token_order, which balances the causal work over the ring.
     """
-    _check_inputs(q, k, v, segment_ids, mesh)
-    sp = mesh.shape[SEQ]
-    if not isinstance(ring, int) or ring < 1 or sp % ring:
-        raise LayoutError(f"ring={ring} must be a positive divisor of sp={sp}")
-    if zigzag and (ring == 1 or q.shape[1] % (2 * sp)):
-        raise LayoutError(
-            f"zigzag needs ring > 1 and seq_len divisible by 2 * sp = {2 * sp}; got ring={ring}, "
-            f"seq_len={q.shape[1]}"
-        )
-    a2a = sp // ring  # devices that exchange heads for sequence
+    _check_inputs(q, k, v, segment_ids)
     hq, hkv = q.shape[2], k.shape[2]
-    kv_heads, group = head_padding(hq, hkv, a2a) if hq % a2a else (hkv, hq // hkv)
-    if hq % a2a:
+    layout = layout_on(mesh, q.shape[0], q.shape[1], hq, hkv, like=layout)
+    sp = layout.sp
+    kv_heads, group = layout.head_groups
+    padded = layout.padded_heads != hq
+    if padded:
         q, k, v = _pad_heads(q, k, v, kv_heads, group)
-    copies = kv_replication(kv_heads * group, kv_heads, a2a)
+    copies = layout.kv_replication
     platform = mesh.devices.flat[0].platform
     kernel_name = kernels.resolve_impl(impl, q, q.shape[1], platform, segment_ids is not None)
     kernel = kernels.KERNELS[kernel_name]
@@ -131,10 +120,10 @@ def attention(
     def local(q, k, v, seg):
         if copies > 1:
             k, v = jnp.repeat(k, copies, axis=2), jnp.repeat(v, copies, axis=2)
-        if ring > 1:
+        if layout.ring > 1:
             with jax.named_scope("ring_attention"):
-                return ring_local_attention(q, k, v, seg, sp=sp, ring=ring, causal=causal,
-                                            block_size=block_size, zigzag=zigzag)
+                return ring_local_attention(q, k, v, seg, layout=layout, causal=causal,
+                                            block_size=block_size)
         q, k, v = (_seq_to_heads(x, sp) for x in (q, k, v))
         if seg is not None and sp > 1:
             seg = lax.all_gather(seg, SEQ, axis=1, tiled=True)  # small ints, never activations
@@ -152,4 +141,4 @@ def attention(
         check_vma=False,
     )
     out = sharded(q, k, v, segment_ids)
-    return _unpad_heads(out, hq, hkv, kv_heads, group) if hq % a2a else out
+    return _unpad_heads(out, hq, hkv, kv_heads, group) if padded else out

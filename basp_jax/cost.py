@@ -8,7 +8,8 @@ not to overlap compute (the paper's Ulysses all-to-alls sit on the critical path
 [0, 1] hides that share of the parameter collectives, which frameworks prefetch.
 
 Everything is per optimizer step per device: microbatches x layers x (attention all-to-alls +
-parameter gathers and gradient reductions).
+parameter gathers and gradient reductions). A way to run the step is a Layout (groups, sp, ring,
+head padding, pad rows: basp_jax.layout) and a parameter sharding strategy.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import dataclasses
 import math
 
 from . import gpus
-from .layout import Layout, head_padding, kv_replication
+from .layout import Layout, LayoutError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,11 +134,10 @@ def _remote_share(group_size: int, devices_per_host: int, spread: int = 1) -> fl
     return (group_size - local) / (group_size - 1)
 
 
-def _ring_crossing_share(sp: int, ring: int, devices_per_host: int) -> float:
-    """Share of ring hops (device p -> same position in the next run) that change host."""
-    inner = sp // ring
-    hops = [(p, ((p // inner + 1) % ring) * inner + p % inner) for p in range(sp)]
-    return sum(a // devices_per_host != b // devices_per_host for a, b in hops) / sp
+def _ring_crossing_share(layout: Layout) -> float:
+    """Share of the ring's hops (Layout.ring_hops) that change host."""
+    dph = layout.devices_per_host
+    return sum(a // dph != b // dph for a, b in layout.ring_hops) / layout.sp
 
 
 def collective_traffic(kind: str, buffer_bytes: float, group_size: int, remote_share: float) -> Traffic:
@@ -149,37 +149,31 @@ def collective_traffic(kind: str, buffer_bytes: float, group_size: int, remote_s
     return Traffic(wire * (1 - remote_share), wire * remote_share, 1)
 
 
-def exchanged_heads(shape: ModelShape, degree: int) -> tuple[int, int]:
-    """(query heads, kv heads) that an all-to-all over `degree` devices exchanges: with zero
-    heads padded where `degree` does not divide the query heads, and kv heads replicated where it
-    does not divide them."""
-    if shape.num_heads % degree:
-        kv_groups, per_group = head_padding(shape.num_heads, shape.num_kv_heads, degree)
-    else:
-        kv_groups, per_group = shape.num_kv_heads, shape.num_heads // shape.num_kv_heads
-    q_heads = kv_groups * per_group
-    return q_heads, kv_groups * kv_replication(q_heads, kv_groups, degree)
+def plan_layout(shape: ModelShape, *, num_devices: int, batch: int, seq_len: int, groups: int,
+                devices_per_host: int | None = None, ring: int = 1, pad_heads: bool = False,
+                pad_rows: int = 0) -> Layout:
+    """The validated Layout of `shape`'s heads for one (groups, sp) split: what the planner
+    enumerates and predicts. devices_per_host defaults to one host."""
+    per_host = num_devices if devices_per_host is None else min(devices_per_host, num_devices)
+    return Layout.plan(num_devices, batch, seq_len, shape.num_heads, shape.num_kv_heads,
+                       devices_per_host=per_host, groups=groups, ring=ring, pad_heads=pad_heads,
+                       pad_rows=pad_rows)
 
 
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """One way to run the step: a (groups, sp) split, its ring part, and a parameter sharding."""
+def layout_name(layout: Layout, param_sharding: str) -> str:
+    """e.g. 'basp (2,4) hsdp [ring 2, pad heads, +1 pad rows]', as the planner prints it."""
+    kind = "ulysses" if layout.groups == 1 else "basp"
+    extras = [f"ring {layout.ring}"] if layout.ring > 1 else []
+    extras += ["pad heads"] if layout.pad_heads else []
+    extras += [f"+{layout.pad_rows} pad rows"] if layout.pad_rows else []
+    extra = f" [{', '.join(extras)}]" if extras else ""
+    return f"{kind} ({layout.groups},{layout.sp}) {param_sharding}{extra}"
 
-    groups: int
-    sp: int
-    param_sharding: str  # "fsdp" | "hsdp" | "host"
-    pad_rows: int = 0  # rows added to the microbatch to make a layout possible
-    ring: int = 1  # sp = ring x all-to-all degree
-    pad_heads: bool = False  # zero query heads added so the all-to-all degree divides them
 
-    @property
-    def name(self) -> str:
-        kind = "ulysses" if self.groups == 1 else "basp"
-        extras = [f"ring {self.ring}"] if self.ring > 1 else []
-        extras += ["pad heads"] if self.pad_heads else []
-        extras += [f"+{self.pad_rows} pad rows"] if self.pad_rows else []
-        extra = f" [{', '.join(extras)}]" if extras else ""
-        return f"{kind} ({self.groups},{self.sp}) {self.param_sharding}{extra}"
+def shard_devices(layout: Layout, param_sharding: str) -> int:
+    """How many devices share (shard) each parameter under a strategy."""
+    return {"fsdp": layout.num_devices, "hsdp": layout.sp,
+            "host": min(layout.devices_per_host, layout.num_devices)}.get(param_sharding, 1)
 
 
 def min_inter_host_gradient_bytes(gradient_bytes: float, num_devices: int,
@@ -197,7 +191,8 @@ def min_inter_host_gradient_bytes(gradient_bytes: float, num_devices: int,
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
-    candidate: Candidate
+    layout: Layout
+    param_sharding: str  # "fsdp" | "hsdp" | "host"
     all_to_all: Traffic
     params: Traffic
     compute_s: float
@@ -205,6 +200,10 @@ class Prediction:
     params_s: float
     step_s: float
     memory_bytes: float
+
+    @property
+    def name(self) -> str:
+        return layout_name(self.layout, self.param_sharding)
 
 
 def vocab_parallel(shape: ModelShape, param_sharding: str, shard_group: int) -> bool:
@@ -217,11 +216,9 @@ def vocab_parallel(shape: ModelShape, param_sharding: str, shard_group: int) -> 
 
 def predict(
     shape: ModelShape,
-    candidate: Candidate,
+    layout: Layout,
+    param_sharding: str,
     *,
-    batch: int,
-    seq_len: int,
-    num_devices: int,
     hw: Hardware,
     grad_accum: int = 1,
     act_bytes: int = 2,
@@ -231,42 +228,38 @@ def predict(
     master_bytes: int = 4,
     moment_bytes: int | None = None,
 ) -> Prediction:
-    """Predicted per-step time and memory of one candidate."""
-    g, sp = candidate.groups, candidate.sp
-    rows = batch + candidate.pad_rows
-    dph = hw.devices_per_host
-    tokens_per_device = rows * seq_len / num_devices
+    """Predicted per-step time and memory of a layout (for `shape`'s heads; its batch with its
+    pad rows, its devices per host) under a parameter sharding strategy, on `hw`'s links."""
+    g, sp, num_devices, seq_len = layout.groups, layout.sp, layout.num_devices, layout.seq_len
+    dph = layout.devices_per_host
+    tokens_per_device = layout.tokens_per_device
 
     # Attention: q, k, v, out forward and their gradients backward, each [tokens, heads, Dh],
     # exchanged among sp / ring devices; zero heads padded where that degree does not divide.
-    degree = sp // candidate.ring
-    q_heads, kv_heads = exchanged_heads(shape, degree)
+    degree = layout.a2a
+    q_heads, kv_heads = layout.exchanged_heads
     share = _remote_share(degree, dph)
     a2a = Traffic()
     for _ in range(2):  # forward, backward
         for heads in (q_heads, kv_heads, kv_heads, q_heads):
             buf = tokens_per_device * heads * shape.head_dim * act_bytes
             a2a = a2a + collective_traffic("all-to-all", buf, degree, share)
-    if candidate.ring > 1:
+    if layout.ring > 1:
         # k and v chunks hop ring - 1 times forward; their gradients hop back as many times.
         kv_chunk = tokens_per_device * kv_heads * shape.head_dim * act_bytes
-        crossing = _ring_crossing_share(sp, candidate.ring, dph)
+        crossing = _ring_crossing_share(layout)
         hop = Traffic(kv_chunk * (1 - crossing), kv_chunk * crossing, 1)
-        a2a = a2a + hop.scale(4 * (candidate.ring - 1))
+        a2a = a2a + hop.scale(4 * (layout.ring - 1))
     a2a = a2a.scale(shape.num_layers * grad_accum)
 
     # Parameters: gathered forward and backward (ZeRO-3), gradients reduce-scattered, per
     # microbatch; HSDP adds one cross-group all-reduce of the local shard per step, host
     # sharding one cross-host all-reduce of the host-local shard.
     all_params = shape.num_params * param_bytes
-    if candidate.param_sharding == "fsdp":
-        shard_group, shard_share = num_devices, _remote_share(num_devices, dph)
-    elif candidate.param_sharding == "host":
-        shard_group, shard_share = min(dph, num_devices), 0.0
-    else:
-        shard_group, shard_share = sp, _remote_share(sp, dph)
+    shard_group = shard_devices(layout, param_sharding)
+    shard_share = 0.0 if param_sharding == "host" else _remote_share(shard_group, dph)
     gathered = all_params
-    if vocab_parallel(shape, candidate.param_sharding, shard_group):
+    if vocab_parallel(shape, param_sharding, shard_group):
         # models.vocab_parallel: the embedding and LM head stay where they are stored; the
         # tokens' rows move instead. Embedding: its rows reduce-scattered forward, their
         # cotangent gathered backward; loss: the hidden states gathered forward and again when
@@ -284,18 +277,18 @@ def predict(
         + collective_traffic("reduce-scatter", gathered * 2, shard_group, shard_share)  # fp32 grads
     )
     params = per_micro.scale(grad_accum)
-    if candidate.param_sharding == "hsdp" and g > 1:
+    if param_sharding == "hsdp" and g > 1:
         params = params + collective_traffic(
             "all-reduce", all_params * 2 / sp, g, _remote_share(g, dph, spread=sp)
         )
-    if candidate.param_sharding == "host" and num_devices > dph:
+    if param_sharding == "host" and num_devices > dph:
         params = params + Traffic(inter=min_inter_host_gradient_bytes(
             all_params * 2, num_devices, dph), launches=1)
 
     attention_flops = shape.attention_flops_per_token(seq_len) * q_heads / shape.num_heads
-    if candidate.ring > 1:
+    if layout.ring > 1:
         # Contiguous causal chunks: each ring step waits for the busiest rank.
-        attention_flops *= 2 - 1 / candidate.ring
+        attention_flops *= 2 - 1 / layout.ring
     flops = (shape.dense_flops_per_token() + attention_flops) * tokens_per_device * grad_accum
     compute_s = flops / (hw.peak_flops * hw.efficiency)
     a2a_s, params_s = a2a.time(hw), params.time(hw) * (1 - overlap)
@@ -303,7 +296,7 @@ def predict(
     memory = memory_bytes(shape, tokens_per_device, shard_group, q_heads=q_heads,
                           kv_heads=kv_heads, remat=remat, act_bytes=act_bytes,
                           master_bytes=master_bytes, moment_bytes=moment_bytes)
-    return Prediction(candidate, a2a, params, compute_s, a2a_s, params_s,
+    return Prediction(layout, param_sharding, a2a, params, compute_s, a2a_s, params_s,
                       compute_s + a2a_s + params_s, memory)
 
 
@@ -370,28 +363,42 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
-               max_pad_rows: int = 0, devices_per_host: int | None = None) -> list[Candidate]:
-    """Every layout the attention can run: (groups, sp) x ring split x {fsdp, host, hsdp}
-    (host on several hosts; hsdp where it differs from both), with head padding where no ring
-    split divides the heads, and up to max_pad_rows masked rows. Ties go to the earlier sharding:
-    host before hsdp."""
+               max_pad_rows: int = 0,
+               devices_per_host: int | None = None) -> list[tuple[Layout, str]]:
+    """Every (layout, parameter sharding) the attention can run: (groups, sp) x ring split x
+    {fsdp, host, hsdp} (host on several hosts; hsdp where it differs from both), with head
+    padding where no ring split divides the heads, and up to max_pad_rows masked rows. Ties go
+    to the earlier sharding: host before hsdp."""
     out = []
     for pad in range(0, max_pad_rows + 1):
-        rows = batch + pad
         for g in _divisors(num_devices):
-            sp = num_devices // g
-            if rows % g or seq_len % sp:
-                continue
             if pad and math.gcd(batch + pad - 1, num_devices) >= g:
                 continue  # fewer pad rows already give this many groups
-            splits = [(r, False) for r in _divisors(sp) if shape.num_heads % (sp // r) == 0]
-            splits = splits[:1] if splits and splits[0][0] == 1 else splits
-            if not splits or splits[0][0] != 1:
-                splits.append((1, True))  # pad heads instead of a ring
-            for ring, pad_heads in splits:
-                for sharding in _shardings(g, sp, num_devices, devices_per_host):
-                    out.append(Candidate(g, sp, sharding, pad, ring, pad_heads))
+            layouts = _ring_splits(shape, num_devices=num_devices, batch=batch, seq_len=seq_len,
+                                   groups=g, devices_per_host=devices_per_host, pad_rows=pad)
+            for layout in layouts:
+                for sharding in _shardings(g, layout.sp, num_devices, devices_per_host):
+                    out.append((layout, sharding))
     return out
+
+
+def _ring_splits(shape: ModelShape, **split) -> list[Layout]:
+    """The layouts of one (groups, sp) split worth predicting: no ring where the heads allow it;
+    else every ring that makes them fit, and head padding without a ring. None when the split is
+    invalid (Layout.plan says why)."""
+    try:
+        plain = plan_layout(shape, **split, pad_heads=True)
+    except LayoutError:
+        return []
+    if not plain.pad_heads:
+        return [plain]
+    rings = []
+    for ring in _divisors(plain.sp)[1:]:
+        try:
+            rings.append(plan_layout(shape, **split, ring=ring))
+        except LayoutError:
+            continue
+    return rings + [plain]
 
 
 def _shardings(groups: int, sp: int, num_devices: int, devices_per_host: int | None) -> list[str]:
@@ -412,11 +419,11 @@ def plan_table(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
     """Predictions for every valid candidate, fastest first; those over memory last."""
     limit = hw.memory_bytes if memory_limit is None else memory_limit
     preds = [
-        predict(shape, c, batch=batch, seq_len=seq_len, num_devices=num_devices, hw=hw,
-                grad_accum=grad_accum, overlap=overlap, remat=remat, master_bytes=master_bytes,
-                moment_bytes=moment_bytes)
-        for c in candidates(shape, batch=batch, seq_len=seq_len, num_devices=num_devices,
-                            max_pad_rows=max_pad_rows, devices_per_host=hw.devices_per_host)
+        predict(shape, layout, sharding, hw=hw, grad_accum=grad_accum, overlap=overlap,
+                remat=remat, master_bytes=master_bytes, moment_bytes=moment_bytes)
+        for layout, sharding in candidates(shape, batch=batch, seq_len=seq_len,
+                                           num_devices=num_devices, max_pad_rows=max_pad_rows,
+                                           devices_per_host=hw.devices_per_host)
     ]
     return sorted(preds, key=lambda p: (p.memory_bytes > limit, p.step_s))
 
@@ -437,12 +444,14 @@ def default_pad_rows(batch: int, num_devices: int) -> int:
 def auto_layout(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int, hw: Hardware,
                 devices_per_host: int | None = None, grad_accum: int = 1,
                 memory_limit: float | None = None, max_pad_rows: int | None = None,
-                overlap: float = 0.0, remat: str = "full", master_bytes: int = 4,
-                moment_bytes: int | None = None) -> tuple[Layout, Prediction]:
+                overlap: float = 0.0, remat: str = "full", zigzag: bool = False,
+                master_bytes: int = 4, moment_bytes: int | None = None,
+                ) -> tuple[Layout, Prediction]:
     """mode="auto": the fastest predicted layout that fits in memory, as a validated Layout.
 
-    The Layout's batch includes any pad rows (the trainer masks them out of the loss); the
-    prediction says which parameter sharding it assumed.
+    The Layout's batch includes any pad rows (Layout.pad_rows, which the trainer masks out of
+    the loss); the prediction says which parameter sharding it assumed. zigzag: the layout's
+    token order when it has a ring (Layout.plan).
     """
     if devices_per_host is not None:
         hw = dataclasses.replace(hw, devices_per_host=devices_per_host)
@@ -458,8 +467,4 @@ def auto_layout(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int
             f"{num_devices}"
         )
     best = preds[0]
-    c = best.candidate
-    layout = Layout.plan(num_devices, batch + c.pad_rows, seq_len, shape.num_heads,
-                         shape.num_kv_heads, devices_per_host=hw.devices_per_host, mode="basp",
-                         groups=c.groups, ring=c.ring, pad_heads=c.pad_heads)
-    return layout, best
+    return best.layout.replan(zigzag=zigzag), best

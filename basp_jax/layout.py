@@ -7,14 +7,19 @@ every device holds B*S/N tokens. Attention exchanges heads for sequence inside a
     ulysses: groups = 1, sp = N          (one N-way all-to-all per projection)
     basp:    groups = gcd(B, N), sp = N / groups   (B | N gives the paper's groups = B)
 
-Every constraint is checked here, before anything compiles, and a violation raises a LayoutError
-whose single line names the numbers and what would work.
+The layout also knows what follows from the split: the query-head padding and kv-head
+replication of the all-to-all, the ring's runs and hops, the masked pad rows, and the token
+order along the sequence (zig-zag under a causal ring). Every constraint is checked here, before
+anything compiles, and a violation raises a LayoutError whose single line names the numbers and
+what would work.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+
+import numpy as np
 
 MODES = ("basp", "ulysses")
 
@@ -66,9 +71,27 @@ def head_padding(num_heads: int, num_kv_heads: int, sp: int) -> tuple[int, int]:
     return best[1]
 
 
+def zigzag_order(seq_len: int, ring: int) -> np.ndarray:
+    """The zig-zag sequence permutation of a causal ring: positions in the order devices hold them.
+
+    The sequence is cut into 2 x ring halves and run r of the ring holds halves r and
+    2*ring-1-r, so every run does the same causal work at every ring step. Feed
+    `x[:, zigzag_order(S, ring)]` (tokens, targets, positions, segment ids alike); undo it with
+    `np.argsort` of the same order. Layout.token_order is this for a layout with zigzag.
+    """
+    if seq_len % (2 * ring):
+        raise LayoutError(f"seq_len={seq_len} must be divisible by 2 * ring = {2 * ring} for zigzag")
+    half = seq_len // (2 * ring)
+    halves = [j for r in range(ring) for j in (r, 2 * ring - 1 - r)]
+    return np.concatenate([np.arange(j * half, (j + 1) * half) for j in halves])
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """An immutable, validated split of a microbatch over devices. Build it with Layout.plan."""
+    """An immutable, validated split of a microbatch over devices. Build it with Layout.plan.
+
+    `batch` counts the rows of a microbatch with the `pad_rows` masked rows included.
+    """
 
     num_devices: int
     batch: int
@@ -81,6 +104,8 @@ class Layout:
     mode: str
     pad_heads: bool = False
     ring: int = 1
+    zigzag: bool = False  # the sequence axis is in token_order (zigzag_order), not natural order
+    pad_rows: int = 0  # masked rows added to the microbatch to make the split possible
 
     @classmethod
     def plan(
@@ -95,13 +120,20 @@ class Layout:
         groups: int | None = None,
         pad_heads: bool = False,
         ring: int = 1,
+        zigzag: bool = False,
+        pad_rows: int = 0,
     ) -> "Layout":
         """Choose and validate a layout.
 
         mode="basp" takes groups = gcd(batch, num_devices) (= batch when batch divides the device
         count, the paper's case); mode="ulysses" takes groups = 1. `groups` forces a group count
-        (it must divide both batch and num_devices).
+        (it must divide both batch and num_devices). `pad_rows` masked rows are added to the
+        `batch` rows first (the layout's batch counts them). zigzag=True puts the sequence in
+        zig-zag order when a ring splits it (ring > 1), balancing the causal work; it has no
+        effect without a ring.
         """
+        if not isinstance(pad_rows, int) or isinstance(pad_rows, bool) or pad_rows < 0:
+            raise LayoutError(f"pad_rows must be a non-negative integer, got {pad_rows!r}")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         devices_per_host = num_devices if devices_per_host is None else devices_per_host
         _require_positive(
@@ -114,6 +146,7 @@ class Layout:
             groups=groups,
             ring=ring,
         )
+        batch += pad_rows  # the rows the devices hold
         if mode not in MODES:
             raise LayoutError(f"unknown parallel mode {mode!r}; use one of {', '.join(MODES)}")
         if num_devices % devices_per_host:
@@ -167,6 +200,12 @@ class Layout:
                 f"across runs of {sp // ring_fit}), or pad_heads=True to compute {kv * g} heads "
                 f"({kv * g - num_heads} of them zero padding)"
             )
+        zigzag = bool(zigzag) and ring > 1
+        if zigzag and seq_len % (2 * sp):
+            raise LayoutError(
+                f"zig-zag ring attention needs seq_len divisible by 2 * sp = {2 * sp}, got "
+                f"seq_len={seq_len}; use a multiple of {2 * sp} or zigzag=False"
+            )
         return cls(
             num_devices=num_devices,
             batch=batch,
@@ -179,14 +218,19 @@ class Layout:
             mode=mode,
             pad_heads=bool(num_heads % a2a),
             ring=ring,
+            zigzag=zigzag,
+            pad_rows=pad_rows,
         )
 
-    @property
-    def kv_replication(self) -> int:
-        """Copies of each kv head sent through the all-to-all (1 unless the kv heads, padded
-        ones included, are not divisible by sp)."""
-        kv, g = head_padding(self.num_heads, self.num_kv_heads, self.a2a)
-        return kv_replication(kv * g, kv, self.a2a)
+    def replan(self, **changes) -> "Layout":
+        """This layout planned again with some of Layout.plan's arguments changed (validated):
+        `layout.replan(zigzag=False)`, or the same split for arrays of other sizes."""
+        args = dict(num_devices=self.num_devices, batch=self.batch - self.pad_rows,
+                    seq_len=self.seq_len, num_heads=self.num_heads,
+                    num_kv_heads=self.num_kv_heads, devices_per_host=self.devices_per_host,
+                    mode=self.mode, groups=self.groups, pad_heads=self.pad_heads, ring=self.ring,
+                    zigzag=self.zigzag, pad_rows=self.pad_rows)
+        return Layout.plan(**{**args, **changes})
 
     @property
     def a2a(self) -> int:
@@ -194,10 +238,47 @@ class Layout:
         return self.sp // self.ring
 
     @property
+    def head_groups(self) -> tuple[int, int]:
+        """(kv heads, query heads per kv head) after zero-padding (head_padding): the unpadded
+        (num_kv_heads, num_heads // num_kv_heads) unless the all-to-all degree needs padding."""
+        return head_padding(self.num_heads, self.num_kv_heads, self.a2a)
+
+    @property
     def padded_heads(self) -> int:
         """Query heads computed per layer, zero padding included (num_heads unless padded)."""
-        kv, g = head_padding(self.num_heads, self.num_kv_heads, self.a2a)
+        kv, g = self.head_groups
         return kv * g
+
+    @property
+    def kv_replication(self) -> int:
+        """Copies of each kv head sent through the all-to-all (1 unless the kv heads, padded
+        ones included, are not divisible by sp)."""
+        kv, g = self.head_groups
+        return kv_replication(kv * g, kv, self.a2a)
+
+    @property
+    def exchanged_heads(self) -> tuple[int, int]:
+        """(query heads, kv heads) each all-to-all exchanges: padded and replicated."""
+        return self.padded_heads, self.head_groups[0] * self.kv_replication
+
+    @property
+    def a2a_runs(self) -> list[list[int]]:
+        """`seq` axis indices of each all-to-all run: `ring` runs of a2a consecutive devices."""
+        return [[r * self.a2a + i for i in range(self.a2a)] for r in range(self.ring)]
+
+    @property
+    def ring_hops(self) -> list[tuple[int, int]]:
+        """(from, to) `seq` indices of one ring step: each device passes its k/v chunk to the
+        same position of the next run."""
+        inner, ring = self.a2a, self.ring
+        return [(r * inner + i, ((r + 1) % ring) * inner + i)
+                for r in range(ring) for i in range(inner)]
+
+    @property
+    def token_order(self) -> np.ndarray | None:
+        """The order of the sequence axis: None (natural), or the zig-zag permutation
+        (zigzag_order) that the data, positions and segment ids must follow."""
+        return zigzag_order(self.seq_len, self.ring) if self.zigzag else None
 
     @property
     def rows_per_group(self) -> int:

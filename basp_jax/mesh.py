@@ -47,6 +47,28 @@ def make_mesh(layout: Layout, devices: Sequence[jax.Device] | None = None) -> Me
     return Mesh(grid, AXES, axis_types=auto)
 
 
+def layout_on(mesh: Mesh, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
+              like: Layout | None = None) -> Layout:
+    """The Layout that runs arrays of these sizes on `mesh`: `like`'s split (ring, token order)
+    or, without one, the mesh's plain split (no ring, natural order), query heads zero-padded
+    where the all-to-all degree needs it. Raises LayoutError for sizes the mesh cannot split or
+    a `like` planned for another mesh shape."""
+    groups, sp = mesh.shape[GROUP], mesh.shape[SEQ]
+    sizes = dict(batch=batch, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    if like is None:
+        per_host = _devices_per_process(list(mesh.devices.flat)) or mesh.size
+        return Layout.plan(mesh.size, **sizes, devices_per_host=per_host, groups=groups,
+                           pad_heads=True)
+    if (like.groups, like.sp) != (groups, sp):
+        raise LayoutError(
+            f"the layout splits groups={like.groups} x sp={like.sp} but the mesh is "
+            f"{groups} x {sp}; build the mesh with basp_jax.make_mesh(layout)"
+        )
+    if all(getattr(like, name) == value for name, value in sizes.items()):
+        return like
+    return like.replan(**sizes, pad_heads=True, pad_rows=0)
+
+
 def _devices_per_process(devices: Sequence[jax.Device]) -> int | None:
     counts: dict[int, int] = {}
     for d in devices:

@@ -21,7 +21,7 @@ def format_plan(preds: list[Prediction], memory_limit: float) -> str:
     for p in preds:
         over = "  (over memory)" if p.memory_bytes > memory_limit else ""
         lines.append(
-            f"{p.candidate.name:<30}{(p.all_to_all.intra + p.all_to_all.inter) / GB:>8.2f}"
+            f"{p.name:<30}{(p.all_to_all.intra + p.all_to_all.inter) / GB:>8.2f}"
             f"{p.all_to_all.inter / GB:>10.2f}{(p.params.intra + p.params.inter) / GB:>9.2f}"
             f"{p.params.inter / GB:>12.2f}{p.all_to_all_s:>8.3f}{p.params_s:>8.3f}"
             f"{p.compute_s:>10.3f}{p.step_s:>8.3f}{p.memory_bytes / GB:>8.1f}{over}"
@@ -87,11 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     print(format_plan(preds, limit))
     best = preds[0]
     # The paper's baseline: Ulysses with ZeRO-3 (fsdp) parameters.
-    ulysses = next((p for p in preds if p.candidate.groups == 1
-                    and p.candidate.param_sharding == "fsdp"), None)
-    line = f"\npick: {best.candidate.name}, predicted {best.step_s:.3f} s/step"
+    ulysses = next((p for p in preds if p.layout.groups == 1 and p.param_sharding == "fsdp"),
+                   None)
+    line = f"\npick: {best.name}, predicted {best.step_s:.3f} s/step"
     if ulysses is not None and best is not ulysses:
-        line += f" ({ulysses.step_s / best.step_s:.2f}x vs {ulysses.candidate.name})"
+        line += f" ({ulysses.step_s / best.step_s:.2f}x vs {ulysses.name})"
     print(line)
     return 0
 

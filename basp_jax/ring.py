@@ -9,45 +9,23 @@ skipped by the kernel's loop bounds (no compute).
 
 Load balance under causal masking: with contiguous chunks, the last rank of the ring attends to
 every earlier chunk while the first attends only to its own, and each ring step waits for the
-busiest. With `zigzag=True` the sequence is cut into 2 x ring halves and rank r holds halves r and
-2 ring - 1 - r, so every rank does the same work at every step. The caller then feeds the tokens
-in `zigzag_order` (a permutation of the sequence axis, done once at data loading, not per layer).
+busiest. With a zig-zag layout (Layout.zigzag) the sequence is cut into 2 x ring halves and rank
+r holds halves r and 2 ring - 1 - r, so every rank does the same work at every step. The caller
+then feeds the tokens in `Layout.token_order` (basp_jax.layout.zigzag_order: a permutation of the
+sequence axis, done once at data loading, not per layer).
+
+The runs, the ring's hops and the token order are the layout's (basp_jax.layout.Layout).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from .kernels import blockwise_attention_with_lse
+from .layout import Layout
 from .mesh import SEQ
 from .remat import name_exchange
-
-
-def inner_groups(sp: int, ring: int) -> list[list[int]]:
-    """`seq` axis indices of each all-to-all run: consecutive devices (inside a host first)."""
-    inner = sp // ring
-    return [[r * inner + i for i in range(inner)] for r in range(ring)]
-
-
-def ring_permutation(sp: int, ring: int) -> list[tuple[int, int]]:
-    """Each device passes its k/v chunk to the same inner position of the next run."""
-    inner = sp // ring
-    return [(r * inner + i, ((r + 1) % ring) * inner + i) for r in range(ring) for i in range(inner)]
-
-
-def zigzag_order(seq_len: int, ring: int) -> np.ndarray:
-    """The sequence permutation for zigzag=True: positions in the order the devices hold them.
-
-    Feed `x[:, zigzag_order(S, ring)]` (tokens, targets, positions, segment ids alike); undo it
-    with `np.argsort` of the same order. Run r of the ring then holds halves r and 2*ring-1-r.
-    """
-    if seq_len % (2 * ring):
-        raise ValueError(f"seq_len={seq_len} must be divisible by 2 * ring = {2 * ring} for zigzag")
-    half = seq_len // (2 * ring)
-    halves = [j for r in range(ring) for j in (r, 2 * ring - 1 - r)]
-    return np.concatenate([np.arange(j * half, (j + 1) * half) for j in halves])
 
 
 def _merge(out, lse, out_t, lse_t):
@@ -59,15 +37,15 @@ def _merge(out, lse, out_t, lse_t):
     return merged, m + jnp.log(total)
 
 
-def ring_local_attention(q, k, v, seg, *, sp: int, ring: int, causal: bool, block_size: int,
-                         zigzag: bool = False):
+def ring_local_attention(q, k, v, seg, *, layout: Layout, causal: bool, block_size: int):
     """The per-device body inside shard_map: q [b, s/sp, h, d] -> [b, s/sp, h, d].
 
-    `seg` is this device's [b, s/sp] segment ids or None. With zigzag, the sequence axis is in
-    zigzag_order (see there).
+    `seg` is this device's [b, s/sp] segment ids or None. With layout.zigzag, the sequence axis
+    is in layout.token_order.
     """
-    groups = inner_groups(sp, ring)
-    inner = sp // ring
+    ring, zigzag = layout.ring, layout.zigzag
+    groups = layout.a2a_runs
+    inner = layout.a2a
     chunk = q.shape[1] * inner  # tokens per ring chunk: S / ring
     rank = lax.axis_index(SEQ) // inner
 
@@ -104,7 +82,7 @@ def ring_local_attention(q, k, v, seg, *, sp: int, ring: int, causal: bool, bloc
 
     q_pieces = pieces(q, rank)
     q_seg_pieces = pieces(chunk_seg(rank), rank)
-    perm = ring_permutation(sp, ring)
+    perm = layout.ring_hops
     acc = [None] * len(q_pieces)  # (out, lse) per query piece
     for step in range(ring):
         source = (rank - step) % ring  # whose k/v chunk this device holds now

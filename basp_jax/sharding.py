@@ -103,3 +103,14 @@ def tree_shardings(tree, mesh: Mesh, strategy: str, devices_per_host: int | None
     return jax.tree.map(
         lambda x: NamedSharding(placement, param_spec(tuple(x.shape), mesh, strategy,
                                                       devices_per_host)), tree)
+
+
+def abstract_arrays(tree, shardings=None):
+    """ShapeDtypeStructs of the array leaves of `tree` carrying `shardings`: a pytree of
+    shardings like `tree`, one Sharding for every leaf, or None (no sharding). A restore or
+    compile target that lands directly on the mesh."""
+    if shardings is None or isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings),
+                            tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        tree, shardings)

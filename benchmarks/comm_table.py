@@ -38,8 +38,7 @@ def row(name, batch, mode, strategy, layout, collectives, shape, seq_len) -> str
         return f"{r['wire_bytes'] / MiB:.1f} / {r['inter_host_wire_bytes'] / MiB:.1f}"
 
     hw = cost.HARDWARE["a100-40gb"]
-    closed = cost.predict(shape, cost.Candidate(layout.groups, layout.sp, strategy), batch=batch,
-                          seq_len=seq_len, num_devices=DEVICES, hw=hw, act_bytes=4, param_bytes=4)
+    closed = cost.predict(shape, layout, strategy, hw=hw, act_bytes=4, param_bytes=4)
     a2a_closed = (closed.all_to_all.intra + closed.all_to_all.inter) / MiB
     return (f"| {name} | {batch} | {mode} ({layout.groups},{layout.sp}) {strategy} | {cell('all-to-all')} "
             f"| {a2a_closed:.1f} | {cell('all-gather')} | {cell('reduce-scatter')} | {cell('all-reduce')} |")

@@ -36,9 +36,9 @@ CASES = [  # (shape, batch, devices)
 
 def ulysses(shape, batch, devices, hw, seq):
     """Plain Ulysses on all devices: pad heads if it must (the only way it can run)."""
-    pad = shape.num_heads % devices != 0
-    c = cost.Candidate(1, devices, "fsdp", pad_heads=pad)
-    return cost.predict(shape, c, batch=batch, seq_len=seq, num_devices=devices, hw=hw, overlap=OVERLAP)
+    layout = cost.plan_layout(shape, num_devices=devices, batch=batch, seq_len=seq, groups=1,
+                              devices_per_host=hw.devices_per_host, pad_heads=True)
+    return cost.predict(shape, layout, "fsdp", hw=hw, overlap=OVERLAP)
 
 
 def main(seq: int = 16384) -> None:
@@ -51,7 +51,7 @@ def main(seq: int = 16384) -> None:
                                         devices_per_host=devices // 2, overlap=OVERLAP)
         base = ulysses(shape, batch, devices, dataclasses.replace(hw, devices_per_host=devices // 2), seq)
         a, u = best.all_to_all, base.all_to_all
-        print(f"| {name} | {batch} | {devices} | {best.candidate.name} "
+        print(f"| {name} | {batch} | {devices} | {best.name} "
               f"| {(a.intra + a.inter) / GB:.2f} ({a.inter / GB:.2f}) | {(u.intra + u.inter) / GB:.2f} "
               f"({u.inter / GB:.2f}) | {base.step_s / best.step_s:.2f}x |")
 

@@ -1,6 +1,7 @@
 """Flax NNX Llama 3 and Qwen 2/2.5/3 on BASP attention, with Hugging Face checkpoint interop.
 
     model = models.from_pretrained("path/to/hf_dir", mesh=mesh)       # or Transformer(config, ...)
+    # how it runs (mesh, layout, dtypes, kernel, remat): one models.RunOptions, or its fields
     logits = model(tokens, segment_ids=None, positions=None)          # [B, S, vocab] float32
     loss_sum, count = models.causal_lm_loss(logits, targets)
     models.save_pretrained(model, "out_dir")                          # transformers can load it
@@ -17,8 +18,9 @@ from .hf import (
     save_pretrained,
 )
 from .loss import causal_lm_loss
+from .options import REMAT_POLICIES, RunOptions
 from . import sampler
-from .transformer import REMAT_POLICIES, Transformer, abstract_model, init_model
+from .transformer import Transformer, abstract_model, build_sharded, init_model
 
 __all__ = [
     "MODEL_TYPES",
@@ -26,8 +28,10 @@ __all__ = [
     "REMAT_POLICIES",
     "ModelConfig",
     "ModelError",
+    "RunOptions",
     "Transformer",
     "abstract_model",
+    "build_sharded",
     "check_pretrained",
     "causal_lm_loss",
     "from_pretrained",

@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 from basp_jax.sharding import param_sharding
 
 from .config import ModelConfig, ModelError
+from .options import RunOptions
 from .safetensors_io import INDEX_FILE, SINGLE_FILE, Checkpoint, write_safetensors
 from .transformer import Transformer, abstract_model
 
@@ -153,23 +154,27 @@ def _place(tensor, transpose: bool, shape, dtype, mesh, strategy, stacked: bool 
     return jax.make_array_from_callback(shape, sharding, lambda index: read(index))
 
 
-def from_pretrained(path: str, *, mesh: Mesh | None = None, dtype=jnp.float32, param_dtype=None,
-                    attn_impl: str = "auto", param_sharding: str = "fsdp",
-                    remat: str = "none", ring: int = 1,
-                    zigzag: bool = False, scan_layers: bool = True) -> Transformer:
+def from_pretrained(path: str, *, options: RunOptions | None = None,
+                    **option_fields) -> Transformer:
     """A Transformer with the weights of a local Hugging Face directory (config.json + safetensors).
 
-    dtype is the compute dtype; param_dtype the storage dtype (None: the same as dtype). With a
-    mesh, parameters are sharded by `param_sharding` ('fsdp' | 'hsdp' | 'replicated') and the model
-    computes on the mesh; its logits come back sharded P('group', 'seq', None).
+    How it runs is a models.RunOptions (`options=`, or its fields as keywords: mesh, dtype,
+    param_dtype, attn_impl, remat, layout, scan_layers, param_sharding). Here param_dtype, the
+    storage dtype, defaults to dtype, the compute dtype. With a mesh, parameters are sharded by
+    `param_sharding` ('fsdp' | 'hsdp' | 'replicated') and the model computes on the mesh; its
+    logits come back sharded P('group', 'seq', None).
     """
+    if option_fields.get("param_dtype") is None:
+        option_fields.pop("param_dtype", None)
+        if "dtype" in option_fields:
+            option_fields["param_dtype"] = option_fields["dtype"]
+    options = RunOptions.of(options, **option_fields)
     config = ModelConfig.from_hf(path)
-    param_dtype = dtype if param_dtype is None else param_dtype
-    model = abstract_model(config, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
-                           attn_impl=attn_impl, remat=remat, ring=ring,
-                           zigzag=zigzag, scan_layers=scan_layers, param_sharding=param_sharding)
-    nnx.update(model, load_hf_params(path, config, mesh=mesh, param_dtype=param_dtype,
-                                     param_sharding=param_sharding, scan_layers=scan_layers))
+    model = abstract_model(config, options=options)
+    nnx.update(model, load_hf_params(path, config, mesh=options.mesh,
+                                     param_dtype=options.param_dtype,
+                                     param_sharding=options.param_sharding,
+                                     scan_layers=options.scan_layers))
     return model
 
 

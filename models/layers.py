@@ -24,6 +24,7 @@ from basp_jax import kernels as basp_kernels
 
 from . import vocab_parallel
 from .config import ModelConfig
+from .options import RunOptions
 
 # [B, S, ...] activations: rows over groups, sequence over the devices of a seq group.
 ACTIVATION_SPEC = P("group", "seq", None)
@@ -228,12 +229,11 @@ def local_attention(q, k, v, *, segment_ids, impl: str):
 class Attention(nnx.Module):
     """Grouped-query self-attention: projections, optional per-head q/k norm, RoPE, BASP attention."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh: Mesh | None, dtype,
-                 param_dtype, attn_impl: str, ring: int = 1,
-                 zigzag: bool = False):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, options: RunOptions):
         d, hd = config.hidden_size, config.head_dim
         hq, hkv = config.num_heads, config.num_kv_heads
         std = config.initializer_range
+        dtype, param_dtype = options.dtype, options.param_dtype
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, init_std=std)
         self.q_proj = Linear(d, hq * hd, ("embed", "heads"), use_bias=config.attention_bias, **kw)
         self.k_proj = Linear(d, hkv * hd, ("embed", "kv_heads"), use_bias=config.attention_bias, **kw)
@@ -247,10 +247,8 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, hd
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(config))  # static, hashable
-        self.mesh = mesh
-        self.attn_impl = attn_impl
-        self.ring = ring
-        self.zigzag = zigzag  # the sequence axis is in basp_jax.ring.zigzag_order
+        self.mesh = options.mesh
+        self.options = options  # kernel, and the layout's ring and token order
 
     def _qkv(self, x, positions):
         """q [B, S, Hq, Dh], k and v [B, S, Hkv, Dh], q and k normed (Qwen3) and rotated."""
@@ -269,11 +267,11 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x, positions)
         q, k, v = (constrain(t, self.mesh) for t in (q, k, v))
         if self.mesh is None:
-            out = local_attention(q, k, v, segment_ids=segment_ids, impl=self.attn_impl)
+            out = local_attention(q, k, v, segment_ids=segment_ids, impl=self.options.attn_impl)
         else:
-            out = basp_jax.attention(q, k, v, mesh=self.mesh, causal=True,
-                                     segment_ids=segment_ids, impl=self.attn_impl, ring=self.ring,
-                                     zigzag=self.zigzag)
+            out = basp_jax.attention(q, k, v, mesh=self.mesh, layout=self.options.layout,
+                                     causal=True, segment_ids=segment_ids,
+                                     impl=self.options.attn_impl)
         out = constrain(out.reshape(b, s, self.num_heads * self.head_dim), self.mesh)
         return self.o_proj(out)
 

@@ -10,47 +10,33 @@ basp_jax.attention (all-to-all over 'seq'); without one, everything runs on one 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from basp_jax.sharding import tree_shardings
-
 import basp_jax
-from basp_jax import kernels as basp_kernels
-from basp_jax.remat import save_exchanges
+from basp_jax.sharding import abstract_arrays, tree_shardings
 
 from . import vocab_parallel
 from .config import ModelConfig, ModelError
 from .layers import MLP, Attention, Embed, Linear, RMSNorm, constrain, host_copies
 from .loss import LOSS_CHUNK_TOKENS, causal_lm_loss, chunked_lm_loss
-
-# Every policy also saves the outputs of attention's exchanges (basp_jax.remat.save_exchanges): the
-# backward pass never repeats the all-to-alls BASP exists to cut (8 per layer, as basp_jax.cost
-# counts, instead of 12). The price: per layer q, k, v in the head layout and the attention output.
-REMAT_POLICIES = {
-    "none": None,
-    "full": save_exchanges(),
-    # Save the projections (dots without batch dims); recompute attention scores and elementwise ops.
-    "dots": save_exchanges(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
-}
+from .options import RunOptions
 
 
 class Block(nnx.Module):
     """One pre-norm decoder layer."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh: Mesh | None, dtype,
-                 param_dtype, attn_impl: str, ring: int = 1, zigzag: bool = False):
-        nkw = dict(eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, options: RunOptions):
+        nkw = dict(eps=config.rms_norm_eps, dtype=options.dtype, param_dtype=options.param_dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, ("embed",), **nkw)
-        self.self_attn = Attention(config, rngs=rngs, mesh=mesh, dtype=dtype,
-                                   param_dtype=param_dtype, attn_impl=attn_impl, ring=ring,
-                                   zigzag=zigzag)
+        self.self_attn = Attention(config, rngs=rngs, options=options)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, ("embed",), **nkw)
-        self.mlp = MLP(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.mesh = mesh
+        self.mlp = MLP(config, rngs=rngs, dtype=options.dtype, param_dtype=options.param_dtype)
+        self.mesh = options.mesh
 
     def __call__(self, x, positions, segment_ids):
         # named scopes: a profiler trace (train.profiling) shows each op under its part
@@ -73,13 +59,13 @@ def _run_block(block: Block, x, positions, segment_ids):
     return block(x, positions, segment_ids)
 
 
-def _stacked_blocks(num_layers: int, rngs: nnx.Rngs, **block_kwargs) -> Block:
+def _stacked_blocks(config: ModelConfig, rngs: nnx.Rngs, options: RunOptions) -> Block:
     """One Block whose parameters carry a leading [num_layers] axis (each layer its own init)."""
 
-    @nnx.split_rngs(splits=num_layers)
+    @nnx.split_rngs(splits=config.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs):
-        return Block(rngs=rngs, **block_kwargs)
+        return Block(config, rngs=rngs, options=options)
 
     return make(rngs)
 
@@ -89,39 +75,29 @@ class Transformer(nnx.Module):
     [B, S, vocab] float32.
 
     segment_ids [B, S] (packed documents; tokens attend within their segment) and positions [B, S]
-    (default: 0..S-1, or restarting at each new segment) are optional. With `mesh`, B must be
-    divisible by the mesh's 'group' size and S by its 'seq' size; logits come back sharded
-    P('group', 'seq', None).
+    (default: 0..S-1, or restarting at each new segment) are optional. How it runs is one
+    models.RunOptions (`options=`, or its fields as keywords: `mesh=mesh, remat="full"`). With a
+    mesh, B must be divisible by the mesh's 'group' size and S by its 'seq' size; logits come
+    back sharded P('group', 'seq', None). The options' layout (the one the mesh was made from)
+    adds a ring and its token order: with layout.zigzag, tokens come in layout.token_order and so
+    do default positions.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
-                 dtype=jnp.float32, param_dtype=jnp.float32, attn_impl: str = "auto",
-                 remat: str = "none", ring: int = 1, zigzag: bool = False,
-                 scan_layers: bool = True, host_mesh: Mesh | None = None,
-                 param_sharding: str = "fsdp"):
-        if remat not in REMAT_POLICIES:
-            raise ModelError(f"unknown remat {remat!r}; use one of {', '.join(REMAT_POLICIES)}")
-        if attn_impl not in basp_kernels.IMPLS:
-            raise ModelError(
-                f"unknown attn_impl {attn_impl!r}; use one of {', '.join(basp_kernels.IMPLS)}"
-            )
-        if mesh is not None and tuple(mesh.axis_names) != basp_jax.AXES:
-            raise ModelError(
-                f"the mesh must have axes {basp_jax.AXES}, got {tuple(mesh.axis_names)}; "
-                f"build it with basp_jax.make_mesh(layout)"
-            )
-        if mesh is not None and (not isinstance(ring, int) or ring < 1 or mesh.shape["seq"] % ring):
-            raise ModelError(f"ring={ring} must be a positive divisor of sp={mesh.shape['seq']}")
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, options: RunOptions | None = None,
+                 **option_fields):
+        options = RunOptions.of(options, **option_fields)
+        if options.layout is not None:  # the layout's own checks, before anything compiles
+            options.layout_for(config, options.layout.batch, options.layout.seq_len)
         self.config = config
-        self.mesh = mesh
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.attn_impl = attn_impl
-        self.remat = remat
+        self.options = options
+        self.mesh = options.mesh
+        self.dtype = dtype = options.dtype
+        param_dtype = options.param_dtype
+        mesh, param_sharding = options.mesh, options.param_sharding
         std = config.initializer_range
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs, dtype=dtype,
                                   param_dtype=param_dtype, init_std=std, mesh=mesh,
-                                  host_mesh=host_mesh)
+                                  host_mesh=options.host_mesh)
         # The vocabulary's mesh axes when the parameters are stored sharded on it (fsdp/hsdp):
         # lookup and loss then move tokens, not tables (models.vocab_parallel).
         vocab, width = config.vocab_size, config.hidden_size
@@ -130,15 +106,12 @@ class Transformer(nnx.Module):
         self.head_vocab_axes = vocab_parallel.vocab_axes(
             (vocab, width) if config.tie_word_embeddings else (width, vocab),
             0 if config.tie_word_embeddings else 1, mesh, param_sharding)
-        block_kwargs = dict(config=config, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
-                            attn_impl=attn_impl, ring=ring, zigzag=zigzag)
         # scan_layers: one Block of stacked [num_layers, ...] parameters run under lax.scan, so
         # the step compiles one layer whatever the depth; else a list of Blocks in a Python loop.
-        self.scan_layers = scan_layers
-        if scan_layers:
-            self.layers = _stacked_blocks(config.num_layers, rngs, **block_kwargs)
+        if options.scan_layers:
+            self.layers = _stacked_blocks(config, rngs, options)
         else:
-            self.layers = nnx.List([Block(rngs=rngs, **block_kwargs)
+            self.layers = nnx.List([Block(config, rngs=rngs, options=options)
                                     for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, ("embed",), eps=config.rms_norm_eps, dtype=dtype,
                             param_dtype=param_dtype)
@@ -156,29 +129,36 @@ class Transformer(nnx.Module):
             raise ModelError(f"tokens must be [batch, seq], got shape {tokens.shape}")
         b, s = tokens.shape
         if positions is None:
-            positions = basp_jax.position_ids(b, s, segment_ids)
+            positions = basp_jax.position_ids(b, s, segment_ids, order=self._token_order(b, s))
         if self.mesh is not None:
             tokens = constrain(tokens, self.mesh)
             positions = constrain(positions, self.mesh)
             if segment_ids is not None:
                 segment_ids = constrain(segment_ids, self.mesh)
         x = constrain(self.embed_tokens(tokens, copies=_table), self.mesh)
-        if self.scan_layers:
+        remat = self.options.remat != "none"
+        if self.options.scan_layers:
             graphdef, stacked = nnx.split(self.layers)
 
             def body(x, layer):
                 return nnx.merge(graphdef, layer)(x, positions, segment_ids), None
 
-            if self.remat != "none":
-                body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+            if remat:
+                body = jax.checkpoint(body, policy=self.options.remat_policy, prevent_cse=False)
             x, _ = jax.lax.scan(body, x, stacked)
             return self.norm(x)
         block_fn = _run_block
-        if self.remat != "none":
-            block_fn = nnx.remat(_run_block, policy=REMAT_POLICIES[self.remat])
+        if remat:
+            block_fn = nnx.remat(_run_block, policy=self.options.remat_policy)
         for layer in self.layers:
             x = block_fn(layer, x, positions, segment_ids)
         return self.norm(x)
+
+    def _token_order(self, batch: int, seq_len: int):
+        """The order of the sequence axis the layout wants for [batch, seq_len] (None: natural)."""
+        if self.options.layout is None or not self.options.layout.zigzag:
+            return None
+        return self.options.layout_for(self.config, batch, seq_len).token_order
 
     def init_cache(self, batch: int, length: int, dtype=None) -> tuple[jax.Array, jax.Array]:
         """An empty key/value cache for `decode`: (k, v), each [num_layers, batch, length,
@@ -200,7 +180,7 @@ class Transformer(nnx.Module):
                              "(e.g. models.from_pretrained(path))")
         cache_k, cache_v = cache
         x = self.embed_tokens(tokens)
-        if self.scan_layers:
+        if self.options.scan_layers:
             graphdef, stacked = nnx.split(self.layers)
 
             def body(x, layer_and_cache):
@@ -277,37 +257,66 @@ def _compiled_call(model: Transformer, tokens, segment_ids, positions):
     return model(tokens, segment_ids, positions)
 
 
-def abstract_model(config: ModelConfig, *, mesh: Mesh | None = None, dtype=jnp.float32,
-                   param_dtype=jnp.float32, attn_impl: str = "auto", remat: str = "none",
-                   ring: int = 1, zigzag: bool = False, scan_layers: bool = True,
-                   param_sharding: str = "fsdp"):
+def abstract_model(config: ModelConfig, *, options: RunOptions | None = None,
+                   **option_fields) -> Transformer:
     """The model with ShapeDtypeStructs in place of parameters (no memory, no compute)."""
-    return nnx.eval_shape(lambda: Transformer(
-        config, rngs=nnx.Rngs(0), mesh=mesh, dtype=dtype, param_dtype=param_dtype,
-        attn_impl=attn_impl, remat=remat, ring=ring, zigzag=zigzag, scan_layers=scan_layers,
-        param_sharding=param_sharding,
-    ))
+    options = RunOptions.of(options, **option_fields)
+    return nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), options=options))
 
 
-def init_model(config: ModelConfig, *, mesh: Mesh | None = None, seed: int = 0,
-               param_sharding: str = "fsdp", dtype=jnp.float32, param_dtype=jnp.float32,
-               attn_impl: str = "auto", remat: str = "none", ring: int = 1,
-               zigzag: bool = False, scan_layers: bool = True) -> Transformer:
+def with_values(abstract_state, pure):
+    """A copy of an abstract nnx.State holding the arrays of the pure dict `pure`."""
+    state = jax.tree.map(lambda x: x, abstract_state)  # a copy to fill
+    nnx.replace_by_pure_dict(state, pure)
+    return state
+
+
+def build_sharded(make: Callable[[], nnx.Module], mesh: Mesh, param_sharding: str, *,
+                  init_params: bool = True, devices_per_host: int | None = None):
+    """`make()` initialised directly onto the mesh, every parameter created already sharded
+    (basp_jax.sharding.tree_shardings), so no device ever holds the whole model:
+    (graphdef, (abstract params, abstract rest) nnx.States, params, rest), the last two pure
+    dicts of arrays (rest: the usually empty non-parameter state).
+
+    With init_params=False the params are ShapeDtypeStructs carrying their shardings (a restore
+    target); only the non-parameter state is computed. The one builder of sharded models:
+    init_model and the trainer (train.step.build_model) both use it.
+    """
+    graphdef, abs_params, abs_rest = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
+    pure_params, pure_rest = nnx.to_pure_dict(abs_params), nnx.to_pure_dict(abs_rest)
+    param_sh = tree_shardings(pure_params, mesh, param_sharding, devices_per_host)
+    rest_sh = tree_shardings(pure_rest, mesh, param_sharding, devices_per_host)
+
+    def init():
+        _, params, rest = nnx.split(make(), nnx.Param, ...)
+        return (nnx.to_pure_dict(params) if init_params else None), nnx.to_pure_dict(rest)
+
+    if not init_params and not jax.tree.leaves(abs_rest):
+        params, rest = None, pure_rest  # a restore target alone: nothing to compute or compile
+    else:
+        params, rest = jax.jit(init, out_shardings=(param_sh if init_params else None, rest_sh))()
+    if not init_params:
+        params = abstract_arrays(pure_params, param_sh)
+    return graphdef, (abs_params, abs_rest), params, rest
+
+
+def init_model(config: ModelConfig, *, seed: int = 0, options: RunOptions | None = None,
+               **option_fields) -> Transformer:
     """A randomly initialised Transformer whose parameters are created already sharded.
 
     With a mesh, initialisation runs under jit with out_shardings from
-    basp_jax.sharding.tree_shardings(..., param_sharding), so no device ever holds the whole model.
-    The values equal Transformer(config, rngs=nnx.Rngs(seed)) on one device (to the last ulp).
+    basp_jax.sharding.tree_shardings(..., options.param_sharding) (build_sharded), so no device
+    ever holds the whole model. The values equal Transformer(config, rngs=nnx.Rngs(seed)) on one
+    device (to the last ulp).
     """
-    kwargs = dict(mesh=mesh, dtype=dtype, param_dtype=param_dtype, attn_impl=attn_impl, remat=remat,
-                  ring=ring, zigzag=zigzag, scan_layers=scan_layers, param_sharding=param_sharding)
-    if mesh is None:
-        return Transformer(config, rngs=nnx.Rngs(seed), **kwargs)
-    graphdef, abstract_state = nnx.split(abstract_model(config, **kwargs))
-    shardings = tree_shardings(abstract_state, mesh, param_sharding)
+    options = RunOptions.of(options, **option_fields)
 
-    @functools.partial(jax.jit, out_shardings=shardings)
-    def init():
-        return nnx.state(Transformer(config, rngs=nnx.Rngs(seed), **kwargs))
+    def make():
+        return Transformer(config, rngs=nnx.Rngs(seed), options=options)
 
-    return nnx.merge(graphdef, init())
+    if options.mesh is None:
+        return make()
+    per_host = None if options.layout is None else options.layout.devices_per_host
+    graphdef, (abs_params, abs_rest), params, rest = build_sharded(
+        make, options.mesh, options.param_sharding, devices_per_host=per_host)
+    return nnx.merge(graphdef, with_values(abs_params, params), with_values(abs_rest, rest))

@@ -137,7 +137,7 @@ def test_ring_hybrid_matches_reference(groups, ring, hq, hkv):
     seg = packed_segment_ids(ks, 2, 64)
     for causal, packed in itertools.product([True, False], [False, True]):
         s = seg if packed else None
-        fn = lambda q, k, v: attention(q, k, v, mesh=mesh, causal=causal, segment_ids=s, ring=ring, block_size=8)
+        fn = lambda q, k, v: attention(q, k, v, mesh=mesh, layout=layout, causal=causal, segment_ids=s, block_size=8)
         got = jax.jit(lambda *a: _value_and_grads(fn, *a))(*(jax.device_put(x, sharding) for x in (q, k, v, d_out)))
         want = _value_and_grads(lambda q, k, v: reference_attention(q, k, v, causal=causal, segment_ids=s), q, k, v, d_out)
         for name, g, w in zip(["out", "dq", "dk", "dv"], got, want):
@@ -146,12 +146,16 @@ def test_ring_hybrid_matches_reference(groups, ring, hq, hkv):
 
 @pytest.mark.parametrize("groups,ring", [(1, 2), (2, 4)])
 def test_zigzag_ring_matches_reference(groups, ring):
-    """Inputs in zigzag_order, output mapped back: equal to the reference, forward and gradients."""
-    from basp_jax.ring import zigzag_order
+    """Inputs in the layout's token order, output mapped back: equal to the reference, forward and
+    gradients."""
+    from basp_jax.layout import zigzag_order
 
-    layout = Layout.plan(8, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, groups=groups, ring=ring)
+    layout = Layout.plan(8, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, groups=groups, ring=ring,
+                         zigzag=True)
     mesh = make_mesh(layout)
-    order, inverse = zigzag_order(64, ring), np.argsort(zigzag_order(64, ring))
+    order = layout.token_order
+    np.testing.assert_array_equal(order, zigzag_order(64, ring))
+    inverse = np.argsort(order)
     kq, kk, kv, kd, ks = jax.random.split(jax.random.PRNGKey(ring), 5)
     q = jax.random.normal(kq, (2, 64, 4, 8))
     k, v = (jax.random.normal(key, (2, 64, 2, 8)) for key in (kk, kv))
@@ -160,8 +164,8 @@ def test_zigzag_ring_matches_reference(groups, ring):
     for s in (None, seg):
         def fn(q, k, v):
             permuted_seg = None if s is None else s[:, order]
-            out = attention(q[:, order], k[:, order], v[:, order], mesh=mesh, segment_ids=permuted_seg,
-                            ring=ring, zigzag=True, block_size=8)
+            out = attention(q[:, order], k[:, order], v[:, order], mesh=mesh, layout=layout,
+                            segment_ids=permuted_seg, block_size=8)
             return out[:, inverse]
 
         got = jax.jit(lambda *a: _value_and_grads(fn, *a))(q, k, v, d_out)
@@ -173,7 +177,7 @@ def test_zigzag_ring_matches_reference(groups, ring):
 @pytest.mark.parametrize("ring", [2, 4, 8])
 def test_zigzag_gives_every_rank_the_same_causal_work_at_every_step(ring):
     """Count visible (query, key) pairs per rank and ring step under the zigzag assignment."""
-    from basp_jax.ring import zigzag_order
+    from basp_jax.layout import zigzag_order
 
     seq = 16 * ring
     chunks = zigzag_order(seq, ring).reshape(ring, -1)  # true positions held by each rank
@@ -194,14 +198,15 @@ def test_rematerialisation_repeats_no_exchange(ring, zigzag, packed):
     from basp_jax import comm
     from basp_jax.remat import save_exchanges
 
-    layout = Layout.plan(num_devices=8, batch=2, seq_len=S, num_heads=HQ, num_kv_heads=HQ, groups=2)
+    layout = Layout.plan(num_devices=8, batch=2, seq_len=S, num_heads=HQ, num_kv_heads=HQ, groups=2,
+                         ring=ring, zigzag=zigzag)
     mesh = make_mesh(layout)
     x, _, _, _, seg = _inputs(0, HQ)
     x, seg = x[:2], seg[:2] if packed else None
 
     def layer(x):
-        out = attention(jnp.sin(x), jnp.cos(x), x, mesh=mesh, segment_ids=seg, impl="blockwise",
-                        block_size=8, ring=ring, zigzag=zigzag)
+        out = attention(jnp.sin(x), jnp.cos(x), x, mesh=mesh, layout=layout, segment_ids=seg,
+                        impl="blockwise", block_size=8)
         return x + out
 
     def counts(policy):

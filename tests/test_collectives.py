@@ -102,7 +102,7 @@ def test_ring_hybrid_keeps_all_to_alls_in_runs_and_passes_kv_around_the_ring():
     mesh = make_mesh(layout)
     sharding = activation_sharding(mesh)
     q = jax.ShapeDtypeStruct((2, 64, 4, 16), jnp.float32, sharding=sharding)
-    step = jax.jit(lambda q, k, v: attention(q, k, v, mesh=mesh, ring=2))
+    step = jax.jit(lambda q, k, v: attention(q, k, v, mesh=mesh, layout=layout))
     found = comm.compiled_collectives(step, q, q, q)
     all_to_all = [c for c in found if c.kind == "all-to-all"]
     permutes = [c for c in found if c.kind == "collective-permute"]

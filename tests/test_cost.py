@@ -3,7 +3,13 @@
 import pytest
 
 from basp_jax import cost, plan
-from basp_jax.cost import HARDWARE, MODEL_SHAPES, Candidate, predict
+from basp_jax.cost import HARDWARE, MODEL_SHAPES, predict
+
+
+def _layout(shape, groups, *, batch=2, seq_len=16384, hw=HARDWARE["a100-40gb"], **kwargs):
+    """The (groups, 8 // groups) layout of `shape` on 8 devices of `hw`."""
+    return cost.plan_layout(shape, num_devices=8, batch=batch, seq_len=seq_len, groups=groups,
+                            devices_per_host=hw.devices_per_host, **kwargs)
 
 
 def test_all_to_all_traffic_closed_form():
@@ -11,8 +17,8 @@ def test_all_to_all_traffic_closed_form():
     shape = MODEL_SHAPES["llama-3.1-8b"]
     hw = HARDWARE["a100-40gb"]
     tokens = 2 * 16384 / 8
-    for candidate, sp, inter_share in [(Candidate(1, 8, "fsdp"), 8, 4 / 7), (Candidate(2, 4, "fsdp"), 4, 0.0)]:
-        p = predict(shape, candidate, batch=2, seq_len=16384, num_devices=8, hw=hw)
+    for groups, sp, inter_share in [(1, 8, 4 / 7), (2, 4, 0.0)]:
+        p = predict(shape, _layout(shape, groups), "fsdp", hw=hw)
         per_layer = 2 * tokens * (2 * 32 + 2 * 8) * 128 * 2 * (sp - 1) / sp
         total = per_layer * shape.num_layers
         assert p.all_to_all.intra + p.all_to_all.inter == pytest.approx(total)
@@ -22,8 +28,8 @@ def test_all_to_all_traffic_closed_form():
 def test_hsdp_moves_only_a_shard_across_hosts():
     shape = MODEL_SHAPES["llama-3.2-1b"]
     hw = HARDWARE["a100-40gb"]
-    fsdp = predict(shape, Candidate(2, 4, "fsdp"), batch=2, seq_len=16384, num_devices=8, hw=hw)
-    hsdp = predict(shape, Candidate(2, 4, "hsdp"), batch=2, seq_len=16384, num_devices=8, hw=hw)
+    fsdp = predict(shape, _layout(shape, 2), "fsdp", hw=hw)
+    hsdp = predict(shape, _layout(shape, 2), "hsdp", hw=hw)
     # HSDP: one all-reduce of the fp32 gradient shard (1/sp) between the 2 groups: 2 * 1/2 of it.
     assert hsdp.params.inter == pytest.approx(shape.num_params * 4 / 4 * 2 * (2 - 1) / 2)
     assert fsdp.params.inter > 3 * hsdp.params.inter
@@ -33,10 +39,10 @@ def test_hsdp_moves_only_a_shard_across_hosts():
 def test_planner_picks_the_papers_layout_in_the_papers_case():
     preds = cost.plan_table(MODEL_SHAPES["llama-3.1-8b"], batch=2, seq_len=16384, num_devices=8,
                             hw=HARDWARE["a100-40gb"])
-    best = preds[0].candidate
+    best = preds[0].layout
     assert (best.groups, best.sp) == (2, 4)
-    ulysses = next(p for p in preds if p.candidate.groups == 1)
-    basp_fsdp = next(p for p in preds if p.candidate == Candidate(2, 4, "fsdp"))
+    ulysses = next(p for p in preds if p.layout.groups == 1)
+    basp_fsdp = next(p for p in preds if p.name == "basp (2,4) fsdp")
     assert basp_fsdp.all_to_all_s < ulysses.all_to_all_s / 3  # no inter-host all-to-all at all
 
 
@@ -49,19 +55,21 @@ def test_host_sharding_sends_the_minimal_gradient_across_hosts_at_any_batch():
     assert minimum == pytest.approx(grads / 4)  # 2 hosts: all-reduce of a quarter shard
     assert cost.min_inter_host_gradient_bytes(grads, 8, 8) == 0
     for groups in (1, 2, 4, 8):
-        host = cost.predict(shape, Candidate(groups, 8 // groups, "host"), batch=8,
-                            seq_len=4096, num_devices=8, hw=hw)
+        host = cost.predict(shape, _layout(shape, groups, batch=8, seq_len=4096), "host", hw=hw)
         assert host.params.inter == pytest.approx(minimum), groups
-    hsdp = cost.predict(shape, Candidate(8, 1, "hsdp"), batch=8, seq_len=4096, num_devices=8, hw=hw)
+    hsdp = cost.predict(shape, _layout(shape, 8, batch=8, seq_len=4096), "hsdp", hw=hw)
     assert hsdp.params.inter == pytest.approx(4 * minimum)
 
 
 def test_candidates_respect_heads_and_padding():
     shape = MODEL_SHAPES["qwen2.5-3b"]  # 16 heads
-    names = {c.name for c in cost.candidates(shape, batch=3, seq_len=4096, num_devices=8)}
+    names = {cost.layout_name(*c) for c in cost.candidates(shape, batch=3, seq_len=4096,
+                                                            num_devices=8)}
     assert names == {"ulysses (1,8) fsdp"}  # gcd(3, 8) = 1
     padded = cost.candidates(shape, batch=3, seq_len=4096, num_devices=8, max_pad_rows=1)
-    assert Candidate(4, 2, "hsdp", pad_rows=1) in padded
+    assert (cost.plan_layout(shape, num_devices=8, batch=3, seq_len=4096, groups=4, pad_rows=1),
+            "hsdp") in padded
+    assert "basp (4,2) hsdp [+1 pad rows]" in {cost.layout_name(*c) for c in padded}
 
 
 def test_plan_cli_prints_a_table_and_a_pick(capsys):
@@ -114,7 +122,7 @@ def test_auto_picks_the_papers_layout_in_the_papers_case():
         layout, pred = cost.auto_layout(MODEL_SHAPES["llama-3.1-8b"], batch=2, seq_len=16384,
                                         num_devices=8, hw=HARDWARE[gpu])
         assert (layout.groups, layout.sp, layout.batch, layout.ring) == (2, 4, 2, 1)
-        assert layout.group_within_host and pred.candidate.param_sharding == sharding, gpu
+        assert layout.group_within_host and pred.param_sharding == sharding, gpu
 
 
 @pytest.mark.parametrize(
@@ -133,13 +141,13 @@ def test_auto_finds_a_valid_exact_layout_beyond_the_paper(batch, heads, kv_heads
     shape = cost.ModelShape(2, 256, 512, heads, kv_heads, 16, 1000)
     layout, pred = cost.auto_layout(shape, batch=batch, seq_len=64, num_devices=8,
                                     hw=HARDWARE["a100-40gb"], devices_per_host=per_host)
-    assert layout.batch >= batch and layout.batch - batch == pred.candidate.pad_rows
+    assert layout.batch >= batch and layout.batch - batch == layout.pad_rows == pred.layout.pad_rows
     assert layout.groups * layout.sp == 8
     mesh = make_mesh(layout)
     q = jax.random.normal(jax.random.PRNGKey(batch), (layout.batch, 64, heads, 16))
     k = jax.random.normal(jax.random.PRNGKey(1), (layout.batch, 64, kv_heads, 16))
     sharding = activation_sharding(mesh)
-    out = jax.jit(lambda q, k: attention(q, k, k, mesh=mesh, ring=layout.ring, block_size=16))(
+    out = jax.jit(lambda q, k: attention(q, k, k, mesh=mesh, layout=layout, block_size=16))(
         jax.device_put(q, sharding), jax.device_put(k, sharding))
     np.testing.assert_allclose(out, reference_attention(q, k, k, causal=True), atol=5e-5, rtol=5e-5)
 

@@ -155,8 +155,10 @@ def test_ulysses_inter_host_all_to_all_bytes_equal_the_closed_form(reports):
     r = reports["configs/gpu/llama-3.1-8b_ulysses.yaml"]
     assert (r["layout"]["groups"], r["layout"]["sp"]) == (1, 8)
     shape = cost.MODEL_SHAPES["llama-3.1-8b"]
-    predicted = cost.predict(shape, cost.Candidate(1, 8, "fsdp"), batch=2, seq_len=16384,
-                             num_devices=8, hw=cost.HARDWARE["a100-40gb"])
+    hw = cost.HARDWARE["a100-40gb"]
+    layout = cost.plan_layout(shape, num_devices=8, batch=2, seq_len=16384, groups=1,
+                              devices_per_host=hw.devices_per_host)
+    predicted = cost.predict(shape, layout, "fsdp", hw=hw)
     measured = sum(c["inter_host_wire_bytes"] for c in _rows(r, "all-to-all"))
     assert measured == pytest.approx(predicted.all_to_all.inter, rel=1e-9)
 

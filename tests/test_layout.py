@@ -58,6 +58,9 @@ def test_kv_replication_is_the_fewest_copies():
         (dict(mode="ring"), "unknown parallel mode 'ring'"),
         (dict(mode="ulysses", groups=2), "mode='ulysses' means groups=1"),
         (dict(ring=0), "ring must be a positive integer, got 0"),
+        (dict(seq_len=1000, ring=2, zigzag=True, num_heads=4, num_kv_heads=4, batch=1),
+         "zig-zag ring attention needs seq_len divisible by 2 * sp = 16"),
+        (dict(pad_rows=-1), "pad_rows must be a non-negative integer, got -1"),
     ],
 )
 def test_plan_rejects_impossible_layouts_with_one_line(overrides, fragment):
@@ -82,6 +85,29 @@ def test_ring_splits_sp_so_it_may_exceed_the_heads():
         plan(num_heads=4, num_kv_heads=4, batch=1)
     with pytest.raises(LayoutError, match=r"ring=3 does not divide sp=8; use ring in \[1, 2, 4, 8\]"):
         plan(batch=1, ring=3)
+
+
+def test_the_layout_knows_its_token_order_runs_hops_and_pad_rows():
+    """zigzag only with a ring; the runs and hops the ring attention and the cost model ask for."""
+    assert plan(zigzag=True).token_order is None and not plan(zigzag=True).zigzag  # no ring
+    layout = plan(num_heads=4, num_kv_heads=4, batch=1, ring=2, zigzag=True)
+    assert layout.zigzag and list(layout.token_order[:128]) == list(range(128))
+    assert list(layout.token_order[1024:1152]) == list(range(3072, 3200))  # halves 0, 3, 1, 2
+    assert layout.a2a_runs == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert layout.ring_hops == [(i, (i + 4) % 8) for i in range(8)]
+    assert layout.replan(zigzag=False).token_order is None
+    padded = plan(batch=3, pad_rows=1)
+    assert (padded.batch, padded.pad_rows, padded.groups) == (4, 1, 4)
+    assert padded.replan(ring=2) == plan(batch=3, pad_rows=1, ring=2)
+    gqa = plan(num_heads=28, num_kv_heads=4, batch=1, pad_heads=True)
+    assert gqa.head_groups == (4, 8) and gqa.exchanged_heads == (32, 8)
+
+
+def test_attention_refuses_a_layout_of_another_mesh():
+    x = jax.ShapeDtypeStruct((8, 64, 8, 16), jnp.float32)
+    layout = Layout.plan(8, batch=8, seq_len=64, num_heads=8, groups=2)
+    with pytest.raises(LayoutError, match="the layout splits groups=2 x sp=4 but the mesh is 1 x 8"):
+        jax.jit(lambda x: attention(x, x, x, mesh=_mesh(1), layout=layout)).trace(x)
 
 
 def test_errors_suggest_what_would_work():
@@ -116,9 +142,9 @@ def _mesh(groups):
 @pytest.mark.parametrize(
     "shape,kwargs,fragment",
     [
-        ((8, 64, 8, 16), dict(k_shape=(8, 64, 3, 16)), "query heads 8 are not a multiple of kv heads 3"),
-        ((8, 60, 8, 16), dict(), "seq_len 60 is not divisible by sp=8"),
-        ((6, 64, 8, 16), dict(groups=4), "batch 6 is not divisible by groups=4"),
+        ((8, 64, 8, 16), dict(k_shape=(8, 64, 3, 16)), "num_heads=8 is not a multiple of num_kv_heads=3"),
+        ((8, 60, 8, 16), dict(), "seq_len=60 is not divisible by sp=8"),
+        ((6, 64, 8, 16), dict(groups=4), "batch=6 is not divisible by groups=4"),
         ((8, 64, 8), dict(), "attention takes q, k, v of rank 4"),
         ((8, 64, 8, 16), dict(seg_shape=(8, 32)), "segment_ids must have shape (8, 64)"),
         ((8, 64, 8, 16), dict(seg_dtype=jnp.float32), "segment_ids must be integers"),

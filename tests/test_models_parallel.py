@@ -188,9 +188,12 @@ def test_model_arguments_are_checked_with_one_line_errors():
         with pytest.raises(models.ModelError, match=match):
             models.Transformer(config, rngs=nnx.Rngs(0), **kwargs)
     mesh = basp_jax.make_mesh(basp_jax.Layout.plan(8, 8, SEQ, 8, 2, groups=2))  # sp=4
-    with pytest.raises(models.ModelError, match="ring=3 must be a positive divisor of sp=4") as info:
-        models.Transformer(config, rngs=nnx.Rngs(0), mesh=mesh, ring=3)
+    other = basp_jax.Layout.plan(8, 8, SEQ, 8, 2, groups=1)  # a layout of another mesh
+    with pytest.raises(basp_jax.LayoutError, match="groups=1 x sp=8 but the mesh is 2 x 4") as info:
+        models.Transformer(config, rngs=nnx.Rngs(0), mesh=mesh, layout=other)
     assert "\n" not in str(info.value)
+    with pytest.raises(models.ModelError, match="a layout needs its mesh"):
+        models.Transformer(config, rngs=nnx.Rngs(0), layout=other)
 
 
 @pytest.mark.parametrize("heads,kv_heads,groups,ring", [(6, 2, 2, 1), (4, 2, 1, 2)])
@@ -205,7 +208,7 @@ def test_head_counts_that_sp_does_not_divide_run_exactly(heads, kv_heads, groups
     want = forward(single, jnp.asarray(tokens), jnp.asarray(segments))
     layout = basp_jax.Layout.plan(8, BATCH, SEQ, heads, kv_heads, groups=groups, ring=ring,
                                   pad_heads=True)
-    model = models.init_model(config, mesh=basp_jax.make_mesh(layout), seed=3, ring=layout.ring,
+    model = models.init_model(config, mesh=basp_jax.make_mesh(layout), seed=3, layout=layout,
                               attn_impl="blockwise")
     got = forward(model, jnp.asarray(tokens), jnp.asarray(segments))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=ATOL, rtol=0)

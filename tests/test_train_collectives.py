@@ -75,8 +75,7 @@ def test_compiled_step_all_to_alls_equal_the_closed_form():
     for mode, strategy in [("ulysses", "fsdp"), ("basp", "fsdp"), ("basp", "hsdp")]:
         layout, found = step_collectives(mcfg, mode=mode, strategy=strategy, batch=2, seq_len=2048)
         a2a = [c for c in found if c.kind == "all-to-all"]
-        closed = cost.predict(shape, cost.Candidate(layout.groups, layout.sp, strategy), batch=2,
-                              seq_len=2048, num_devices=8, hw=cost.HARDWARE["a100-40gb"], act_bytes=4)
+        closed = cost.predict(shape, layout, strategy, hw=cost.HARDWARE["a100-40gb"], act_bytes=4)
         assert len(a2a) == 8 * mcfg.num_layers, (mode, len(a2a))
         assert sum(c.wire_bytes for c in a2a) == pytest.approx(closed.all_to_all.intra + closed.all_to_all.inter)
         assert sum(comm.inter_host_wire_bytes(c, HOST) for c in a2a) == pytest.approx(closed.all_to_all.inter)

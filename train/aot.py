@@ -314,17 +314,18 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
     hw = cost.HARDWARE[target]
     hw = dataclasses.replace(hw, devices_per_host=gpus_per_host)
     rows = []
-    for c in cost.candidates(shape, batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len,
-                             num_devices=devices, devices_per_host=gpus_per_host):
-        pred = cost.predict(shape, c, batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len,
-                            num_devices=devices, hw=hw, grad_accum=cfg.train.grad_accum,
+    for layout, sharding in cost.candidates(shape, batch=cfg.train.microbatch_size,
+                                            seq_len=cfg.data.seq_len, num_devices=devices,
+                                            devices_per_host=gpus_per_host):
+        pred = cost.predict(shape, layout, sharding, hw=hw, grad_accum=cfg.train.grad_accum,
                             remat=cfg.model.remat, **state_bytes(cfg))
-        mode = ["parallel.mode=ulysses", "parallel.groups=null"] if c.groups == 1 else \
-            ["parallel.mode=basp", f"parallel.groups={c.groups}"]
-        variant = replace(cfg, *mode, f"parallel.ring={c.ring}", f"parallel.pad_heads={c.pad_heads}",
-                          f"parallel.param_sharding={c.param_sharding}")
+        mode = ["parallel.mode=ulysses", "parallel.groups=null"] if layout.groups == 1 else \
+            ["parallel.mode=basp", f"parallel.groups={layout.groups}"]
+        variant = replace(cfg, *mode, f"parallel.ring={layout.ring}",
+                          f"parallel.pad_heads={layout.pad_heads}",
+                          f"parallel.param_sharding={sharding}")
         r = report(variant, target, hosts, gpus_per_host)
-        rows.append({"name": c.name, "predicted_step_s": pred.step_s,
+        rows.append({"name": pred.name, "predicted_step_s": pred.step_s,
                      "formula_memory_bytes": pred.memory_bytes, "report": r})
     rows.sort(key=lambda row: (not row["report"]["fits"], row["predicted_step_s"]))
     return rows

@@ -282,13 +282,6 @@ class Checkpointer:
         self.manager.close()
 
 
-def abstract_tree(tree, shardings):
-    """ShapeDtypeStructs of `tree` carrying `shardings` (the restore target)."""
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
-    )
-
-
 def restore_model(run_dir: str, *, dtype: str | None = None):
     """(model on the first device, the run's Config): the Transformer that `run_dir/config.yaml`
     describes, with the parameters of the newest complete checkpoint (for sampling:
@@ -297,9 +290,11 @@ def restore_model(run_dir: str, *, dtype: str | None = None):
 
     import models
 
+    from basp_jax.sharding import abstract_arrays
+
     from .config import load_config
     from .prepare import model_config
-    from .step import DTYPES
+    from .program import model_options
 
     config_path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(config_path):
@@ -310,13 +305,12 @@ def restore_model(run_dir: str, *, dtype: str | None = None):
     if not steps:
         raise CheckpointError(f"{directory} holds no complete checkpoint")
     mcfg = model_config(cfg)
-    model = models.abstract_model(mcfg, dtype=DTYPES[dtype or cfg.model.dtype],
-                                  param_dtype=DTYPES[cfg.model.param_dtype],
-                                  scan_layers=cfg.model.scan_layers)
+    # on one device, whatever kernel the run trained with
+    options = models.RunOptions.of(model_options(cfg, dtype=dtype), attn_impl="auto")
+    model = models.abstract_model(mcfg, options=options)
     abstract = nnx.state(model, nnx.Param)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                          nnx.to_pure_dict(abstract))
+    target = abstract_arrays(nnx.to_pure_dict(abstract), device)
     path = os.path.join(directory, str(steps[-1]), "params")
     try:
         params = ocp.StandardCheckpointer().restore(path, target)

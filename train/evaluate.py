@@ -49,7 +49,7 @@ def make_eval_step(parts, program, *, loss_fn=models.causal_lm_loss):
     """jit(eval_step)(params, batch) -> {"loss_sum", "tokens"} (replicated float32 scalars), with
     the train step's parameter and batch shardings."""
     mesh = program.plan.mesh
-    micro_loss = make_micro_loss(parts, loss_fn, program.plan.seq_order)
+    micro_loss = make_micro_loss(parts, loss_fn)
     packed = program.packed
 
     def eval_step(params, batch):

@@ -6,6 +6,7 @@
     parallel.param_sharding = auto   on several hosts: host (shards inside each host, the least
                                      inter-host traffic) where the planner says it fits in memory,
                                      else hsdp where that fits, else fsdp; on one host: hsdp or fsdp
+    parallel.zigzag                  with a ring, the layout's zig-zag token order (Layout.zigzag)
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import os
 
 from basp_jax import Layout
 from basp_jax import cost
-from basp_jax.ring import zigzag_order
 
 from .config import Config, ConfigError
 
@@ -50,49 +50,35 @@ def state_bytes(cfg: Config) -> dict[str, int]:
 
 
 def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[Layout, str]:
-    """The layout (its batch includes any pad rows) and the parameter sharding strategy."""
+    """The layout (pad rows, ring and token order included) and the parameter sharding."""
     p = cfg.parallel
     shape = model_shape(mcfg)
     hw = hardware(cfg, devices_per_host)
-    common = dict(batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len, num_devices=num_devices,
-                  hw=hw, grad_accum=cfg.train.grad_accum, remat=cfg.model.remat,
+    common = dict(hw=hw, grad_accum=cfg.train.grad_accum, remat=cfg.model.remat,
                   **state_bytes(cfg))
     if p.mode == "auto":
         try:
-            layout, best = cost.auto_layout(shape, **common)
+            layout, best = cost.auto_layout(
+                shape, batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len,
+                num_devices=num_devices, zigzag=p.zigzag, **common)
         except ValueError as err:
             raise ConfigError(f"parallel.mode=auto: {err}") from None
-        strategy = best.candidate.param_sharding if p.param_sharding == "auto" else p.param_sharding
+        strategy = best.param_sharding if p.param_sharding == "auto" else p.param_sharding
         return layout, strategy
 
     layout = Layout.plan(
         num_devices=num_devices, batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len,
         num_heads=mcfg.num_heads, num_kv_heads=mcfg.num_kv_heads, devices_per_host=devices_per_host,
-        mode=p.mode, groups=p.groups, pad_heads=p.pad_heads, ring=p.ring,
+        mode=p.mode, groups=p.groups, pad_heads=p.pad_heads, ring=p.ring, zigzag=p.zigzag,
     )
     if p.param_sharding != "auto":
         return layout, p.param_sharding
     # Fewest inter-host bytes first; each later choice shards over more devices.
     choices = (["host"] if layout.num_hosts > 1 else []) + (["hsdp"] if layout.groups > 1 else [])
     for strategy in choices:
-        candidate = cost.Candidate(layout.groups, layout.sp, strategy, ring=layout.ring,
-                                   pad_heads=layout.pad_heads)
-        if cost.predict(shape, candidate, **common).memory_bytes <= hw.memory_bytes:
+        if cost.predict(shape, layout, strategy, **common).memory_bytes <= hw.memory_bytes:
             return layout, strategy
     return layout, "fsdp"
-
-
-def sequence_order(cfg: Config, layout: Layout):
-    """The token order along the sequence: None (natural), or basp_jax.ring.zigzag_order when a
-    ring splits the sequence (parallel.zigzag, on by default), so the causal work is balanced."""
-    if layout.ring == 1 or not cfg.parallel.zigzag:
-        return None
-    if cfg.data.seq_len % (2 * layout.sp):
-        raise ConfigError(
-            f"zig-zag ring attention needs data.seq_len divisible by 2 * sp = {2 * layout.sp}, got "
-            f"{cfg.data.seq_len}; change seq_len or set parallel.zigzag=false"
-        )
-    return zigzag_order(cfg.data.seq_len, layout.ring)
 
 
 class ResourceError(ValueError):
@@ -124,11 +110,9 @@ def device_memory(device) -> float | None:
 def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str) -> tuple[float, str]:
     """The bytes per device a train step holds (basp_jax.cost.memory_terms, the planner's
     formula: within 15% of the compiled GPU programs of the paper's models) and a breakdown."""
-    share = {"fsdp": layout.num_devices, "hsdp": layout.sp,
-             "host": min(layout.devices_per_host, layout.num_devices)}.get(strategy, 1)
-    q_heads, kv_heads = cost.exchanged_heads(model_shape(mcfg), layout.a2a)
+    q_heads, kv_heads = layout.exchanged_heads
     terms = cost.memory_terms(
-        model_shape(mcfg), layout.tokens_per_device, share,
+        model_shape(mcfg), layout.tokens_per_device, cost.shard_devices(layout, strategy),
         q_heads=q_heads, kv_heads=kv_heads, remat=cfg.model.remat,
         act_bytes=2 if cfg.model.dtype == "bfloat16" else 4,
         **state_bytes(cfg))

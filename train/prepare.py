@@ -26,8 +26,9 @@ from .data import Pipeline
 from .lock import RunDirLock, check_free
 from .metrics import peak_flops
 from .outputs import check_output_paths
-from .program import RunPlan, TrainProgram, abstract_state, build_program, model_factory, plan_run
-from .step import DTYPES, build_model, from_module, init_opt_state, make_optimizer
+from .program import (RunPlan, TrainProgram, abstract_state, build_program, model_factory,
+                      model_options, plan_run)
+from .step import build_model, from_module, init_opt_state, make_optimizer
 
 
 def model_config(cfg: Config) -> "models.ModelConfig":
@@ -168,12 +169,12 @@ def check(cfg: Config, *, is_writer: bool) -> Run:
     per_host = cfg.parallel.devices_per_host or len(devices) // jax.process_count()
     plan = plan_run(cfg, mcfg, devices, per_host)
     planning.check_memory(cfg, mcfg, plan.layout, plan.strategy, devices)  # before any row is made
-    pad_rows = plan.layout.batch - cfg.train.microbatch_size
+    layout = plan.layout  # the rows it pads and the token order it wants
     data = Pipeline(cfg.data, vocab_size=mcfg.vocab_size, grad_accum=cfg.train.grad_accum,
-                    microbatch=cfg.train.microbatch_size, seed=cfg.run.seed, pad_rows=pad_rows,
-                    seq_order=plan.seq_order)
-    eval_data = evaluate.eval_data(cfg, mcfg.vocab_size, seq_order=plan.seq_order,
-                                   pad_rows=pad_rows)
+                    microbatch=cfg.train.microbatch_size, seed=cfg.run.seed,
+                    pad_rows=layout.pad_rows, seq_order=layout.token_order)
+    eval_data = evaluate.eval_data(cfg, mcfg.vocab_size, seq_order=layout.token_order,
+                                   pad_rows=layout.pad_rows)
     latest = check_resume(cfg, mcfg, run_dir)
     return Run(cfg, run_dir, is_writer, mcfg, devices, plan, peak, peak_source, data, eval_data,
                latest)
@@ -192,9 +193,8 @@ def check_resume(cfg: Config, mcfg, run_dir: str) -> int | None:
                 "or resume (checkpoint.resume=true)"
             )
         return None
-    expected = nnx.to_pure_dict(nnx.state(models.abstract_model(
-        mcfg, param_dtype=DTYPES[cfg.model.param_dtype], scan_layers=cfg.model.scan_layers),
-        nnx.Param))
+    expected = nnx.to_pure_dict(nnx.state(models.abstract_model(mcfg, options=model_options(cfg)),
+                                          nnx.Param))
     latest, meta = inspect_latest(run_dir, expected, jax.eval_shape(tx.init, expected))
     if latest is not None and latest > cfg.train.steps:
         raise ConfigError(
@@ -240,14 +240,12 @@ def build_state(run: Run, owner: RunDirLock | None) -> None:
 
 def _pretrained_parts(cfg: Config, plan: RunPlan):
     """model.hf_path's weights, placed by the run's strategy and checked to be finite."""
-    module = models.from_pretrained(
-        cfg.model.hf_path, mesh=plan.mesh, dtype=DTYPES[cfg.model.dtype],
-        param_dtype=DTYPES[cfg.model.param_dtype], attn_impl=cfg.model.attn_impl,
-        remat=cfg.model.remat,
-        # loaded over the whole mesh; from_module places it by the run's strategy
-        param_sharding="fsdp" if plan.strategy == "host" else plan.strategy,
-        ring=plan.layout.ring, zigzag=plan.zigzag, scan_layers=cfg.model.scan_layers,
-    )
+    # loaded over the whole mesh (without the host mesh); from_module places it by the run's
+    # strategy
+    options = models.RunOptions.of(
+        model_options(cfg, plan), host_mesh=None,
+        param_sharding="fsdp" if plan.strategy == "host" else plan.strategy)
+    module = models.from_pretrained(cfg.model.hf_path, options=options)
     parts = from_module(module, plan.mesh, plan.strategy, plan.layout.devices_per_host)
     del module
     check_finite_weights(parts.params, cfg.model.hf_path)

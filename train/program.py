@@ -19,48 +19,52 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
 from basp_jax import Layout, make_mesh
-from basp_jax.sharding import host_mesh, tree_shardings
+from basp_jax.sharding import abstract_arrays, host_mesh, tree_shardings
 
 from . import planning
-from .checkpoint import abstract_tree
 from .config import Config
 from .step import DTYPES, build_model, make_optimizer, make_train_step, opt_state_shardings
 
 
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
-    """How a run splits its work: the layout, the parameter sharding, the mesh, the token order."""
+    """How a run splits its work: the layout (with its pad rows and token order), the parameter
+    sharding, the mesh."""
 
     layout: Layout
     strategy: str  # fsdp | hsdp | host | replicated
     mesh: Mesh
-    seq_order: Any  # None (natural order) or the zig-zag permutation of ring attention
-
-    @property
-    def zigzag(self) -> bool:
-        return self.seq_order is not None
 
 
 def plan_run(cfg: Config, mcfg, devices, devices_per_host: int) -> RunPlan:
     """The layout and mesh for `devices`; raises LayoutError/ConfigError before anything compiles."""
     layout, strategy = planning.plan(cfg, mcfg, len(devices), devices_per_host)
-    mesh = make_mesh(layout, devices)
-    return RunPlan(layout, strategy, mesh, planning.sequence_order(cfg, layout))
+    return RunPlan(layout, strategy, make_mesh(layout, devices))
+
+
+def model_options(cfg: Config, plan: RunPlan | None = None, *,
+                  dtype: str | None = None) -> "models.RunOptions":
+    """How the configured model runs: on the plan's mesh and layout with its parameter sharding,
+    or on one device without a plan; dtype replaces model.dtype."""
+    m = cfg.model
+    fields = dict(dtype=DTYPES[dtype or m.dtype], param_dtype=DTYPES[m.param_dtype],
+                  attn_impl=m.attn_impl, remat=m.remat, scan_layers=m.scan_layers)
+    if plan is not None:
+        # Host sharding: the embedding's gradient is summed inside each host before it crosses
+        # hosts.
+        hosts = (host_mesh(plan.mesh, plan.layout.devices_per_host) if plan.strategy == "host"
+                 else None)
+        fields.update(mesh=plan.mesh, layout=plan.layout, param_sharding=plan.strategy,
+                      host_mesh=hosts)
+    return models.RunOptions(**fields)
 
 
 def model_factory(cfg: Config, mcfg, plan: RunPlan) -> Callable[[], nnx.Module]:
     """A function that builds the configured model on the plan's mesh (for nnx.eval_shape or jit)."""
-    dtype, param_dtype = DTYPES[cfg.model.dtype], DTYPES[cfg.model.param_dtype]
-    # Host sharding: the embedding's gradient is summed inside each host before it crosses hosts.
-    hosts = host_mesh(plan.mesh, plan.layout.devices_per_host) if plan.strategy == "host" else None
+    options = model_options(cfg, plan)
 
     def make():
-        return models.Transformer(
-            mcfg, rngs=nnx.Rngs(cfg.run.seed), mesh=plan.mesh, dtype=dtype,
-            param_dtype=param_dtype, attn_impl=cfg.model.attn_impl, remat=cfg.model.remat,
-            ring=plan.layout.ring, zigzag=plan.zigzag, scan_layers=cfg.model.scan_layers,
-            host_mesh=hosts, param_sharding=plan.strategy,
-        )
+        return models.Transformer(mcfg, rngs=nnx.Rngs(cfg.run.seed), options=options)
 
     return make
 
@@ -110,7 +114,7 @@ def build_program(cfg: Config, plan: RunPlan, parts) -> TrainProgram:
     abs_opt, opt_sh = opt_state_shardings(tx, parts.params, plan.mesh, plan.strategy, per_host)
     step_fn, batch_sharding = make_train_step(
         parts, tx, schedule, plan.mesh, param_sh, opt_sh,
-        loss_fn=models.causal_lm_loss, packed=cfg.data.pack, seq_order=plan.seq_order,
+        loss_fn=models.causal_lm_loss, packed=cfg.data.pack,
     )
     shape = (cfg.train.grad_accum, plan.layout.batch, cfg.data.seq_len)
     return TrainProgram(plan, step_fn, tx, schedule, param_sh, abs_opt, opt_sh, batch_sharding,
@@ -119,8 +123,8 @@ def build_program(cfg: Config, plan: RunPlan, parts) -> TrainProgram:
 
 def abstract_state(program: TrainProgram, parts):
     """ShapeDtypeStructs (with shardings) of the parameters and the optimizer state."""
-    return (abstract_tree(parts.params, program.param_shardings),
-            abstract_tree(program.abstract_opt_state, program.opt_shardings))
+    return (abstract_arrays(parts.params, program.param_shardings),
+            abstract_arrays(program.abstract_opt_state, program.opt_shardings))
 
 
 def compile_program(cfg: Config, devices, devices_per_host: int, mcfg=None):

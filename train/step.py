@@ -14,16 +14,15 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
-import numpy as np
 import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from basp_jax import position_ids
 from basp_jax.mesh import GROUP, SEQ
-from basp_jax.sharding import tree_shardings
+from basp_jax.sharding import abstract_arrays, tree_shardings
 from models.hf import is_stacked
+from models.transformer import build_sharded, with_values
 
 from .config import OptimizerConfig
 
@@ -44,51 +43,24 @@ class ModelParts:
     def module(self, params=None):
         """An nnx module with `params` (default: the current ones) merged in."""
         params_state, rest_state = self.abstract_state
-        params_state = _with_values(params_state, self.params if params is None else params)
-        rest_state = _with_values(rest_state, self.rest)
-        return nnx.merge(self.graphdef, params_state, rest_state)
-
-
-def _with_values(abstract_state, pure):
-    state = jax.tree.map(lambda x: x, abstract_state)  # a copy to fill
-    nnx.replace_by_pure_dict(state, pure)
-    return state
+        params_state = with_values(params_state, self.params if params is None else params)
+        return nnx.merge(self.graphdef, params_state, with_values(rest_state, self.rest))
 
 
 def build_model(make: Callable[[], nnx.Module], mesh: Mesh, strategy: str, *,
                 init_params: bool = True, devices_per_host: int | None = None) -> ModelParts:
-    """Initialise `make()` directly onto the mesh: every parameter created already sharded.
-
-    With init_params=False the params are ShapeDtypeStructs carrying their shardings (a restore
-    target); only the (usually empty) non-parameter state is computed.
-    """
-    abstract = nnx.eval_shape(make)
-    graphdef, abs_params, abs_rest = nnx.split(abstract, nnx.Param, ...)
-    pure_params, pure_rest = nnx.to_pure_dict(abs_params), nnx.to_pure_dict(abs_rest)
-    param_sh = tree_shardings(pure_params, mesh, strategy, devices_per_host)
-    rest_sh = tree_shardings(pure_rest, mesh, strategy, devices_per_host)
-
-    def init():
-        _, params, rest = nnx.split(make(), nnx.Param, ...)
-        return (nnx.to_pure_dict(params) if init_params else None), nnx.to_pure_dict(rest)
-
-    if not init_params and not jax.tree.leaves(abs_rest):
-        params, rest = None, pure_rest  # a restore target alone: nothing to compute or compile
-    else:
-        params, rest = jax.jit(init, out_shardings=(param_sh if init_params else None, rest_sh))()
-    if not init_params:
-        params = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), pure_params, param_sh
-        )
-    return ModelParts(graphdef, (abs_params, abs_rest), params, rest)
+    """Initialise `make()` directly onto the mesh (models.build_sharded): every parameter
+    created already sharded. With init_params=False the params are ShapeDtypeStructs carrying
+    their shardings (a restore target)."""
+    return ModelParts(*build_sharded(make, mesh, strategy, init_params=init_params,
+                                     devices_per_host=devices_per_host))
 
 
 def from_module(model: nnx.Module, mesh: Mesh, strategy: str,
                 devices_per_host: int | None = None) -> ModelParts:
     """Split an existing (e.g. pretrained) module and place its parameters on the mesh."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    abs_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    abs_rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rest)
+    abs_params, abs_rest = abstract_arrays(params), abstract_arrays(rest)
     pure_params, pure_rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
     pure_params = jax.device_put(pure_params,
                                  tree_shardings(pure_params, mesh, strategy, devices_per_host))
@@ -155,23 +127,16 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
 
 
-def make_micro_loss(parts: ModelParts, loss_fn: Callable, seq_order=None) -> Callable:
+def make_micro_loss(parts: ModelParts, loss_fn: Callable) -> Callable:
     """micro_loss(params, tokens, targets, segment_ids) -> (loss sum, token count) of one
-    microbatch: what the train step differentiates and the eval step (train.evaluate) sums."""
+    microbatch: what the train step differentiates and the eval step (train.evaluate) sums.
+    The model's positions follow its layout's token order (models.Transformer)."""
     graphdef, (abs_params, abs_rest), rest = parts.graphdef, parts.abstract_state, parts.rest
 
     def micro_loss(params, tokens, targets, segment_ids):
-        model = nnx.merge(graphdef, _with_values(abs_params, params), _with_values(abs_rest, rest))
-        b, s = tokens.shape
-        if seq_order is None:
-            positions = position_ids(b, s, segment_ids)
-        elif segment_ids is None:
-            positions = jnp.broadcast_to(jnp.asarray(seq_order, jnp.int32), (b, s))
-        else:  # document positions in the natural order, then permuted like the tokens
-            natural = segment_ids[:, np.argsort(seq_order)]
-            positions = position_ids(b, s, natural)[:, seq_order]
+        model = nnx.merge(graphdef, with_values(abs_params, params), with_values(abs_rest, rest))
         # The logits exist a chunk of tokens at a time (models.loss.chunked_lm_loss).
-        return model.loss(tokens, targets, segment_ids, positions, loss_fn=loss_fn)
+        return model.loss(tokens, targets, segment_ids, loss_fn=loss_fn)
 
     return micro_loss
 
@@ -205,7 +170,6 @@ def make_train_step(
     *,
     loss_fn: Callable,
     packed: bool,
-    seq_order=None,
 ):
     """jit(train_step)(params, opt_state, batch, step) -> (params, opt_state, metrics).
 
@@ -214,7 +178,7 @@ def make_train_step(
     """
     batch_sharding = NamedSharding(mesh, BATCH_SPEC)
     replicated = NamedSharding(mesh, P())
-    grad_fn = jax.value_and_grad(make_micro_loss(parts, loss_fn, seq_order), has_aux=True)
+    grad_fn = jax.value_and_grad(make_micro_loss(parts, loss_fn), has_aux=True)
 
     def train_step(params, opt_state, batch, step):
         grad_sum, loss_sum, count = _accumulate(grad_fn, params, batch, param_shardings, packed)

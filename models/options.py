@@ -1,0 +1,102 @@
+"""How a model runs, as opposed to what it is (models.config.ModelConfig): one frozen object.
+
+    options = RunOptions(mesh=mesh, layout=layout, dtype=jnp.bfloat16, remat="full")
+    model = Transformer(config, rngs=nnx.Rngs(0), options=options)   # or init_model(config, ...)
+
+Transformer, Block and Attention take it whole; the public builders (Transformer, abstract_model,
+init_model, from_pretrained) also take its fields as keywords (`mesh=mesh, remat="full"`) and
+build it once. Every field is checked here, before anything compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+import basp_jax
+from basp_jax import Layout
+from basp_jax import kernels as basp_kernels
+from basp_jax.mesh import layout_on
+from basp_jax.remat import save_exchanges
+from basp_jax.sharding import STRATEGIES
+
+from .config import ModelConfig, ModelError
+
+# Every policy also saves the outputs of attention's exchanges (basp_jax.remat.save_exchanges): the
+# backward pass never repeats the all-to-alls BASP exists to cut (8 per layer, as basp_jax.cost
+# counts, instead of 12). The price: per layer q, k, v in the head layout and the attention output.
+REMAT_POLICIES = {
+    "none": None,
+    "full": save_exchanges(),
+    # Save the projections (dots without batch dims); recompute attention scores and elementwise ops.
+    "dots": save_exchanges(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """Where and how a model computes.
+
+    mesh: a ('group', 'seq') mesh (basp_jax.make_mesh), or None for one device.
+    layout: the Layout the mesh was made from, for its ring and token order (None: the mesh's
+        plain split); with layout.zigzag, tokens come in layout.token_order.
+    dtype / param_dtype: compute and storage dtypes.
+    attn_impl: the attention kernel (basp_jax.kernels.IMPLS).
+    remat: the rematerialisation policy (REMAT_POLICIES).
+    scan_layers: the layers as one stacked Block under lax.scan (else a Python list).
+    param_sharding: how parameters are stored on the mesh (basp_jax.sharding.STRATEGIES); the
+        embedding and LM head are used where they are stored when it shards the vocabulary.
+    host_mesh: with host parameter sharding, basp_jax.sharding.host_mesh(mesh, ...): the
+        embedding's gradient is then summed inside each host before it crosses hosts.
+    """
+
+    mesh: Mesh | None = None
+    layout: Layout | None = None
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    attn_impl: str = "auto"
+    remat: str = "none"
+    scan_layers: bool = True
+    param_sharding: str = "fsdp"
+    host_mesh: Mesh | None = None
+
+    def __post_init__(self):
+        if self.remat not in REMAT_POLICIES:
+            raise ModelError(
+                f"unknown remat {self.remat!r}; use one of {', '.join(REMAT_POLICIES)}")
+        if self.attn_impl not in basp_kernels.IMPLS:
+            raise ModelError(f"unknown attn_impl {self.attn_impl!r}; use one of "
+                             f"{', '.join(basp_kernels.IMPLS)}")
+        if self.param_sharding not in STRATEGIES:
+            raise ModelError(f"unknown param_sharding {self.param_sharding!r}; use one of "
+                             f"{', '.join(STRATEGIES)}")
+        if self.mesh is not None and tuple(self.mesh.axis_names) != basp_jax.AXES:
+            raise ModelError(
+                f"the mesh must have axes {basp_jax.AXES}, got {tuple(self.mesh.axis_names)}; "
+                f"build it with basp_jax.make_mesh(layout)"
+            )
+        if self.layout is not None and self.mesh is None:
+            raise ModelError("a layout needs its mesh: pass mesh=basp_jax.make_mesh(layout)")
+
+    @classmethod
+    def of(cls, options: "RunOptions | None" = None, **fields) -> "RunOptions":
+        """`options` (default: RunOptions()) with some fields replaced: the one conversion of
+        the builders' keyword arguments."""
+        base = cls() if options is None else options
+        return dataclasses.replace(base, **fields) if fields else base
+
+    @property
+    def remat_policy(self):
+        return REMAT_POLICIES[self.remat]
+
+    def layout_for(self, config: ModelConfig, batch: int, seq_len: int) -> Layout | None:
+        """The Layout that runs [batch, seq_len] tokens of `config` on the mesh (None without
+        one): the layout's split, checked by basp_jax (basp_jax.mesh.layout_on)."""
+        if self.mesh is None:
+            return None
+        return layout_on(self.mesh, batch, seq_len, config.num_heads, config.num_kv_heads,
+                         like=self.layout)
