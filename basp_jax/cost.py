@@ -17,7 +17,7 @@ import dataclasses
 import math
 
 from . import gpus
-from .layout import Layout, head_padding, kv_replication
+from .layout import Layout, _divisors, head_padding, kv_replication
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,10 +361,6 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
 def memory_bytes(*args, **kwargs) -> float:
     """The sum of memory_terms (same arguments)."""
     return sum(memory_terms(*args, **kwargs).values())
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def candidates(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
