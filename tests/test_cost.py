@@ -139,7 +139,7 @@ def test_auto_finds_a_valid_exact_layout_beyond_the_paper(batch, heads, kv_heads
     import numpy as np
 
     from basp_jax import activation_sharding, attention, make_mesh
-    from reference import reference_attention
+    from tests.helpers.reference import reference_attention
 
     shape = cost.ModelShape(2, 256, 512, heads, kv_heads, 16, 1000)
     layout, pred = cost.auto_layout(shape, batch=batch, seq_len=64, num_devices=8,

@@ -12,7 +12,7 @@ from basp_jax import comm, cost
 from train.collectives import step_collectives
 from train.loop import run
 
-from train_helpers import enable_compile_cache, tiny_config
+from tests.helpers.trainer import enable_compile_cache, tiny_config
 
 HOST = 4  # devices per emulated host
 SCALAR_SLACK = 64  # bytes: the loss, token count and gradient norm summed over the mesh

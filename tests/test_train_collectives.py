@@ -9,7 +9,7 @@ import pytest
 from basp_jax import comm
 from train.loop import run
 
-from train_helpers import enable_compile_cache, tiny_config
+from tests.helpers.trainer import enable_compile_cache, tiny_config
 
 HOST = 4  # devices per emulated host
 

@@ -5,7 +5,7 @@ import yaml
 
 from train.config import ConfigError, Config, load_config, replace, to_yaml
 
-from train_helpers import tiny_overrides
+from tests.helpers.trainer import tiny_overrides
 
 
 def test_overrides_are_typed(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from train import metrics as metrics_module, program
 from train.loop import model_config, run
 
-from train_helpers import tiny_config
+from tests.helpers.trainer import tiny_config
 
 SLOW_HOST_S = 0.15  # what each metrics line costs the host in the run below
 

@@ -1,4 +1,4 @@
-"""Shared tiny configs for the trainer tests (kept small: every run compiles in a few seconds)."""
+"""Tiny trainer configs and runs for the tests (kept small: every run compiles in a few seconds)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 TINY_SHAPE = (
     "model.shape={vocab_size: 256, hidden_size: 64, intermediate_size: 128, num_layers: 2, "
