@@ -16,6 +16,12 @@ TINY_SHAPE = (
 )
 
 
+def shipped_configs(pattern: str = "**/*.yaml") -> list[Path]:
+    """The runnable configs under configs/ that match pattern, sorted; a file named _*.yaml is
+    a base that others include (configs/gpu/_base.yaml), not a config of its own."""
+    return sorted(p for p in (ROOT / "configs").glob(pattern) if not p.name.startswith("_"))
+
+
 def tiny_overrides(run_dir, *extra: str) -> list[str]:
     return [
         f"run.dir={run_dir}",
