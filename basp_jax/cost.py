@@ -18,7 +18,7 @@ import dataclasses
 import math
 
 from . import gpus
-from .layout import Layout, LayoutError
+from .layout import Layout, LayoutError, _divisors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +55,9 @@ HARDWARE = {
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """What the cost model needs of a decoder-only transformer."""
+    """The sizes of a decoder-only transformer (Llama / Qwen): what the cost model needs, and the
+    one place its parameter count and training FLOPs are computed (the trainer's MFU reads them
+    through models.ModelConfig.shape)."""
 
     num_layers: int
     hidden_size: int
@@ -65,12 +67,23 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on the q/k/v projections (Qwen2)
+    attention_out_bias: bool = False  # bias on the output projection
+    qk_norm: bool = False  # per-head RMSNorm weights on q and k (Qwen3)
 
     @property
     def layer_params(self) -> int:
-        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        return attn + mlp + 2 * self.hidden_size
+        d, hd = self.hidden_size, self.head_dim
+        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+        attn = 2 * d * q + 2 * d * kv
+        if self.attention_bias:
+            attn += q + 2 * kv
+        if self.attention_out_bias:
+            attn += d
+        if self.qk_norm:
+            attn += 2 * hd
+        mlp = 3 * d * self.intermediate_size
+        return attn + mlp + 2 * d
 
     @property
     def embedding_params(self) -> int:
@@ -78,28 +91,38 @@ class ModelShape:
 
     @property
     def num_params(self) -> int:
+        """Every parameter, as Hugging Face counts them (tied embeddings once)."""
         return self.num_layers * self.layer_params + self.embedding_params + self.hidden_size
 
     def dense_flops_per_token(self) -> float:
-        """6 x (layer params + lm head): matmuls forward and backward."""
-        return 6 * (self.num_layers * self.layer_params + self.vocab_size * self.hidden_size)
+        """6 N, forward and backward: N counts every parameter except the input embedding table
+        when it is not tied to the output projection (a lookup costs no FLOPs)."""
+        n = self.num_params
+        if not self.tie_word_embeddings:
+            n -= self.vocab_size * self.hidden_size
+        return 6.0 * n
 
-    def attention_flops_per_token(self, seq_len: int) -> float:
-        """Causal attention scores and values, forward and backward (half of 12 L H Dh S)."""
-        return 6 * self.num_layers * self.num_heads * self.head_dim * seq_len
+    def attention_flops_per_token(self, seq_len: int, causal: bool = True) -> float:
+        """Attention scores and values, forward and backward: PaLM's 12 L Hq Dh S (appendix B)
+        counts the full S x S scores; causal (MaxText's and Megatron's count) halves it, counting
+        only the scores a causal kernel computes."""
+        attn = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
+        return attn / 2 if causal else attn
 
-    def train_flops_per_token(self, seq_len: int) -> float:
-        return self.dense_flops_per_token() + self.attention_flops_per_token(seq_len)
+    def train_flops_per_token(self, seq_len: int, causal: bool = True) -> float:
+        """Training FLOPs per token: what the planner's compute time and the trainer's MFU use."""
+        return self.dense_flops_per_token() + self.attention_flops_per_token(seq_len, causal)
 
 
-# Shapes of the paper's models (as in their Hugging Face config.json); tests check them against
-# models.ModelConfig presets, so the two tables cannot drift apart.
+# Shapes of the paper's models (as in their Hugging Face config.json); models.PRESETS adds the
+# model-only fields (RoPE, norms' epsilon, token ids) to these, so each shape is written once.
 MODEL_SHAPES = {
     "llama-3.2-1b": ModelShape(16, 2048, 8192, 32, 8, 64, 128256, tie_word_embeddings=True),
     "llama-3.2-3b": ModelShape(28, 3072, 8192, 24, 8, 128, 128256, tie_word_embeddings=True),
     "llama-3.1-8b": ModelShape(32, 4096, 14336, 32, 8, 128, 128256),
-    "qwen2.5-3b": ModelShape(36, 2048, 11008, 16, 2, 128, 151936, tie_word_embeddings=True),
-    "qwen3-8b": ModelShape(36, 4096, 12288, 32, 8, 128, 151936),
+    "qwen2.5-3b": ModelShape(36, 2048, 11008, 16, 2, 128, 151936, tie_word_embeddings=True,
+                             attention_bias=True),
+    "qwen3-8b": ModelShape(36, 4096, 12288, 32, 8, 128, 151936, qk_norm=True),
 }
 
 
@@ -356,10 +379,6 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
 def memory_bytes(*args, **kwargs) -> float:
     """The sum of memory_terms (same arguments)."""
     return sum(memory_terms(*args, **kwargs).values())
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def candidates(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,

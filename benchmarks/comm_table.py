@@ -24,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import models  # noqa: E402
 from basp_jax import comm, cost  # noqa: E402
 from train.collectives import step_collectives  # noqa: E402
-from train.planning import model_shape  # noqa: E402
 
 DEVICES, PER_HOST = 8, 4
 MiB = 2**20
@@ -61,7 +60,7 @@ def main() -> None:
         import dataclasses
 
         mcfg = dataclasses.replace(models.ModelConfig.preset(name), num_layers=args.layers)
-        shape = model_shape(mcfg)
+        shape = mcfg.shape
         for batch in (int(b) for b in args.batches.split(",")):
             setups = [("ulysses", "fsdp")] + ([("basp", "fsdp"), ("basp", "hsdp")] if batch > 1 else [])
             for mode, strategy in setups:

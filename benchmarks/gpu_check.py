@@ -287,7 +287,7 @@ def train_steps(shapes: Shapes, steps: int, on_gpu: bool) -> dict:
     step_s = statistics.median(steady)
     tokens_per_s = np.prod(program.batch_shape) / step_s
     peak, _ = peak_flops(cfg.metrics, devices[0].device_kind)  # (FLOP/s or None, log line)
-    mfu = (mcfg.flops_per_token(cfg.data.seq_len, causal=True) * tokens_per_s / peak
+    mfu = (mcfg.shape.train_flops_per_token(cfg.data.seq_len) * tokens_per_s / peak
            if peak else None)
     stats = devices[0].memory_stats() if on_gpu else None
     measured = stats.get("peak_bytes_in_use") if stats else None

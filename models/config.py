@@ -16,6 +16,8 @@ import math
 import os
 from typing import Any
 
+from basp_jax import cost
+
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -96,35 +98,16 @@ class ModelConfig:
             return "default"
         return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
 
+    @property
+    def shape(self) -> cost.ModelShape:
+        """The sizes basp_jax's cost model plans with; they also count this model's parameters
+        and training FLOPs (one formula for the planner and the trainer's MFU)."""
+        return cost.ModelShape(**{f.name: getattr(self, f.name)
+                                  for f in dataclasses.fields(cost.ModelShape)})
+
     def num_params(self) -> int:
         """Total parameter count, as Hugging Face reports it (tied embeddings counted once)."""
-        d, hd = self.hidden_size, self.head_dim
-        q, kv = self.num_heads * hd, self.num_kv_heads * hd
-        attn = d * q + 2 * d * kv + q * d
-        if self.attention_bias:
-            attn += q + 2 * kv
-        if self.attention_out_bias:
-            attn += d
-        if self.qk_norm:
-            attn += 2 * hd
-        mlp = 3 * d * self.intermediate_size
-        layer = attn + mlp + 2 * d
-        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embed + d
-
-    def flops_per_token(self, seq_len: int, causal: bool = False) -> float:
-        """Training FLOPs per token (forward + backward) for MFU: 6 * N + 12 * L * Hq * Dh * S.
-
-        N counts the parameters used in matmuls: every parameter except the input embedding table
-        when it is not tied to the output projection (a lookup costs no FLOPs). The attention term
-        is PaLM's (appendix B) and counts the full S x S scores; causal=True halves it, counting
-        only the scores a causal kernel needs.
-        """
-        n = self.num_params()
-        if not self.tie_word_embeddings:
-            n -= self.vocab_size * self.hidden_size
-        attn = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
-        return 6.0 * n + (attn / 2 if causal else attn)
+        return self.shape.num_params
 
     # -- construction ------------------------------------------------------------------------
 
@@ -278,37 +261,32 @@ def _llama3_rope(factor: float) -> dict:
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-# Shapes from the models' published config.json files.
+def _preset(shape: cost.ModelShape, **model_only) -> ModelConfig:
+    """A preset of one of basp_jax.cost.MODEL_SHAPES: its shape and the model-only fields."""
+    return ModelConfig(**dataclasses.asdict(shape), **model_only)
+
+
+_LLAMA3 = dict(rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
+               model_type="llama", bos_token_id=128000, eos_token_id=128001)
+
+# From the models' published config.json files: the paper's five models take their shapes from
+# basp_jax.cost.MODEL_SHAPES (which the planner reads), the others state theirs here.
 PRESETS: dict[str, ModelConfig] = {
-    "llama-3.2-1b": ModelConfig(
-        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
-        num_kv_heads=8, head_dim=64, rope_theta=500000.0, rope_scaling=_llama3_rope(32.0),
-        rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=131072,
-        model_type="llama", bos_token_id=128000, eos_token_id=128001,
+    "llama-3.2-1b": _preset(cost.MODEL_SHAPES["llama-3.2-1b"], rope_scaling=_llama3_rope(32.0),
+                            **_LLAMA3),
+    "llama-3.2-3b": _preset(cost.MODEL_SHAPES["llama-3.2-3b"], rope_scaling=_llama3_rope(32.0),
+                            **_LLAMA3),
+    "llama-3.1-8b": _preset(cost.MODEL_SHAPES["llama-3.1-8b"], rope_scaling=_llama3_rope(8.0),
+                            **_LLAMA3),
+    "qwen2.5-3b": _preset(
+        cost.MODEL_SHAPES["qwen2.5-3b"], rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=32768, model_type="qwen2", bos_token_id=151643,
+        eos_token_id=151643,
     ),
-    "llama-3.2-3b": ModelConfig(
-        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_layers=28, num_heads=24,
-        num_kv_heads=8, head_dim=128, rope_theta=500000.0, rope_scaling=_llama3_rope(32.0),
-        rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=131072,
-        model_type="llama", bos_token_id=128000, eos_token_id=128001,
-    ),
-    "llama-3.1-8b": ModelConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-        num_kv_heads=8, head_dim=128, rope_theta=500000.0, rope_scaling=_llama3_rope(8.0),
-        rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=131072,
-        model_type="llama", bos_token_id=128000, eos_token_id=128001,
-    ),
-    "qwen2.5-3b": ModelConfig(
-        vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_layers=36, num_heads=16,
-        num_kv_heads=2, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, attention_bias=True, max_position_embeddings=32768,
-        model_type="qwen2", bos_token_id=151643, eos_token_id=151643,
-    ),
-    "qwen3-8b": ModelConfig(
-        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
-        num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, qk_norm=True, max_position_embeddings=40960,
-        model_type="qwen3", bos_token_id=151643, eos_token_id=151645,
+    "qwen3-8b": _preset(
+        cost.MODEL_SHAPES["qwen3-8b"], rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, model_type="qwen3", bos_token_id=151643,
+        eos_token_id=151645,
     ),
     "qwen1.5-1.8b": ModelConfig(
         vocab_size=151936, hidden_size=2048, intermediate_size=5504, num_layers=24, num_heads=16,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from basp_jax import Layout, activation_sharding, attention, make_mesh
-from reference import packed_segment_ids, reference_attention
+from tests.helpers.reference import packed_segment_ids, reference_attention
 
 B, S, HQ, D = 8, 64, 8, 16
 LAYOUTS = [(1, 8), (2, 4), (4, 2), (8, 1)]

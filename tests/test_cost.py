@@ -101,17 +101,28 @@ def test_plan_cli_rejects_bad_flags_with_one_line(capsys, flags, fragment):
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_SHAPES))
-def test_cost_model_shapes_equal_the_model_presets(name):
-    """basp_jax may not import models, so it keeps its own table of shapes; it must not drift."""
+def test_model_presets_are_built_on_the_cost_models_shapes(name):
+    """basp_jax may not import models: the presets of the paper's models take their shapes from
+    MODEL_SHAPES (written once), so the planner counts exactly the model's parameters."""
     from models import ModelConfig
 
     config = ModelConfig.preset(name)
-    shape = MODEL_SHAPES[name]
-    assert (shape.num_layers, shape.hidden_size, shape.intermediate_size, shape.num_heads,
-            shape.num_kv_heads, shape.head_dim, shape.vocab_size, shape.tie_word_embeddings) == (
-        config.num_layers, config.hidden_size, config.intermediate_size, config.num_heads,
-        config.num_kv_heads, config.head_dim, config.vocab_size, config.tie_word_embeddings)
-    assert abs(shape.num_params - config.num_params()) / config.num_params() < 1e-3
+    assert config.shape == MODEL_SHAPES[name]
+    assert MODEL_SHAPES[name].num_params == config.num_params()
+
+
+def test_the_planner_and_the_trainers_mfu_count_the_same_flops():
+    """One FLOP formula (ModelShape.train_flops_per_token): the planner's compute time is the
+    trainer's per-token count (train.prepare.Run.flops_per_token) at the stated efficiency."""
+    from models import ModelConfig
+
+    shape = ModelConfig.preset("qwen3-8b").shape
+    hw = HARDWARE["a100-40gb"]
+    layout = cost.plan_layout(shape, num_devices=8, batch=2, seq_len=16384, groups=2)
+    p = predict(shape, layout, "fsdp", hw=hw, grad_accum=3)
+    tokens = 3 * 2 * 16384 / 8
+    assert p.compute_s == pytest.approx(
+        shape.train_flops_per_token(16384) * tokens / (hw.peak_flops * hw.efficiency), rel=1e-12)
 
 
 def test_auto_picks_the_papers_layout_in_the_papers_case():
@@ -136,7 +147,7 @@ def test_auto_finds_a_valid_exact_layout_beyond_the_paper(batch, heads, kv_heads
     import numpy as np
 
     from basp_jax import activation_sharding, attention, make_mesh
-    from reference import reference_attention
+    from tests.helpers.reference import reference_attention
 
     shape = cost.ModelShape(2, 256, 512, heads, kv_heads, 16, 1000)
     layout, pred = cost.auto_layout(shape, batch=batch, seq_len=64, num_devices=8,

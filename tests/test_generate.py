@@ -16,8 +16,8 @@ pytest.importorskip("transformers")
 import models  # noqa: E402
 from models import sampler  # noqa: E402
 
-from tests import hf_tiny  # noqa: E402
-from train_helpers import ROOT, tiny_config, train_env  # noqa: E402
+from tests.helpers import hf_tiny  # noqa: E402
+from tests.helpers.trainer import ROOT, tiny_config, train_env  # noqa: E402
 
 PROMPT = [17, 3, 250, 42, 99, 7, 128]
 NEW = 12

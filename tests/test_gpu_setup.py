@@ -14,7 +14,7 @@ from packaging.requirements import Requirement
 
 from train import cli, gpu_defaults, runtime
 
-from train_helpers import tiny_overrides
+from tests.helpers.trainer import tiny_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/gpu/llama-3.2-1b_basp.yaml"

@@ -11,9 +11,8 @@ import models
 from basp_jax import comm, cost
 from train.collectives import step_collectives
 from train.loop import run
-from train.planning import model_shape
 
-from train_helpers import enable_compile_cache, tiny_config
+from tests.helpers.trainer import enable_compile_cache, tiny_config
 
 HOST = 4  # devices per emulated host
 SCALAR_SLACK = 64  # bytes: the loss, token count and gradient norm summed over the mesh
@@ -44,7 +43,7 @@ def test_gradient_crosses_hosts_once_at_the_minimum(batch):
     layout, found = step_collectives(mcfg, mode="basp", strategy="host", batch=batch,
                                      seq_len=2048, devices_per_host=HOST)
     assert layout.groups == batch
-    minimum = cost.min_inter_host_gradient_bytes(4 * model_shape(mcfg).num_params, 8, HOST)
+    minimum = cost.min_inter_host_gradient_bytes(4 * mcfg.shape.num_params, 8, HOST)
     sent = _inter_host(found, "all-reduce", "reduce-scatter")
     # The norms' gradients cross whole: their bytes instead of a quarter of them.
     extra = _vector_bytes(mcfg) * (1 - 1 / HOST) + SCALAR_SLACK
@@ -59,7 +58,7 @@ def test_hsdp_at_b8_sends_devices_per_host_times_the_minimum():
     mcfg = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=2)
     _, found = step_collectives(mcfg, mode="basp", strategy="hsdp", batch=8, seq_len=2048,
                                 devices_per_host=HOST)
-    minimum = cost.min_inter_host_gradient_bytes(4 * model_shape(mcfg).num_params, 8, HOST)
+    minimum = cost.min_inter_host_gradient_bytes(4 * mcfg.shape.num_params, 8, HOST)
     assert _inter_host(found, "all-reduce", "reduce-scatter") >= HOST * minimum
 
 

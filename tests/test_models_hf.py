@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 import basp_jax  # noqa: E402
 import models  # noqa: E402
 
-from tests import hf_tiny  # noqa: E402
+from tests.helpers import hf_tiny  # noqa: E402
 
 ATOL = 1e-4
 BATCH, SEQ = 4, 32

@@ -88,10 +88,23 @@ def test_flops_per_token():
     config = models.ModelConfig.preset("llama-3.1-8b")
     n = config.num_params() - config.vocab_size * config.hidden_size  # input table: a lookup
     attention = 12 * 32 * 32 * 128 * 8192
-    assert config.flops_per_token(8192) == 6 * n + attention
-    assert config.flops_per_token(8192, causal=True) == 6 * n + attention / 2
+    assert config.shape.train_flops_per_token(8192, causal=False) == 6 * n + attention
+    assert config.shape.train_flops_per_token(8192) == 6 * n + attention / 2  # causal
     tied = models.ModelConfig.preset("llama-3.2-1b")
-    assert tied.flops_per_token(0) == 6 * tied.num_params()
+    assert tied.shape.train_flops_per_token(0) == 6 * tied.num_params()
+
+
+def test_the_shape_is_the_configs_sizes():
+    """ModelConfig.shape carries every field the cost model shares with the config, so a
+    model.shape override reaches the planner and the FLOP count."""
+    from basp_jax import cost
+
+    config = dataclasses.replace(models.ModelConfig.preset("qwen2.5-3b"), num_layers=3,
+                                 attention_out_bias=True)
+    shape = config.shape
+    for field in dataclasses.fields(cost.ModelShape):
+        assert getattr(shape, field.name) == getattr(config, field.name), field.name
+    assert (shape.num_layers, shape.attention_bias, shape.attention_out_bias) == (3, True, True)
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -12,7 +12,7 @@ import jax
 
 from train import peers
 
-from train_helpers import ROOT
+from tests.helpers.trainer import ROOT
 
 
 def test_the_client_is_none_without_jax_distributed():

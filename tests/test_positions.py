@@ -6,7 +6,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from basp_jax import Layout, activation_sharding, make_mesh, position_ids, shard_positions
-from reference import packed_segment_ids
+from tests.helpers.reference import packed_segment_ids
 
 
 def _numpy_document_positions(segment_ids):

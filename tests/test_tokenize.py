@@ -14,7 +14,7 @@ from train.data import DataError, Pipeline
 from train.loop import run
 from train.tokenize import main, tokenize
 
-from train_helpers import enable_compile_cache, tiny_config
+from tests.helpers.trainer import enable_compile_cache, tiny_config
 
 @contextlib.contextmanager
 def compile_cache(path):

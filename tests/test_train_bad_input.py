@@ -21,7 +21,7 @@ import pytest
 from train import cli
 from train.loop import run
 
-from train_helpers import TINY_SHAPE, snapshot as _snapshot, tiny_config, tiny_overrides
+from tests.helpers.trainer import TINY_SHAPE, snapshot as _snapshot, tiny_config, tiny_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 

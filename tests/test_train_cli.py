@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from train_helpers import tiny_overrides, train_cmd as _train
+from tests.helpers.trainer import tiny_overrides, train_cmd as _train
 
 
 @pytest.mark.parametrize(

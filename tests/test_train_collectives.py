@@ -9,7 +9,7 @@ import pytest
 from basp_jax import comm
 from train.loop import run
 
-from train_helpers import enable_compile_cache, tiny_config
+from tests.helpers.trainer import enable_compile_cache, tiny_config
 
 HOST = 4  # devices per emulated host
 
@@ -68,10 +68,9 @@ def test_compiled_step_all_to_alls_equal_the_closed_form():
     import models
     from basp_jax import cost
     from train.collectives import step_collectives
-    from train.planning import model_shape
 
     mcfg = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=2)
-    shape = model_shape(mcfg)
+    shape = mcfg.shape
     for mode, strategy in [("ulysses", "fsdp"), ("basp", "fsdp"), ("basp", "hsdp")]:
         layout, found = step_collectives(mcfg, mode=mode, strategy=strategy, batch=2, seq_len=2048)
         a2a = [c for c in found if c.kind == "all-to-all"]

@@ -5,7 +5,7 @@ import yaml
 
 from train.config import ConfigError, Config, load_config, replace, to_yaml
 
-from train_helpers import tiny_overrides
+from tests.helpers.trainer import shipped_configs, tiny_overrides
 
 
 def test_overrides_are_typed(tmp_path):
@@ -83,12 +83,10 @@ def test_missing_required(tmp_path):
 
 def test_shipped_configs_load_and_plan():
     """Every config in configs/ parses; the GPU ones plan their layout for their model on 8 devices."""
-    from pathlib import Path
-
     import models
     from basp_jax import Layout
 
-    paths = sorted(Path(__file__).resolve().parent.parent.glob("configs/**/*.yaml"))
+    paths = shipped_configs()
     assert len(paths) >= 11
     for path in paths:
         cfg = load_config(str(path))
@@ -138,9 +136,7 @@ def test_warmup_longer_than_the_run_is_clamped():
 def test_shipped_configs_accept_a_short_smoke_run(tmp_path):
     """`train.steps=4` on a config with a 20-step warm-up was refused; it is clamped instead (the
     trainer prints a note)."""
-    from pathlib import Path
-
-    paths = sorted((Path(__file__).resolve().parent.parent / "configs").rglob("*.yaml"))
+    paths = shipped_configs()
     assert paths
     for path in paths:
         cfg = load_config(str(path), ["train.steps=4", f"run.dir={tmp_path / 'smoke'}"])
@@ -165,3 +161,74 @@ def test_a_compiled_step_larger_than_the_device_is_refused(tmp_path):
         planning.check_compiled_memory(cfg, compiled, jax.devices())
     stats.argument_size_in_bytes, stats.temp_size_in_bytes = int(limit) // 4, 0  # a quarter fits
     planning.check_compiled_memory(cfg, compiled, jax.devices())
+
+
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return str(path)
+
+
+def test_include_lays_the_including_files_values_over_the_included(tmp_path):
+    """include: relative to the including file; mappings merge key by key, its values win, a
+    list merges in order, includes nest, a null leaf replaces, an empty section adds nothing;
+    the saved config holds the values, not the include."""
+    _write(tmp_path / "bases" / "deep.yaml", "train: {steps: 1, grad_accum: 3}\nrun: {seed: 5}\n"
+                                              "checkpoint: {keep: 4}\n")
+    _write(tmp_path / "bases" / "a.yaml",
+           "include: deep.yaml\ntrain: {steps: 2, microbatch_size: 4}\noptimizer: {lr: 0.5}\n")
+    _write(tmp_path / "bases" / "b.yaml", "optimizer: {lr: 0.25, clip_norm: 2.0}\n")
+    path = _write(tmp_path / "c.yaml", (
+        "include: [bases/a.yaml, bases/b.yaml]\n"
+        f"run: {{dir: {tmp_path / 'r'}}}\n"
+        "train: {steps: 7}\n"
+        "optimizer: {clip_norm: null}\n"
+        "checkpoint:\n"))
+    overrides = [o for o in tiny_overrides(tmp_path / "r") if o.split("=")[0] not in (
+        "run.dir", "run.seed", "train.steps", "train.microbatch_size", "train.grad_accum",
+        "optimizer.lr")]
+    cfg = load_config(path, overrides + ["train.grad_accum=2"])
+    assert (cfg.train.steps, cfg.train.microbatch_size, cfg.train.grad_accum) == (7, 4, 2)
+    assert cfg.run.seed == 5 and cfg.run.dir == str(tmp_path / "r")
+    assert cfg.optimizer.lr == 0.25 and cfg.optimizer.clip_norm is None  # b over a; null wins
+    assert cfg.checkpoint.keep == 4  # c.yaml's empty checkpoint section kept deep.yaml's
+    saved = yaml.safe_load(to_yaml(cfg))
+    assert "include" not in saved and saved["train"]["steps"] == 7 and saved["run"]["seed"] == 5
+    assert load_config(_write(tmp_path / "saved.yaml", to_yaml(cfg))) == cfg
+
+
+@pytest.mark.parametrize("text, others, fragment", [
+    ("include: missing.yaml\n", {}, "include 'missing.yaml' does not exist (looked for "),
+    ("include: a.yaml\n", {"a.yaml": "include: b.yaml\n", "b.yaml": "include: ./c.yaml\n"},
+     "include './c.yaml' makes a cycle ("),
+    ("include: c.yaml\n", {}, "include 'c.yaml' makes a cycle ("),
+    ("include: 3\n", {}, "include must be a file path or a list of them, got 3"),
+    ("include: []\n", {}, "include must be a file path or a list of them, got []"),
+    ("include: a.yaml\n", {"a.yaml": "train: [1\n"}, "a.yaml' is not valid YAML"),
+])
+def test_bad_includes_are_one_line_errors(tmp_path, text, others, fragment):
+    for name, body in others.items():
+        _write(tmp_path / name, body)
+    path = _write(tmp_path / "c.yaml", text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, tiny_overrides(tmp_path / "r"))
+    message = str(info.value)
+    assert "\n" not in message and fragment in message, message
+
+
+def test_gpu_configs_state_only_what_differs_from_what_they_include():
+    """configs/gpu: every config resolves through its include chain (to _base.yaml), and no key
+    a file sets repeats the value it already has from the files it includes."""
+    from train.config import _load_tree, _read_yaml
+
+    paths = shipped_configs("gpu/*.yaml")
+    assert len(paths) == 10
+    for path in paths:
+        own = _read_yaml(str(path))
+        included = _load_tree(str(path.parent / own.pop("include")))
+        for section, values in own.items():
+            for key, value in values.items():
+                assert included.get(section, {}).get(key, object()) != value, (path, section, key)
+        cfg = load_config(str(path))
+        assert cfg.parallel.mode in path.stem and cfg.run.dir == f"runs/{path.stem}"
+        assert cfg.model.preset == path.stem.rsplit("_", 1)[0]

@@ -21,7 +21,7 @@ import pytest
 
 from train.loop import run
 
-from train_helpers import tiny_config, tiny_overrides
+from tests.helpers.trainer import tiny_config, tiny_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = ("train.steps=12", "train.microbatch_size=2", "checkpoint.every=2", "checkpoint.keep=3")

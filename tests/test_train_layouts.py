@@ -6,7 +6,7 @@ import pytest
 from train.config import ConfigError
 from train.loop import run
 
-from train_helpers import enable_compile_cache, packed_stream, tiny_config
+from tests.helpers.trainer import enable_compile_cache, packed_stream, tiny_config
 
 RTOL = 2e-5  # float32, different reduction orders across layouts
 

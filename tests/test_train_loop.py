@@ -8,7 +8,7 @@ import pytest
 
 from train.loop import run
 
-from train_helpers import packed_stream, tiny_config
+from tests.helpers.trainer import packed_stream, tiny_config
 
 # float32 on CPU: the layouts reorder reductions (all-to-all, sharded matmuls, gradient sums), so
 # losses agree to ~1e-6 relative; 2e-5 leaves room without hiding a real difference (a wrong
@@ -120,7 +120,7 @@ def test_checkpoint_restores_onto_fewer_devices(tmp_path):
 
 @pytest.fixture(autouse=True, scope="module")
 def _compile_cache(tmp_path_factory):
-    from train_helpers import enable_compile_cache
+    from tests.helpers.trainer import enable_compile_cache
 
     enable_compile_cache(tmp_path_factory.mktemp("jax_cache"))
 

@@ -15,7 +15,7 @@ import pytest
 
 from train.loop import run
 
-from train_helpers import tiny_config, tiny_overrides
+from tests.helpers.trainer import tiny_config, tiny_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 from train.loop import run
-from train_helpers import ROOT, tiny_config, tiny_overrides, train_cmd as _train, train_env
+from tests.helpers.trainer import ROOT, tiny_config, tiny_overrides, train_cmd as _train, train_env
 
 BLOW_UP = ("optimizer.lr=1e6", "optimizer.clip_norm=null", "optimizer.warmup_steps=0")
 

@@ -19,7 +19,7 @@ from train.data import DataError
 from train.loop import model_config, run
 from train.writers import Writers, memory_in_use
 
-from train_helpers import packed_stream, tiny_config
+from tests.helpers.trainer import packed_stream, tiny_config
 
 STEPS, EVERY, BATCHES = 5, 2, 2
 

@@ -10,7 +10,7 @@ import pytest
 from train import metrics as metrics_module, program
 from train.loop import model_config, run
 
-from train_helpers import tiny_config
+from tests.helpers.trainer import tiny_config
 
 SLOW_HOST_S = 0.15  # what each metrics line costs the host in the run below
 
@@ -92,7 +92,7 @@ def test_metrics_are_read_one_step_late_and_step_time_includes_host_time(tmp_pat
 
     # MFU: 6N plus the causal half of the attention scores, against the configured peak
     mcfg = model_config(cfg)
-    per_token = mcfg.flops_per_token(cfg.data.seq_len, causal=True)
-    assert per_token < mcfg.flops_per_token(cfg.data.seq_len)
+    per_token = mcfg.shape.train_flops_per_token(cfg.data.seq_len)
+    assert per_token < mcfg.shape.train_flops_per_token(cfg.data.seq_len, causal=False)
     for r in records:
         assert r["mfu"] == pytest.approx(per_token * r["tokens_per_s"] / (1e11 * 8), rel=1e-9)

@@ -14,7 +14,7 @@ import pytest
 
 from train import cli
 from train.loop import run
-from train_helpers import ROOT, tiny_config, tiny_overrides, train_cmd, train_env
+from tests.helpers.trainer import ROOT, tiny_config, tiny_overrides, train_cmd, train_env
 
 
 def _steps(run_dir) -> list[int]:

@@ -307,10 +307,10 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
 
     from .config import replace
     from .prepare import model_config
-    from .planning import model_shape, state_bytes
+    from .planning import state_bytes
 
     devices = hosts * gpus_per_host
-    shape = model_shape(model_config(cfg))
+    shape = model_config(cfg).shape
     hw = cost.HARDWARE[target]
     hw = dataclasses.replace(hw, devices_per_host=gpus_per_host)
     rows = []

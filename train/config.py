@@ -6,12 +6,20 @@ Unknown keys, values of the wrong type, required keys left out (None until set: 
 value stands in for them) and impossible combinations raise a ConfigError whose one line names the
 key and what would work. Nothing here imports JAX: the CLI must read the config
 (runtime.cpu_devices, runtime.distributed) before JAX initialises its backends.
+
+A config file may start from others: `include: base.yaml` (or a list of files, merged in order)
+at its top level reads those first, relative paths from the including file's folder, and lays
+the including file's values over theirs, section by section and key by key (a value that is not
+a mapping replaces the included one whole; a section left empty adds nothing). Included files
+may include others (configs/gpu/ holds an example: _base.yaml and the files on it); the resolved
+config (what `to_yaml` writes to {run.dir}/config.yaml) holds the values, not the include.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 import typing
 from typing import Any, Literal, Optional
@@ -611,26 +619,74 @@ def _parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
+def _read_yaml(path: str) -> dict:
+    """One config file's top-level mapping."""
+    try:
+        with open(path) as f:
+            loaded = yaml_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        reason = getattr(e, "strerror", None) or getattr(e, "reason", None) or str(e)
+        raise ConfigError(f"cannot read config file {path!r}: {reason}") from None
+    except DuplicateKeyError as e:
+        raise ConfigError(f"config file {path!r}: {e}") from None
+    except yaml.YAMLError as e:
+        line = str(e).replace("\n", " ")
+        raise ConfigError(f"config file {path!r} is not valid YAML: {line}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path!r} must hold a mapping of sections")
+    return loaded or {}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """base with over's values laid on top: mappings merge key by key, other values replace
+    (null too, except over a mapping: a section left empty adds nothing)."""
+    out = dict(base)
+    for key, value in over.items():
+        if value is None and isinstance(out.get(key), dict):
+            continue
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+INCLUDE = "include"
+
+
+def _load_tree(path: str, chain: tuple[str, ...] = ()) -> dict:
+    """A config file's mapping with the files its `include:` names merged under it; chain: the
+    files that include this one (an include of one of them is a cycle)."""
+    tree = _read_yaml(path)
+    names = tree.pop(INCLUDE, None)
+    if names is None:
+        return tree
+    if isinstance(names, str):
+        names = [names]
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n.strip()
+                                                           for n in names):
+        raise ConfigError(f"config file {path!r}: {INCLUDE} must be a file path or a list of "
+                          f"them, got {names!r}")
+    chain = (*chain, path)
+    base: dict = {}
+    for name in names:
+        target = os.path.join(os.path.dirname(path), name)  # relative to the including file
+        if not os.path.isfile(target):
+            raise ConfigError(f"config file {path!r}: {INCLUDE} {name!r} does not exist "
+                              f"(looked for {target!r})")
+        if any(os.path.samefile(target, seen) for seen in chain):
+            raise ConfigError(f"config file {path!r}: {INCLUDE} {name!r} makes a cycle "
+                              f"({' -> '.join([*chain, target])})")
+        base = _merge(base, _load_tree(target, chain))
+    return _merge(base, tree)
+
+
 def load_config(path: Optional[str], overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML config, apply `key.sub=value` overrides, type-check and validate it."""
-    tree: dict = {}
-    if path is not None:
-        try:
-            with open(path) as f:
-                loaded = yaml_load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path!r} does not exist") from None
-        except (OSError, UnicodeDecodeError) as e:
-            reason = getattr(e, "strerror", None) or getattr(e, "reason", None) or str(e)
-            raise ConfigError(f"cannot read config file {path!r}: {reason}") from None
-        except DuplicateKeyError as e:
-            raise ConfigError(f"config file {path!r}: {e}") from None
-        except yaml.YAMLError as e:
-            line = str(e).replace("\n", " ")
-            raise ConfigError(f"config file {path!r} is not valid YAML: {line}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path!r} must hold a mapping of sections")
-        tree = loaded or {}
+    """Read a YAML config (with the files it includes), apply `key.sub=value` overrides,
+    type-check and validate it."""
+    tree = _load_tree(path) if path is not None else {}
     for item in overrides:
         key, value = _parse_override(item)
         _set_dotted(tree, key, value)

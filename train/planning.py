@@ -21,12 +21,7 @@ from .config import Config, ConfigError
 
 
 def model_shape(mcfg) -> cost.ModelShape:
-    return cost.ModelShape(
-        num_layers=mcfg.num_layers, hidden_size=mcfg.hidden_size,
-        intermediate_size=mcfg.intermediate_size, num_heads=mcfg.num_heads,
-        num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim, vocab_size=mcfg.vocab_size,
-        tie_word_embeddings=mcfg.tie_word_embeddings,
-    )
+    return mcfg.shape  # models.ModelConfig.shape: the one place a model's sizes become a shape
 
 
 def hardware(cfg: Config, devices_per_host: int) -> cost.Hardware:

@@ -141,8 +141,8 @@ class Run:
 
     @property
     def flops_per_token(self) -> float:
-        # MaxText's and Megatron's count: a causal kernel computes half of the S x S scores
-        return self.mcfg.flops_per_token(self.cfg.data.seq_len, causal=True)
+        # basp_jax.cost's count, the planner's too: 6N plus the causal half of the S x S scores
+        return self.mcfg.shape.train_flops_per_token(self.cfg.data.seq_len)
 
 
 def prepare(cfg: Config, owner: RunDirLock | None) -> Run:

@@ -1,4 +1,4 @@
-"""Shared tiny configs for the trainer tests (kept small: every run compiles in a few seconds)."""
+"""Tiny trainer configs and runs for the tests (kept small: every run compiles in a few seconds)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 TINY_SHAPE = (
     "model.shape={vocab_size: 256, hidden_size: 64, intermediate_size: 128, num_layers: 2, "
     "num_heads: 8, num_kv_heads: 4, head_dim: 8}"
 )
+
+
+def shipped_configs(pattern: str = "**/*.yaml") -> list[Path]:
+    """The runnable configs under configs/ that match pattern, sorted; a file named _*.yaml is
+    a base that others include (configs/gpu/_base.yaml), not a config of its own."""
+    return sorted(p for p in (ROOT / "configs").glob(pattern) if not p.name.startswith("_"))
 
 
 def tiny_overrides(run_dir, *extra: str) -> list[str]:

@@ -1,0 +1,1 @@
+"""The test suite: a package, so test files import their helpers as `tests.helpers` (one way)."""

@@ -1,0 +1,6 @@
+"""What the tests share; a test file imports helpers from here, never from another test file.
+
+    from tests.helpers import hf_tiny                          # tiny random Hugging Face models
+    from tests.helpers.reference import reference_attention   # independent single-device references
+    from tests.helpers.trainer import tiny_config             # tiny trainer configs and runs
+"""
