@@ -43,6 +43,15 @@ def test_hsdp_and_fsdp_train_the_same_losses(tmp_path):
     np.testing.assert_allclose(hsdp["losses"], fsdp["losses"], rtol=RTOL)
 
 
+@pytest.mark.parametrize("sharding,batch", [("replicated", 2), ("hsdp", 8)])
+def test_a_replicated_head_trains_the_single_device_losses(tmp_path, sharding, batch):
+    """The loss's per-device chunks (models.loss._per_device_chunks: the head replicated over the
+    token shards, its gradient summed once) train the single device's losses."""
+    run_ = run(tiny_config(tmp_path / sharding, f"parallel.param_sharding={sharding}",
+                           f"train.microbatch_size={batch}", "train.steps=3"))
+    np.testing.assert_allclose(run_["losses"], _single(tmp_path, batch)["losses"], rtol=RTOL)
+
+
 def test_param_sharding_auto_prefers_host_then_hsdp_where_they_fit(tmp_path):
     from train import planning
     from train.loop import model_config
