@@ -105,14 +105,18 @@ def chunked_lm_loss(hidden: jax.Array, targets: jax.Array, project: Callable, we
 
         zero = jax.lax.with_sharding_constraint(
             jnp.zeros((host_mesh.shape["host"],), jnp.float32), per_host)
-    chunk_loss = jax.checkpoint(per_chunk)
+    total, count = _sum_chunks(jax.checkpoint(per_chunk), weight, hs, ts, zero)
+    return total.sum(), count.sum()
 
+
+def _sum_chunks(chunk_loss, weight, hs, ts, zero):
+    """(sum, count) of chunk_loss(h, t, weight) over the chunks [n, ...] of hs and ts, by a scan."""
     def body(carry, xs):
         total, count = chunk_loss(*xs, weight)
         return (carry[0] + total, carry[1] + count), None
 
     (total, count), _ = jax.lax.scan(body, (zero, zero), (hs, ts))
-    return total.sum(), count.sum()
+    return total, count
 
 
 def _per_device_chunks(hidden, targets, project, weight, loss_fn, mesh: Mesh, c: int):
@@ -133,13 +137,8 @@ def _per_device_chunks(hidden, targets, project, weight, loss_fn, mesh: Mesh, c:
     def local(h, t, w):
         w = jax.lax.pcast(w, axes, to="varying")
         hs, ts = token_chunks(h, t, 1, c)
-
-        def body(carry, xs):
-            total, count = chunk_loss(*xs, w)
-            return (carry[0] + total, carry[1] + count), None
-
         zero = jax.lax.pcast(jnp.zeros((), jnp.float32), axes, to="varying")
-        (total, count), _ = jax.lax.scan(body, (zero, zero), (hs, ts))
+        total, count = _sum_chunks(chunk_loss, w, hs, ts, zero)
         return jax.lax.psum(total, axes), jax.lax.psum(count, axes)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, P()),
