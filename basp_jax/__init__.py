@@ -8,8 +8,9 @@
 
 from .attention import attention
 from .layout import Layout, LayoutError
-from .mesh import ACTIVATION_SPEC, AXES, activation_sharding, make_mesh, mesh_groups
+from .mesh import AXES, make_mesh, mesh_groups
 from .positions import position_ids, shard_positions
+from .sharding import ACTIVATION_SPEC, activation_sharding
 
 __all__ = [
     "ACTIVATION_SPEC",

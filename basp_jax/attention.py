@@ -14,9 +14,10 @@ from jax.sharding import Mesh
 
 from . import kernels
 from .layout import Layout, LayoutError
-from .mesh import ACTIVATION_SPEC, SEQ, layout_on
+from .mesh import SEQ, layout_on
 from .remat import name_exchange
 from .ring import ring_local_attention
+from .sharding import ACTIVATION_SPEC
 
 
 def _check_inputs(q, k, v, segment_ids) -> None:

@@ -231,10 +231,10 @@ class Prediction:
 
 def vocab_parallel(shape: ModelShape, param_sharding: str, shard_group: int) -> bool:
     """Whether the embedding and LM head are used where they are stored (models.vocab_parallel):
-    fsdp/hsdp parameters sharded on the vocabulary (basp_jax.sharding shards a parameter's
-    largest dimension that the shard group divides; the vocabulary is the largest)."""
+    fsdp/hsdp parameters split on the vocabulary (basp_jax.sharding.RULES splits it wherever the
+    shard group divides it)."""
     return (param_sharding in ("fsdp", "hsdp") and shard_group > 1
-            and shape.vocab_size % shard_group == 0 and shape.vocab_size >= shape.hidden_size)
+            and shape.vocab_size % shard_group == 0)
 
 
 def predict(

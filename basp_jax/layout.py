@@ -86,6 +86,70 @@ def zigzag_order(seq_len: int, ring: int) -> np.ndarray:
     return np.concatenate([np.arange(j * half, (j + 1) * half) for j in halves])
 
 
+def _groups(num_devices: int, batch: int, devices_per_host: int, mode: str,
+            groups: int | None) -> int:
+    """The group count Layout.plan takes: `groups` checked, or gcd(batch, devices) for basp and 1
+    for ulysses."""
+    if mode not in MODES:
+        raise LayoutError(f"unknown parallel mode {mode!r}; use one of {', '.join(MODES)}")
+    if num_devices % devices_per_host:
+        raise LayoutError(
+            f"devices_per_host={devices_per_host} does not divide num_devices={num_devices}; "
+            f"every host must hold the same number of devices (one of {_divisors(num_devices)})"
+        )
+    if groups is None:
+        return 1 if mode == "ulysses" else math.gcd(batch, num_devices)
+    if mode == "ulysses" and groups != 1:
+        raise LayoutError(f"mode='ulysses' means groups=1, got groups={groups}; use mode='basp'")
+    if num_devices % groups:
+        raise LayoutError(
+            f"groups={groups} does not divide num_devices={num_devices}; "
+            f"use groups in {_divisors(num_devices)}"
+        )
+    if batch % groups:
+        raise LayoutError(
+            f"batch={batch} is not divisible by groups={groups}; use a batch that is a "
+            f"multiple of {groups} or groups in "
+            f"{[g for g in _divisors(num_devices) if batch % g == 0]}"
+        )
+    return groups
+
+
+def _check_sequence(seq_len: int, sp: int, ring: int, num_devices: int) -> None:
+    """Each device of a group holds seq_len / sp tokens; a ring splits the group evenly."""
+    if seq_len % sp:
+        padded = -(-seq_len // sp) * sp
+        fitting_sp = [d for d in _divisors(num_devices) if seq_len % d == 0]
+        raise LayoutError(
+            f"seq_len={seq_len} is not divisible by sp={sp}; use a multiple of {sp} "
+            f"(e.g. {seq_len} -> {padded} with padding) or a layout with sp in {fitting_sp}"
+        )
+    if sp % ring:
+        raise LayoutError(f"ring={ring} does not divide sp={sp}; use ring in {_divisors(sp)}")
+
+
+def _check_heads(num_heads: int, num_kv_heads: int, sp: int, ring: int, pad_heads: bool,
+                 num_devices: int) -> None:
+    """Grouped-query heads, and whole query heads per device after the all-to-all (or padding)."""
+    if num_heads % num_kv_heads:
+        raise LayoutError(
+            f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}; "
+            f"grouped-query attention needs kv heads in {_divisors(num_heads)}"
+        )
+    a2a = sp // ring
+    if num_heads % a2a and not pad_heads:
+        fitting_sp = [d for d in _divisors(num_devices) if num_heads % d == 0]
+        kv, g = head_padding(num_heads, num_kv_heads, a2a)
+        ring_fit = sp // math.gcd(num_heads, sp)
+        raise LayoutError(
+            f"num_heads={num_heads} is not divisible by the all-to-all degree {a2a} (sp={sp}, "
+            f"ring={ring}): each device needs whole query heads; use a layout with sp in "
+            f"{fitting_sp} (more groups, e.g. a larger batch), ring={ring_fit} (ring attention "
+            f"across runs of {sp // ring_fit}), or pad_heads=True to compute {kv * g} heads "
+            f"({kv * g - num_heads} of them zero padding)"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """An immutable, validated split of a microbatch over devices. Build it with Layout.plan.
@@ -147,65 +211,17 @@ class Layout:
             ring=ring,
         )
         batch += pad_rows  # the rows the devices hold
-        if mode not in MODES:
-            raise LayoutError(f"unknown parallel mode {mode!r}; use one of {', '.join(MODES)}")
-        if num_devices % devices_per_host:
-            raise LayoutError(
-                f"devices_per_host={devices_per_host} does not divide num_devices={num_devices}; "
-                f"every host must hold the same number of devices (one of {_divisors(num_devices)})"
-            )
-        if num_heads % num_kv_heads:
-            raise LayoutError(
-                f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}; "
-                f"grouped-query attention needs kv heads in {_divisors(num_heads)}"
-            )
-
-        if groups is None:
-            groups = 1 if mode == "ulysses" else math.gcd(batch, num_devices)
-        elif mode == "ulysses" and groups != 1:
-            raise LayoutError(f"mode='ulysses' means groups=1, got groups={groups}; use mode='basp'")
-        if num_devices % groups:
-            raise LayoutError(
-                f"groups={groups} does not divide num_devices={num_devices}; "
-                f"use groups in {_divisors(num_devices)}"
-            )
-        if batch % groups:
-            raise LayoutError(
-                f"batch={batch} is not divisible by groups={groups}; use a batch that is a "
-                f"multiple of {groups} or groups in "
-                f"{[g for g in _divisors(num_devices) if batch % g == 0]}"
-            )
+        groups = _groups(num_devices, batch, devices_per_host, mode, groups)
         sp = num_devices // groups
-
-        if seq_len % sp:
-            padded = -(-seq_len // sp) * sp
-            fitting_sp = [d for d in _divisors(num_devices) if seq_len % d == 0]
-            raise LayoutError(
-                f"seq_len={seq_len} is not divisible by sp={sp}; use a multiple of {sp} "
-                f"(e.g. {seq_len} -> {padded} with padding) or a layout with sp in {fitting_sp}"
-            )
-        if sp % ring:
-            raise LayoutError(
-                f"ring={ring} does not divide sp={sp}; use ring in {_divisors(sp)}"
-            )
-        a2a = sp // ring
-        if num_heads % a2a and not pad_heads:
-            fitting_sp = [d for d in _divisors(num_devices) if num_heads % d == 0]
-            kv, g = head_padding(num_heads, num_kv_heads, a2a)
-            ring_fit = sp // math.gcd(num_heads, sp)
-            raise LayoutError(
-                f"num_heads={num_heads} is not divisible by the all-to-all degree {a2a} (sp={sp}, "
-                f"ring={ring}): each device needs whole query heads; use a layout with sp in "
-                f"{fitting_sp} (more groups, e.g. a larger batch), ring={ring_fit} (ring attention "
-                f"across runs of {sp // ring_fit}), or pad_heads=True to compute {kv * g} heads "
-                f"({kv * g - num_heads} of them zero padding)"
-            )
+        _check_sequence(seq_len, sp, ring, num_devices)
+        _check_heads(num_heads, num_kv_heads, sp, ring, pad_heads, num_devices)
         zigzag = bool(zigzag) and ring > 1
         if zigzag and seq_len % (2 * sp):
             raise LayoutError(
                 f"zig-zag ring attention needs seq_len divisible by 2 * sp = {2 * sp}, got "
                 f"seq_len={seq_len}; use a multiple of {2 * sp} or zigzag=False"
             )
+        a2a = sp // ring
         return cls(
             num_devices=num_devices,
             batch=batch,

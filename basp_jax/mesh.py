@@ -6,15 +6,12 @@ from typing import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from .layout import Layout, LayoutError
 
 GROUP, SEQ = "group", "seq"
 AXES = (GROUP, SEQ)
-
-# Activations [B, S, ...]: rows over groups, sequence over the devices of a group.
-ACTIVATION_SPEC = P(GROUP, SEQ)
 
 
 def _host_major(devices: Sequence[jax.Device]) -> list[jax.Device]:
@@ -75,11 +72,6 @@ def _devices_per_process(devices: Sequence[jax.Device]) -> int | None:
         counts[d.process_index] = counts.get(d.process_index, 0) + 1
     sizes = set(counts.values())
     return sizes.pop() if len(sizes) == 1 else None
-
-
-def activation_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of [B, S, ...] activations and [B, S] token/segment arrays."""
-    return NamedSharding(mesh, ACTIVATION_SPEC)
 
 
 def mesh_groups(mesh: Mesh) -> list[list[int]]:

@@ -1,16 +1,22 @@
-"""Parameter shardings on a ('group', 'seq') mesh.
+"""Where arrays live on a ('group', 'seq') mesh: one table from logical axis names to mesh axes.
 
-    fsdp:       every parameter sharded over the whole mesh (ZeRO-3 style, the paper's setting)
-    hsdp:       sharded over 'seq' only, replicated across groups: gathers stay inside a seq group
+Every parameter names its axes (models/layers.py); activations are named here. The table, RULES,
+says for each logical axis whether it is split, and a parameter strategy says over which mesh
+axes parameters are split:
+
+    fsdp:       over the whole mesh, ('group', 'seq') (ZeRO-3 style, the paper's setting)
+    hsdp:       over 'seq' only, replicated across groups: gathers stay inside a seq group
                 (inside a host) and the cross-group gradient reduction runs on 1/sp shards
-    host:       sharded over the devices of one host, replicated across hosts, whatever the seq
-                group size: gathers never leave a host and each gradient element crosses hosts
-                once, as a 1/(devices per host) shard (reduce-scatter inside the host, all-reduce
-                of the shard across hosts). Needs devices_per_host.
-    replicated: every device holds everything (small models, debugging); never the default
+    host:       over the devices of one host, replicated across hosts, whatever the seq group
+                size: gathers never leave a host and each gradient element crosses hosts once,
+                as a 1/(devices per host) shard (reduce-scatter inside the host, all-reduce of
+                the shard across hosts). Needs devices_per_host.
+    replicated: nowhere: every device holds everything (small models, debugging); never the default
 
-One dimension per parameter is sharded: the largest one divisible by the axis size (ties go to
-the earlier dimension), or none when no dimension divides (a small bias stays replicated).
+ShardingRules(strategy, mesh) turns names into PartitionSpecs and NamedShardings; it refuses a
+parameter whose names put one mesh axis on two of its dimensions. A split dimension the axis
+size does not divide (a tiny test vocabulary) falls back to the parameter's first other
+dimension it divides, never the layer stack; a parameter none divides stays whole.
 
 The host strategy places parameters on a second mesh over the same devices in the same order,
 ('host', 'local') of shape (hosts, devices per host): a host is a run of consecutive devices of
@@ -21,6 +27,9 @@ the two meshes mix freely in one program.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -28,11 +37,34 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .mesh import GROUP, SEQ
 
 STRATEGIES = ("fsdp", "hsdp", "host", "replicated")
-# A dimension at least 1/MAJOR_RATIO of the largest is "large": hidden vs MLP width is 2.7-5.4x
-# in Llama/Qwen (4096 vs 14336, 2048 vs 11008); vocabularies are 7.8x the hidden size and more
-# (32000 vs 4096 to 151936 vs 896), and stacked layer counts far smaller, so they stay apart.
-MAJOR_RATIO = 6
 HOST, LOCAL = "host", "local"
+SPLIT = "split"  # in RULES: split over the strategy's parameter axes
+
+# The one table. One axis of each parameter is split: the major axis of each matrix (a gather or
+# scatter along a minor one makes XLA transpose the whole stacked parameter first: 0.9 GiB per
+# MLP matrix of an 8B model) and the vocabulary wherever it is, so the embedding and the LM head
+# are used where they are stored (models.vocab_parallel). Activations: rows over groups, the
+# sequence over the devices of a group; an axis not named here (hidden, heads) is whole.
+RULES: dict[str, str | None] = {
+    # parameters
+    "layers": None,          # the stacked layer axis (scan_layers): every device has every layer
+    "vocab": SPLIT,          # embedding rows, LM-head columns
+    "embed": None,           # the model width of the tables and of o_proj's, down_proj's outputs
+    "qkv_embed": SPLIT,      # q/k/v_proj inputs [embed, heads * head_dim]
+    "q_heads": None,         # q_proj outputs and bias
+    "kv_heads": None,        # k/v_proj outputs and biases
+    "o_heads": SPLIT,        # o_proj input [heads * head_dim, embed]
+    "mlp_up_embed": SPLIT,   # gate/up_proj inputs [embed, mlp]
+    "mlp_up": None,          # gate/up_proj outputs
+    "mlp_down": SPLIT,       # down_proj input [mlp, embed]
+    "norm": SPLIT,           # RMSNorm weights [embed]
+    "head_dim": SPLIT,       # q/k norm weights [head_dim] (Qwen3)
+    # activations [batch, sequence, ...]
+    "batch": GROUP,
+    "sequence": SEQ,
+}
+# A flat token axis over the whole mesh, group-major: each device's slice is the tokens it holds.
+TOKENS = ("batch", "sequence")
 
 
 def host_mesh(mesh: Mesh, devices_per_host: int) -> Mesh:
@@ -45,64 +77,109 @@ def host_mesh(mesh: Mesh, devices_per_host: int) -> Mesh:
     return Mesh(grid, (HOST, LOCAL), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
-def _strategy_axes(strategy: str):
-    if strategy == "fsdp":
-        return (GROUP, SEQ)
-    if strategy == "hsdp":
-        return SEQ
-    if strategy == "host":
-        return LOCAL
-    if strategy == "replicated":
-        return None
-    raise ValueError(f"unknown parameter sharding {strategy!r}; use one of {', '.join(STRATEGIES)}")
+def _mesh_axes(name: str, split: tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh axes logical axis `name` goes to (() when it is whole)."""
+    if name not in RULES:
+        raise ValueError(f"logical axis {name!r} is not in basp_jax.sharding.RULES; name the "
+                         f"axis with one of {', '.join(RULES)} (or None for a whole axis)")
+    rule = RULES[name]
+    return split if rule == SPLIT else (() if rule is None else (rule,))
 
 
-def _placement_mesh(mesh: Mesh, strategy: str, devices_per_host: int | None) -> Mesh:
-    if strategy != "host":
-        return mesh
-    if devices_per_host is None:
-        raise ValueError("param_sharding='host' needs devices_per_host (the devices of one host)")
-    return host_mesh(mesh, devices_per_host)
+def _entry(axes: tuple[str, ...]):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def param_spec(shape: tuple[int, ...], mesh: Mesh, strategy: str,
-               devices_per_host: int | None = None) -> P:
-    """The PartitionSpec of one parameter of `shape` under `strategy` (on the ('host', 'local')
-    mesh for strategy='host', basp_jax.sharding.host_mesh)."""
-    axes = _strategy_axes(strategy)
-    if axes is None:
+def _resolve(names, split: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The mesh axes of each dimension; refuses one mesh axis on two dimensions."""
+    out, seen = [], {}
+    for dim, entry in enumerate(names):
+        logical = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        axes = tuple(a for name in logical for a in _mesh_axes(name, split))
+        for a in axes:
+            if a in seen:
+                raise ValueError(
+                    f"logical axes {names[seen[a]]!r} and {entry!r} of {tuple(names)} both map to "
+                    f"mesh axis {a!r}; change basp_jax.sharding.RULES so one of them is whole")
+            seen[a] = dim
+        out.append(axes)
+    return out
+
+
+def activation_spec(*names) -> P:
+    """The PartitionSpec of an activation whose axes have these logical names (None: whole; a
+    tuple: one flat axis over several), e.g. activation_spec('batch', 'sequence', None)."""
+    return P(*(_entry(axes) for axes in _resolve(names, ())))
+
+
+# [B, S, ...] activations: rows over groups, sequence over the devices of a seq group.
+ACTIVATION_SPEC = activation_spec("batch", "sequence")
+
+
+def activation_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of [B, S, ...] activations and [B, S] token/segment arrays."""
+    return NamedSharding(mesh, ACTIVATION_SPEC)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """RULES under one parameter strategy on one ('group', 'seq') mesh (devices_per_host: the
+    devices of one host, needed by strategy='host')."""
+
+    strategy: str
+    mesh: Mesh
+    devices_per_host: int | None = None
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown parameter sharding {self.strategy!r}; use one of "
+                             f"{', '.join(STRATEGIES)}")
+        if self.strategy == "host" and self.devices_per_host is None:
+            raise ValueError("param_sharding='host' needs devices_per_host (the devices of one host)")
+
+    @functools.cached_property
+    def placement(self) -> Mesh:
+        """The mesh parameters are placed on: ('host', 'local') for 'host', else the mesh."""
+        if self.strategy == "host":
+            return host_mesh(self.mesh, self.devices_per_host)
+        return self.mesh
+
+    @property
+    def split_axes(self) -> tuple[str, ...]:
+        """The mesh axes of `placement` that a split parameter axis goes to."""
+        return {"fsdp": (GROUP, SEQ), "hsdp": (SEQ,), "host": (LOCAL,),
+                "replicated": ()}[self.strategy]
+
+    def spec(self, names, shape) -> P:
+        """The PartitionSpec of a parameter of `shape` whose axes are named `names`."""
+        if len(names) != len(shape):
+            raise ValueError(f"a parameter of shape {tuple(shape)} has {len(names)} axis names "
+                             f"{tuple(names)}; name every axis")
+        split = self.split_axes
+        dims = _resolve(names, split)
+        size = int(np.prod([self.placement.shape[a] for a in split], dtype=np.int64))
+        chosen = [i for i, axes in enumerate(dims) if axes]
+        if size == 1 or not chosen:
+            return P()
+        if all(shape[i] % size == 0 for i in chosen):
+            return P(*(_entry(axes) for axes in dims))
+        # The split dimension does not divide: the first other one that does, not the layers.
+        for i, n in enumerate(shape):
+            if names[i] != "layers" and n % size == 0:
+                return P(*(_entry(split) if j == i else None for j in range(len(shape))))
         return P()
-    mesh = _placement_mesh(mesh, strategy, devices_per_host)
-    names = axes if isinstance(axes, tuple) else (axes,)
-    size = 1
-    for name in names:
-        size *= mesh.shape[name]
-    if size == 1:
-        return P()
-    candidates = [i for i, n in enumerate(shape) if n % size == 0]
-    if not candidates:
-        return P()
-    # The major-most of the large dimensions: a gather or scatter along a minor one makes XLA
-    # transpose the whole stacked parameter first (0.9 GiB per MLP matrix of an 8B model).
-    largest = max(shape[i] for i in candidates)
-    dim = min(i for i in candidates if shape[i] * MAJOR_RATIO >= largest)
-    spec = [None] * len(shape)
-    spec[dim] = axes
-    return P(*spec)
 
+    def sharding(self, names, shape) -> NamedSharding:
+        return NamedSharding(self.placement, self.spec(names, shape))
 
-def param_sharding(shape: tuple[int, ...], mesh: Mesh, strategy: str,
-                   devices_per_host: int | None = None) -> NamedSharding:
-    spec = param_spec(tuple(shape), mesh, strategy, devices_per_host)
-    return NamedSharding(_placement_mesh(mesh, strategy, devices_per_host), spec)
+    def shardings(self, names, tree):
+        """NamedShardings for the array (or ShapeDtypeStruct) leaves of `tree`, from `names`: a
+        pytree like `tree` with each leaf's tuple of axis names (models.param_names)."""
+        return jax.tree.map(lambda x, n: self.sharding(n, x.shape), tree, names)
 
-
-def tree_shardings(tree, mesh: Mesh, strategy: str, devices_per_host: int | None = None):
-    """NamedShardings for every array (or ShapeDtypeStruct) leaf of a pytree of parameters."""
-    placement = _placement_mesh(mesh, strategy, devices_per_host)  # one Mesh for every leaf
-    return jax.tree.map(
-        lambda x: NamedSharding(placement, param_spec(tuple(x.shape), mesh, strategy,
-                                                      devices_per_host)), tree)
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
 
 
 def abstract_arrays(tree, shardings=None):

@@ -263,7 +263,7 @@ def train_steps(shapes: Shapes, steps: int, on_gpu: bool) -> dict:
         print(f"  {devices[0].device_kind}: {limit / 2**30:.0f} GiB usable, so "
               f"{cfg.data.seq_len} tokens instead of {shapes.step_seq}", flush=True)
     plan = plan_run(cfg, mcfg, devices, 1)
-    parts = build_model(model_factory(cfg, mcfg, plan), plan.mesh, plan.strategy, init_params=True)
+    parts = build_model(model_factory(cfg, mcfg, plan), plan.rules, init_params=True)
     program = build_program(cfg, plan, parts)
     params, opt_state = parts.params, init_opt_state(program.tx, parts.params, program.opt_shardings)
     t0 = time.perf_counter()

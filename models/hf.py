@@ -27,11 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from huggingface_hub import split_state_dict_into_shards_factory
-from jax.sharding import Mesh
-
-from basp_jax.sharding import param_sharding
 
 from .config import ModelConfig, ModelError
+from .layers import axis_names
 from .options import RunOptions
 from .safetensors_io import INDEX_FILE, SINGLE_FILE, Checkpoint, write_safetensors
 from .transformer import Transformer, abstract_model
@@ -76,32 +74,38 @@ def _leaf_value(leaf):
     return leaf
 
 
-def load_hf_params(path: str, config: ModelConfig | None = None, *, mesh: Mesh | None = None,
-                   param_dtype=jnp.float32, param_sharding: str = "fsdp", scan_layers: bool = True):
+def load_hf_params(path: str, config: ModelConfig | None = None, *,
+                   options: RunOptions | None = None, **option_fields):
     """The parameters of a Hugging Face directory as an nnx.State matching
-    `nnx.state(Transformer(config, ...), nnx.Param)`.
+    `nnx.state(Transformer(config, options=options), nnx.Param)` (options as for Transformer:
+    a models.RunOptions or its fields as keywords; its param_dtype, scan_layers, mesh and
+    param_sharding matter here).
 
-    With a mesh, each parameter is created with jax.make_array_from_callback under
-    basp_jax.sharding.param_sharding(shape, mesh, param_sharding): every device receives only its
-    slice, read from the memory-mapped file, so no device or host holds the whole checkpoint.
-    Without a mesh, arrays go to the default device. Use with nnx.update(model, params).
+    With a mesh, each parameter is created with jax.make_array_from_callback under its sharding
+    from options.rules (its logical axis names): every device receives only its slice, read from
+    the memory-mapped file, so no device or host holds the whole checkpoint. Without a mesh,
+    arrays go to the default device. Use with nnx.update(model, params).
     """
+    options = RunOptions.of(options, **option_fields)
     config = ModelConfig.from_hf(path) if config is None else config
     checkpoint = Checkpoint(path)
-    dtype = np.dtype(param_dtype)
+    dtype = np.dtype(options.param_dtype)
+    rules = options.rules
     flat = []
-    for key, names, transpose, shape in _expected_tensors(checkpoint, config, param_dtype,
-                                                          scan_layers):
+    for key, names, transpose, leaf in _expected_tensors(checkpoint, config, options.param_dtype,
+                                                         options.scan_layers):
         tensors = [checkpoint.slice(name) for name in names]  # lazy: each device reads its block
         stacked = is_stacked(key)
-        flat.append((key, _place(tensors if stacked else tensors[0], transpose, shape, dtype, mesh,
-                                 param_sharding, stacked)))
+        shape = tuple(_leaf_value(leaf).shape)
+        sharding = None if rules is None else rules.sharding(axis_names(leaf), shape)
+        flat.append((key, _place(tensors if stacked else tensors[0], transpose, shape, dtype,
+                                 sharding, stacked)))
     return nnx.from_flat_state(flat)
 
 
 def _expected_tensors(checkpoint: Checkpoint, config: ModelConfig, param_dtype=jnp.float32,
                       scan_layers: bool = True):
-    """(state key, HF name, transposed?, our shape) of every parameter of `config`, after checking
+    """(state key, HF names, transposed?, abstract nnx.Param) of every parameter of `config`, after checking
     that the directory holds each tensor with the matching shape (reads only the headers)."""
     state = nnx.state(abstract_model(config, param_dtype=param_dtype, scan_layers=scan_layers),
                       nnx.Param)
@@ -119,7 +123,7 @@ def _expected_tensors(checkpoint: Checkpoint, config: ModelConfig, param_dtype=j
                     f"config.json needs {hf_shape}; the weights belong to another model"
                 )
             checkpoint.check(name)
-        out.append((key, names, transpose, shape))
+        out.append((key, names, transpose, leaf))
     return out
 
 
@@ -132,7 +136,7 @@ def check_pretrained(path: str, config: ModelConfig | None = None) -> ModelConfi
     return config
 
 
-def _place(tensor, transpose: bool, shape, dtype, mesh, strategy, stacked: bool = False):
+def _place(tensor, transpose: bool, shape, dtype, sharding, stacked: bool = False):
     """A (sharded) array of `shape` from a tensor, or from a list of per-layer tensors stacked."""
     def read_one(tensor, index=None):
         if transpose:
@@ -148,9 +152,8 @@ def _place(tensor, transpose: bool, shape, dtype, mesh, strategy, stacked: bool 
             return np.stack([read_one(t) for t in tensor])
         return np.stack([read_one(t, index[1:]) for t in tensor[index[0]]])
 
-    if mesh is None:
+    if sharding is None:
         return jnp.asarray(read())
-    sharding = param_sharding(shape, mesh, strategy)
     return jax.make_array_from_callback(shape, sharding, lambda index: read(index))
 
 
@@ -171,10 +174,7 @@ def from_pretrained(path: str, *, options: RunOptions | None = None,
     options = RunOptions.of(options, **option_fields)
     config = ModelConfig.from_hf(path)
     model = abstract_model(config, options=options)
-    nnx.update(model, load_hf_params(path, config, mesh=options.mesh,
-                                     param_dtype=options.param_dtype,
-                                     param_sharding=options.param_sharding,
-                                     scan_layers=options.scan_layers))
+    nnx.update(model, load_hf_params(path, config, options=options))
     return model
 
 

@@ -1,11 +1,9 @@
 """Decoder building blocks: Linear, Embed, RMSNorm, RoPE (incl. llama3 scaling), SwiGLU, attention.
 
 Parameters are stored in `param_dtype` and cast to the compute `dtype` at use. Every nnx.Param carries
-logical axis names (`out_sharding` metadata) from
-{'vocab', 'embed', 'mlp', 'heads', 'kv_heads', 'head_dim'};
-they are informational: the trainer shards parameters by shape (basp_jax.sharding), and nothing here
-reaches for a global mesh. Attribute names follow Hugging Face's so the checkpoint mapping is
-mechanical (see models/hf.py).
+logical axis names (`out_sharding` metadata), the keys of basp_jax.sharding.RULES, which place it on
+a mesh (param_names, basp_jax.sharding.ShardingRules); nothing here reaches for a global mesh.
+Attribute names follow Hugging Face's so the checkpoint mapping is mechanical (see models/hf.py).
 """
 
 from __future__ import annotations
@@ -16,30 +14,41 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import basp_jax
 from basp_jax import kernels as basp_kernels
+from basp_jax.sharding import HOST, LOCAL, TOKENS, ShardingRules, activation_spec
 
 from . import vocab_parallel
 from .config import ModelConfig
 from .options import RunOptions
 
-# [B, S, ...] activations: rows over groups, sequence over the devices of a seq group.
-ACTIVATION_SPEC = P("group", "seq", None)
 
-
-def param(value: jax.Array, names: tuple[str | None, ...]) -> nnx.Param:
+def param(value: jax.Array, names: tuple[str, ...]) -> nnx.Param:
     """An nnx.Param with logical axis names and no eager placement (there is no global mesh)."""
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
+def axis_names(variable: nnx.Variable) -> tuple[str, ...]:
+    """The logical axis names of a parameter (a stacked layer's begin with 'layers')."""
+    return tuple(variable.get_metadata()["out_sharding"])
+
+
+def param_names(state: nnx.State) -> dict:
+    """The logical axis names of every parameter of `state`, as a pure dict like
+    nnx.to_pure_dict(state) with a tuple of names for each array."""
+    flat = [(tuple(path), axis_names(v)) for path, v in nnx.to_flat_state(state)]
+    return traverse_util.unflatten_dict(dict(flat))
+
+
 def constrain(x: jax.Array, mesh: Mesh | None) -> jax.Array:
-    """Constrain [B, S, ...] activations to P('group', 'seq', None, ...) (no-op without a mesh)."""
+    """Constrain [B, S, ...] activations to rows over groups, sequence over a group (no-op
+    without a mesh)."""
     if mesh is None:
         return x
-    spec = P("group", "seq", *([None] * (x.ndim - 2)))
+    spec = activation_spec("batch", "sequence", *([None] * (x.ndim - 2)))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
@@ -79,16 +88,15 @@ def _cotangent_sharding_bwd(sharding, _, g):
 cotangent_sharding.defvjp(_cotangent_sharding_fwd, _cotangent_sharding_bwd)
 
 
-def host_copies(w: jax.Array, mesh: Mesh, host_mesh: Mesh) -> jax.Array:
+def host_copies(w: nnx.Param, rules: ShardingRules) -> jax.Array:
     """[hosts, *w.shape]: one copy of a host-sharded parameter per host (no data moves). Host h's
     tokens use copy h; every use's cotangent is summed into the host's shards (the constraint),
     and the broadcast's transpose sums the hosts' shards once: 1/(devices per host) of the
     gradient crosses hosts, however many uses and loop iterations contributed."""
-    from basp_jax.sharding import param_spec  # the parameter's own placement
-
-    spec = param_spec(w.shape, mesh, "host", host_mesh.shape["local"])
-    copies = jnp.broadcast_to(w, (host_mesh.shape["host"], *w.shape))
-    return cotangent_sharding(copies, NamedSharding(host_mesh, P("host", *spec)))
+    spec = rules.spec(axis_names(w), w.shape)  # the parameter's own placement
+    hosts = rules.placement.shape[HOST]
+    copies = jnp.broadcast_to(w[...], (hosts, *w.shape))
+    return cotangent_sharding(copies, NamedSharding(rules.placement, P(HOST, *spec)))
 
 
 def host_major(x: jax.Array, mesh: Mesh, host_mesh: Mesh) -> jax.Array:
@@ -97,29 +105,34 @@ def host_major(x: jax.Array, mesh: Mesh, host_mesh: Mesh) -> jax.Array:
     b, s, rest = x.shape[0], x.shape[1], x.shape[2:]
     g, sp = mesh.shape["group"], mesh.shape["seq"]
     x = x.reshape(g, b // g, sp, s // sp, *rest)
-    x = jnp.moveaxis(x, 2, 1).reshape(host_mesh.shape["host"], -1, *rest)
-    spec = P("host", "local", *([None] * len(rest)))
+    x = jnp.moveaxis(x, 2, 1).reshape(host_mesh.shape[HOST], -1, *rest)
+    spec = P(HOST, LOCAL, *([None] * len(rest)))
     return jax.lax.with_sharding_constraint(x, NamedSharding(host_mesh, spec))
 
 
 class Embed(nnx.Module):
     """Token embedding table [vocab, embed]; `attend` reuses it as the output projection (tied).
 
-    `host_mesh` (basp_jax.sharding.host_mesh, when parameters are sharded inside hosts) makes the
-    lookup's gradient reduce hierarchically: summed inside each host into the host's shards, then
-    one all-reduce of each shard across hosts.
+    `rules` (basp_jax.sharding.ShardingRules, with a mesh) says where the table is stored: split
+    on the vocabulary (fsdp, hsdp), the lookup moves tokens, not the table
+    (models.vocab_parallel); split inside hosts (host), the lookup's gradient reduces
+    hierarchically: summed inside each host into the host's shards, then one all-reduce of each
+    shard across hosts.
     """
 
     def __init__(self, vocab: int, features: int, *, rngs: nnx.Rngs, dtype, param_dtype,
-                 init_std: float, mesh: Mesh | None = None, host_mesh: Mesh | None = None):
+                 init_std: float, rules: ShardingRules | None = None):
         self.weight = param(
             init_std * jax.random.normal(rngs.params(), (vocab, features), param_dtype),
             ("vocab", "embed"),
         )
         self.dtype = dtype
-        self.mesh = mesh
-        self.host_mesh = host_mesh
-        self.vocab_axes = None  # mesh axes of a vocabulary-sharded table (models.vocab_parallel)
+        self.rules = rules
+        self.mesh = None if rules is None else rules.mesh
+        self.host_mesh = rules.placement if rules is not None and rules.strategy == "host" else None
+        # the mesh axes of a vocabulary-sharded table (models.vocab_parallel), else None
+        self.vocab_axes = vocab_parallel.vocab_axes(axis_names(self.weight), self.weight.shape,
+                                                    rules)
 
     def __call__(self, tokens: jax.Array, copies: jax.Array | None = None) -> jax.Array:
         if self.mesh is None:
@@ -132,7 +145,8 @@ class Embed(nnx.Module):
         b, s = tokens.shape
         g, sp = self.mesh.shape["group"], self.mesh.shape["seq"]
         flat = tokens.reshape(g, b // g, sp, s // sp).transpose(0, 2, 1, 3).reshape(-1)
-        flat = jax.lax.with_sharding_constraint(flat, NamedSharding(self.mesh, P(("group", "seq"))))
+        flat = jax.lax.with_sharding_constraint(
+            flat, NamedSharding(self.mesh, activation_spec(TOKENS)))
         if self.vocab_axes is not None:
             out = vocab_parallel.lookup(self.weight[...], flat, mesh=self.mesh,
                                         axes=self.vocab_axes, dtype=self.dtype)
@@ -149,12 +163,12 @@ class Embed(nnx.Module):
         full table's gradient across hosts; here the copies' cotangents are first summed inside
         each host into its parameter shards (the constraint), and the broadcast's transpose then
         adds the hosts' shards: 1/(devices per host) of the table crosses hosts."""
-        hosts = self.host_mesh.shape["host"]
+        hosts = self.host_mesh.shape[HOST]
         if copies is None:
-            copies = host_copies(self.weight[...], self.mesh, self.host_mesh)
+            copies = host_copies(self.weight, self.rules)
         # The flat token order is host-major (basp_jax.mesh), so row h holds host h's tokens.
         tokens = jax.lax.with_sharding_constraint(
-            flat.reshape(hosts, -1), NamedSharding(self.host_mesh, P("host", "local")))
+            flat.reshape(hosts, -1), NamedSharding(self.host_mesh, P(HOST, LOCAL)))
         out = jax.vmap(lambda table, t: jnp.take(table, t, axis=0))(copies, tokens)
         return out.reshape(flat.shape[0], -1)
 
@@ -235,10 +249,10 @@ class Attention(nnx.Module):
         std = config.initializer_range
         dtype, param_dtype = options.dtype, options.param_dtype
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, init_std=std)
-        self.q_proj = Linear(d, hq * hd, ("embed", "heads"), use_bias=config.attention_bias, **kw)
-        self.k_proj = Linear(d, hkv * hd, ("embed", "kv_heads"), use_bias=config.attention_bias, **kw)
-        self.v_proj = Linear(d, hkv * hd, ("embed", "kv_heads"), use_bias=config.attention_bias, **kw)
-        self.o_proj = Linear(hq * hd, d, ("heads", "embed"), use_bias=config.attention_out_bias, **kw)
+        self.q_proj = Linear(d, hq * hd, ("qkv_embed", "q_heads"), use_bias=config.attention_bias, **kw)
+        self.k_proj = Linear(d, hkv * hd, ("qkv_embed", "kv_heads"), use_bias=config.attention_bias, **kw)
+        self.v_proj = Linear(d, hkv * hd, ("qkv_embed", "kv_heads"), use_bias=config.attention_bias, **kw)
+        self.o_proj = Linear(hq * hd, d, ("o_heads", "embed"), use_bias=config.attention_out_bias, **kw)
         if config.qk_norm:
             nkw = dict(eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
             self.q_norm = RMSNorm(hd, ("head_dim",), **nkw)
@@ -299,9 +313,9 @@ class MLP(nnx.Module):
         d, f = config.hidden_size, config.intermediate_size
         kw = dict(use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
                   init_std=config.initializer_range)
-        self.gate_proj = Linear(d, f, ("embed", "mlp"), **kw)
-        self.up_proj = Linear(d, f, ("embed", "mlp"), **kw)
-        self.down_proj = Linear(f, d, ("mlp", "embed"), **kw)
+        self.gate_proj = Linear(d, f, ("mlp_up_embed", "mlp_up"), **kw)
+        self.up_proj = Linear(d, f, ("mlp_up_embed", "mlp_up"), **kw)
+        self.down_proj = Linear(f, d, ("mlp_down", "embed"), **kw)
 
     def __call__(self, x):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from basp_jax.sharding import ACTIVATION_SPEC, HOST, activation_spec
+
 
 def causal_lm_loss(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array | None = None):
     """(sum of token losses, number of counted tokens), both float32 scalars.
@@ -94,9 +96,10 @@ def chunked_lm_loss(hidden: jax.Array, targets: jax.Array, project: Callable, we
     else:  # the loss is a sum over tokens: their order does not matter
         from .layers import host_major
 
-        hs = jax.lax.with_sharding_constraint(hs, NamedSharding(mesh, P(None, "group", "seq")))
-        ts = jax.lax.with_sharding_constraint(ts, NamedSharding(mesh, P(None, "group", "seq")))
-        per_host = NamedSharding(host_mesh, P("host"))
+        chunks = NamedSharding(mesh, activation_spec(None, "batch", "sequence"))  # [n, B, sp, ...]
+        hs = jax.lax.with_sharding_constraint(hs, chunks)
+        ts = jax.lax.with_sharding_constraint(ts, chunks)
+        per_host = NamedSharding(host_mesh, P(HOST))
 
         def per_chunk(h, t, w):  # each host's sums: they cross hosts once, after the loop
             h, t = host_major(h, mesh, host_mesh), host_major(t, mesh, host_mesh)
@@ -104,7 +107,7 @@ def chunked_lm_loss(hidden: jax.Array, targets: jax.Array, project: Callable, we
             return tuple(jax.lax.with_sharding_constraint(x, per_host) for x in sums)
 
         zero = jax.lax.with_sharding_constraint(
-            jnp.zeros((host_mesh.shape["host"],), jnp.float32), per_host)
+            jnp.zeros((host_mesh.shape[HOST],), jnp.float32), per_host)
     total, count = _sum_chunks(jax.checkpoint(per_chunk), weight, hs, ts, zero)
     return total.sum(), count.sum()
 
@@ -127,8 +130,8 @@ def _per_device_chunks(hidden, targets, project, weight, loss_fn, mesh: Mesh, c:
     all-reduce the whole [vocab, hidden] gradient once per chunk (the emulated cluster's B=8 step
     under hsdp: 16.5 instead of 9.0 MiB across hosts per device; a 128K x 2048 fp32 head at 4K
     tokens per device: 32 chunks of 1 GB per step)."""
-    axes = ("group", "seq")
-    tokens = P("group", "seq")
+    axes = tuple(mesh.axis_names)
+    tokens = ACTIVATION_SPEC
 
     @jax.checkpoint
     def chunk_loss(h, t, w):

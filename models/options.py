@@ -22,7 +22,7 @@ from basp_jax import Layout
 from basp_jax import kernels as basp_kernels
 from basp_jax.mesh import layout_on
 from basp_jax.remat import save_exchanges
-from basp_jax.sharding import STRATEGIES
+from basp_jax.sharding import STRATEGIES, ShardingRules
 
 from .config import ModelConfig, ModelError
 
@@ -48,10 +48,10 @@ class RunOptions:
     attn_impl: the attention kernel (basp_jax.kernels.IMPLS).
     remat: the rematerialisation policy (REMAT_POLICIES).
     scan_layers: the layers as one stacked Block under lax.scan (else a Python list).
-    param_sharding: how parameters are stored on the mesh (basp_jax.sharding.STRATEGIES); the
-        embedding and LM head are used where they are stored when it shards the vocabulary.
-    host_mesh: with host parameter sharding, basp_jax.sharding.host_mesh(mesh, ...): the
-        embedding's gradient is then summed inside each host before it crosses hosts.
+    param_sharding: how parameters are stored on the mesh (basp_jax.sharding.STRATEGIES; 'host'
+        needs the layout, for its devices_per_host); `rules` places them. The embedding and LM
+        head are used where they are stored when it splits the vocabulary; under 'host' their
+        gradient is summed inside each host before it crosses hosts.
     """
 
     mesh: Mesh | None = None
@@ -62,7 +62,6 @@ class RunOptions:
     remat: str = "none"
     scan_layers: bool = True
     param_sharding: str = "fsdp"
-    host_mesh: Mesh | None = None
 
     def __post_init__(self):
         if self.remat not in REMAT_POLICIES:
@@ -81,6 +80,17 @@ class RunOptions:
             )
         if self.layout is not None and self.mesh is None:
             raise ModelError("a layout needs its mesh: pass mesh=basp_jax.make_mesh(layout)")
+        if self.param_sharding == "host" and self.mesh is not None and self.layout is None:
+            raise ModelError("param_sharding='host' needs the layout the mesh was made from (its "
+                             "devices_per_host): pass layout=layout")
+
+    @property
+    def rules(self) -> ShardingRules | None:
+        """Where parameters and activations live on the mesh (None without one)."""
+        if self.mesh is None:
+            return None
+        per_host = None if self.layout is None else self.layout.devices_per_host
+        return ShardingRules(self.param_sharding, self.mesh, per_host)
 
     @classmethod
     def of(cls, options: "RunOptions | None" = None, **fields) -> "RunOptions":

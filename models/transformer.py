@@ -15,14 +15,15 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import NamedSharding
 
 import basp_jax
-from basp_jax.sharding import abstract_arrays, tree_shardings
+from basp_jax.sharding import ShardingRules, abstract_arrays, activation_spec
 
 from . import vocab_parallel
 from .config import ModelConfig, ModelError
-from .layers import MLP, Attention, Embed, Linear, RMSNorm, constrain, host_copies
+from .layers import (MLP, Attention, Embed, Linear, RMSNorm, axis_names, constrain, host_copies,
+                     param_names)
 from .loss import LOSS_CHUNK_TOKENS, causal_lm_loss, chunked_lm_loss
 from .options import RunOptions
 
@@ -32,9 +33,9 @@ class Block(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, options: RunOptions):
         nkw = dict(eps=config.rms_norm_eps, dtype=options.dtype, param_dtype=options.param_dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, ("embed",), **nkw)
+        self.input_layernorm = RMSNorm(config.hidden_size, ("norm",), **nkw)
         self.self_attn = Attention(config, rngs=rngs, options=options)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, ("embed",), **nkw)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, ("norm",), **nkw)
         self.mlp = MLP(config, rngs=rngs, dtype=options.dtype, param_dtype=options.param_dtype)
         self.mesh = options.mesh
 
@@ -63,7 +64,7 @@ def _stacked_blocks(config: ModelConfig, rngs: nnx.Rngs, options: RunOptions) ->
     """One Block whose parameters carry a leading [num_layers] axis (each layer its own init)."""
 
     @nnx.split_rngs(splits=config.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make(rngs):
         return Block(config, rngs=rngs, options=options)
 
@@ -93,19 +94,9 @@ class Transformer(nnx.Module):
         self.mesh = options.mesh
         self.dtype = dtype = options.dtype
         param_dtype = options.param_dtype
-        mesh, param_sharding = options.mesh, options.param_sharding
         std = config.initializer_range
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs, dtype=dtype,
-                                  param_dtype=param_dtype, init_std=std, mesh=mesh,
-                                  host_mesh=options.host_mesh)
-        # The vocabulary's mesh axes when the parameters are stored sharded on it (fsdp/hsdp):
-        # lookup and loss then move tokens, not tables (models.vocab_parallel).
-        vocab, width = config.vocab_size, config.hidden_size
-        self.embed_tokens.vocab_axes = vocab_parallel.vocab_axes(
-            (vocab, width), 0, mesh, param_sharding)
-        self.head_vocab_axes = vocab_parallel.vocab_axes(
-            (vocab, width) if config.tie_word_embeddings else (width, vocab),
-            0 if config.tie_word_embeddings else 1, mesh, param_sharding)
+                                  param_dtype=param_dtype, init_std=std, rules=options.rules)
         # scan_layers: one Block of stacked [num_layers, ...] parameters run under lax.scan, so
         # the step compiles one layer whatever the depth; else a list of Blocks in a Python loop.
         if options.scan_layers:
@@ -113,14 +104,19 @@ class Transformer(nnx.Module):
         else:
             self.layers = nnx.List([Block(config, rngs=rngs, options=options)
                                     for _ in range(config.num_layers)])
-        self.norm = RMSNorm(config.hidden_size, ("embed",), eps=config.rms_norm_eps, dtype=dtype,
+        self.norm = RMSNorm(config.hidden_size, ("norm",), eps=config.rms_norm_eps, dtype=dtype,
                             param_dtype=param_dtype)
         if config.tie_word_embeddings:
             self.lm_head = None
+            self.head_vocab_axes = self.embed_tokens.vocab_axes
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, ("embed", "vocab"),
                                   use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
                                   init_std=std)
+            # the loss then moves tokens, not the head (models.vocab_parallel)
+            kernel = self.lm_head.kernel
+            self.head_vocab_axes = vocab_parallel.vocab_axes(axis_names(kernel), kernel.shape,
+                                                             options.rules)
 
     def hidden_states(self, tokens, segment_ids=None, positions=None, _table=None):
         """Final normalised hidden states [B, S, hidden] in the compute dtype. (_table: the
@@ -223,12 +219,12 @@ class Transformer(nnx.Module):
         no [tokens, vocab] float32 buffer of the whole batch exists, forward or backward."""
         host_mesh = self.embed_tokens.host_mesh
         if self.lm_head is None:
-            project = _project_tied
-            weight = self.embed_tokens.weight[...]
+            project, param = _project_tied, self.embed_tokens.weight
         else:
-            weight, project = self.lm_head.kernel[...], _project_untied
+            project, param = _project_untied, self.lm_head.kernel
+        weight = param[...]
         if host_mesh is not None:  # tied: one set of per-host copies for lookup and projection
-            weight = host_copies(weight, self.mesh, host_mesh)
+            weight = host_copies(param, self.options.rules)
         table = weight if host_mesh is not None and self.lm_head is None else None
         hidden = self.hidden_states(tokens, segment_ids, positions, _table=table)
         with jax.named_scope("loss"):
@@ -252,9 +248,25 @@ def _project_untied(x, weight, *, dtype):  # weight [embed, vocab], as Transform
                       preferred_element_type=jnp.float32)
 
 
-@nnx.jit
 def _compiled_call(model: Transformer, tokens, segment_ids, positions):
-    return model(tokens, segment_ids, positions)
+    # Token arrays placed and the logits' sharding stated: jit cannot name a sharding it infers
+    # when the parameters live on the host mesh (basp_jax.sharding.host_mesh), a second mesh
+    # over the same devices.
+    graphdef, state = nnx.split(model)
+    rows = NamedSharding(model.mesh, activation_spec("batch", "sequence"))
+    tokens, segment_ids, positions = (None if x is None else jax.device_put(x, rows)
+                                      for x in (tokens, segment_ids, positions))
+    logits = NamedSharding(model.mesh, activation_spec("batch", "sequence", None))
+    return _forward_program(graphdef, logits)(state, tokens, segment_ids, positions)
+
+
+@functools.lru_cache(maxsize=16)
+def _forward_program(graphdef, logits_sharding):
+    """The forward of one model structure, compiled once."""
+    def forward(state, tokens, segment_ids, positions):
+        return nnx.merge(graphdef, state)(tokens, segment_ids, positions)
+
+    return jax.jit(forward, out_shardings=logits_sharding)
 
 
 def abstract_model(config: ModelConfig, *, options: RunOptions | None = None,
@@ -271,12 +283,12 @@ def with_values(abstract_state, pure):
     return state
 
 
-def build_sharded(make: Callable[[], nnx.Module], mesh: Mesh, param_sharding: str, *,
-                  init_params: bool = True, devices_per_host: int | None = None):
-    """`make()` initialised directly onto the mesh, every parameter created already sharded
-    (basp_jax.sharding.tree_shardings), so no device ever holds the whole model:
-    (graphdef, (abstract params, abstract rest) nnx.States, params, rest), the last two pure
-    dicts of arrays (rest: the usually empty non-parameter state).
+def build_sharded(make: Callable[[], nnx.Module], rules: ShardingRules, *,
+                  init_params: bool = True):
+    """`make()` initialised directly onto the mesh, every parameter created already placed by
+    `rules` (its logical axis names, basp_jax.sharding.RULES), so no device ever holds the whole
+    model: (graphdef, (abstract params, abstract rest) nnx.States, params, rest), the last two
+    pure dicts of arrays (rest: the usually empty non-parameter state, replicated).
 
     With init_params=False the params are ShapeDtypeStructs carrying their shardings (a restore
     target); only the non-parameter state is computed. The one builder of sharded models:
@@ -284,8 +296,8 @@ def build_sharded(make: Callable[[], nnx.Module], mesh: Mesh, param_sharding: st
     """
     graphdef, abs_params, abs_rest = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
     pure_params, pure_rest = nnx.to_pure_dict(abs_params), nnx.to_pure_dict(abs_rest)
-    param_sh = tree_shardings(pure_params, mesh, param_sharding, devices_per_host)
-    rest_sh = tree_shardings(pure_rest, mesh, param_sharding, devices_per_host)
+    param_sh = rules.shardings(param_names(abs_params), pure_params)
+    rest_sh = jax.tree.map(lambda _: rules.replicated, pure_rest)
 
     def init():
         _, params, rest = nnx.split(make(), nnx.Param, ...)
@@ -304,9 +316,8 @@ def init_model(config: ModelConfig, *, seed: int = 0, options: RunOptions | None
                **option_fields) -> Transformer:
     """A randomly initialised Transformer whose parameters are created already sharded.
 
-    With a mesh, initialisation runs under jit with out_shardings from
-    basp_jax.sharding.tree_shardings(..., options.param_sharding) (build_sharded), so no device
-    ever holds the whole model. The values equal Transformer(config, rngs=nnx.Rngs(seed)) on one
+    With a mesh, initialisation runs under jit with out_shardings from options.rules
+    (build_sharded), so no device ever holds the whole model. The values equal Transformer(config, rngs=nnx.Rngs(seed)) on one
     device (to the last ulp).
     """
     options = RunOptions.of(options, **option_fields)
@@ -316,7 +327,5 @@ def init_model(config: ModelConfig, *, seed: int = 0, options: RunOptions | None
 
     if options.mesh is None:
         return make()
-    per_host = None if options.layout is None else options.layout.devices_per_host
-    graphdef, (abs_params, abs_rest), params, rest = build_sharded(
-        make, options.mesh, options.param_sharding, devices_per_host=per_host)
+    graphdef, (abs_params, abs_rest), params, rest = build_sharded(make, options.rules)
     return nnx.merge(graphdef, with_values(abs_params, params), with_values(abs_rest, rest))

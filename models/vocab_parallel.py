@@ -29,23 +29,24 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from basp_jax.mesh import GROUP, SEQ
-from basp_jax.sharding import param_spec
+from basp_jax.sharding import TOKENS, ShardingRules, activation_spec
 
 from .loss import _chunk_len, token_chunks
 
-TOKENS = (GROUP, SEQ)  # a flat token axis sharded over the whole mesh, group-major
+FLAT = activation_spec(TOKENS)  # a flat token axis over the whole mesh, group-major
 
 
-def vocab_axes(shape: tuple[int, ...], vocab_dim: int, mesh: Mesh | None,
-               strategy: str) -> tuple[str, ...] | None:
-    """The mesh axes a parameter of `shape` has its vocabulary dimension sharded over under
-    `strategy`, or None when the vocabulary is not what is sharded (then the plain, gathering
+def vocab_axes(names: tuple[str, ...], shape: tuple[int, ...],
+               rules: ShardingRules | None) -> tuple[str, ...] | None:
+    """The mesh axes the 'vocab' axis of a parameter (axis `names`, `shape`) is stored split
+    over, or None when the vocabulary is not what is split (then the plain, gathering
     computation applies): no mesh, replicated, host sharding (its own per-host path), or a
     vocabulary no axis size divides."""
-    if mesh is None or strategy not in ("fsdp", "hsdp"):
+    if rules is None or rules.strategy not in ("fsdp", "hsdp"):
         return None
-    spec = tuple(param_spec(tuple(shape), mesh, strategy))
+    spec = tuple(rules.spec(names, shape))
     spec = spec + (None,) * (len(shape) - len(spec))
+    vocab_dim = names.index("vocab")
     axes = spec[vocab_dim]
     if axes is None or any(s is not None for i, s in enumerate(spec) if i != vocab_dim):
         return None
@@ -75,8 +76,8 @@ def lookup(table: jax.Array, flat_tokens: jax.Array, *, mesh: Mesh, axes: tuple[
         found = jnp.where(here[:, None], found, 0).astype(dtype)
         return lax.psum_scatter(found, axes, scatter_dimension=0, tiled=True)  # one row is not 0
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(axes, None), P(TOKENS)),
-                         out_specs=P(TOKENS, None))(table, flat_tokens)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(axes, None), FLAT),
+                         out_specs=activation_spec(TOKENS, None))(table, flat_tokens)
 
 
 def lm_loss(hidden: jax.Array, targets: jax.Array, weight: jax.Array, *, mesh: Mesh,
@@ -92,7 +93,7 @@ def lm_loss(hidden: jax.Array, targets: jax.Array, weight: jax.Array, *, mesh: M
     local_len, rows = s // sp, b // groups
     c = _chunk_len(local_len, rows, chunk_tokens)
     hs, ts = token_chunks(hidden, targets, sp, c)
-    spec = P(None, GROUP, SEQ)
+    spec = activation_spec(None, "batch", "sequence")  # [chunk, B, S]
     w_spec = P(axes, None) if vocab_dim == 0 else P(None, axes)
     contract = "td,vd->tv" if vocab_dim == 0 else "td,dv->tv"
 
@@ -120,5 +121,5 @@ def lm_loss(hidden: jax.Array, targets: jax.Array, weight: jax.Array, *, mesh: M
         return totals.sum()[None], counts.sum()[None]
 
     total, count = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, w_spec),
-                                 out_specs=(P(TOKENS), P(TOKENS)))(hs, ts, weight)
+                                 out_specs=(FLAT, FLAT))(hs, ts, weight)
     return total.sum(), count.sum()

@@ -118,17 +118,19 @@ def test_embedding_gradient_is_not_reduced_one_mesh_axis_at_a_time():
     from flax import nnx
 
     import models
-    from basp_jax.sharding import tree_shardings
+    from basp_jax.sharding import ShardingRules
+    from train.step import build_model
 
     config = models.ModelConfig.preset("tiny")
     layout = Layout.plan(8, 2, 2048, config.num_heads, config.num_kv_heads, devices_per_host=4)
     mesh = make_mesh(layout)
-    graphdef, params, rest = nnx.split(models.abstract_model(config, mesh=mesh), nnx.Param, ...)
-    shardings = tree_shardings(params, mesh, "fsdp")
-    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
+    rules = ShardingRules("fsdp", mesh)
+    parts = build_model(lambda: models.Transformer(config, rngs=nnx.Rngs(0), mesh=mesh), rules,
+                        init_params=False)
+    params, shardings = parts.params, parts.shardings(rules)
 
     def loss(params, tokens):
-        total, count = models.causal_lm_loss(nnx.merge(graphdef, params, rest)(tokens), tokens)
+        total, count = models.causal_lm_loss(parts.module(params)(tokens), tokens)
         return total / count
 
     grads = jax.jit(lambda p, t: jax.lax.with_sharding_constraint(jax.grad(loss)(p, t), shardings))

@@ -70,18 +70,3 @@ def test_host_sharding_trains_the_single_device_losses(tmp_path, batch):
                              f"train.microbatch_size={batch}"))
     assert host["layout"].groups == batch
     np.testing.assert_allclose(host["losses"], single["losses"], rtol=2e-5)
-
-
-
-def test_host_sharding_needs_the_host_size():
-    import jax
-    from basp_jax import Layout, make_mesh
-    from basp_jax.sharding import host_mesh, param_spec, tree_shardings
-
-    mesh = make_mesh(Layout.plan(8, 8, 64, 8, devices_per_host=4))
-    with pytest.raises(ValueError, match="param_sharding='host' needs devices_per_host"):
-        tree_shardings({"w": jax.ShapeDtypeStruct((8, 8), "float32")}, mesh, "host")
-    with pytest.raises(ValueError, match="devices_per_host=3 does not divide the mesh's 8"):
-        host_mesh(mesh, 3)
-    assert param_spec((512, 128), mesh, "host", 4) == jax.sharding.PartitionSpec("local", None)
-    assert host_mesh(mesh, 4).devices.tolist() == mesh.devices.reshape(2, 4).tolist()

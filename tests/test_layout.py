@@ -6,8 +6,6 @@ import pytest
 
 from basp_jax import Layout, LayoutError, attention, make_mesh, mesh_groups
 from basp_jax.layout import kv_replication
-from basp_jax.sharding import param_spec, tree_shardings
-from jax.sharding import PartitionSpec as P
 
 
 def plan(**overrides):
@@ -172,17 +170,3 @@ def test_unknown_or_unavailable_kernels_are_refused():
         attention(x, x, x, mesh=mesh, impl="cudnn")
 
 
-def test_parameter_shardings():
-    mesh = _mesh(2)  # (2, 4)
-    assert param_spec((1024, 256), mesh, "fsdp") == P(("group", "seq"), None)
-    # the major-most dimension at least 1/6 of the largest: (256, 1024) like an MLP on 256
-    assert param_spec((256, 1024), mesh, "hsdp") == P("seq", None)
-    assert param_spec((256, 4096), mesh, "hsdp") == P(None, "seq")  # a vocabulary-like 16x
-    assert param_spec((6, 12), mesh, "hsdp") == P(None, "seq")  # 12 % 4 == 0, 6 % 4 != 0
-    assert param_spec((7,), mesh, "fsdp") == P()  # nothing divides: replicated
-    assert param_spec((1024, 256), mesh, "replicated") == P()
-    with pytest.raises(ValueError, match="unknown parameter sharding 'zero'"):
-        param_spec((8,), mesh, "zero")
-    tree = {"w": jnp.zeros((64, 32)), "b": jnp.zeros((3,))}
-    shardings = tree_shardings(tree, mesh, "fsdp")
-    assert shardings["w"].spec == P(("group", "seq"), None) and shardings["b"].spec == P()

@@ -92,6 +92,24 @@ def test_logits_match_transformers_on_8_devices(checkpoints, tokens, family):
                                    err_msg=f"layout groups={groups} sp={sp}")
 
 
+def test_host_sharded_load_keeps_every_parameter_inside_a_host(checkpoints, tokens):
+    """from_pretrained under host sharding: each parameter split over the devices of one host by
+    its logical axis names (basp_jax.sharding.RULES), the embedding's per-host lookup on, and
+    the logits still transformers'."""
+    directory, expected = checkpoints["qwen3"]
+    layout = basp_jax.Layout.plan(8, BATCH, SEQ, 8, 2, devices_per_host=4)
+    model = models.from_pretrained(directory, mesh=basp_jax.make_mesh(layout), layout=layout,
+                                   param_sharding="host")
+    assert model.embed_tokens.host_mesh is not None
+    for param in (model.embed_tokens.weight, model.layers.mlp.down_proj.kernel):
+        sharding = param[...].sharding
+        assert sharding.mesh.axis_names == ("host", "local")
+        assert "local" in sharding.spec and "host" not in sharding.spec
+    # called eagerly: one program whose token and logit shardings are stated (jit could not
+    # name a sharding it inferred on the host mesh)
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens))), expected, atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("family", hf_tiny.FAMILIES)
 def test_round_trip_through_transformers(checkpoints, tokens, tmp_path, family):
     directory, expected = checkpoints[family]
@@ -273,6 +291,6 @@ def test_loading_onto_a_mesh_hands_each_device_only_its_slice(checkpoints, monke
     embed_shape = (hf_tiny.VOCAB, 64)
     assert blocks[embed_shape] == [(hf_tiny.VOCAB // 8, 64)] * 8
     # gate/up stacked over 2 layers; ours [layers, in, out], read from [out, in] and transposed,
-    # sharded on `in` (the major-most large dimension, basp_jax.sharding.param_spec)
+    # split on `in`, the major axis (basp_jax.sharding.RULES)
     up_proj = (2, 64, 160)
     assert blocks[up_proj] == [(2, 8, 160)] * 8 * 2

@@ -161,7 +161,7 @@ def test_init_model_creates_sharded_parameters_equal_to_eager_init():
     sharded = models.init_model(config, mesh=mesh, seed=3, param_sharding="hsdp")
     eager = models.Transformer(config, rngs=nnx.Rngs(3))
     kernel = sharded.layers.mlp.gate_proj.kernel[...]  # [layers, in, out], the layers stacked
-    # [layers, 128, 256]: the major-most large dimension (basp_jax.sharding.param_spec)
+    # [layers, 128, 256]: gate_proj split on its input, the major axis (basp_jax.sharding.RULES)
     assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "seq", None)
     # Same random stream; jit and eager sampling differ in the last ulp only.
     np.testing.assert_allclose(np.asarray(kernel),

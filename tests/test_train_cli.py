@@ -12,7 +12,7 @@ from tests.helpers.trainer import tiny_overrides, train_cmd as _train
     [
         (["train.stepz=3"], "error: config: unknown config key 'train.stepz'"),
         (["train.microbatch_size=two"], "error: config: train.microbatch_size: expected an integer"),
-        (["parallel.mode=ulysses", "parallel.groups=2"], "ulysses means one group"),
+        (["parallel.mode=ulysses", "parallel.groups=2"], "means groups=1, got groups=2"),
         (["data.source=tokens", "data.path=/nonexistent.bin"], "error: data: token file"),
         (["model.preset=gpt-9"], "error: model: unknown preset 'gpt-9'"),
         (["model.shape.hidden_sise=3"], "error: config: unknown config key 'model.shape.hidden_sise'"),

@@ -71,9 +71,17 @@ def test_bad_values_one_line(tmp_path, override, fragment):
     assert "\n" not in str(info.value)
 
 
-def test_ulysses_with_groups_rejected(tmp_path):
-    with pytest.raises(ConfigError, match="ulysses means one group"):
-        load_config(None, tiny_overrides(tmp_path / "r", "parallel.mode=ulysses", "parallel.groups=2"))
+def test_ulysses_with_groups_rejected_by_the_layouts_own_rule(tmp_path):
+    """The config leaves the split's rules to Layout.plan, which the trainer asks before
+    anything compiles (train.planning.plan)."""
+    import models
+    from basp_jax import LayoutError
+    from train.planning import plan
+
+    cfg = load_config(None, tiny_overrides(tmp_path / "r", "parallel.mode=ulysses",
+                                           "parallel.groups=2"))
+    with pytest.raises(LayoutError, match="mode='ulysses' means groups=1, got groups=2"):
+        plan(cfg, models.ModelConfig.preset("tiny"), 8, 8)
 
 
 def test_missing_required(tmp_path):

@@ -182,7 +182,7 @@ def test_named_scopes_reach_the_train_step_hlo(tmp_path):
     cfg = tiny_config(tmp_path / "r")
     mcfg = model_config(cfg)
     plan = plan_run(cfg, mcfg, jax.devices(), 8)
-    parts = build_model(model_factory(cfg, mcfg, plan), plan.mesh, plan.strategy,
+    parts = build_model(model_factory(cfg, mcfg, plan), plan.rules,
                         init_params=False)
     program = build_program(cfg, plan, parts)
     text = program.lower(*abstract_state(program, parts)).as_text(debug_info=True)

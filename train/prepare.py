@@ -217,9 +217,8 @@ def build_state(run: Run, owner: RunDirLock | None) -> None:
         if run.latest is None and cfg.model.hf_path and cfg.model.load_weights:
             run.parts = _pretrained_parts(cfg, plan)
         else:
-            run.parts = build_model(model_factory(cfg, run.mcfg, plan), plan.mesh, plan.strategy,
-                                    init_params=run.latest is None,
-                                    devices_per_host=plan.layout.devices_per_host)
+            run.parts = build_model(model_factory(cfg, run.mcfg, plan), plan.rules,
+                                    init_params=run.latest is None)
         run.program = build_program(cfg, plan, run.parts)
         if owner is not None:
             owner.__enter__()  # the first write: run.dir (if new) and its lock
@@ -240,13 +239,8 @@ def build_state(run: Run, owner: RunDirLock | None) -> None:
 
 def _pretrained_parts(cfg: Config, plan: RunPlan):
     """model.hf_path's weights, placed by the run's strategy and checked to be finite."""
-    # loaded over the whole mesh (without the host mesh); from_module places it by the run's
-    # strategy
-    options = models.RunOptions.of(
-        model_options(cfg, plan), host_mesh=None,
-        param_sharding="fsdp" if plan.strategy == "host" else plan.strategy)
-    module = models.from_pretrained(cfg.model.hf_path, options=options)
-    parts = from_module(module, plan.mesh, plan.strategy, plan.layout.devices_per_host)
+    module = models.from_pretrained(cfg.model.hf_path, options=model_options(cfg, plan))
+    parts = from_module(module, plan.rules)
     del module
     check_finite_weights(parts.params, cfg.model.hf_path)
     return parts

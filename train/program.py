@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
 from basp_jax import Layout, make_mesh
-from basp_jax.sharding import abstract_arrays, host_mesh, tree_shardings
+from basp_jax.sharding import ShardingRules, abstract_arrays
 
 from . import planning
 from .config import Config
@@ -34,6 +34,11 @@ class RunPlan:
     layout: Layout
     strategy: str  # fsdp | hsdp | host | replicated
     mesh: Mesh
+
+    @property
+    def rules(self) -> ShardingRules:
+        """Where the run's parameters and activations live (basp_jax.sharding.RULES)."""
+        return ShardingRules(self.strategy, self.mesh, self.layout.devices_per_host)
 
 
 def plan_run(cfg: Config, mcfg, devices, devices_per_host: int) -> RunPlan:
@@ -50,12 +55,7 @@ def model_options(cfg: Config, plan: RunPlan | None = None, *,
     fields = dict(dtype=DTYPES[dtype or m.dtype], param_dtype=DTYPES[m.param_dtype],
                   attn_impl=m.attn_impl, remat=m.remat, scan_layers=m.scan_layers)
     if plan is not None:
-        # Host sharding: the embedding's gradient is summed inside each host before it crosses
-        # hosts.
-        hosts = (host_mesh(plan.mesh, plan.layout.devices_per_host) if plan.strategy == "host"
-                 else None)
-        fields.update(mesh=plan.mesh, layout=plan.layout, param_sharding=plan.strategy,
-                      host_mesh=hosts)
+        fields.update(mesh=plan.mesh, layout=plan.layout, param_sharding=plan.strategy)
     return models.RunOptions(**fields)
 
 
@@ -109,9 +109,9 @@ def build_program(cfg: Config, plan: RunPlan, parts) -> TrainProgram:
     """The optimizer, the shardings and the jitted train step for the model `parts`
     (train.step.ModelParts, with real or abstract parameters)."""
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
-    per_host = plan.layout.devices_per_host
-    param_sh = tree_shardings(parts.params, plan.mesh, plan.strategy, per_host)
-    abs_opt, opt_sh = opt_state_shardings(tx, parts.params, plan.mesh, plan.strategy, per_host)
+    rules = plan.rules
+    param_sh = parts.shardings(rules)
+    abs_opt, opt_sh = opt_state_shardings(tx, parts.params, param_sh, rules.replicated)
     step_fn, batch_sharding = make_train_step(
         parts, tx, schedule, plan.mesh, param_sh, opt_sh,
         loss_fn=models.causal_lm_loss, packed=cfg.data.pack,
@@ -135,8 +135,7 @@ def compile_program(cfg: Config, devices, devices_per_host: int, mcfg=None):
 
     mcfg = model_config(cfg) if mcfg is None else mcfg
     run_plan = plan_run(cfg, mcfg, devices, devices_per_host)
-    parts = build_model(model_factory(cfg, mcfg, run_plan), run_plan.mesh, run_plan.strategy,
-                        init_params=False, devices_per_host=run_plan.layout.devices_per_host)
+    parts = build_model(model_factory(cfg, mcfg, run_plan), run_plan.rules, init_params=False)
     program = build_program(cfg, run_plan, parts)
     params, opt_state = abstract_state(program, parts)
     t0 = time.perf_counter()

@@ -1,8 +1,8 @@
 """The model as pure pytrees on the mesh, the optimizer, and the jitted train step.
 
 The NNX model is split once into a graphdef and its parameters; parameters and optimizer state are
-plain pytrees of jax arrays placed by `basp_jax.sharding.tree_shardings` (FSDP over the whole mesh
-by default, never replicated unless asked). `train_step(params, opt_state, batch)` runs the
+plain pytrees of jax arrays placed by the run's basp_jax.sharding.ShardingRules (FSDP over the
+whole mesh by default, never replicated unless asked). `train_step(params, opt_state, batch)` runs the
 microbatches of one step under `lax.scan`, sums loss and gradients, divides by the token count of
 the whole step, constrains the gradients to the parameters' sharding and applies the optax update,
 all in one jit with params and optimizer state donated.
@@ -19,14 +19,14 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from basp_jax.mesh import GROUP, SEQ
-from basp_jax.sharding import abstract_arrays, tree_shardings
+from basp_jax.sharding import ShardingRules, abstract_arrays, activation_spec
 from models.hf import is_stacked
+from models.layers import param_names
 from models.transformer import build_sharded, with_values
 
 from .config import OptimizerConfig
 
-BATCH_SPEC = P(None, GROUP, SEQ)  # [accum, B, S]: rows over groups, sequence over a group
+BATCH_SPEC = activation_spec(None, "batch", "sequence")  # [accum, B, S]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -46,27 +46,27 @@ class ModelParts:
         params_state = with_values(params_state, self.params if params is None else params)
         return nnx.merge(self.graphdef, params_state, with_values(rest_state, self.rest))
 
+    def shardings(self, rules: ShardingRules):
+        """The parameters' NamedShardings under `rules` (from their logical axis names)."""
+        return rules.shardings(param_names(self.abstract_state[0]), self.params)
 
-def build_model(make: Callable[[], nnx.Module], mesh: Mesh, strategy: str, *,
-                init_params: bool = True, devices_per_host: int | None = None) -> ModelParts:
+
+def build_model(make: Callable[[], nnx.Module], rules: ShardingRules, *,
+                init_params: bool = True) -> ModelParts:
     """Initialise `make()` directly onto the mesh (models.build_sharded): every parameter
-    created already sharded. With init_params=False the params are ShapeDtypeStructs carrying
-    their shardings (a restore target)."""
-    return ModelParts(*build_sharded(make, mesh, strategy, init_params=init_params,
-                                     devices_per_host=devices_per_host))
+    created already placed by `rules`. With init_params=False the params are ShapeDtypeStructs
+    carrying their shardings (a restore target)."""
+    return ModelParts(*build_sharded(make, rules, init_params=init_params))
 
 
-def from_module(model: nnx.Module, mesh: Mesh, strategy: str,
-                devices_per_host: int | None = None) -> ModelParts:
-    """Split an existing (e.g. pretrained) module and place its parameters on the mesh."""
+def from_module(model: nnx.Module, rules: ShardingRules) -> ModelParts:
+    """Split an existing (e.g. pretrained) module and place its parameters by `rules`."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    abs_params, abs_rest = abstract_arrays(params), abstract_arrays(rest)
-    pure_params, pure_rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
-    pure_params = jax.device_put(pure_params,
-                                 tree_shardings(pure_params, mesh, strategy, devices_per_host))
-    pure_rest = jax.device_put(pure_rest,
-                               tree_shardings(pure_rest, mesh, strategy, devices_per_host))
-    return ModelParts(graphdef, (abs_params, abs_rest), pure_params, pure_rest)
+    parts = ModelParts(graphdef, (abstract_arrays(params), abstract_arrays(rest)),
+                       nnx.to_pure_dict(params), nnx.to_pure_dict(rest))
+    parts.params = jax.device_put(parts.params, parts.shardings(rules))
+    parts.rest = jax.device_put(parts.rest, rules.replicated)
+    return parts
 
 
 def decay_mask(params):
@@ -109,11 +109,12 @@ def make_optimizer(
     return optax.chain(*parts), schedule
 
 
-def opt_state_shardings(tx, params, mesh: Mesh, strategy: str,
-                        devices_per_host: int | None = None):
-    """Optimizer state sharded like the parameters it mirrors (same shapes, same rule)."""
+def opt_state_shardings(tx, params, param_shardings, replicated):
+    """The optimizer state's shapes and shardings: each moment placed like the parameter it
+    mirrors, everything else (step counts) `replicated`."""
     abstract = jax.eval_shape(tx.init, params)
-    return abstract, tree_shardings(abstract, mesh, strategy, devices_per_host)
+    return abstract, optax.tree_map_params(tx, lambda _, sharding: sharding, abstract,
+                                           param_shardings, transform_non_params=lambda _: replicated)
 
 
 def init_opt_state(tx, params, shardings):
