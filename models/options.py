@@ -11,6 +11,7 @@ build it once. Every field is checked here, before anything compiles.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -84,9 +85,10 @@ class RunOptions:
             raise ModelError("param_sharding='host' needs the layout the mesh was made from (its "
                              "devices_per_host): pass layout=layout")
 
-    @property
+    @functools.cached_property
     def rules(self) -> ShardingRules | None:
-        """Where parameters and activations live on the mesh (None without one)."""
+        """Where parameters and activations live on the mesh (None without one); one object per
+        options, so the embedding, the head and the loss share it (and its host mesh)."""
         if self.mesh is None:
             return None
         per_host = None if self.layout is None else self.layout.devices_per_host

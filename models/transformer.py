@@ -253,7 +253,7 @@ def _compiled_call(model: Transformer, tokens, segment_ids, positions):
     # when the parameters live on the host mesh (basp_jax.sharding.host_mesh), a second mesh
     # over the same devices.
     graphdef, state = nnx.split(model)
-    rows = NamedSharding(model.mesh, activation_spec("batch", "sequence"))
+    rows = basp_jax.activation_sharding(model.mesh)
     tokens, segment_ids, positions = (None if x is None else jax.device_put(x, rows)
                                       for x in (tokens, segment_ids, positions))
     logits = NamedSharding(model.mesh, activation_spec("batch", "sequence", None))

@@ -8,6 +8,7 @@ compiling without running it (train.aot): layout, mesh, model, optimizer, shardi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable
 
@@ -35,7 +36,7 @@ class RunPlan:
     strategy: str  # fsdp | hsdp | host | replicated
     mesh: Mesh
 
-    @property
+    @functools.cached_property
     def rules(self) -> ShardingRules:
         """Where the run's parameters and activations live (basp_jax.sharding.RULES)."""
         return ShardingRules(self.strategy, self.mesh, self.layout.devices_per_host)
