@@ -268,3 +268,69 @@ def format_table(collectives: Sequence[Collective], devices_per_host: int | None
                 f"{r['inter_host_wire_bytes'] / 2**20:>16.3f}"
             )
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- host transfers
+
+HOST_MEMORY_SPACE = "S(5)"  # how XLA marks an array in pinned host memory in a layout: {...:S(5)}
+_LAYOUT_ARRAY_RE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\](\{[^}]*\})?")
+
+
+def _top_level(shape_text: str) -> list[str]:
+    """The elements of a tuple shape's outermost level ('(a, (b, c), d)' -> a, (b, c), d)."""
+    text = shape_text.strip()
+    if not text.startswith("("):
+        return [text]
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(text):
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+        elif ch == "," and depth == 1:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:-1])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _arrays(shape_text: str) -> list[tuple[int, bool]]:
+    """(bytes, in host memory) of every array in a shape text."""
+    out = []
+    for dtype, dims, layout in _LAYOUT_ARRAY_RE.findall(shape_text):
+        if dtype not in _DTYPE_BYTES:
+            continue
+        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        out.append((n * _DTYPE_BYTES[dtype], HOST_MEMORY_SPACE in (layout or "")))
+    return out
+
+
+def host_transfers(hlo_text: str) -> dict[str, float]:
+    """Bytes one device copies to and from pinned host memory per program execution (an
+    offload policy's residuals: basp_jax.remat), from a compiled GPU program's async copies
+    between memory spaces: dynamic-update-slices into host buffers (to host), dynamic-slices out
+    of them and copies (from host), each counted as often as it runs."""
+    out = {"to_host_bytes": 0.0, "from_host_bytes": 0.0, "to_host_count": 0, "from_host_count": 0}
+    for inst in hlo.instructions(hlo_text):
+        if inst.op not in ("fusion-start", "copy-start") or HOST_MEMORY_SPACE not in inst.shape:
+            continue
+        parts = _top_level(inst.shape)
+        if len(parts) < 2:
+            continue
+        # fusion-start: ((operands...), result, context); copy-start: (result, operand, context)
+        result, operands = (parts[1], parts[0]) if inst.op == "fusion-start" else \
+            (parts[0], parts[1])
+        result_arrays = _arrays(result)
+        if not result_arrays:
+            continue
+        result_bytes, result_on_host = result_arrays[0]
+        if result_on_host:  # written into a host buffer: the device-side operand moves
+            moved = max((b for b, on_host in _arrays(operands) if not on_host), default=0)
+            direction = "to_host"
+        else:
+            if not any(on_host for _, on_host in _arrays(operands)):
+                continue
+            moved, direction = result_bytes, "from_host"
+        out[f"{direction}_bytes"] += moved * inst.executions
+        out[f"{direction}_count"] += inst.executions
+    return out

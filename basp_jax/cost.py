@@ -32,24 +32,36 @@ class Hardware:
     devices_per_host: int = 8
     memory_bytes: float = 80e9  # what the planner may use per device
     efficiency: float = 0.4  # achieved fraction of peak for the model's FLOPs
+    # Each GPU's share of its host: pinned memory the offload policies may fill, and its PCIe
+    # link's bytes/s per direction (basp_jax.remat, models.REMAT_POLICIES "offload*").
+    host_memory_bytes: float = 128e9
+    host_bw: float = 25e9
 
 
 def _cluster(gpu: str, description: str, intra_bw: float, inter_bw: float,
-             devices_per_host: int) -> Hardware:
+             devices_per_host: int, host_memory: float, host_bw: float) -> Hardware:
     """A cluster preset of `gpu` (basp_jax.gpus): its peak FLOP/s, and the memory JAX may take."""
     g = gpus.get(gpu)
     return Hardware(f"{g.device_kind}, {description}", g.peak_bf16_flops, intra_bw, inter_bw,
-                    devices_per_host=devices_per_host, memory_bytes=gpus.usable_memory_bytes(g))
+                    devices_per_host=devices_per_host, memory_bytes=gpus.usable_memory_bytes(g),
+                    host_memory_bytes=host_memory, host_bw=host_bw)
 
 
 # Named like the GPU targets of basp_jax.gpus (and python -m train.aot --target).
+# Host memory per GPU: a DGX A100 has 1 TB for 8 GPUs, a DGX H100/H200 2 TB (the planner may
+# fill 90% of the share with pinned buffers); PCIe Gen4 x16 moves ~25 GB/s per direction, Gen5
+# ~50 GB/s (what a copy engine reaches, not the link's 32 / 64 GB/s).
 HARDWARE = {
     # The paper's testbed: 2 nodes x 4 A100-SXM4-40GB (NVLink3), 400 Gb/s InfiniBand per node.
-    "a100-40gb": _cluster("a100-40gb", "NVLink3, 400 Gb/s IB per node of 4", 250e9, 400e9 / 8 / 4, 4),
-    "a100-80gb": _cluster("a100-80gb", "NVLink3, 400 Gb/s IB per node of 4", 250e9, 400e9 / 8 / 4, 4),
+    "a100-40gb": _cluster("a100-40gb", "NVLink3, 400 Gb/s IB per node of 4", 250e9, 400e9 / 8 / 4, 4,
+                          0.9 * 1e12 / 8, 25e9),
+    "a100-80gb": _cluster("a100-80gb", "NVLink3, 400 Gb/s IB per node of 4", 250e9, 400e9 / 8 / 4, 4,
+                          0.9 * 1e12 / 8, 25e9),
     # H100/H200 HGX: NVLink4, one 400 Gb/s NIC per GPU.
-    "h100-80gb": _cluster("h100-80gb", "NVLink4, 400 Gb/s IB per GPU", 370e9, 400e9 / 8, 8),
-    "h200-141gb": _cluster("h200-141gb", "NVLink4, 400 Gb/s IB per GPU", 370e9, 400e9 / 8, 8),
+    "h100-80gb": _cluster("h100-80gb", "NVLink4, 400 Gb/s IB per GPU", 370e9, 400e9 / 8, 8,
+                          0.9 * 2e12 / 8, 50e9),
+    "h200-141gb": _cluster("h200-141gb", "NVLink4, 400 Gb/s IB per GPU", 370e9, 400e9 / 8, 8,
+                           0.9 * 2e12 / 8, 50e9),
 }
 
 
@@ -223,18 +235,45 @@ class Prediction:
     params_s: float
     step_s: float
     memory_bytes: float
+    host_memory_bytes: float = 0.0  # pinned host memory the offload policy fills per device
+    host_s: float = 0.0  # its copies to the host and back per step, not overlapped
 
     @property
     def name(self) -> str:
         return layout_name(self.layout, self.param_sharding)
 
 
-def vocab_parallel(shape: ModelShape, param_sharding: str, shard_group: int) -> bool:
+# Tokens per device above which the gathering embedding and loss cost too much memory whatever
+# they save in bytes: their float32 [tokens, hidden] rows and whole float32 tables and gradients
+# (the 8B step at 512K tokens per device: 82.3 GiB gathering, 66.8 vocabulary-parallel).
+GATHER_MAX_TOKENS_PER_DEVICE = 65536
+
+
+def prefer_vocab_parallel(tokens_per_device: float, shard_group: int, vocab_size: int,
+                          tied: bool) -> bool:
+    """Whether the embedding and loss should move the tokens' rows (models.vocab_parallel)
+    rather than gather the vocabulary tables: where that sends fewer bytes, or where the
+    gathering path's memory would grow too large (GATHER_MAX_TOKENS_PER_DEVICE). Rows: ~12 x
+    tokens x hidden bytes over the shard group (the embedding's rows and cotangent, the loss's
+    hidden states gathered forward and again rematerialised, their f32 cotangent); tables: ~8 x
+    vocab x hidden bytes per table (bf16 gathers forward and backward, an f32 gradient). Rows
+    send less below 2/3 x vocab tokens per shard group with a tied table, 4/3 x vocab untied."""
+    tables = 1 if tied else 2
+    return (12 * tokens_per_device * shard_group < 8 * vocab_size * tables
+            or tokens_per_device > GATHER_MAX_TOKENS_PER_DEVICE)
+
+
+def vocab_parallel(shape: ModelShape, param_sharding: str, shard_group: int,
+                   tokens_per_device: float | None = None) -> bool:
     """Whether the embedding and LM head are used where they are stored (models.vocab_parallel):
     fsdp/hsdp parameters split on the vocabulary (basp_jax.sharding.RULES splits it wherever the
-    shard group divides it)."""
-    return (param_sharding in ("fsdp", "hsdp") and shard_group > 1
-            and shape.vocab_size % shard_group == 0)
+    shard group divides it), at token counts where it is preferred (prefer_vocab_parallel;
+    None: any count)."""
+    if not (param_sharding in ("fsdp", "hsdp") and shard_group > 1
+            and shape.vocab_size % shard_group == 0):
+        return False
+    return tokens_per_device is None or prefer_vocab_parallel(
+        tokens_per_device, shard_group, shape.vocab_size, shape.tie_word_embeddings)
 
 
 def predict(
@@ -250,6 +289,7 @@ def predict(
     remat: str = "full",
     master_bytes: int = 4,
     moment_bytes: int | None = None,
+    tile_tokens: int | None = None,
 ) -> Prediction:
     """Predicted per-step time and memory of a layout (for `shape`'s heads; its batch with its
     pad rows, its devices per host) under a parameter sharding strategy, on `hw`'s links."""
@@ -263,7 +303,8 @@ def predict(
     q_heads, kv_heads = layout.exchanged_heads
     share = _remote_share(degree, dph)
     a2a = Traffic()
-    for _ in range(2):  # forward, backward
+    # forward, backward; "offload" keeps no exchange, so the backward pass repeats the forward's
+    for _ in range(3 if remat == "offload" else 2):
         for heads in (q_heads, kv_heads, kv_heads, q_heads):
             buf = tokens_per_device * heads * shape.head_dim * act_bytes
             a2a = a2a + collective_traffic("all-to-all", buf, degree, share)
@@ -282,7 +323,7 @@ def predict(
     shard_group = shard_devices(layout, param_sharding)
     shard_share = 0.0 if param_sharding == "host" else _remote_share(shard_group, dph)
     gathered = all_params
-    if vocab_parallel(shape, param_sharding, shard_group):
+    if vocab_parallel(shape, param_sharding, shard_group, tokens_per_device):
         # models.vocab_parallel: the embedding and LM head stay where they are stored; the
         # tokens' rows move instead. Embedding: its rows reduce-scattered forward, their
         # cotangent gathered backward; loss: the hidden states gathered forward and again when
@@ -318,16 +359,23 @@ def predict(
 
     memory = memory_bytes(shape, tokens_per_device, shard_group, q_heads=q_heads,
                           kv_heads=kv_heads, remat=remat, act_bytes=act_bytes,
-                          master_bytes=master_bytes, moment_bytes=moment_bytes)
+                          master_bytes=master_bytes, moment_bytes=moment_bytes,
+                          tile_tokens=tile_tokens)
+    host = host_memory_bytes(shape, tokens_per_device, q_heads=q_heads, kv_heads=kv_heads,
+                             remat=remat, act_bytes=act_bytes) * grad_accum
+    host_s = 2 * host / hw.host_bw  # to the host forward, back backward (no overlap assumed)
     return Prediction(layout, param_sharding, a2a, params, compute_s, a2a_s, params_s,
-                      compute_s + a2a_s + params_s, memory)
+                      compute_s + a2a_s + params_s + host_s, memory, host, host_s)
 
 
-# Values per token per layer that the backward pass keeps, in units of the compute dtype, by
-# rematerialisation policy (models.REMAT_POLICIES). Every policy keeps attention's exchanged
-# q, k, v and output (basp_jax.remat); "full" also the layer input, "dots" every projection.
+# Values per token per layer that the backward pass keeps on the device, in units of the compute
+# dtype, by rematerialisation policy (models.REMAT_POLICIES). "full" and "dots" keep attention's
+# exchanged q, k, v and output (basp_jax.remat) and the layer input, "dots" every projection too;
+# the offload policies keep nothing on the device (it waits in host memory: _offloaded_per_token).
 def _saved_per_token(shape: ModelShape, remat: str, q_heads: int, kv_heads: int) -> float:
     exchanged = (2 * q_heads + 2 * kv_heads) * shape.head_dim
+    if remat in OFFLOAD_POLICIES:
+        return 0.0
     if remat == "full":
         return shape.hidden_size + exchanged
     projections = (q_heads + 2 * kv_heads) * shape.head_dim + 2 * shape.hidden_size \
@@ -336,7 +384,30 @@ def _saved_per_token(shape: ModelShape, remat: str, q_heads: int, kv_heads: int)
         return shape.hidden_size + exchanged + projections
     if remat == "none":  # also the norms' and SwiGLU's elementwise results
         return 3 * shape.hidden_size + exchanged + projections + 2 * shape.intermediate_size
-    raise ValueError(f"unknown remat {remat!r}; use full, dots or none")
+    raise ValueError(f"unknown remat {remat!r}; use one of none, full, dots, "
+                     f"{', '.join(OFFLOAD_POLICIES)}")
+
+
+# The policies that park each layer's residuals in pinned host memory (basp_jax.remat).
+OFFLOAD_POLICIES = ("offload", "offload_exchanges")
+
+
+def _offloaded_per_token(shape: ModelShape, remat: str, q_heads: int, kv_heads: int) -> float:
+    """Values per token per layer in host memory: the layer input, and with
+    offload_exchanges attention's exchanged q, k, v and output."""
+    if remat == "offload":
+        return shape.hidden_size
+    if remat == "offload_exchanges":
+        return shape.hidden_size + (2 * q_heads + 2 * kv_heads) * shape.head_dim
+    return 0.0
+
+
+def host_memory_bytes(shape: ModelShape, tokens_per_device: float, *, q_heads: int,
+                      kv_heads: int, remat: str, act_bytes: int = 2) -> float:
+    """Pinned host memory per device that an offload policy fills per step (0 for the others):
+    every layer's offloaded residuals, copied there forward and back backward."""
+    return (shape.num_layers * tokens_per_device * act_bytes
+            * _offloaded_per_token(shape, remat, q_heads, kv_heads))
 
 
 # Factors fitted to the compiled GPU programs (BENCHMARKS.md section 6): the paper's five models
@@ -350,9 +421,17 @@ _SAVED_SHARE = 0.55  # of _saved_per_token that XLA keeps
 _WORKING_FACTOR = 2.95  # a layer's recompute, its gathered weights and the chunked loss's buffers
 
 
+# A tiled layer (models.tiling, tile_tokens) keeps per token only what attention needs whole: the
+# layer input, q, k, v and the output on both sides of the all-to-alls, their gradients and the
+# residual stream's: values of hidden width per token, fitted to the compiled 8B step at 512K
+# tokens per device on 8 x H100 (66.8 GiB; offload policy, vocabulary-parallel loss).
+_TILED_WORKING_HIDDENS = 12.5
+
+
 def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, *,
                  q_heads: int, kv_heads: int, remat: str = "full", act_bytes: int = 2,
-                 master_bytes: int = 4, moment_bytes: int | None = None) -> dict[str, float]:
+                 master_bytes: int = 4, moment_bytes: int | None = None,
+                 tile_tokens: int | None = None) -> dict[str, float]:
     """Peak memory per device of a train step (layers under a scan, chunked loss), by term:
 
     - state: parameters and Adam's second moment in the master dtype, its first moment in
@@ -361,18 +440,28 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
     - grads: the float32 gradient sum and the update's working copy, sharded alike;
     - saved: what the backward pass keeps of every layer (by remat policy, _saved_per_token);
     - working: one layer being recomputed and differentiated (its gathered weights, twice,
-      and ~ (hidden x 6 + intermediate x 4) values per token), with what the loss holds.
-    The last three carry factors fitted to compiled programs (above).
+      and ~ (hidden x 6 + intermediate x 4) values per token), with what the loss holds; with
+      tile_tokens the intermediate's share is one chunk's and the per-token share the
+      attention's whole-shard tensors (_TILED_WORKING_HIDDENS).
+    The last three carry factors fitted to compiled programs (above). What an offload policy
+    keeps in host memory is host_memory_bytes, not a term here.
     """
     p = shape.num_params
     per_token = _saved_per_token(shape, remat, q_heads, kv_heads)
+    if tile_tokens is None:
+        working = _WORKING_FACTOR * act_bytes * (
+            2 * shape.layer_params
+            + tokens_per_device * (6 * shape.hidden_size + 4 * shape.intermediate_size))
+    else:
+        chunk = min(tile_tokens, tokens_per_device)
+        working = act_bytes * (
+            _WORKING_FACTOR * (2 * shape.layer_params + chunk * 4 * shape.intermediate_size)
+            + _TILED_WORKING_HIDDENS * tokens_per_device * shape.hidden_size)
     return {
         "state": p * (2 * master_bytes + (moment_bytes or master_bytes)) / shard_group,
         "grads": _GRADIENT_BUFFERS * p * 4 / shard_group,
         "saved": _SAVED_SHARE * shape.num_layers * tokens_per_device * per_token * act_bytes,
-        "working": _WORKING_FACTOR * act_bytes * (
-            2 * shape.layer_params
-            + tokens_per_device * (6 * shape.hidden_size + 4 * shape.intermediate_size)),
+        "working": working,
     }
 
 
@@ -434,12 +523,14 @@ def _shardings(groups: int, sp: int, num_devices: int, devices_per_host: int | N
 def plan_table(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int, hw: Hardware,
                grad_accum: int = 1, memory_limit: float | None = None, max_pad_rows: int = 0,
                overlap: float = 0.0, remat: str = "full", master_bytes: int = 4,
-               moment_bytes: int | None = None) -> list[Prediction]:
+               moment_bytes: int | None = None, tile_tokens: int | None = None
+               ) -> list[Prediction]:
     """Predictions for every valid candidate, fastest first; those over memory last."""
     limit = hw.memory_bytes if memory_limit is None else memory_limit
     preds = [
         predict(shape, layout, sharding, hw=hw, grad_accum=grad_accum, overlap=overlap,
-                remat=remat, master_bytes=master_bytes, moment_bytes=moment_bytes)
+                remat=remat, master_bytes=master_bytes, moment_bytes=moment_bytes,
+                tile_tokens=tile_tokens)
         for layout, sharding in candidates(shape, batch=batch, seq_len=seq_len,
                                            num_devices=num_devices, max_pad_rows=max_pad_rows,
                                            devices_per_host=hw.devices_per_host)
@@ -465,7 +556,7 @@ def auto_layout(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int
                 memory_limit: float | None = None, max_pad_rows: int | None = None,
                 overlap: float = 0.0, remat: str = "full", zigzag: bool = False,
                 master_bytes: int = 4, moment_bytes: int | None = None,
-                ) -> tuple[Layout, Prediction]:
+                tile_tokens: int | None = None) -> tuple[Layout, Prediction]:
     """mode="auto": the fastest predicted layout that fits in memory, as a validated Layout.
 
     The Layout's batch includes any pad rows (Layout.pad_rows, which the trainer masks out of
@@ -479,7 +570,8 @@ def auto_layout(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int
     preds = plan_table(shape, batch=batch, seq_len=seq_len, num_devices=num_devices, hw=hw,
                        grad_accum=grad_accum, memory_limit=memory_limit,
                        max_pad_rows=max_pad_rows, overlap=overlap, remat=remat,
-                       master_bytes=master_bytes, moment_bytes=moment_bytes)
+                       master_bytes=master_bytes, moment_bytes=moment_bytes,
+                       tile_tokens=tile_tokens)
     if not preds:
         raise ValueError(
             f"no layout splits seq_len={seq_len} over {num_devices} devices; use a multiple of "

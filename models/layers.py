@@ -121,7 +121,8 @@ class Embed(nnx.Module):
     """
 
     def __init__(self, vocab: int, features: int, *, rngs: nnx.Rngs, dtype, param_dtype,
-                 init_std: float, rules: ShardingRules | None = None):
+                 init_std: float, rules: ShardingRules | None = None,
+                 vocab_parallel_mode: str = "auto", tied: bool = False):
         self.weight = param(
             init_std * jax.random.normal(rngs.params(), (vocab, features), param_dtype),
             ("vocab", "embed"),
@@ -133,6 +134,13 @@ class Embed(nnx.Module):
         # the mesh axes of a vocabulary-sharded table (models.vocab_parallel), else None
         self.vocab_axes = vocab_parallel.vocab_axes(axis_names(self.weight), self.weight.shape,
                                                     rules)
+        self.vocab_parallel_mode, self.tied = vocab_parallel_mode, tied
+
+    def active_vocab_axes(self, num_tokens: int) -> tuple[str, ...] | None:
+        """vocab_axes when the lookup of num_tokens tokens moves rows, not the table."""
+        return vocab_parallel.active_axes(self.vocab_axes, self.mesh, num_tokens,
+                                          self.weight.shape[0], tied=self.tied,
+                                          mode=self.vocab_parallel_mode)
 
     def __call__(self, tokens: jax.Array, copies: jax.Array | None = None) -> jax.Array:
         if self.mesh is None:
@@ -147,9 +155,10 @@ class Embed(nnx.Module):
         flat = tokens.reshape(g, b // g, sp, s // sp).transpose(0, 2, 1, 3).reshape(-1)
         flat = jax.lax.with_sharding_constraint(
             flat, NamedSharding(self.mesh, activation_spec(TOKENS)))
-        if self.vocab_axes is not None:
-            out = vocab_parallel.lookup(self.weight[...], flat, mesh=self.mesh,
-                                        axes=self.vocab_axes, dtype=self.dtype)
+        axes = self.active_vocab_axes(b * s)
+        if axes is not None:
+            out = vocab_parallel.lookup(self.weight[...], flat, mesh=self.mesh, axes=axes,
+                                        dtype=self.dtype)
         elif self.host_mesh is None:
             out = jnp.take(self.weight[...], flat, axis=0)
         else:
@@ -264,7 +273,7 @@ class Attention(nnx.Module):
         self.mesh = options.mesh
         self.options = options  # kernel, and the layout's ring and token order
 
-    def _qkv(self, x, positions):
+    def qkv(self, x, positions):
         """q [B, S, Hq, Dh], k and v [B, S, Hkv, Dh], q and k normed (Qwen3) and rotated."""
         b, s, _ = x.shape
         q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
@@ -276,9 +285,13 @@ class Attention(nnx.Module):
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
     def __call__(self, x, positions, segment_ids):
-        b, s, _ = x.shape
         # Global (or per-document) positions, before the all-to-all.
-        q, k, v = self._qkv(x, positions)
+        return self.o_proj(self.attend(*self.qkv(x, positions), segment_ids))
+
+    def attend(self, q, k, v, segment_ids):
+        """The attention of rotated q, k, v: [B, S, Hq * Dh] (before the output projection),
+        through basp_jax.attention's all-to-alls on a mesh."""
+        b, s = q.shape[:2]
         q, k, v = (constrain(t, self.mesh) for t in (q, k, v))
         if self.mesh is None:
             out = local_attention(q, k, v, segment_ids=segment_ids, impl=self.options.attn_impl)
@@ -286,8 +299,7 @@ class Attention(nnx.Module):
             out = basp_jax.attention(q, k, v, mesh=self.mesh, layout=self.options.layout,
                                      causal=True, segment_ids=segment_ids,
                                      impl=self.options.attn_impl)
-        out = constrain(out.reshape(b, s, self.num_heads * self.head_dim), self.mesh)
-        return self.o_proj(out)
+        return constrain(out.reshape(b, s, self.num_heads * self.head_dim), self.mesh)
 
     def decode(self, x, index, cache_k, cache_v):
         """Attention of the T tokens x [B, T, D] that follow the `index` tokens already in the
@@ -297,7 +309,7 @@ class Attention(nnx.Module):
         Returns (output [B, T, D], cache_k, cache_v)."""
         b, t, _ = x.shape
         query_pos = index + jnp.arange(t, dtype=jnp.int32)
-        q, k, v = self._qkv(x, jnp.broadcast_to(query_pos, (b, t)))
+        q, k, v = self.qkv(x, jnp.broadcast_to(query_pos, (b, t)))
         cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, index, 0, 0))
         cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, index, 0, 0))
         mask = jnp.arange(cache_k.shape[1])[None, :] <= query_pos[:, None]  # [T, L]

@@ -10,6 +10,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from basp_jax.sharding import ACTIVATION_SPEC, HOST, activation_spec
 
+from .tiling import chunk_len, token_chunks
+
 
 def causal_lm_loss(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array | None = None):
     """(sum of token losses, number of counted tokens), both float32 scalars.
@@ -43,24 +45,6 @@ def causal_lm_loss(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array |
 LOSS_CHUNK_TOKENS = 128
 
 
-def _chunk_len(local_len: int, rows: int, chunk_tokens: int) -> int:
-    """The largest divisor of local_len with rows * chunk <= chunk_tokens (at least 1)."""
-    best = 1
-    for c in range(1, local_len + 1):
-        if local_len % c == 0 and rows * c <= chunk_tokens:
-            best = c
-    return best
-
-
-def token_chunks(hidden: jax.Array, targets: jax.Array, sp: int, c: int):
-    """[B, S, D], [B, S] -> [n, B, sp, c, D], [n, B, sp, c]: chunk i holds positions
-    i*c..(i+1)*c-1 of every device's slice of the sequence (S split over sp devices)."""
-    b, s, d = hidden.shape
-    n = s // sp // c
-    return (jnp.moveaxis(hidden.reshape(b, sp, n, c, d), 2, 0),
-            jnp.moveaxis(targets.reshape(b, sp, n, c), 2, 0))
-
-
 def chunked_lm_loss(hidden: jax.Array, targets: jax.Array, project: Callable, weight: jax.Array,
                     loss_fn: Callable = causal_lm_loss, *, mesh: Mesh | None = None,
                     chunk_tokens: int = LOSS_CHUNK_TOKENS, host_mesh: Mesh | None = None):
@@ -84,7 +68,7 @@ def chunked_lm_loss(hidden: jax.Array, targets: jax.Array, project: Callable, we
         raise ValueError(f"hidden {hidden.shape} and targets {targets.shape} disagree on [batch, seq]")
     groups, sp = (1, 1) if mesh is None else (mesh.shape["group"], mesh.shape["seq"])
     local = s // sp
-    c = _chunk_len(local, b // groups, chunk_tokens)
+    c = chunk_len(local, b // groups, chunk_tokens)
     if mesh is not None and host_mesh is None:
         return _per_device_chunks(hidden, targets, project, weight, loss_fn, mesh, c)
     hs, ts = token_chunks(hidden, targets, sp, c)

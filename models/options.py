@@ -22,9 +22,10 @@ import basp_jax
 from basp_jax import Layout
 from basp_jax import kernels as basp_kernels
 from basp_jax.mesh import layout_on
-from basp_jax.remat import save_exchanges
+from basp_jax.remat import offload_layer_inputs, save_exchanges
 from basp_jax.sharding import STRATEGIES, ShardingRules
 
+from . import vocab_parallel
 from .config import ModelConfig, ModelError
 
 # Every policy also saves the outputs of attention's exchanges (basp_jax.remat.save_exchanges): the
@@ -35,6 +36,12 @@ REMAT_POLICIES = {
     "full": save_exchanges(),
     # Save the projections (dots without batch dims); recompute attention scores and elementwise ops.
     "dots": save_exchanges(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+    # Long sequences: each layer's input waits in pinned host memory for the backward pass, which
+    # recomputes the layer from it (the device holds about one layer's activations). "offload"
+    # repeats the layer's all-to-alls backward (12 per layer); "offload_exchanges" offloads their
+    # outputs too (8 per layer, ~3.5x the host memory for Llama-3.1-8B).
+    "offload": offload_layer_inputs(exchanges=False),
+    "offload_exchanges": offload_layer_inputs(exchanges=True),
 }
 
 
@@ -48,6 +55,13 @@ class RunOptions:
     dtype / param_dtype: compute and storage dtypes.
     attn_impl: the attention kernel (basp_jax.kernels.IMPLS).
     remat: the rematerialisation policy (REMAT_POLICIES).
+    tile_tokens: run each layer's token-local work (norms, projections, RoPE, MLP, residual
+        adds) over chunks of at most this many tokens per device, each rematerialised
+        (models.tiling): no [tokens, intermediate] or other per-token temporary of a whole shard
+        exists, only attention's inputs and output (None: the whole shard at once).
+    vocab_parallel: when an embedding / LM head stored split on its vocabulary is used where it
+        is stored, moving the tokens' rows (models.vocab_parallel): "auto" where that moves
+        fewer bytes than gathering the table (short sequences), "always", "never".
     scan_layers: the layers as one stacked Block under lax.scan (else a Python list).
     param_sharding: how parameters are stored on the mesh (basp_jax.sharding.STRATEGIES; 'host'
         needs the layout, for its devices_per_host); `rules` places them. The embedding and LM
@@ -61,6 +75,8 @@ class RunOptions:
     param_dtype: Any = jnp.float32
     attn_impl: str = "auto"
     remat: str = "none"
+    tile_tokens: int | None = None
+    vocab_parallel: str = "auto"
     scan_layers: bool = True
     param_sharding: str = "fsdp"
 
@@ -68,6 +84,12 @@ class RunOptions:
         if self.remat not in REMAT_POLICIES:
             raise ModelError(
                 f"unknown remat {self.remat!r}; use one of {', '.join(REMAT_POLICIES)}")
+        if self.tile_tokens is not None and self.tile_tokens < 1:
+            raise ModelError(f"tile_tokens must be a positive number of tokens or None, got "
+                             f"{self.tile_tokens}")
+        if self.vocab_parallel not in vocab_parallel.MODES:
+            raise ModelError(f"unknown vocab_parallel {self.vocab_parallel!r}; use one of "
+                             f"{', '.join(vocab_parallel.MODES)}")
         if self.attn_impl not in basp_kernels.IMPLS:
             raise ModelError(f"unknown attn_impl {self.attn_impl!r}; use one of "
                              f"{', '.join(basp_kernels.IMPLS)}")

@@ -18,9 +18,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import basp_jax
+from basp_jax.remat import name_layer_input
 from basp_jax.sharding import ShardingRules, abstract_arrays, activation_spec
 
-from . import vocab_parallel
+from . import tiling, vocab_parallel
 from .config import ModelConfig, ModelError
 from .layers import (MLP, Attention, Embed, Linear, RMSNorm, axis_names, constrain, host_copies,
                      param_names)
@@ -38,8 +39,13 @@ class Block(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, ("norm",), **nkw)
         self.mlp = MLP(config, rngs=rngs, dtype=options.dtype, param_dtype=options.param_dtype)
         self.mesh = options.mesh
+        self.tile_tokens, self.dtype = options.tile_tokens, options.dtype
 
     def __call__(self, x, positions, segment_ids):
+        # the offload policies keep this tagged value (in host memory), so every use reads it
+        x = name_layer_input(x)
+        if self.tile_tokens is not None:
+            return self._tiled(x, positions, segment_ids)
         # named scopes: a profiler trace (train.profiling) shows each op under its part
         with jax.named_scope("attention"):
             x = x + self.self_attn(self.input_layernorm(x), positions, segment_ids)
@@ -48,12 +54,33 @@ class Block(nnx.Module):
             x = x + self.mlp(self.post_attention_layernorm(x))
         return constrain(x, self.mesh)
 
+    def _tiled(self, x, positions, segment_ids):
+        """__call__ with everything after attention (output projection, residual adds, norm,
+        MLP) over chunks of tile_tokens tokens per device (models.tiling), so no [tokens,
+        intermediate] buffer of the whole shard exists. (Tiling the q/k/v projections too made
+        XLA keep extra copies of q, k, v: +15 GiB for the 8B step at 512K tokens per device.)"""
+        attn = self.self_attn
+        with jax.named_scope("attention"):
+            out = attn.attend(*attn.qkv(self.input_layernorm(x), positions), segment_ids)
+        with jax.named_scope("mlp"):
+            x = tiling.map_module_chunks(
+                _output_and_mlp, (attn.o_proj, self.post_attention_layernorm, self.mlp), (x, out),
+                mesh=self.mesh, chunk_tokens=self.tile_tokens, dtype=self.dtype)
+        return constrain(x, self.mesh)
+
     def decode(self, x, index, cache_k, cache_v):
         """The layer on tokens that follow `index` cached ones (Attention.decode)."""
         attn, cache_k, cache_v = self.self_attn.decode(self.input_layernorm(x), index, cache_k,
                                                        cache_v)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), cache_k, cache_v
+
+
+def _output_and_mlp(modules, x, attended):
+    """A chunk's layer output: x + o_proj(attention), then + mlp(norm(...)) (Block._tiled)."""
+    o_proj, norm, mlp = modules
+    x = x + o_proj(attended)
+    return x + mlp(norm(x))
 
 
 def _run_block(block: Block, x, positions, segment_ids):
@@ -96,7 +123,9 @@ class Transformer(nnx.Module):
         param_dtype = options.param_dtype
         std = config.initializer_range
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs, dtype=dtype,
-                                  param_dtype=param_dtype, init_std=std, rules=options.rules)
+                                  param_dtype=param_dtype, init_std=std, rules=options.rules,
+                                  vocab_parallel_mode=options.vocab_parallel,
+                                  tied=config.tie_word_embeddings)
         # scan_layers: one Block of stacked [num_layers, ...] parameters run under lax.scan, so
         # the step compiles one layer whatever the depth; else a list of Blocks in a Python loop.
         if options.scan_layers:
@@ -228,9 +257,12 @@ class Transformer(nnx.Module):
         table = weight if host_mesh is not None and self.lm_head is None else None
         hidden = self.hidden_states(tokens, segment_ids, positions, _table=table)
         with jax.named_scope("loss"):
-            if self.head_vocab_axes is not None and loss_fn is causal_lm_loss:
+            axes = None if self.mesh is None else vocab_parallel.active_axes(
+                self.head_vocab_axes, self.mesh, tokens.size, self.config.vocab_size,
+                tied=self.lm_head is None, mode=self.options.vocab_parallel)
+            if axes is not None and loss_fn is causal_lm_loss:
                 return vocab_parallel.lm_loss(
-                    hidden, targets, weight, mesh=self.mesh, axes=self.head_vocab_axes,
+                    hidden, targets, weight, mesh=self.mesh, axes=axes,
                     vocab_dim=0 if self.lm_head is None else 1, dtype=self.dtype,
                     chunk_tokens=chunk_tokens)
             project = functools.partial(project, dtype=self.dtype)

@@ -28,10 +28,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from basp_jax import cost
 from basp_jax.mesh import GROUP, SEQ
 from basp_jax.sharding import TOKENS, ShardingRules, activation_spec
 
-from .loss import _chunk_len, token_chunks
+from .tiling import chunk_len, token_chunks
 
 FLAT = activation_spec(TOKENS)  # a flat token axis over the whole mesh, group-major
 
@@ -51,6 +52,27 @@ def vocab_axes(names: tuple[str, ...], shape: tuple[int, ...],
     if axes is None or any(s is not None for i, s in enumerate(spec) if i != vocab_dim):
         return None
     return axes if isinstance(axes, tuple) else (axes,)
+
+
+# RunOptions.vocab_parallel: when the tables are used where they are stored (if split on vocab)
+MODES = ("auto", "always", "never")
+
+
+def active_axes(axes: tuple[str, ...] | None, mesh: Mesh, num_tokens: int, vocab_size: int, *,
+                tied: bool, mode: str) -> tuple[str, ...] | None:
+    """`axes` when the vocabulary-parallel path should run for `num_tokens` tokens of the whole
+    mesh, else None (gather the table instead). "auto": basp_jax.cost.prefer_vocab_parallel
+    (where it moves fewer bytes, up to ~2/3 x vocab tokens per shard group tied, and at long
+    sequences, where the gathering path's float32 rows and tables would cost the most memory)."""
+    if axes is None or mode == "never":
+        return None
+    if mode == "always":
+        return axes
+    shard_group = 1
+    for name in axes:
+        shard_group *= mesh.shape[name]
+    per_device = num_tokens / mesh.size
+    return axes if cost.prefer_vocab_parallel(per_device, shard_group, vocab_size, tied) else None
 
 
 def _shard_index(axes: tuple[str, ...]) -> jax.Array:
@@ -91,7 +113,7 @@ def lm_loss(hidden: jax.Array, targets: jax.Array, weight: jax.Array, *, mesh: M
     b, s, d = hidden.shape
     groups, sp = mesh.shape[GROUP], mesh.shape[SEQ]
     local_len, rows = s // sp, b // groups
-    c = _chunk_len(local_len, rows, chunk_tokens)
+    c = chunk_len(local_len, rows, chunk_tokens)
     hs, ts = token_chunks(hidden, targets, sp, c)
     spec = activation_spec(None, "batch", "sequence")  # [chunk, B, S]
     w_spec = P(axes, None) if vocab_dim == 0 else P(None, axes)

@@ -171,7 +171,7 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False)
 
     from basp_jax import comm, hlo
 
-    from .planning import memory_estimate
+    from .planning import host_memory_estimate, memory_estimate
     from .program import compile_program
 
     compiled, run_plan, mcfg, compile_s = compile_program(cfg, devices, devices_per_host)
@@ -196,6 +196,16 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False)
         # Live at once: the inputs, the scratch space, and outputs not written over donated inputs.
         "peak_bytes_per_device": (mem.argument_size_in_bytes + mem.temp_size_in_bytes
                                   + mem.output_size_in_bytes - mem.alias_size_in_bytes),
+        # pinned host memory (an offload policy's residuals) and the copies to it and back
+        "host_memory": {"argument_bytes": mem.host_argument_size_in_bytes,
+                        "output_bytes": mem.host_output_size_in_bytes,
+                        "alias_bytes": mem.host_alias_size_in_bytes,
+                        "temp_bytes": mem.host_temp_size_in_bytes},
+        "host_peak_bytes_per_device": (
+            mem.host_argument_size_in_bytes + mem.host_temp_size_in_bytes
+            + mem.host_output_size_in_bytes - mem.host_alias_size_in_bytes),
+        "formula_host_memory_bytes": host_memory_estimate(cfg, mcfg, layout),
+        "host_transfers": comm.host_transfers(text),
         "attention_kernels": hlo.attention_kernels(text),
         # async collectives with compute between start and done: the latency-hiding scheduler's work
         "overlapped_collectives": hlo.overlapped_collectives(text),
@@ -254,8 +264,19 @@ def format_report(r: dict) -> str:
         f"{r['formula_memory_bytes'] / GiB:.2f}) of "
         f"{r['device_memory_bytes'] / GiB:.2f} on the device; JAX may take {usable / GiB:.2f} "
         f"({r['memory_fraction']:.0%}): " + ("fits" if r["fits"] else "DOES NOT FIT"),
-        "",
     ]
+    if r["host_peak_bytes_per_device"] or r["formula_host_memory_bytes"]:
+        t = r["host_transfers"]
+        lines += [
+            f"  pinned host         {r['host_peak_bytes_per_device'] / GiB:>10.2f}   (planner's "
+            f"formula: {r['formula_host_memory_bytes'] / GiB:.2f}) of "
+            f"{r['host_budget_bytes'] / GiB:.2f} per GPU on its host: "
+            + ("fits" if r["host_fits"] else "DOES NOT FIT"),
+            f"  host copies/step    {t['to_host_bytes'] / GiB:>10.2f} GiB to the host in "
+            f"{t['to_host_count']}, {t['from_host_bytes'] / GiB:.2f} GiB back in "
+            f"{t['from_host_count']}",
+        ]
+    lines.append("")
     kernels = r["attention_kernels"]
     if kernels:
         parts = [f"{kind} ({', '.join(v['targets']) or 'ops'}; {v['count']} per step)"
@@ -280,19 +301,22 @@ def format_report(r: dict) -> str:
 
 def report(cfg, target: str, hosts: int, gpus_per_host: int, *, want_hlo: bool = False) -> dict:
     """Compile `cfg` for `hosts` x `gpus_per_host` GPUs of `target`: the report as a dict."""
-    from basp_jax import gpus
+    from basp_jax import cost, gpus
 
     gpu = gpus.get(target)
     devices = gpu_devices(target, hosts, gpus_per_host)
     r = compile_step(cfg, devices, gpus_per_host, want_hlo=want_hlo)
     usable = gpus.usable_memory_bytes(gpu)
+    host_budget = cost.HARDWARE[target].host_memory_bytes
     r.update({
+        "host_budget_bytes": host_budget,
+        "host_fits": r["host_peak_bytes_per_device"] <= host_budget,
         "target": {"name": gpu.name, "device_kind": gpu.device_kind},
         "hosts": hosts, "gpus_per_host": gpus_per_host,
         "device_memory_bytes": gpu.memory_bytes,
         "memory_fraction": gpus.memory_fraction(),
         "usable_memory_bytes": usable,
-        "fits": r["peak_bytes_per_device"] <= usable,
+        "fits": r["peak_bytes_per_device"] <= usable and r["host_peak_bytes_per_device"] <= host_budget,
     })
     return r
 

@@ -65,6 +65,12 @@ class ModelSection:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     attn_impl: Literal["auto", "xla", "cudnn", "pallas", "blockwise"] = "auto"
     remat: str = "none"
+    # each layer's norms, projections and MLP over chunks of at most this many tokens per device
+    # (long sequences: no [tokens, intermediate] buffer of a whole shard); null: the whole shard
+    tile_tokens: Optional[int] = None
+    # a vocabulary-split embedding/head used where stored, moving tokens' rows: auto (where that
+    # moves fewer bytes than gathering the table: short sequences), always, never
+    vocab_parallel: Literal["auto", "always", "never"] = "auto"
     # the layers as one block of stacked parameters under lax.scan: compile time independent of
     # depth; the compiled step (collectives.json) then holds a layer's collectives once, not per layer
     scan_layers: bool = True
@@ -76,6 +82,9 @@ class ModelSection:
                 f"(a local Hugging Face directory); got preset={self.preset!r}, "
                 f"hf_path={self.hf_path!r}"
             )
+        if self.tile_tokens is not None and self.tile_tokens < 1:
+            raise ConfigError(f"model.tile_tokens must be a positive number of tokens or "
+                              f"null, got {self.tile_tokens}")
         if self.hf_path is not None and self.load_weights and self.shape:
             raise ConfigError(
                 "model.shape overrides change the architecture and cannot apply to pretrained "

@@ -37,8 +37,10 @@ EXTRA_MEANINGS = {
     "model.attn_impl": "attention kernel: auto (on a GPU cudnn for unpacked, pallas for packed "
                        "data; else blockwise from 2048 tokens, else xla), xla, cudnn (GPU), pallas "
                        "(Triton, GPU), blockwise (memory-efficient, pure JAX)",
-    "model.remat": "recompute in the backward pass: none, full, dots (keep the projections); "
-                   "attention's all-to-all outputs are always kept, so none is repeated",
+    "model.remat": "recompute in the backward pass: none, full, dots (keep the projections), "
+                   "offload (each layer's input in pinned host memory; the all-to-alls repeat "
+                   "backward), offload_exchanges (the all-to-alls' outputs offloaded too); "
+                   "full and dots keep the all-to-all outputs on the device, so none is repeated",
     "data.source": "synthetic (a learnable Markov chain, generated), tokens (a token id file), "
                    "text or jsonl (documents, tokenized with data.tokenizer)",
     "data.seq_len": "tokens per row",

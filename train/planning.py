@@ -50,7 +50,7 @@ def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[La
     shape = model_shape(mcfg)
     hw = hardware(cfg, devices_per_host)
     common = dict(hw=hw, grad_accum=cfg.train.grad_accum, remat=cfg.model.remat,
-                  **state_bytes(cfg))
+                  tile_tokens=cfg.model.tile_tokens, **state_bytes(cfg))
     if p.mode == "auto":
         try:
             layout, best = cost.auto_layout(
@@ -109,10 +109,19 @@ def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str) -> tuple[f
     terms = cost.memory_terms(
         model_shape(mcfg), layout.tokens_per_device, cost.shard_devices(layout, strategy),
         q_heads=q_heads, kv_heads=kv_heads, remat=cfg.model.remat,
-        act_bytes=2 if cfg.model.dtype == "bfloat16" else 4,
+        act_bytes=2 if cfg.model.dtype == "bfloat16" else 4, tile_tokens=cfg.model.tile_tokens,
         **state_bytes(cfg))
     detail = ", ".join(f"{name} {value / 1e9:.3g} GB" for name, value in terms.items())
     return sum(terms.values()), detail
+
+
+def host_memory_estimate(cfg: Config, mcfg, layout: Layout) -> float:
+    """Pinned host memory per device the configured remat policy fills per step
+    (basp_jax.cost.host_memory_bytes; 0 unless it offloads)."""
+    q_heads, kv_heads = layout.exchanged_heads
+    return cost.host_memory_bytes(model_shape(mcfg), layout.tokens_per_device, q_heads=q_heads,
+                                  kv_heads=kv_heads, remat=cfg.model.remat,
+                                  act_bytes=2 if cfg.model.dtype == "bfloat16" else 4)
 
 
 def check_memory(cfg: Config, mcfg, layout: Layout, strategy: str, devices) -> None:

@@ -54,7 +54,8 @@ def model_options(cfg: Config, plan: RunPlan | None = None, *,
     or on one device without a plan; dtype replaces model.dtype."""
     m = cfg.model
     fields = dict(dtype=DTYPES[dtype or m.dtype], param_dtype=DTYPES[m.param_dtype],
-                  attn_impl=m.attn_impl, remat=m.remat, scan_layers=m.scan_layers)
+                  attn_impl=m.attn_impl, remat=m.remat, tile_tokens=m.tile_tokens,
+                  vocab_parallel=m.vocab_parallel, scan_layers=m.scan_layers)
     if plan is not None:
         fields.update(mesh=plan.mesh, layout=plan.layout, param_sharding=plan.strategy)
     return models.RunOptions(**fields)
