@@ -54,6 +54,9 @@ def vocab_axes(names: tuple[str, ...], shape: tuple[int, ...],
     return axes if isinstance(axes, tuple) else (axes,)
 
 
+# The most float32 rows one lookup chunk gathers per device (vocab_parallel.lookup).
+LOOKUP_CHUNK_BYTES = 2**30
+
 # RunOptions.vocab_parallel: when the tables are used where they are stored (if split on vocab)
 MODES = ("auto", "always", "never")
 
@@ -88,7 +91,16 @@ def lookup(table: jax.Array, flat_tokens: jax.Array, *, mesh: Mesh, axes: tuple[
     """table [vocab, embed] (sharded over `axes` on vocab), flat_tokens [T] sharded over the whole
     mesh (group-major) -> rows [T, embed] in `dtype`, sharded like the tokens."""
 
-    def local(table, tokens):
+    shards = 1
+    for name in axes:
+        shards *= mesh.shape[name]
+    local_tokens = flat_tokens.shape[0] // mesh.size
+    # Chunks of the device's tokens, so the gathered rows (shards x chunk x embed, float32)
+    # stay within LOOKUP_CHUNK_BYTES: at 512K tokens per device on 32 shards they would be 256 GiB.
+    fits = max(1, LOOKUP_CHUNK_BYTES // (shards * table.shape[1] * 4))
+    c = chunk_len(local_tokens, 1, fits)
+
+    def chunk(table, tokens):
         rows = table.shape[0]
         first = _shard_index(axes) * rows
         every = lax.all_gather(tokens, axes, tiled=True)
@@ -97,6 +109,15 @@ def lookup(table: jax.Array, flat_tokens: jax.Array, *, mesh: Mesh, axes: tuple[
         found = jnp.take(table, jnp.clip(every - first, 0, rows - 1), axis=0)
         found = jnp.where(here[:, None], found, 0).astype(dtype)
         return lax.psum_scatter(found, axes, scatter_dimension=0, tiled=True)  # one row is not 0
+
+    def local(table, tokens):
+        if c == local_tokens:
+            return chunk(table, tokens)
+        # rematerialised: kept for the backward pass, each chunk's [rows, embed] mask of which
+        # rows this shard holds would be stacked over the chunks (64 GiB at 32 shards, 512K)
+        remat_chunk = jax.checkpoint(chunk)
+        out = lax.map(lambda t: remat_chunk(table, t), tokens.reshape(-1, c))
+        return out.reshape(local_tokens, -1)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(axes, None), FLAT),
                          out_specs=activation_spec(TOKENS, None))(table, flat_tokens)

@@ -96,3 +96,33 @@ def test_offload_policies_repeat_only_what_they_drop(remat, tile_tokens, per_lay
                                 remat=remat, tile_tokens=tile_tokens)
     a2a = sum(c.executions for c in found if c.kind == "all-to-all")
     assert a2a == per_layer * mcfg.num_layers, (remat, a2a)
+
+
+def test_vocab_parallel_lookup_in_chunks_equals_the_whole(monkeypatch):
+    """At long sequences the vocabulary-parallel lookup gathers its rows in chunks (rows of 32
+    shards x 512K tokens would be 256 GiB): the same rows and table gradient as in one piece."""
+    import jax
+
+    from models import vocab_parallel
+
+    layout = basp_jax.Layout.plan(8, BATCH, SEQ, CONFIG.num_heads, CONFIG.num_kv_heads, groups=2)
+    mesh = basp_jax.make_mesh(layout)
+    rng = np.random.default_rng(3)
+    table = jnp.asarray(rng.normal(size=(64, 16)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, 64, (8 * 32,)), jnp.int32)
+    cotangent = jnp.asarray(rng.normal(size=(8 * 32, 16)), jnp.float32)
+
+    def rows_and_grad():
+        def f(t):
+            rows = vocab_parallel.lookup(t, tokens, mesh=mesh, axes=("group", "seq"),
+                                         dtype=jnp.float32)
+            return jnp.sum(rows * cotangent), rows
+        (_, rows), grad = jax.jit(jax.value_and_grad(f, has_aux=True))(table)
+        return np.asarray(rows), np.asarray(grad)
+
+    whole = rows_and_grad()
+    monkeypatch.setattr(vocab_parallel, "LOOKUP_CHUNK_BYTES", 8 * 16 * 4 * 4)  # 4 tokens a chunk
+    chunked = rows_and_grad()
+    np.testing.assert_array_equal(whole[0], np.asarray(table)[np.asarray(tokens)])
+    np.testing.assert_allclose(chunked[0], whole[0], rtol=0, atol=0)
+    np.testing.assert_allclose(chunked[1], whole[1], rtol=1e-6, atol=1e-6)

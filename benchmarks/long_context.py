@@ -1,0 +1,115 @@
+"""The longest sequences: Llama-3.1-8B's train step compiled without a GPU (train.aot) for 1 to
+64 H100-80GB and 8 A100-40GB, with today's long-context settings (configs/gpu/llama-3.1-8b_long.yaml:
+offloaded layer inputs, tiled layers) beside the 16K config's (remat=full, nothing tiled): device
+and pinned host memory per GPU against what they may take, host copies per step, all-to-alls per
+layer and between hosts, and the planner's step time.
+
+    python benchmarks/long_context.py --out bench/long_context/results.json   # prints the table
+    python benchmarks/long_context.py --out bench/long_context/results.json --table
+
+Needs JAX's CUDA plugin (python -m train.aot --install); an 8B compile takes 0.5-2 minutes on
+2 cores. What a deviceless compile cannot show: whether the copies to the host overlap compute,
+the real PCIe time, and the step time itself (the planner's is a prediction).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from train import aot  # noqa: E402
+
+GiB = 2**30
+LONG = "configs/gpu/llama-3.1-8b_long.yaml"
+SHORT = ["model.remat=full", "model.tile_tokens=null"]  # the 16K config's memory settings
+
+# (name, target, hosts, gpus per host, overrides): B=1, and one sequence per host
+CASES = [
+    ("1xH100 B=1 512K", "h100-80gb", 1, 1, ["data.seq_len=524288"]),
+    ("8xH100 B=1 4M", "h100-80gb", 1, 8, []),
+    ("8xH100 B=1 8M", "h100-80gb", 1, 8, ["data.seq_len=8388608"]),
+    ("8xH100 B=1 512K (16K settings)", "h100-80gb", 1, 8, ["data.seq_len=524288", *SHORT]),
+    ("32xH100 B=4 4M", "h100-80gb", 4, 8, ["train.microbatch_size=4"]),
+    ("32xH100 B=1 16M ring=4", "h100-80gb", 4, 8, ["data.seq_len=16777216", "parallel.ring=4"]),
+    ("64xH100 B=8 4M", "h100-80gb", 8, 8, ["train.microbatch_size=8"]),
+    ("64xH100 B=1 32M ring=8", "h100-80gb", 8, 8, ["data.seq_len=33554432", "parallel.ring=8"]),
+    ("8xA100-40GB B=1 1M", "a100-40gb", 2, 4, ["data.seq_len=1048576"]),
+    ("8xA100-40GB B=2 512K", "a100-40gb", 2, 4, ["data.seq_len=524288", "train.microbatch_size=2"]),
+]
+
+
+def compile_case(name, target, hosts, per_host, overrides):
+    from basp_jax import cost
+    from train.config import load_config
+    from train.planning import model_shape, plan, state_bytes
+    from train.prepare import model_config
+
+    cfg = load_config(str(ROOT / LONG), [
+        f"parallel.hardware={target}", f"parallel.devices_per_host={per_host}",
+        f"runtime.devices={hosts * per_host}", *overrides])
+    r = aot.report(cfg, target, hosts, per_host)
+    mcfg = model_config(cfg)
+    layout, strategy = plan(cfg, mcfg, hosts * per_host, per_host)
+    hw = cost.HARDWARE[target]
+    pred = cost.predict(model_shape(mcfg), layout, strategy, hw=hw, remat=cfg.model.remat,
+                        tile_tokens=cfg.model.tile_tokens, **state_bytes(cfg))
+    a2a = [c for c in r["collectives"] if c["kind"] == "all-to-all"]
+    return {"name": name, "remat": cfg.model.remat, "tile_tokens": cfg.model.tile_tokens,
+            "predicted_step_s": pred.step_s, "predicted_host_s": pred.host_s,
+            "a2a_per_layer": sum(c["per_layer"] for c in a2a),
+            "a2a_inter_host_bytes": sum(c["inter_host_wire_bytes"] for c in a2a),
+            **{k: r[k] for k in ("layout", "peak_bytes_per_device", "formula_memory_bytes",
+                                 "usable_memory_bytes", "host_peak_bytes_per_device",
+                                 "formula_host_memory_bytes", "host_budget_bytes", "host_transfers",
+                                 "fits", "compile_s")}}
+
+
+def table(rows) -> str:
+    lines = ["| case | tokens/GPU | remat, tile | device GiB (formula) / may take | host GiB "
+             "(formula) / budget | host copies/step | a2a/layer, inter-host | predicted step | fits |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lay, t = r["layout"], r["host_transfers"]
+        per_gpu = lay["batch"] * lay["seq_len"] // (lay["groups"] * lay["sp"])
+        lines.append(
+            f"| {r['name']} | {per_gpu:,} | {r['remat']}, {r['tile_tokens']} | "
+            f"{r['peak_bytes_per_device'] / GiB:.1f} ({r['formula_memory_bytes'] / GiB:.1f}) / "
+            f"{r['usable_memory_bytes'] / GiB:.1f} | {r['host_peak_bytes_per_device'] / GiB:.0f} "
+            f"({r['formula_host_memory_bytes'] / GiB:.0f}) / {r['host_budget_bytes'] / GiB:.0f} | "
+            f"{t['to_host_bytes'] / GiB:.0f} + {t['from_host_bytes'] / GiB:.0f} GiB | "
+            f"{r['a2a_per_layer']:.0f}, {r['a2a_inter_host_bytes'] / GiB:.1f} GiB | "
+            f"{r['predicted_step_s']:,.0f} s | {'yes' if r['fits'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--table", action="store_true", help="print the table of --out again")
+    p.add_argument("--only", help="comma-separated case names (default: all)")
+    args = p.parse_args()
+    out = Path(args.out)
+    if args.table:
+        print(table(json.loads(out.read_text())))
+        return
+    aot.use_plugin()
+    wanted = set(args.only.split(",")) if args.only else None
+    rows = []
+    for case in CASES:
+        if wanted and case[0] not in wanted:
+            continue
+        rows.append(compile_case(*case))
+        print(f"{case[0]}: {rows[-1]['peak_bytes_per_device'] / GiB:.2f} GiB, "
+              f"{rows[-1]['compile_s']:.0f} s", flush=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(rows, indent=1))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
