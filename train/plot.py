@@ -205,10 +205,26 @@ def _draw_layout(ax, layout) -> None:
     ax.axis("off")
 
 
+MAX_DRAWN_DEVICES = 128  # one box each: a wider figure is unreadable (and past 2**16 pixels)
+MAX_BATCH = 1 << 20
+
+
+def _check_drawable(devices: int, devices_per_host: int, batch: int) -> None:
+    """The numbers of `layouts` in the ranges a figure can show, before any layout is planned."""
+    boxes = "a figure draws one box per device"
+    for flag, value, most, why in (("--devices", devices, MAX_DRAWN_DEVICES, boxes),
+                                   ("--devices-per-host", devices_per_host, MAX_DRAWN_DEVICES,
+                                    boxes),
+                                   ("--batch", batch, MAX_BATCH, "rows of a microbatch")):
+        if not 1 <= value <= most:
+            raise PlotError(f"{flag} must lie in [1, {most:,}] ({why}), got {value:,}")
+
+
 def layouts_figure(devices: int, devices_per_host: int, batch: int, out: str | Path) -> Path:
     """Ulysses (one group of all devices) and BASP (batch-many groups) side by side."""
     from basp_jax.layout import Layout, LayoutError
 
+    _check_drawable(devices, devices_per_host, batch)
     try:
         # Only groups, sp and hosts are drawn; heads and tokens = devices always divide evenly.
         layouts = [Layout.plan(devices, batch, seq_len=devices, num_heads=devices,
