@@ -149,7 +149,12 @@ def main(argv: list[str] | None = None) -> int:
                                  "pass --tokenizer FILE or --prompt-ids")
             # with the tokenizer's own special tokens (e.g. Llama 3's <|begin_of_text|>), as
             # transformers' pipelines encode a prompt
-            prompt = tok.encode(args.prompt).ids
+            try:
+                prompt = tok.encode(args.prompt).ids
+            except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception)
+                raise ModelError(f"the tokenizer cannot encode the prompt "
+                                 f"({' '.join(str(e).split())[:200]}); use the model's own "
+                                 "tokenizer or --prompt-ids") from None
         else:
             prompt = _prompt_ids(args.prompt_ids)
         from .sampler import generate
