@@ -104,6 +104,12 @@ def bad_data(tmp_path_factory):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(d / "no_unk.json"))
     (d / "docs.txt").write_text("a b\na zebra b\n" * 20)
+    deep_json = "[" * 100_000 + "]" * 100_000  # a RecursionError in json.loads
+    (d / "deep.jsonl").write_text('{"text": "a b"}\n' + deep_json + "\n")
+    np.arange(10, dtype=np.uint16).tofile(d / "ids.bin")
+    (d / "ids.bin.json").write_text(deep_json)
+    (d / "hf_deep").mkdir()
+    (d / "hf_deep" / "config.json").write_text(deep_json)
     return d
 
 
@@ -116,12 +122,28 @@ def test_train_refuses_unreadable_data_with_one_line(tmp_path, capsys, bad_data)
           f"data.tokenizer={bad_data}/no_unk.json", "data.eos_id=0"],
          f"error: data: tokenizer '{bad_data}/no_unk.json' loads but cannot encode the "
          f"documents of '{bad_data}/docs.txt' (WordLevel error: Missing [UNK] token"),
+        (["data.source=jsonl", f"data.path={bad_data}/deep.jsonl",
+          f"data.tokenizer={bad_data}/no_unk.json", "data.eos_id=0"],
+         f"error: data: {bad_data}/deep.jsonl:2: JSON nested too deeply to read"),
+        (["data.source=tokens", f"data.path={bad_data}/ids.bin"],
+         f"error: data: token file sidecar '{bad_data}/ids.bin.json' cannot be read "
+         "(RecursionError: "),
+        (["model.preset=null", "model.shape={}", f"model.hf_path={bad_data}/hf_deep"],
+         f"error: model: cannot read {bad_data}/hf_deep/config.json: JSON nested too deeply"),
     ]
     for i, (extra, fragment) in enumerate(cases):
         run_dir = tmp_path / f"run{i}"
         _one_line(capsys, lambda: cli.main(tiny_overrides(run_dir, *extra)), fragment=fragment)
         assert not run_dir.exists()
     assert snapshot(bad_data) == before
+
+
+def test_plot_skips_a_metrics_line_nested_thousands_deep(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    _one_line(capsys, lambda: plot.main(["losses", str(run_dir), "-o", str(tmp_path / "l.png")]),
+              fragment="metrics.jsonl holds no step records (1 unreadable line(s))")
 
 
 def test_tokenize_refuses_a_tokenizer_that_cannot_encode_and_bad_numbers(tmp_path, capsys,
@@ -145,6 +167,7 @@ PLAN = ["--model", "llama-3.1-8b", "--seq", "4096", "--batch", "2", "--devices",
 
 
 @pytest.mark.parametrize("flags, fragment", [
+    (["--batch", "1e20"], "argument --batch: invalid int value: '1e20'"),
     (["--batch", str(10**20)], "--batch must be at most 1,048,576 (beyond any cluster this "
                                "models), got 100,000,000,000,000,000,000"),
     (["--devices", str(10**11)], "--devices must be at most 1,048,576"),
@@ -153,7 +176,7 @@ PLAN = ["--model", "llama-3.1-8b", "--seq", "4096", "--batch", "2", "--devices",
     (["--memory-gb", "inf"], "--memory-gb must be a positive number of at most 1e+06"),
     (["--memory-gb", "nan"], "--memory-gb must be a positive number"),
     (["--max-pad-rows", str(10**9)], "--max-pad-rows must be at most --devices=8"),
-], ids=["batch 1e20", "devices 1e11", "seq 1e20", "grad_accum 1e20", "memory inf", "memory nan",
+], ids=["batch 1e20 written so", "batch 1e20", "devices 1e11", "seq 1e20", "grad_accum 1e20", "memory inf", "memory nan",
         "pad rows 1e9"])
 def test_plan_refuses_huge_numbers_at_once(capsys, flags, fragment):
     _one_line(capsys, lambda: plan.main([*PLAN, *flags]), fragment=fragment)

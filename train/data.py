@@ -154,6 +154,8 @@ def parse_lines(path: str, source: str, first: int, lines, text_key: str) -> lis
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        except RecursionError:  # arrays or objects nested thousands deep
+            raise DataError(f"{path}:{lineno}: JSON nested too deeply to read") from None
         if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
             raise DataError(f"{path}:{lineno}: no string field {text_key!r}")
         docs.append(obj[text_key])
@@ -268,7 +270,7 @@ def checked_sidecar(path: str, cfg: DataConfig, vocab_size: int) -> dict | None:
         if dtype not in ("uint16", "uint32") or not all(
                 isinstance(v, int) for v in (tokens, size, vocab, eos, top)):
             raise ValueError("a field has the wrong type")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise DataError(f"token file sidecar {side!r} cannot be read ({type(e).__name__}: "
                         f"{' '.join(str(e).split())}); {fix}") from None
     if dtype != cfg.dtype:

@@ -59,7 +59,8 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
         try:  # a line that is not UTF-8 JSON (a damaged or foreign file) counts as unreadable
             record = json.loads(raw.decode("utf-8"))
             by_step[int(record["step"])] = record
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError,
+                RecursionError):  # (nested thousands deep)
             unreadable += 1
     if not by_step:
         extra = f" ({unreadable} unreadable line(s))" if unreadable else ""
@@ -83,7 +84,7 @@ def run_label(run_dir: str | Path) -> str:
     name = run_dir.resolve().name
     try:
         layout = json.loads((run_dir / "collectives.json").read_text())["layout"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return name
     # "basp: 2 group(s) x sp=4 on 8 devices (2 host(s)); ..." -> "basp: 2 group(s) x sp=4"
     return f"{name} ({str(layout).split(' on ')[0]})"
@@ -154,6 +155,8 @@ def read_bench(path: str | Path) -> list[dict]:
         raise PlotError(f"{path}: not UTF-8 text, so not JSON") from None
     except json.JSONDecodeError as e:
         raise PlotError(f"{path}: not JSON ({e.msg}, line {e.lineno})") from None
+    except RecursionError:
+        raise PlotError(f"{path}: JSON nested too deeply to read") from None
     if not isinstance(results, list) or not results:
         raise PlotError(f"{path}: expected a non-empty list of results per link rate")
     return results
