@@ -163,6 +163,17 @@ def test_a_data_file_replaced_under_the_same_name_and_size_is_refused(good_run, 
     assert "checkpoint.allow_changed=data.file" in line
 
 
+def test_a_damaged_record_is_a_damaged_checkpoint(good_run, data_dir, tmp_path, capsys):
+    run_dir = _copy(good_run, tmp_path)
+    path = run_dir / "checkpoints" / "2" / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    meta["resume"] = []
+    path.write_text(json.dumps(meta))
+    line = _refused(capsys, tiny_overrides(run_dir, *_base(data_dir)), run_dir, data_dir)
+    assert line.startswith(f"error: checkpoint: checkpoint {run_dir}/checkpoints/2 cannot be read "
+                           "(ValueError: meta resume holds list, not an object)"), line
+
+
 def test_allowed_changes_go_on_are_logged_and_recorded(good_run, data_dir, tmp_path, capsys):
     """lr and the data file changed on purpose: the run resumes at step 2, says what changed,
     records it in the first metrics.jsonl line after the checkpoint; its checkpoints then hold

@@ -130,8 +130,9 @@ def _show(value: Any) -> str:
     if isinstance(value, dict) and "sample_sha256" in value:
         import datetime
 
-        when = datetime.datetime.fromtimestamp(value.get("mtime_ns", 0) / 1e9).isoformat(
-            timespec="seconds")
+        mtime = value.get("mtime_ns")
+        when = (datetime.datetime.fromtimestamp(mtime / 1e9).isoformat(timespec="seconds")
+                if isinstance(mtime, int) and 0 <= mtime < 2**62 else "at an unknown time")
         return (f"{value.get('path')} ({value.get('bytes')} bytes, sampled sha256 "
                 f"{str(value.get('sample_sha256'))[:12]}, modified {when})")
     return json.dumps(value) if isinstance(value, (dict, list)) or value is None else str(value)
