@@ -59,15 +59,19 @@ def _copy(good_run, tmp_path):
     return run_dir
 
 
+COMPILES = []  # XLA compilations seen (jax.monitoring has no way to remove a listener)
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, *a, **k: COMPILES.append(event) if "backend_compile" in event else None)
+
+
 def _refused(capsys, argv, *watched) -> str:
     """cli.main(argv): exit 2, one stderr line, no compilation, nothing under `watched` changed."""
     before = snapshot(*watched)
     capsys.readouterr()
-    jax.clear_caches()
-    compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, *a, **k: compiles.append(event) if "backend_compile" in event else None)
+    jax.clear_caches()  # a program compiled by an earlier test would otherwise go unseen
+    COMPILES.clear()
     status = cli.main(argv)
+    compiles = list(COMPILES)
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert status == 2, err
@@ -119,7 +123,7 @@ ON_PURPOSE = [
      "; to change them on purpose add checkpoint.allow_changed=optimizer.lr,optimizer.b1"),
     (["optimizer.lr=1e-3", "optimizer.b1=0.8", "checkpoint.allow_changed=optimizer.lr"],
      "error: config: optimizer.b1=0.8 differs from the checkpoint's b1 0.9 (the update); to "
-     "change it on purpose add checkpoint.allow_changed=optimizer.b1"),
+     "change it on purpose add checkpoint.allow_changed=optimizer.lr,optimizer.b1"),
 ]
 FIXED = [
     (["optimizer.mu_dtype=bfloat16"], "error: config: optimizer.mu_dtype=bfloat16 differs from "

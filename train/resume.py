@@ -162,9 +162,10 @@ def check(old: dict[str, Any], new: dict[str, Any], allowed: list[str]) -> dict[
         parts = [f"{key}={_show(now)} differs from the checkpoint's {key.rsplit('.', 1)[-1]} "
                  f"{_show(was)} ({rule(key)[1]})" for key, (was, now) in refused.items()]
         them = "it" if len(refused) == 1 else "them"
+        names = ",".join(dict.fromkeys([*allowed, *refused]))  # the keys allowed already, too
         raise ConfigError(f"{', '.join(parts)}; to change {them} on purpose add "
-                          f"{ALLOW_KEY}={','.join(refused)} (the change is logged and recorded "
-                          f"in metrics.jsonl), or undo {them}")
+                          f"{ALLOW_KEY}={names} (the change is logged and recorded in "
+                          f"metrics.jsonl), or undo {them}")
     return changed
 
 
