@@ -23,8 +23,15 @@ import sys
 DTYPES = ("float32", "bfloat16")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors (e.g. --max-new-tokens abc) are one line and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: generate: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m models.generate",
+    p = _Parser(prog="python -m models.generate",
                                 description="Sample a continuation of a prompt (KV cache, one "
                                             "device).")
     src = p.add_mutually_exclusive_group(required=True)
@@ -163,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                        eos_ids=args.eos_id if args.eos_id is not None else eos)
     except errors as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"error: generate: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     if tok is not None and args.prompt is not None:
         print(tok.decode(new, skip_special_tokens=True))

@@ -37,7 +37,7 @@ def _one_line(capsys, call, *, fragment: str, status: int = 2) -> str:
     assert fragment in lines[0], lines[0]
     assert lines[0].startswith("error: "), lines[0]
     assert "Traceback" not in err
-    assert elapsed < 10, f"{elapsed:.1f}s to refuse"
+    assert elapsed < 30, f"{elapsed:.1f}s to refuse"  # (a loaded CI machine: seconds, not hours)
     return lines[0]
 
 
@@ -154,10 +154,10 @@ def test_tokenize_refuses_a_tokenizer_that_cannot_encode_and_bad_numbers(tmp_pat
     _one_line(capsys, lambda: tokenize.main([*common, "--eos-id", "0", "--workers", "1"]),
               fragment="the tokenizer cannot encode the documents of")
     _one_line(capsys, lambda: tokenize.main([*common, "--workers", "1000000000"]),
-              fragment="error: --workers must lie in [1, 256] (processes), got 1000000000")
+              fragment="error: tokenize: --workers must lie in [1, 256] (processes), got 1000000000")
     _one_line(capsys, lambda: tokenize.main([*common, "--workers", "1", "--eos-id",
                                              "100000000000000000000"]),
-              fragment="error: --eos-id must be a token id in [0, 4294967295] (uint32)")
+              fragment="error: tokenize: --eos-id must be a token id in [0, 4294967295] (uint32)")
     assert list(tmp_path.iterdir()) == []  # no output, no temporary
 
 
@@ -188,7 +188,7 @@ def test_plan_answers_at_once_for_the_largest_cluster_it_takes(capsys):
     t = time.perf_counter()
     status = plan.main(["--model", "llama-3.1-8b", "--seq", "4096", "--batch", "7", "--devices",
                         str(2**20), "--max-pad-rows", str(2**20)])
-    assert time.perf_counter() - t < 10
+    assert time.perf_counter() - t < 30
     assert status in (0, 2)  # (no layout splits 32 heads over 2**20 devices: one line too)
     assert layout._divisors(10**11)[-3:] == [25 * 10**9, 5 * 10**10, 10**11]
     assert layout._divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
@@ -205,12 +205,12 @@ def test_plot_layouts_refuses_more_devices_than_a_figure_draws(tmp_path, capsys)
 
 
 GENERATE_CASES = [
-    (["--temperature", "nan"], "error: --temperature must be 0 (greedy) or lie in [0.001, 1000], "
+    (["--temperature", "nan"], "error: generate: --temperature must be 0 (greedy) or lie in [0.001, 1000], "
                                "got nan"),
     (["--temperature", "inf"], "--temperature must be 0 (greedy) or lie in"),
     (["--temperature", "-1"], "--temperature must be 0 (greedy) or lie in"),
     (["--temperature", "1e-30"], "--temperature must be 0 (greedy) or lie in"),
-    (["--top-p", "-0.5"], "error: --top-p is a probability mass in (0, 1], got -0.5"),
+    (["--top-p", "-0.5"], "error: generate: --top-p is a probability mass in (0, 1], got -0.5"),
     (["--top-p", "nan"], "--top-p is a probability mass in (0, 1]"),
     (["--max-new-tokens", str(10**12)], "--max-new-tokens must lie in [1, 1,048,576]"),
     (["--seed", str(10**30)], "--seed must lie in [0, 4294967295]"),
@@ -226,10 +226,23 @@ def test_generate_refuses_bad_numbers_before_loading_a_model(tmp_path, capsys, f
     _one_line(capsys, lambda: generate.main(argv), fragment=fragment)
 
 
+@pytest.mark.parametrize("command, argv, fragment", [
+    (generate, ["--hf_path", "x", "--prompt-ids", "1", "--max-new-tokens", "abc"],
+     "error: generate: argument --max-new-tokens: invalid int value: 'abc'"),
+    (generate, ["--hf_path", "x", "--prompt-ids", "1", "--temperature", "warm"],
+     "error: generate: argument --temperature: invalid float value: 'warm'"),
+    (tokenize, ["in.txt", "--tokenizer", "t.json", "-o", "o.bin", "--workers", "1e3"],
+     "error: tokenize: argument --workers: invalid int value: '1e3'"),
+], ids=["generate max-new-tokens abc", "generate temperature warm", "tokenize workers 1e3"])
+def test_a_flag_that_is_no_number_is_one_line(capsys, command, argv, fragment):
+    """argparse's own usage line would make it two."""
+    _one_line(capsys, lambda: command.main(argv), fragment=fragment)
+
+
 def test_generate_refuses_prompt_ids_numpy_cannot_hold(tmp_path, capsys):
     argv = ["--hf_path", str(tmp_path), "--prompt-ids", f"1,{10**30}"]
     _one_line(capsys, lambda: generate.main(argv),
-              fragment="error: --prompt-ids must be token ids in [0, 2147483647], got 1000")
+              fragment="error: generate: --prompt-ids must be token ids in [0, 2147483647], got 1000")
 
 
 def test_generate_refuses_a_prompt_its_tokenizer_cannot_encode(tmp_path, capsys, bad_data):
@@ -240,7 +253,7 @@ def test_generate_refuses_a_prompt_its_tokenizer_cannot_encode(tmp_path, capsys,
     (tmp_path / "tokenizer.json").write_bytes((bad_data / "no_unk.json").read_bytes())
     before = snapshot(tmp_path)
     _one_line(capsys, lambda: generate.main(["--hf_path", str(tmp_path), "--prompt", "a zebra"]),
-              fragment="error: the tokenizer cannot encode the prompt (WordLevel error: Missing "
+              fragment="error: generate: the tokenizer cannot encode the prompt (WordLevel error: Missing "
                        "[UNK] token from the vocabulary); use the model's own tokenizer or "
                        "--prompt-ids")
     assert snapshot(tmp_path) == before

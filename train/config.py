@@ -615,16 +615,30 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def yaml_load(text):
+def _brackets_deeper_than(text: str, limit: int) -> bool:
+    """Whether [ and { open more than `limit` deep in text (quotes ignored: a bound for flow
+    style YAML, so a value nested thousands deep is refused before the parser recurses)."""
+    depth = 0
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif ch in "]}":
+            depth = max(depth - 1, 0)
+    return False
+
+
+def yaml_load(text: str):
     """yaml.safe_load that raises yaml.YAMLError on duplicate keys and on values nested more
     than MAX_DEPTH deep (TooDeepError)."""
+    too_deep = _brackets_deeper_than(text, 8 * MAX_DEPTH)  # (a generous bound: quotes count)
     try:
-        loaded = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
-    except RecursionError:  # the parser recurses once per level
-        loaded = None
+        loaded = None if too_deep else yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506
+    except RecursionError:  # the parser recurses once per level (block style, too)
         too_deep = True
     else:
-        too_deep = _depth(loaded) > MAX_DEPTH
+        too_deep = too_deep or _depth(loaded) > MAX_DEPTH
     if too_deep:
         raise TooDeepError(f"a value nests lists or mappings more than {MAX_DEPTH} levels deep; "
                            "no config key takes that")
@@ -699,7 +713,7 @@ def _read_yaml(path: str) -> dict:
     """One config file's top-level mapping."""
     try:
         with open(path) as f:
-            loaded = yaml_load(f)
+            loaded = yaml_load(f.read())
     except FileNotFoundError:
         raise ConfigError(f"config file {path!r} does not exist") from None
     except (OSError, UnicodeDecodeError) as e:

@@ -251,8 +251,15 @@ def tokenize(input_path: str, tokenizer: str, output: str, *, text_key: str = "t
     return meta
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors (e.g. --workers abc) are one line and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: tokenize: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m train.tokenize",
         description="Tokenize a .txt/.jsonl file or a directory of them into a token file "
                     "(uint16/uint32) with a sidecar the trainer checks (data.source=tokens).")
@@ -274,10 +281,11 @@ def main(argv: list[str] | None = None) -> int:
         meta = tokenize(args.input, args.tokenizer, args.output, text_key=args.text_key,
                         eos_id=args.eos_id, workers=args.workers, overwrite=args.overwrite)
     except (TokenizeError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: tokenize: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # e.g. a full disk or an unwritable directory; temporaries are removed
-        print(f"error: {e.filename or args.output}: {e.strerror or e}", file=sys.stderr)
+        print(f"error: tokenize: {e.filename or args.output}: {e.strerror or e}",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)
