@@ -184,9 +184,10 @@ def check(cfg: Config, *, is_writer: bool) -> Run:
 
 
 def check_resume(cfg: Config, mcfg, run_dir: str, record: dict) -> tuple[int | None, dict]:
-    """The checkpoint step to resume from (None: start fresh) and the changes of the config
-    since it that checkpoint.allow_changed allows, after checking that it fits this config
-    (checkpoint metadata only: no array is read; record: this config's train.resume.record)."""
+    """The checkpoint step to resume from (None: start fresh) and the config's changes since
+    that checkpoint (those checkpoint.allow_changed allows; train.resume refuses the others),
+    after checking that it fits this config (checkpoint metadata only: no array is read;
+    record: this config's train.resume.record)."""
     tx, _ = make_optimizer(cfg.optimizer, cfg.train.steps)  # its state's structure, for inspection
     if not cfg.checkpoint.resume:
         existing = complete_steps(checkpoint_dir(run_dir))
