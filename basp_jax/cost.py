@@ -478,15 +478,15 @@ def candidates(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
     padding where no ring split divides the heads, and up to max_pad_rows masked rows. Ties go
     to the earlier sharding: host before hsdp."""
     out = []
-    for pad in range(0, max_pad_rows + 1):
-        for g in _divisors(num_devices):
-            if pad and math.gcd(batch + pad - 1, num_devices) >= g:
-                continue  # fewer pad rows already give this many groups
-            layouts = _ring_splits(shape, num_devices=num_devices, batch=batch, seq_len=seq_len,
-                                   groups=g, devices_per_host=devices_per_host, pad_rows=pad)
-            for layout in layouts:
-                for sharding in _shardings(g, layout.sp, num_devices, devices_per_host):
-                    out.append((layout, sharding))
+    # each group count once, with the fewest pad rows that make the rows divisible by it (more
+    # would only add masked work): one split per divisor, however large max_pad_rows is
+    splits = sorted((-batch % g, g) for g in _divisors(num_devices) if -batch % g <= max_pad_rows)
+    for pad, g in splits:
+        layouts = _ring_splits(shape, num_devices=num_devices, batch=batch, seq_len=seq_len,
+                               groups=g, devices_per_host=devices_per_host, pad_rows=pad)
+        for layout in layouts:
+            for sharding in _shardings(g, layout.sp, num_devices, devices_per_host):
+                out.append((layout, sharding))
     return out
 
 
@@ -545,7 +545,8 @@ def default_pad_rows(batch: int, num_devices: int) -> int:
     if num_devices % batch == 0:
         return 0
     best = math.gcd(batch, num_devices)
-    for pad in range(1, batch + 1):
+    # gcd(batch + pad, num_devices) repeats with period num_devices: no later pad does better
+    for pad in range(1, min(batch, num_devices) + 1):
         if math.gcd(batch + pad, num_devices) > best:
             return pad
     return 0

@@ -29,7 +29,10 @@ class LayoutError(ValueError):
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending: pairs (d, n // d) up to sqrt(n), so a device count of 1e11
+    answers at once (trying every integer up to n never did)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _require_positive(**values: int | None) -> None:
@@ -62,12 +65,13 @@ def head_padding(num_heads: int, num_kv_heads: int, sp: int) -> tuple[int, int]:
     group = num_heads // num_kv_heads
     best = None
     for kv in range(num_kv_heads, num_kv_heads + sp + 1):
-        for g in range(group, group + sp + 1):
-            if (kv * g) % sp == 0:
-                key = (kv * g, kv_replication(kv * g, kv, sp) * kv)
-                if best is None or key < best[0]:
-                    best = (key, (kv, g))
-                break
+        if best is not None and kv * group > best[0][0]:
+            break  # this and every later kv pad to more query heads than the best
+        step = sp // math.gcd(kv, sp)  # kv * g is a multiple of sp exactly when step divides g
+        g = -(-group // step) * step  # the fewest query heads per kv head, >= group
+        key = (kv * g, kv_replication(kv * g, kv, sp) * kv)
+        if best is None or key < best[0]:
+            best = (key, (kv, g))
     return best[1]
 
 

@@ -12,6 +12,11 @@ import sys
 from .cost import HARDWARE, MODEL_SHAPES, Prediction, default_pad_rows, plan_table
 
 GB = 1e9
+# The largest value of each integer flag: far beyond any real run, small enough that every
+# prediction stays a finite float and the candidate search (divisors, pad rows) answers at once.
+LIMITS = {"seq": 1 << 32, "batch": 1 << 20, "devices": 1 << 20, "grad_accum": 1 << 20,
+          "devices_per_host": 1 << 20}
+MAX_MEMORY_GB = 1e6
 
 
 def format_plan(preds: list[Prediction], memory_limit: float) -> str:
@@ -54,17 +59,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlap", type=float, default=0.0,
                         help="share of parameter collectives hidden behind compute (0..1)")
     args = parser.parse_args(argv)
-    for name in ("seq", "batch", "devices", "grad_accum", "devices_per_host"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name, most in LIMITS.items():
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if value is not None and value > most:
+            parser.error(f"--{name.replace('_', '-')} must be at most {most:,} (beyond any "
+                         f"cluster this models), got {value:,}")
     if args.max_pad_rows is not None and args.max_pad_rows < 0:
         parser.error(f"--max-pad-rows must be >= 0 (masked rows added to the microbatch), got "
                      f"{args.max_pad_rows}")
+    if args.max_pad_rows is not None and args.max_pad_rows > args.devices:
+        # every group count is reached with fewer pad rows than devices
+        parser.error(f"--max-pad-rows must be at most --devices={args.devices} (more reach no "
+                     f"other layout), got {args.max_pad_rows}")
     if not 0.0 <= args.overlap <= 1.0:  # also refuses nan
         parser.error(f"--overlap is a share of the parameter collectives, in [0, 1]; got "
                      f"{args.overlap}")
-    if args.memory_gb is not None and not args.memory_gb > 0 or args.memory_gb == float("inf"):
-        parser.error(f"--memory-gb must be a positive number, got {args.memory_gb}")
+    if args.memory_gb is not None and not 0 < args.memory_gb <= MAX_MEMORY_GB:  # nan too
+        parser.error(f"--memory-gb must be a positive number of at most {MAX_MEMORY_GB:g}, got "
+                     f"{args.memory_gb}")
     hw = HARDWARE[args.hardware]
     if args.devices_per_host is not None:
         if args.devices % args.devices_per_host:

@@ -125,6 +125,8 @@ class ModelConfig:
                 data = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise ModelError(f"cannot read {file}: {str(e).splitlines()[0]}") from None
+        except RecursionError:  # objects or arrays nested thousands deep
+            raise ModelError(f"cannot read {file}: JSON nested too deeply") from None
         if not isinstance(data, dict):
             raise ModelError(f"{file} does not hold a JSON object")
         return _from_hf_dict(data, source=file)

@@ -23,8 +23,15 @@ import sys
 DTYPES = ("float32", "bfloat16")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors (e.g. --max-new-tokens abc) are one line and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: generate: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m models.generate",
+    p = _Parser(prog="python -m models.generate",
                                 description="Sample a continuation of a prompt (KV cache, one "
                                             "device).")
     src = p.add_mutually_exclusive_group(required=True)
@@ -44,14 +51,49 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+MAX_ID = 2**31 - 1  # token ids are int32 on the device
+MAX_SEED = 2**32 - 1  # as run.seed
+MAX_NEW_TOKENS = 1 << 20  # the cache is preallocated for all of them
+# A positive temperature divides the logits: below the floor float32 overflows to inf (NaN
+# probabilities); above the ceiling every token is equally likely to within float32.
+TEMPERATURE_RANGE = (1e-3, 1e3)
+
+
+def check_numbers(args) -> None:
+    """Every number of the command line in its range, before a model is loaded: one line
+    (ModelError) naming the flag and what would work. NaN fails every comparison below."""
+    from .config import ModelError
+
+    low, high = TEMPERATURE_RANGE
+    if not (args.temperature == 0 or low <= args.temperature <= high):
+        raise ModelError(f"--temperature must be 0 (greedy) or lie in [{low:g}, {high:g}], got "
+                         f"{args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ModelError(f"--top-p is a probability mass in (0, 1], got {args.top_p}")
+    if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+        raise ModelError(f"--max-new-tokens must lie in [1, {MAX_NEW_TOKENS:,}], got "
+                         f"{args.max_new_tokens:,}")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise ModelError(f"--seed must lie in [0, {MAX_SEED}], got {args.seed}")
+    for eos in args.eos_id or ():
+        if not 0 <= eos <= MAX_ID:
+            raise ModelError(f"--eos-id must be a token id in [0, {MAX_ID}], got {eos}")
+    if args.prompt_ids is not None:
+        _prompt_ids(args.prompt_ids)
+
+
 def _prompt_ids(text: str) -> list[int]:
     from .config import ModelError
 
     try:
-        return [int(t) for t in text.replace(",", " ").split()]
+        ids = [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
         raise ModelError(f"--prompt-ids must be integers separated by commas or spaces, got "
                          f"{text!r}") from None
+    bad = [i for i in ids if not 0 <= i <= MAX_ID]
+    if bad:  # (numpy cannot even hold 10**30; the model's own vocabulary is checked later)
+        raise ModelError(f"--prompt-ids must be token ids in [0, {MAX_ID}], got {bad[0]}")
+    return ids
 
 
 def _tokenizer(path: str | None):
@@ -105,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
         errors += (CheckpointError, ConfigError)
     try:
+        check_numbers(args)
         model, tok_path, eos = load_model(args)
         tok = _tokenizer(args.tokenizer or tok_path)
         if args.prompt is not None:
@@ -113,7 +156,12 @@ def main(argv: list[str] | None = None) -> int:
                                  "pass --tokenizer FILE or --prompt-ids")
             # with the tokenizer's own special tokens (e.g. Llama 3's <|begin_of_text|>), as
             # transformers' pipelines encode a prompt
-            prompt = tok.encode(args.prompt).ids
+            try:
+                prompt = tok.encode(args.prompt).ids
+            except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception)
+                raise ModelError(f"the tokenizer cannot encode the prompt "
+                                 f"({' '.join(str(e).split())[:200]}); use the model's own "
+                                 "tokenizer or --prompt-ids") from None
         else:
             prompt = _prompt_ids(args.prompt_ids)
         from .sampler import generate
@@ -122,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                        eos_ids=args.eos_id if args.eos_id is not None else eos)
     except errors as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"error: generate: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     if tok is not None and args.prompt is not None:
         print(tok.decode(new, skip_special_tokens=True))

@@ -81,8 +81,8 @@ class Checkpoint:
             try:
                 with open(index_path) as f:
                     weight_map = json.load(f)["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise ModelError(f"{index_path} is not a valid index: {e!r}") from None
+            except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+                raise ModelError(f"{index_path} is not a valid index: {e!r}"[:300]) from None
         elif os.path.isfile(single_path):
             weight_map = None
         else:

@@ -71,9 +71,13 @@ def generate(model: Transformer, prompt: Iterable[int], *, max_new_tokens: int,
                          f"{prompt.max()}; the tokenizer belongs to another model")
     if max_new_tokens < 1:
         raise ModelError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if temperature < 0 or not 0 < top_p <= 1:
+    if not temperature >= 0 or not 0 < top_p <= 1:  # (written so that NaN fails too)
         raise ModelError(f"need temperature >= 0 and 0 < top_p <= 1, got temperature="
                          f"{temperature}, top_p={top_p}")
+    limit = model.config.max_position_embeddings
+    if len(prompt) + max_new_tokens > limit:  # the cache is allocated for all of them at once
+        raise ModelError(f"the prompt ({len(prompt)} tokens) and max_new_tokens={max_new_tokens} "
+                         f"exceed the model's max_position_embeddings={limit}; ask for fewer")
     if model.mesh is not None:
         raise ModelError("generate runs on one device: load the model without a mesh")
     eos = set(int(e) for e in eos_ids)

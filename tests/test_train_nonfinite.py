@@ -25,7 +25,8 @@ def test_skip_keeps_training_on_finite_parameters_and_checkpoints(tmp_path):
     assert not skipped[0] and any(skipped), skipped
     assert all(r["skipped"] == (not np.isfinite(float(r["grad_norm"]))) for r in records)
     # The checkpoints hold the finite state: resuming for one more step starts from it.
-    again = run(tiny_config(tmp_path / "run", *BLOW_UP, "train.steps=5", "checkpoint.every=1"))
+    again = run(tiny_config(tmp_path / "run", *BLOW_UP, "train.steps=5", "checkpoint.every=1",
+                             "checkpoint.allow_changed=train.steps"))
     assert again["start_step"] == 4 and _finite(again["params"])
 
 

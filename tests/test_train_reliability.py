@@ -83,7 +83,8 @@ def test_stale_lock_export_and_a_metrics_line_without_newline(tmp_path, capsys):
 
     metrics = run_dir / "metrics.jsonl"
     metrics.write_text(metrics.read_text().rstrip("\n"))
-    summary = run(tiny_config(run_dir, "train.steps=3", *common))
+    summary = run(tiny_config(run_dir, "train.steps=3", "checkpoint.allow_changed=train.steps",
+                              *common))
     assert summary["start_step"] == 2
     assert _steps(run_dir) == [1, 2, 3]
     assert weights.read_bytes() != first_export  # step 3's weights replaced the earlier export

@@ -185,6 +185,8 @@ def _check_meta(meta, step: int) -> None:
         raise ValueError(f"meta data_step={data_step!r}, expected an integer in [0, {step}]")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
         raise ValueError(f"meta seed={seed!r}, expected an integer in [0, {MAX_SEED}]")
+    if not isinstance(meta.get("resume", {}), dict):  # train.resume.record's values
+        raise ValueError(f"meta resume holds {type(meta['resume']).__name__}, not an object")
 
 
 def _per_layer(shapes: dict) -> bool:

@@ -36,6 +36,14 @@ MAX_SEED = 2**32 - 1
 
 # train.peers polls the peers every min(1 s, timeout / 4); shorter timeouts would fire on noise
 MIN_PEER_TIMEOUT_S = 2.0
+MAX_PEER_TIMEOUT_S = 7 * 24 * 3600.0  # a week: no live peer is silent longer (0 turns it off)
+
+# Upper bounds of counts, far beyond any real run: past them JAX, XLA or the int32 step counter
+# and positions fail with tracebacks (or hang) instead of one line.
+MAX_INT32 = 2**31 - 1  # train.steps, data.seq_len, train.microbatch_size x grad_accum
+MAX_CPU_DEVICES = 1024  # emulated CPU devices; XLA's CPU client refuses absurd counts
+MAX_PROCESSES = 1 << 20
+MAX_EVAL_TOKENS = 1 << 28  # the held-out batch: 1 GiB per int32 array
 
 
 def _require(key: str, value: Any, what: str) -> None:
@@ -111,6 +119,8 @@ class DataConfig:
         _require("data.seq_len", self.seq_len, "tokens per row, an integer > 1")
         if self.seq_len <= 1:
             raise ConfigError(f"data.seq_len must be an integer > 1, got {self.seq_len}")
+        if self.seq_len > MAX_INT32:  # positions are int32
+            raise ConfigError(f"data.seq_len must be at most {MAX_INT32}, got {self.seq_len}")
 
     def validate(self) -> None:
         if self.source == "tokens":
@@ -151,6 +161,8 @@ class TrainSection:
         _require("train.steps", self.steps, "a positive integer (optimizer steps)")
         if self.steps <= 0:
             raise ConfigError(f"train.steps must be a positive integer, got {self.steps}")
+        if self.steps > MAX_INT32:  # the step counter is int32
+            raise ConfigError(f"train.steps must be at most {MAX_INT32}, got {self.steps}")
         _require("train.microbatch_size", self.microbatch_size,
                  "a positive integer (rows per microbatch)")
         if self.microbatch_size <= 0:
@@ -164,6 +176,10 @@ class TrainSection:
                 f"train.grad_accum must be a positive integer (1: no accumulation), "
                 f"got {self.grad_accum}"
             )
+        if self.microbatch_size * self.grad_accum > MAX_INT32:  # rows of a step, int32 indices
+            raise ConfigError(
+                f"train.microbatch_size x train.grad_accum = "
+                f"{self.microbatch_size * self.grad_accum} rows per step; at most {MAX_INT32}")
 
 
 @dataclasses.dataclass
@@ -196,6 +212,9 @@ class OptimizerConfig:
                 f"optimizer.b1 and b2 must lie in [0, 1), got {self.b1}, {self.b2}")
         if self.clip_norm is not None and self.clip_norm <= 0:
             raise ConfigError(f"optimizer.clip_norm must be > 0 or null, got {self.clip_norm}")
+        # Adam divides by sqrt(v) + eps: a negative eps flips or explodes the update
+        if not 0 < self.eps < 1:
+            raise ConfigError(f"optimizer.eps must lie in (0, 1) (e.g. 1e-8), got {self.eps}")
 
 
 @dataclasses.dataclass
@@ -237,6 +256,10 @@ class CheckpointConfig:
     save_final: bool = True
     resume: bool = True  # continue from the latest checkpoint in run.dir/checkpoints
     export_hf: Optional[str] = None  # write final weights as HF safetensors to this directory
+    # keys a resume may find changed on purpose (e.g. optimizer.lr,train.steps; model.shape.*
+    # for all of model.shape), logged and recorded in metrics.jsonl; any other change of a key
+    # that alters the run (train/resume.py RULES) is refused
+    allow_changed: list = dataclasses.field(default_factory=list)
 
     def validate(self) -> None:
         if self.every < 0:
@@ -244,6 +267,9 @@ class CheckpointConfig:
                 f"checkpoint.every must be >= 0 (0: only at the end), got {self.every}")
         if self.keep <= 0:
             raise ConfigError(f"checkpoint.keep must be a positive integer, got {self.keep}")
+        from .resume import check_allowed  # (the table of what a resume checks)
+
+        check_allowed(self.allow_changed)
 
 
 @dataclasses.dataclass
@@ -321,18 +347,20 @@ class DistributedConfig:
     peer_timeout_s: float = 30.0
 
     def validate(self) -> None:
-        if self.peer_timeout_s != 0 and self.peer_timeout_s < MIN_PEER_TIMEOUT_S:
+        if self.peer_timeout_s != 0 and not (
+                MIN_PEER_TIMEOUT_S <= self.peer_timeout_s <= MAX_PEER_TIMEOUT_S):
             raise ConfigError(
-                f"runtime.distributed.peer_timeout_s must be 0 (off) or at least "
-                f"{MIN_PEER_TIMEOUT_S:g} seconds, got {self.peer_timeout_s:g}")
+                f"runtime.distributed.peer_timeout_s must be 0 (off) or lie in "
+                f"[{MIN_PEER_TIMEOUT_S:g}, {MAX_PEER_TIMEOUT_S:g}] seconds, got "
+                f"{self.peer_timeout_s:g}")
         if self.coordinator and (self.num_processes is None or self.process_id is None):
             raise ConfigError(
                 "runtime.distributed.coordinator needs num_processes and process_id as well"
             )
-        if self.num_processes is not None and self.num_processes <= 0:
+        if self.num_processes is not None and not 0 < self.num_processes <= MAX_PROCESSES:
             raise ConfigError(
-                f"runtime.distributed.num_processes must be positive, got {self.num_processes}"
-            )
+                f"runtime.distributed.num_processes must lie in [1, {MAX_PROCESSES}], got "
+                f"{self.num_processes}")
         if self.process_id is not None and self.num_processes is not None and not (
             0 <= self.process_id < self.num_processes
         ):
@@ -364,6 +392,9 @@ class RuntimeConfig:
                 f"(CPU devices to emulate when training on the CPU; runtime.platform=gpu needs "
                 f"none)"
             )
+        if self.cpu_devices is not None and self.cpu_devices > MAX_CPU_DEVICES:
+            raise ConfigError(f"runtime.cpu_devices={self.cpu_devices} is more CPU devices than "
+                              f"can be emulated; use at most {MAX_CPU_DEVICES}")
         if self.devices is not None and self.devices <= 0:
             raise ConfigError(
                 f"runtime.devices must be a positive integer or null (all devices), "
@@ -400,6 +431,12 @@ class Config:
         self.checkpoint.validate()
         self.metrics.validate()
         self.eval.validate(self.data.source)
+        held_out = self.eval.batches * self.train.microbatch_size * self.data.seq_len
+        if self.eval.every and held_out > MAX_EVAL_TOKENS:  # built at once, kept on the devices
+            raise ConfigError(
+                f"eval.batches={self.eval.batches} x train.microbatch_size x data.seq_len = "
+                f"{held_out} held-out tokens, more than the {MAX_EVAL_TOKENS} an evaluation "
+                "batch may hold (it is built at once and kept on the devices); lower eval.batches")
         self.profile.validate(self.train.steps)
         self.runtime.distributed.validate()
 
@@ -514,13 +551,25 @@ def _to_str(key: str, value: Any) -> str:
     raise ConfigError(f"{key}: expected a string, got {value!r}")
 
 
+def _to_list(key: str, value: Any) -> list:
+    """A list of names: a YAML list of strings, or one string of comma-separated names."""
+    if value is None or value == "":
+        return []
+    if isinstance(value, str):
+        value = [v for v in value.split(",")]
+    if isinstance(value, list) and all(isinstance(v, str) and v.strip() for v in value):
+        return [v.strip() for v in value]
+    raise ConfigError(f"{key}: expected a list of names (a,b or [a, b]), got {value!r}")
+
+
 def _to_dict(key: str, value: Any) -> dict:
     if isinstance(value, dict):
         return dict(value)
     raise ConfigError(f"{key}: expected a mapping, got {value!r}")
 
 
-_SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str, dict: _to_dict}
+_SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str, dict: _to_dict,
+            list: _to_list}
 
 
 class DuplicateKeyError(yaml.YAMLError):
@@ -551,9 +600,58 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
                                  _construct_unique_mapping)
 
 
-def yaml_load(text):
-    """yaml.safe_load that raises yaml.YAMLError on duplicate keys."""
-    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+# No config value nests deeper than this (model.shape.rope_scaling is 2 levels deep): a value
+# nested thousands deep would otherwise end in a RecursionError wherever it is first walked.
+MAX_DEPTH = 16
+
+
+class TooDeepError(yaml.YAMLError):
+    pass
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and mappings nest in value (0: a scalar), without recursion."""
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        node, depth = todo.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_DEPTH:
+            break
+        if isinstance(node, dict):
+            todo += [(v, depth + 1) for v in node.values()]
+        elif isinstance(node, list):
+            todo += [(v, depth + 1) for v in node]
+    return deepest
+
+
+def _brackets_deeper_than(text: str, limit: int) -> bool:
+    """Whether [ and { open more than `limit` deep in text (quotes ignored: a bound for flow
+    style YAML, so a value nested thousands deep is refused before the parser recurses)."""
+    depth = 0
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif ch in "]}":
+            depth = max(depth - 1, 0)
+    return False
+
+
+def yaml_load(text: str):
+    """yaml.safe_load that raises yaml.YAMLError on duplicate keys and on values nested more
+    than MAX_DEPTH deep (TooDeepError)."""
+    too_deep = _brackets_deeper_than(text, 8 * MAX_DEPTH)  # (a generous bound: quotes count)
+    try:
+        loaded = None if too_deep else yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506
+    except RecursionError:  # the parser recurses once per level (block style, too)
+        too_deep = True
+    else:
+        too_deep = too_deep or _depth(loaded) > MAX_DEPTH
+    if too_deep:
+        raise TooDeepError(f"a value nests lists or mappings more than {MAX_DEPTH} levels deep; "
+                           "no config key takes that")
+    return loaded
 
 
 def _hints(cls) -> dict:
@@ -609,7 +707,7 @@ def _parse_override(item: str) -> tuple[str, Any]:
     key = key.strip()
     try:
         value = yaml_load(raw) if raw.strip() else None
-    except DuplicateKeyError as e:
+    except (DuplicateKeyError, TooDeepError) as e:
         raise ConfigError(f"override {key}: {e}") from None
     except yaml.YAMLError:
         value = raw
@@ -624,13 +722,13 @@ def _read_yaml(path: str) -> dict:
     """One config file's top-level mapping."""
     try:
         with open(path) as f:
-            loaded = yaml_load(f)
+            loaded = yaml_load(f.read())
     except FileNotFoundError:
         raise ConfigError(f"config file {path!r} does not exist") from None
     except (OSError, UnicodeDecodeError) as e:
         reason = getattr(e, "strerror", None) or getattr(e, "reason", None) or str(e)
         raise ConfigError(f"cannot read config file {path!r}: {reason}") from None
-    except DuplicateKeyError as e:
+    except (DuplicateKeyError, TooDeepError) as e:
         raise ConfigError(f"config file {path!r}: {e}") from None
     except yaml.YAMLError as e:
         line = str(e).replace("\n", " ")

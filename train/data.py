@@ -20,6 +20,7 @@ document, positions restart) and the prediction across a document boundary is ma
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Callable
@@ -127,6 +128,9 @@ def _load_token_file(path: str, dtype: str) -> np.ndarray:
         return arr
     size = os.path.getsize(path)
     itemsize = np.dtype(dtype).itemsize
+    if size == 0:  # (numpy cannot even map an empty file)
+        raise DataError(f"token file {path!r} is empty; tokenize a corpus into it "
+                        "(python -m train.tokenize) or point data.path at another file")
     if size % itemsize:
         raise DataError(f"{path!r} has {size} bytes, not a multiple of {dtype} ({itemsize} bytes)")
     return np.memmap(path, dtype=dtype, mode="r")
@@ -150,6 +154,8 @@ def parse_lines(path: str, source: str, first: int, lines, text_key: str) -> lis
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        except RecursionError:  # arrays or objects nested thousands deep
+            raise DataError(f"{path}:{lineno}: JSON nested too deeply to read") from None
         if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
             raise DataError(f"{path}:{lineno}: no string field {text_key!r}")
         docs.append(obj[text_key])
@@ -181,7 +187,14 @@ def _tokenize(cfg: DataConfig, vocab_size: int) -> np.ndarray:
         )
     docs = _read_documents(cfg.path, cfg.source, cfg.text_key)
     ids = []
-    for enc in tok.encode_batch(docs, add_special_tokens=False):
+    try:
+        encoded = tok.encode_batch(docs, add_special_tokens=False)
+    except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception, e.g. no [UNK])
+        detail = " ".join(str(e).split())[:200] or type(e).__name__
+        raise DataError(f"tokenizer {cfg.tokenizer!r} loads but cannot encode the documents of "
+                        f"{cfg.path!r} ({detail}); use a tokenizer whose vocabulary covers them "
+                        "(e.g. one with an unknown-token entry)") from None
+    for enc in encoded:
         ids.extend(enc.ids)
         ids.append(cfg.eos_id)
     return np.asarray(ids, dtype=np.uint32)
@@ -206,12 +219,42 @@ def _check_ids(stream: np.ndarray, vocab_size: int, name: str, chunk: int = 1 <<
 
 
 SIDECAR_FORMAT = "basp-jax tokens"  # written by train.tokenize next to the file, as FILE.json
+SAMPLE_BLOCKS, SAMPLE_BLOCK = 64, 4096  # sample_sha256 reads at most 256 KiB of a file
+# the sidecar's claims its seal covers: a hand-edited value no longer matches
+SIDECAR_CLAIMS = ("dtype", "tokens", "bytes", "max_id", "vocab_size", "eos_id")
+
+
+def sample_sha256(path: str, extra: bytes = b"") -> str:
+    """sha256 of `extra`, the file's size and SAMPLE_BLOCKS blocks spread evenly over it (the
+    whole file when it is smaller): a cheap fingerprint that a file rewritten or replaced under
+    the same name and size fails to match, unless the change misses every sampled block."""
+    size = os.path.getsize(path)
+    digest = hashlib.sha256(extra + b"%d\n" % size)
+    with open(path, "rb") as f:
+        if size <= SAMPLE_BLOCKS * SAMPLE_BLOCK:
+            digest.update(f.read())
+        else:  # first and last block included
+            stride = (size - SAMPLE_BLOCK) / (SAMPLE_BLOCKS - 1)
+            for i in range(SAMPLE_BLOCKS):
+                f.seek(int(i * stride))
+                digest.update(f.read(SAMPLE_BLOCK))
+    return digest.hexdigest()
+
+
+def sidecar_seal(path: str, meta: dict) -> str:
+    """What train.tokenize stores as the sidecar's sample_sha256: its claims and a sample of
+    the token file, hashed together."""
+    claims = json.dumps({k: meta.get(k) for k in SIDECAR_CLAIMS}, sort_keys=True)
+    return sample_sha256(path, claims.encode())
 
 
 def checked_sidecar(path: str, cfg: DataConfig, vocab_size: int) -> dict | None:
     """The sidecar train.tokenize wrote for token file `path` (None: it has none), after checking
     it against the file (byte size) and the run (data.dtype, data.eos_id, the model's vocabulary).
-    A sidecar that passes replaces the scan of every id (_check_ids): start-up reads no data."""
+    Its claims are trusted only when its seal (sample_sha256: the claims and a sample of the file)
+    matches: then it replaces the scan of every id (_check_ids) and start-up reads 256 KiB of
+    data; a sidecar edited by hand, an older one without a seal or a file changed in place under
+    it gives None, and the file is scanned as if it had none."""
     side = path + ".json"
     if path.endswith(".npy") or not os.path.isfile(side):
         return None
@@ -227,7 +270,7 @@ def checked_sidecar(path: str, cfg: DataConfig, vocab_size: int) -> dict | None:
         if dtype not in ("uint16", "uint32") or not all(
                 isinstance(v, int) for v in (tokens, size, vocab, eos, top)):
             raise ValueError("a field has the wrong type")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise DataError(f"token file sidecar {side!r} cannot be read ({type(e).__name__}: "
                         f"{' '.join(str(e).split())}); {fix}") from None
     if dtype != cfg.dtype:
@@ -237,6 +280,8 @@ def checked_sidecar(path: str, cfg: DataConfig, vocab_size: int) -> dict | None:
     if found != size or size != tokens * np.dtype(dtype).itemsize:
         raise DataError(f"{path!r} has {found} bytes but its sidecar records {tokens} {dtype} "
                         f"tokens ({size} bytes): the file changed after tokenization; {fix}")
+    if meta.get("sample_sha256") != sidecar_seal(path, meta):
+        return None  # edited by hand, or the file changed (or an older sidecar): scan every id
     if vocab > vocab_size or top >= vocab_size:
         raise DataError(f"{path!r} was tokenized with a {vocab}-token vocabulary (largest id "
                         f"{top}), more than the model's vocab_size={vocab_size}; tokenize with "
@@ -280,10 +325,12 @@ class Pipeline:
         elif cfg.source == "tokens":
             sidecar = checked_sidecar(cfg.path, cfg, vocab_size)
             stream = _load_token_file(cfg.path, cfg.dtype)
-            if sidecar is None:  # no record of its ids: scan them all
+            if sidecar is None:  # no record of its ids that can be trusted: scan them all
                 _check_ids(stream, vocab_size, cfg.path)
+            how = (", checked sidecar" if sidecar else ", every id scanned: its sidecar's seal "
+                   "does not match the file" if os.path.isfile(cfg.path + ".json") else "")
             self.source = StreamSource(stream, seed, self.num_rows, cfg.path, held_out)
-            self.name = f"{cfg.path} ({len(stream):,} tokens{', checked sidecar' if sidecar else ''})"
+            self.name = f"{cfg.path} ({len(stream):,} tokens{how})"
         else:
             stream = _tokenize(cfg, vocab_size)
             _check_ids(stream, vocab_size, f"{cfg.path} tokenized with {cfg.tokenizer}")

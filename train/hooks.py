@@ -17,7 +17,7 @@ import jax
 
 from basp_jax import comm
 
-from . import planning
+from . import planning, resume
 from .checkpoint import complete_steps
 from .metrics import MetricsLogger
 from .outputs import export_hf, write_collectives
@@ -59,7 +59,7 @@ def compile_step(run: Run, log: Callable[[str], None]) -> tuple[Any, list]:
 def save_checkpoint(run: Run, step: int, force: bool) -> None:
     """The state after `step` (1-based), with what a resume checks and reads."""
     meta = {"step": step, "data_step": step, "seed": run.cfg.run.seed,
-            "layout": run.layout.describe()}
+            "layout": run.layout.describe(), "resume": run.record}
     run.ckpt.save(step, run.params, run.opt_state, meta, force=force)
 
 
@@ -80,6 +80,9 @@ def log_start(run: Run, logger: MetricsLogger) -> None:
     )
     if run.latest is not None:
         logger.message(f"resumed from {run.ckpt.directory} at step {run.start}")
+    if run.changes:
+        logger.message(f"resumed with changes ({resume.ALLOW_KEY}): "
+                       f"{resume.describe(run.changes)}")
     if cfg.optimizer.warmup_steps > cfg.train.steps:
         logger.message(f"note: optimizer.warmup_steps={cfg.optimizer.warmup_steps} is longer than "
                        f"the run; warming up over train.steps={cfg.train.steps} instead")
@@ -128,6 +131,8 @@ class StepReport:
         record["skipped"] = not finite
         if evaluation is not None:
             record.update(self.evaluator.finish(evaluation, log=self.logger.message, step=step + 1))
+        if self.run.changes and len(self.losses) == 1:  # the first step after the change
+            record["changed"] = resume.for_metrics(self.run.changes)
         self.logger.log(record)
         self.writer.write(record)
         if not finite:

@@ -61,7 +61,8 @@ class MetricsLogger:
                         line = raw.decode("utf-8").rstrip("\r\n")
                         if json.loads(line)["step"] <= start_step:
                             kept.append(line + "\n")  # the last line may lack its newline
-                    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+                    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+                            RecursionError):  # (nested thousands deep: not ours either)
                         continue
         # rewrite through a temporary file: a crash here must not lose the kept lines
         tmp = self.path + ".tmp"

@@ -59,7 +59,8 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
         try:  # a line that is not UTF-8 JSON (a damaged or foreign file) counts as unreadable
             record = json.loads(raw.decode("utf-8"))
             by_step[int(record["step"])] = record
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError,
+                RecursionError):  # (nested thousands deep)
             unreadable += 1
     if not by_step:
         extra = f" ({unreadable} unreadable line(s))" if unreadable else ""
@@ -83,7 +84,7 @@ def run_label(run_dir: str | Path) -> str:
     name = run_dir.resolve().name
     try:
         layout = json.loads((run_dir / "collectives.json").read_text())["layout"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return name
     # "basp: 2 group(s) x sp=4 on 8 devices (2 host(s)); ..." -> "basp: 2 group(s) x sp=4"
     return f"{name} ({str(layout).split(' on ')[0]})"
@@ -154,6 +155,8 @@ def read_bench(path: str | Path) -> list[dict]:
         raise PlotError(f"{path}: not UTF-8 text, so not JSON") from None
     except json.JSONDecodeError as e:
         raise PlotError(f"{path}: not JSON ({e.msg}, line {e.lineno})") from None
+    except RecursionError:
+        raise PlotError(f"{path}: JSON nested too deeply to read") from None
     if not isinstance(results, list) or not results:
         raise PlotError(f"{path}: expected a non-empty list of results per link rate")
     return results
@@ -205,10 +208,26 @@ def _draw_layout(ax, layout) -> None:
     ax.axis("off")
 
 
+MAX_DRAWN_DEVICES = 128  # one box each: a wider figure is unreadable (and past 2**16 pixels)
+MAX_BATCH = 1 << 20
+
+
+def _check_drawable(devices: int, devices_per_host: int, batch: int) -> None:
+    """The numbers of `layouts` in the ranges a figure can show, before any layout is planned."""
+    boxes = "a figure draws one box per device"
+    for flag, value, most, why in (("--devices", devices, MAX_DRAWN_DEVICES, boxes),
+                                   ("--devices-per-host", devices_per_host, MAX_DRAWN_DEVICES,
+                                    boxes),
+                                   ("--batch", batch, MAX_BATCH, "rows of a microbatch")):
+        if not 1 <= value <= most:
+            raise PlotError(f"{flag} must lie in [1, {most:,}] ({why}), got {value:,}")
+
+
 def layouts_figure(devices: int, devices_per_host: int, batch: int, out: str | Path) -> Path:
     """Ulysses (one group of all devices) and BASP (batch-many groups) side by side."""
     from basp_jax.layout import Layout, LayoutError
 
+    _check_drawable(devices, devices_per_host, batch)
     try:
         # Only groups, sp and hosts are drawn; heads and tokens = devices always divide evenly.
         layouts = [Layout.plan(devices, batch, seq_len=devices, num_heads=devices,

@@ -19,7 +19,7 @@ from flax import nnx
 import models
 from basp_jax import Layout
 
-from . import evaluate, planning, runtime, writers
+from . import evaluate, planning, resume, runtime, writers
 from .checkpoint import Checkpointer, checkpoint_dir, complete_steps, inspect_latest
 from .config import Config, ConfigError, _coerce, yaml_load
 from .data import Pipeline
@@ -123,6 +123,8 @@ class Run:
     data: Pipeline
     eval_data: Pipeline | None  # None: no evaluation
     latest: int | None  # the checkpoint step to resume from (None: a fresh start)
+    record: dict  # what each checkpoint's meta records of the config (train.resume)
+    changes: dict  # key -> (checkpoint's value, this config's): allowed changes on resume
     # filled by build_state
     parts: Any = None  # train.step.ModelParts
     program: TrainProgram | None = None
@@ -175,14 +177,17 @@ def check(cfg: Config, *, is_writer: bool) -> Run:
                     pad_rows=layout.pad_rows, seq_order=layout.token_order)
     eval_data = evaluate.eval_data(cfg, mcfg.vocab_size, seq_order=layout.token_order,
                                    pad_rows=layout.pad_rows)
-    latest = check_resume(cfg, mcfg, run_dir)
+    record = resume.record(cfg, dataclasses.asdict(mcfg))
+    latest, changes = check_resume(cfg, mcfg, run_dir, record)
     return Run(cfg, run_dir, is_writer, mcfg, devices, plan, peak, peak_source, data, eval_data,
-               latest)
+               latest, record, changes)
 
 
-def check_resume(cfg: Config, mcfg, run_dir: str) -> int | None:
-    """The checkpoint step to resume from (None: start fresh), after checking that it fits this
-    config (checkpoint metadata only: no array is read)."""
+def check_resume(cfg: Config, mcfg, run_dir: str, record: dict) -> tuple[int | None, dict]:
+    """The checkpoint step to resume from (None: start fresh) and the config's changes since
+    that checkpoint (those checkpoint.allow_changed allows; train.resume refuses the others),
+    after checking that it fits this config (checkpoint metadata only: no array is read;
+    record: this config's train.resume.record)."""
     tx, _ = make_optimizer(cfg.optimizer, cfg.train.steps)  # its state's structure, for inspection
     if not cfg.checkpoint.resume:
         existing = complete_steps(checkpoint_dir(run_dir))
@@ -192,21 +197,21 @@ def check_resume(cfg: Config, mcfg, run_dir: str) -> int | None:
                 f"{existing}, which a fresh run would overwrite or prune; use a new run.dir, "
                 "or resume (checkpoint.resume=true)"
             )
-        return None
+        return None, {}
     expected = nnx.to_pure_dict(nnx.state(models.abstract_model(mcfg, options=model_options(cfg)),
                                           nnx.Param))
     latest, meta = inspect_latest(run_dir, expected, jax.eval_shape(tx.init, expected))
     if latest is not None and latest > cfg.train.steps:
         raise ConfigError(
             f"run.dir holds a checkpoint of step {latest}, beyond train.steps={cfg.train.steps}; "
-            "raise train.steps or use a new run.dir"
+            "raise train.steps (with checkpoint.allow_changed=train.steps: the schedule changes) "
+            "or use a new run.dir"
         )
-    if latest is not None and int(meta.get("seed", cfg.run.seed)) != cfg.run.seed:
-        raise ConfigError(
-            f"run.seed={cfg.run.seed} differs from the checkpoint's seed {meta['seed']}; "
-            "a resumed run must keep its seed (or use a new run.dir)"
-        )
-    return latest
+    if latest is None:
+        return None, {}
+    # a checkpoint of an earlier version records only its seed
+    before = meta.get("resume") or {"run.seed": meta.get("seed", cfg.run.seed)}
+    return latest, resume.check(before, record, cfg.checkpoint.allow_changed)
 
 
 def build_state(run: Run, owner: RunDirLock | None) -> None:

@@ -12,7 +12,9 @@ Streaming: the input is read in chunks of lines, tokenized in K worker processes
 document order as results arrive, with a bounded number of chunks in flight (constant memory
 however large the corpus). The stream is uint16 when every id fits, else uint32. Next to it,
 OUTPUT.json records dtype, token count, byte size, the largest id, vocabulary size, eos id, the
-tokenizer's sha256 and the sources; the trainer checks it instead of scanning the file at start.
+tokenizer's sha256, the sources and a seal (sample_sha256: the claims and a sample of the file
+hashed together); the trainer checks it instead of scanning the file at start, and scans the
+file when the seal does not match.
 Both files are written to temporary names and renamed into place, so a failed or interrupted run
 leaves no half-written output, and an existing output is kept unless --overwrite is given.
 
@@ -32,11 +34,13 @@ import sys
 
 import numpy as np
 
-from .data import DataError, parse_lines
+from .data import DataError, parse_lines, sidecar_seal
 
 FORMAT = "basp-jax tokens"
 SIDECAR_SUFFIX = ".json"
 CHUNK_BYTES = 4 << 20  # lines per task: ~4 MiB of text, a few seconds of one worker
+MAX_WORKERS = 256  # processes; each holds a tokenizer
+MAX_ID = 2**32 - 1  # the largest id a uint32 stream holds
 EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|im_end|>")
 
 
@@ -106,7 +110,11 @@ def _encode(task) -> tuple[int, bytes, int, int, int, str | None]:
     except DataError as e:
         return size, b"", 0, 0, -1, str(e)
     ids = []
-    for enc in _worker["tok"].encode_batch(docs, add_special_tokens=False):
+    try:
+        encoded = _worker["tok"].encode_batch(docs, add_special_tokens=False)
+    except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception, e.g. no [UNK])
+        return size, b"", 0, 0, -1, encode_failure(path, first, e)
+    for enc in encoded:
         ids.extend(enc.ids)
         ids.append(_worker["eos_id"])
     arr = np.asarray(ids, dtype=np.int64)
@@ -114,6 +122,13 @@ def _encode(task) -> tuple[int, bytes, int, int, int, str | None]:
     if top > np.iinfo(_worker["dtype"]).max:
         return size, b"", 0, 0, top, f"token id {top} does not fit {_worker['dtype'].name}"
     return size, arr.astype(_worker["dtype"]).tobytes(), len(arr), len(docs), top, None
+
+
+def encode_failure(path: str, first: int, err: Exception) -> str:
+    """The one line for a tokenizer that loaded but cannot encode these documents."""
+    detail = " ".join(str(err).split())[:200] or type(err).__name__
+    return (f"the tokenizer cannot encode the documents of {path} from line {first} ({detail}); "
+            "use a tokenizer whose vocabulary covers them (e.g. one with an unknown-token entry)")
 
 
 def _run_tasks(tasks, workers: int, init_args):
@@ -173,8 +188,8 @@ def _check_output(output: str, *, overwrite: bool, workers: int) -> None:
     out_dir = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(out_dir):
         raise TokenizeError(f"the directory of -o {output!r} does not exist")
-    if workers < 1:
-        raise TokenizeError(f"--workers must be at least 1, got {workers}")
+    if not 1 <= workers <= MAX_WORKERS:
+        raise TokenizeError(f"--workers must lie in [1, {MAX_WORKERS}] (processes), got {workers}")
 
 
 def tokenize(input_path: str, tokenizer: str, output: str, *, text_key: str = "text",
@@ -188,8 +203,8 @@ def tokenize(input_path: str, tokenizer: str, output: str, *, text_key: str = "t
     tok = _load_tokenizer(tokenizer)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     eos_id = default_eos(tok) if eos_id is None else eos_id
-    if eos_id < 0:
-        raise TokenizeError(f"--eos-id must be >= 0, got {eos_id}")
+    if not 0 <= eos_id <= MAX_ID:
+        raise TokenizeError(f"--eos-id must be a token id in [0, {MAX_ID}] (uint32), got {eos_id}")
     # uint16 when every id the tokenizer (and eos) can produce fits
     dtype = "uint16" if max(vocab_size, eos_id + 1) <= 1 << 16 else "uint32"
     total_bytes = sum(os.path.getsize(f) for f, _ in files)
@@ -220,6 +235,7 @@ def tokenize(input_path: str, tokenizer: str, output: str, *, text_key: str = "t
             "tokenizer": os.path.abspath(tokenizer), "tokenizer_sha256": _sha256(tokenizer),
             "text_key": text_key, "sources": [os.path.abspath(f) for f, _ in files],
         }
+        meta["sample_sha256"] = sidecar_seal(tmp, meta)  # the trainer trusts the claims by it
         with open(tmp_side, "w") as f:
             json.dump(meta, f, indent=1)
         # the old sidecar goes first: a crash between the renames leaves a token file without
@@ -235,8 +251,15 @@ def tokenize(input_path: str, tokenizer: str, output: str, *, text_key: str = "t
     return meta
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors (e.g. --workers abc) are one line and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: tokenize: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m train.tokenize",
         description="Tokenize a .txt/.jsonl file or a directory of them into a token file "
                     "(uint16/uint32) with a sidecar the trainer checks (data.source=tokens).")
@@ -258,10 +281,11 @@ def main(argv: list[str] | None = None) -> int:
         meta = tokenize(args.input, args.tokenizer, args.output, text_key=args.text_key,
                         eos_id=args.eos_id, workers=args.workers, overwrite=args.overwrite)
     except (TokenizeError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: tokenize: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # e.g. a full disk or an unwritable directory; temporaries are removed
-        print(f"error: {e.filename or args.output}: {e.strerror or e}", file=sys.stderr)
+        print(f"error: tokenize: {e.filename or args.output}: {e.strerror or e}",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)

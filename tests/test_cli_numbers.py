@@ -1,0 +1,274 @@
+"""Every number a user gives is range-checked where it enters, and huge or deeply nested input is
+one line too (issue #24): train.py's config, python -m basp_jax.plan, train.plot, models.generate
+and train.tokenize exit 2 with exactly one line on stderr, at once, and write nothing.
+
+All in-process (each command's main), so the whole file runs in seconds; a case that would hang
+(the divisor search of a 1e11-device layout used to) fails by pytest's timeout of the CI run
+instead, and each command is timed here as well.
+"""
+
+import time
+
+import numpy as np
+import pytest
+
+from basp_jax import layout, plan
+from models import generate
+from train import cli, plot, tokenize
+
+from tests.helpers.trainer import snapshot, tiny_overrides
+
+DEEP = "[" * 5000 + "]" * 5000  # a RecursionError in the YAML parser before
+
+
+def _one_line(capsys, call, *, fragment: str, status: int = 2) -> str:
+    """Run call() (a main, or something raising SystemExit); its status and one stderr line."""
+    capsys.readouterr()
+    t = time.perf_counter()
+    try:
+        got = call()
+    except SystemExit as e:  # argparse's errors
+        got = e.code
+    elapsed = time.perf_counter() - t
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert got == status, err
+    assert len(lines) == 1, err
+    assert fragment in lines[0], lines[0]
+    assert lines[0].startswith("error: "), lines[0]
+    assert "Traceback" not in err
+    assert elapsed < 30, f"{elapsed:.1f}s to refuse"  # (a loaded CI machine: seconds, not hours)
+    return lines[0]
+
+
+# ------------------------------------------------------------------ train.py: the config
+
+TRAIN_CASES = [
+    ("eps -1", ["optimizer.eps=-1"], "error: config: optimizer.eps must lie in (0, 1) (e.g. 1e-8), "
+                                     "got -1.0"),
+    ("eps 0", ["optimizer.eps=0"], "optimizer.eps must lie in (0, 1)"),
+    ("cpu_devices 1e12", ["runtime.cpu_devices=1000000000000"],
+     "error: config: runtime.cpu_devices=1000000000000 is more CPU devices than can be emulated; "
+     "use at most 1024"),
+    ("steps 1e20", ["train.steps=100000000000000000000"],
+     "error: config: train.steps must be at most 2147483647"),
+    ("rows 1e20", ["train.microbatch_size=100000000000000000000"],
+     "rows per step; at most 2147483647"),
+    ("seq_len 1e21", ["data.seq_len=1000000000000000000000"],
+     "error: config: data.seq_len must be at most 2147483647"),
+    ("peer timeout 1e300", ["runtime.distributed.peer_timeout_s=1e300"],
+     "runtime.distributed.peer_timeout_s must be 0 (off) or lie in [2, 604800] seconds"),
+    ("num_processes 1e20", ["runtime.distributed.num_processes=100000000000000000000"],
+     "runtime.distributed.num_processes must lie in [1, 1048576]"),
+    ("eval batches 1e14", ["eval.every=1", "eval.batches=100000000000000"],
+     "error: config: eval.batches=100000000000000 x train.microbatch_size x data.seq_len = "),
+    ("override nested 5000 deep", [f"model.shape.rope_scaling={DEEP}"],
+     "error: config: override model.shape.rope_scaling: a value nests lists or mappings more "
+     "than 16 levels deep"),
+    ("override nested 20 deep", ["model.shape.rope_scaling=" + "{a: " * 20 + "1" + "}" * 20],
+     "nests lists or mappings more than 16 levels deep"),
+    ("allow_changed of a fixed key", ["checkpoint.allow_changed=run.seed"],
+     "error: config: checkpoint.allow_changed: run.seed cannot change on resume"),
+    ("allow_changed of an unknown key", ["checkpoint.allow_changed=optimizer.lrr"],
+     "error: config: checkpoint.allow_changed: 'optimizer.lrr' is not a key a resume checks"),
+]
+
+
+@pytest.mark.parametrize("extra, fragment", [c[1:] for c in TRAIN_CASES],
+                         ids=[c[0] for c in TRAIN_CASES])
+def test_train_config_numbers_are_one_line(tmp_path, capsys, extra, fragment):
+    run_dir = tmp_path / "run"
+    _one_line(capsys, lambda: cli.main(tiny_overrides(run_dir, *extra)), fragment=fragment)
+    assert not run_dir.exists()
+
+
+def test_a_config_file_nested_thousands_deep_is_one_line(tmp_path, capsys):
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("model:\n  shape:\n    rope_scaling: " + DEEP + "\n")
+    run_dir = tmp_path / "run"
+    _one_line(capsys, lambda: cli.main(["--config", str(deep), *tiny_overrides(run_dir)]),
+              fragment=f"error: config: config file '{deep}': a value nests lists or mappings")
+    assert not run_dir.exists()
+
+
+# ------------------------------------------------------------------ train.py: data it cannot read
+
+@pytest.fixture(scope="module")
+def bad_data(tmp_path_factory):
+    """An empty .bin, and a tokenizer.json that loads but cannot encode (no unknown token)."""
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+
+    d = tmp_path_factory.mktemp("bad_data")
+    (d / "empty.bin").write_bytes(b"")
+    tok = Tokenizer(tok_models.WordLevel({"<eos>": 0, "a": 1, "b": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "no_unk.json"))
+    (d / "docs.txt").write_text("a b\na zebra b\n" * 20)
+    deep_json = "[" * 100_000 + "]" * 100_000  # a RecursionError in json.loads
+    (d / "deep.jsonl").write_text('{"text": "a b"}\n' + deep_json + "\n")
+    np.arange(10, dtype=np.uint16).tofile(d / "ids.bin")
+    (d / "ids.bin.json").write_text(deep_json)
+    (d / "hf_deep").mkdir()
+    (d / "hf_deep" / "config.json").write_text(deep_json)
+    return d
+
+
+def test_train_refuses_unreadable_data_with_one_line(tmp_path, capsys, bad_data):
+    before = snapshot(bad_data)
+    cases = [
+        (["data.source=tokens", f"data.path={bad_data}/empty.bin"],
+         f"error: data: token file '{bad_data}/empty.bin' is empty"),
+        (["data.source=text", f"data.path={bad_data}/docs.txt",
+          f"data.tokenizer={bad_data}/no_unk.json", "data.eos_id=0"],
+         f"error: data: tokenizer '{bad_data}/no_unk.json' loads but cannot encode the "
+         f"documents of '{bad_data}/docs.txt' (WordLevel error: Missing [UNK] token"),
+        (["data.source=jsonl", f"data.path={bad_data}/deep.jsonl",
+          f"data.tokenizer={bad_data}/no_unk.json", "data.eos_id=0"],
+         f"error: data: {bad_data}/deep.jsonl:2: JSON nested too deeply to read"),
+        (["data.source=tokens", f"data.path={bad_data}/ids.bin"],
+         f"error: data: token file sidecar '{bad_data}/ids.bin.json' cannot be read "
+         "(RecursionError: "),
+        (["model.preset=null", "model.shape={}", f"model.hf_path={bad_data}/hf_deep"],
+         f"error: model: cannot read {bad_data}/hf_deep/config.json: JSON nested too deeply"),
+    ]
+    for i, (extra, fragment) in enumerate(cases):
+        run_dir = tmp_path / f"run{i}"
+        _one_line(capsys, lambda: cli.main(tiny_overrides(run_dir, *extra)), fragment=fragment)
+        assert not run_dir.exists()
+    assert snapshot(bad_data) == before
+
+
+def test_plot_skips_a_metrics_line_nested_thousands_deep(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    _one_line(capsys, lambda: plot.main(["losses", str(run_dir), "-o", str(tmp_path / "l.png")]),
+              fragment="metrics.jsonl holds no step records (1 unreadable line(s))")
+
+
+def test_tokenize_refuses_a_tokenizer_that_cannot_encode_and_bad_numbers(tmp_path, capsys,
+                                                                        bad_data):
+    out = tmp_path / "t.bin"
+    common = [str(bad_data / "docs.txt"), "--tokenizer", str(bad_data / "no_unk.json"), "-o",
+              str(out)]
+    _one_line(capsys, lambda: tokenize.main([*common, "--eos-id", "0", "--workers", "1"]),
+              fragment="the tokenizer cannot encode the documents of")
+    _one_line(capsys, lambda: tokenize.main([*common, "--workers", "1000000000"]),
+              fragment="error: tokenize: --workers must lie in [1, 256] (processes), got 1000000000")
+    _one_line(capsys, lambda: tokenize.main([*common, "--workers", "1", "--eos-id",
+                                             "100000000000000000000"]),
+              fragment="error: tokenize: --eos-id must be a token id in [0, 4294967295] (uint32)")
+    assert list(tmp_path.iterdir()) == []  # no output, no temporary
+
+
+# ------------------------------------------------------------------ the other commands
+
+PLAN = ["--model", "llama-3.1-8b", "--seq", "4096", "--batch", "2", "--devices", "8"]
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--batch", "1e20"], "argument --batch: invalid int value: '1e20'"),
+    (["--batch", str(10**20)], "--batch must be at most 1,048,576 (beyond any cluster this "
+                               "models), got 100,000,000,000,000,000,000"),
+    (["--devices", str(10**11)], "--devices must be at most 1,048,576"),
+    (["--seq", str(10**20)], "--seq must be at most 4,294,967,296"),
+    (["--grad-accum", str(10**20)], "--grad-accum must be at most 1,048,576"),
+    (["--memory-gb", "inf"], "--memory-gb must be a positive number of at most 1e+06"),
+    (["--memory-gb", "nan"], "--memory-gb must be a positive number"),
+    (["--max-pad-rows", str(10**9)], "--max-pad-rows must be at most --devices=8"),
+], ids=["batch 1e20 written so", "batch 1e20", "devices 1e11", "seq 1e20", "grad_accum 1e20", "memory inf", "memory nan",
+        "pad rows 1e9"])
+def test_plan_refuses_huge_numbers_at_once(capsys, flags, fragment):
+    _one_line(capsys, lambda: plan.main([*PLAN, *flags]), fragment=fragment)
+
+
+def test_plan_answers_at_once_for_the_largest_cluster_it_takes(capsys):
+    """A million devices and as many pad rows as devices: the divisors come from pairs up to
+    sqrt(n) and each group count is tried once, with its fewest pad rows."""
+    t = time.perf_counter()
+    status = plan.main(["--model", "llama-3.1-8b", "--seq", "4096", "--batch", "7", "--devices",
+                        str(2**20), "--max-pad-rows", str(2**20)])
+    assert time.perf_counter() - t < 30
+    assert status in (0, 2)  # (no layout splits 32 heads over 2**20 devices: one line too)
+    assert layout._divisors(10**11)[-3:] == [25 * 10**9, 5 * 10**10, 10**11]
+    assert layout._divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
+
+
+def test_plot_layouts_refuses_more_devices_than_a_figure_draws(tmp_path, capsys):
+    out = str(tmp_path / "l.png")
+    _one_line(capsys, lambda: plot.main(["layouts", "--devices", str(10**11), "-o", out]),
+              fragment="error: plot: --devices must lie in [1, 128] (a figure draws one box per "
+                       "device), got 100,000,000,000")
+    _one_line(capsys, lambda: plot.main(["layouts", "--batch", str(10**30), "-o", out]),
+              fragment="error: plot: --batch must lie in [1, 1,048,576]")
+    assert list(tmp_path.iterdir()) == []
+
+
+GENERATE_CASES = [
+    (["--temperature", "nan"], "error: generate: --temperature must be 0 (greedy) or lie in [0.001, 1000], "
+                               "got nan"),
+    (["--temperature", "inf"], "--temperature must be 0 (greedy) or lie in"),
+    (["--temperature", "-1"], "--temperature must be 0 (greedy) or lie in"),
+    (["--temperature", "1e-30"], "--temperature must be 0 (greedy) or lie in"),
+    (["--top-p", "-0.5"], "error: generate: --top-p is a probability mass in (0, 1], got -0.5"),
+    (["--top-p", "nan"], "--top-p is a probability mass in (0, 1]"),
+    (["--max-new-tokens", str(10**12)], "--max-new-tokens must lie in [1, 1,048,576]"),
+    (["--seed", str(10**30)], "--seed must lie in [0, 4294967295]"),
+    (["--eos-id", "-3"], "--eos-id must be a token id in [0, 2147483647]"),
+]
+
+
+@pytest.mark.parametrize("flags, fragment", [c for c in GENERATE_CASES],
+                         ids=[" ".join(c[0]) for c in GENERATE_CASES])
+def test_generate_refuses_bad_numbers_before_loading_a_model(tmp_path, capsys, flags, fragment):
+    """Checked before the model loads: the directory need not even exist."""
+    argv = ["--hf_path", str(tmp_path / "no_model"), "--prompt-ids", "1,2", *flags]
+    _one_line(capsys, lambda: generate.main(argv), fragment=fragment)
+
+
+@pytest.mark.parametrize("command, argv, fragment", [
+    (generate, ["--hf_path", "x", "--prompt-ids", "1", "--max-new-tokens", "abc"],
+     "error: generate: argument --max-new-tokens: invalid int value: 'abc'"),
+    (generate, ["--hf_path", "x", "--prompt-ids", "1", "--temperature", "warm"],
+     "error: generate: argument --temperature: invalid float value: 'warm'"),
+    (tokenize, ["in.txt", "--tokenizer", "t.json", "-o", "o.bin", "--workers", "1e3"],
+     "error: tokenize: argument --workers: invalid int value: '1e3'"),
+], ids=["generate max-new-tokens abc", "generate temperature warm", "tokenize workers 1e3"])
+def test_a_flag_that_is_no_number_is_one_line(capsys, command, argv, fragment):
+    """argparse's own usage line would make it two."""
+    _one_line(capsys, lambda: command.main(argv), fragment=fragment)
+
+
+def test_generate_refuses_prompt_ids_numpy_cannot_hold(tmp_path, capsys):
+    argv = ["--hf_path", str(tmp_path), "--prompt-ids", f"1,{10**30}"]
+    _one_line(capsys, lambda: generate.main(argv),
+              fragment="error: generate: --prompt-ids must be token ids in [0, 2147483647], got 1000")
+
+
+def test_generate_refuses_a_prompt_its_tokenizer_cannot_encode(tmp_path, capsys, bad_data):
+    import models
+
+    models.save_pretrained(models.init_model(models.ModelConfig.preset("tiny"), seed=0),
+                           str(tmp_path))
+    (tmp_path / "tokenizer.json").write_bytes((bad_data / "no_unk.json").read_bytes())
+    before = snapshot(tmp_path)
+    _one_line(capsys, lambda: generate.main(["--hf_path", str(tmp_path), "--prompt", "a zebra"]),
+              fragment="error: generate: the tokenizer cannot encode the prompt (WordLevel error: Missing "
+                       "[UNK] token from the vocabulary); use the model's own tokenizer or "
+                       "--prompt-ids")
+    assert snapshot(tmp_path) == before
+
+
+def test_sampler_refuses_nan_temperature_and_more_tokens_than_positions():
+    """The library call too (not only the command line): NaN fails `temperature < 0`."""
+    import models
+    from models import sampler
+    from models.config import ModelError
+
+    model = models.init_model(models.ModelConfig.preset("tiny"), seed=0)
+    with pytest.raises(ModelError, match="need temperature >= 0"):
+        sampler.generate(model, [1, 2], max_new_tokens=2, temperature=float("nan"))
+    limit = model.config.max_position_embeddings
+    with pytest.raises(ModelError, match="exceed the model's max_position_embeddings"):
+        sampler.generate(model, [1, 2], max_new_tokens=limit)
+    assert np.isfinite(limit)
