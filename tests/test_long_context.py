@@ -121,6 +121,7 @@ def test_vocab_parallel_lookup_in_chunks_equals_the_whole(monkeypatch):
         return np.asarray(rows), np.asarray(grad)
 
     whole = rows_and_grad()
+    monkeypatch.setattr(vocab_parallel, "LOOKUP_WHOLE_BYTES", 0)
     monkeypatch.setattr(vocab_parallel, "LOOKUP_CHUNK_BYTES", 8 * 16 * 4 * 4)  # 4 tokens a chunk
     chunked = rows_and_grad()
     np.testing.assert_array_equal(whole[0], np.asarray(table)[np.asarray(tokens)])
