@@ -30,6 +30,7 @@ pytestmark = [
                        "exists for Linux x86_64 only; CI compiles these programs"),
 ]
 CONFIG_8B = "configs/gpu/llama-3.1-8b_basp.yaml"
+CONFIG_LONG = "configs/gpu/llama-3.1-8b_long.yaml"
 GiB = 2**30
 
 
@@ -259,6 +260,8 @@ def test_every_gpu_config_names_its_cluster_and_fits_it(reports):
                                                              rel=0.02)  # layout-independent
     for path in glob.glob(str(ROOT / "configs/gpu/[!_]*.yaml")):  # _base.yaml: included by them
         case = os.path.relpath(path, ROOT)
+        if case == CONFIG_LONG:  # 8 x H100, its own test: test_long_context_config_fits
+            continue
         r = every.get(case) or every[_twin(case)]
         assert (r["target"]["name"], r["hosts"], r["gpus_per_host"]) == ("a100-40gb", 2, 4), case
         assert r["fits"], f"{case}: {r['peak_bytes_per_device'] / GiB:.1f} GiB per device"
@@ -325,3 +328,43 @@ def test_plan_compiles_every_candidate_and_picks_one_that_fits(cuda_plugin, tmp_
                        if c["kind"] == "all-gather" and c["bytes"] > 2**20)
         assert (gathered == 0) == row["name"].endswith("host"), (row["name"], gathered)
     assert "inter-host MiB" in done.stdout
+
+
+@pytest.fixture(scope="session")
+def long_8b(cuda_plugin, tmp_path_factory):
+    """The long-context config as shipped (4M tokens, B=1, 8 x H100-80GB; GPU defaults on), and
+    one sequence per host on 4 hosts (B=4: 16M tokens per step), compiled in one process."""
+    out = tmp_path_factory.mktemp("aot") / "long.json"
+    cases = [CONFIG_LONG, f"{CONFIG_LONG},train.microbatch_size=4,runtime.devices=32"]
+    done = _run("tests/aot_worker.py", str(out), *cases, timeout=3000)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_long_context_config_fits_with_its_layer_inputs_in_host_memory(long_8b):
+    """Llama-3.1-8B with 4,194,304 tokens on one 8 x H100 node (issue #29; 262,144 fitted with
+    the 16K settings): device memory within what JAX may take, every layer's input (4 GiB per
+    layer per GPU) in pinned host memory within the host's share, copied there once and back
+    once per step, the all-to-alls repeated backward (12 per layer), the planner's device and
+    host memory within 15%. With B=4 on 4 hosts, no all-to-all byte crosses hosts."""
+    one_node, four = long_8b
+    for r in long_8b:
+        assert r["fits"], f"{r['case']}: {r['peak_bytes_per_device'] / GiB:.1f} GiB"
+        assert r["layout"]["seq_len"] == 4194304
+        tokens = r["layout"]["batch"] * r["layout"]["seq_len"] / (r["hosts"] * r["gpus_per_host"])
+        assert tokens == 524288
+        host = r["host_peak_bytes_per_device"]
+        assert host == pytest.approx(32 * tokens * 4096 * 2, rel=0.01)  # layers x tokens x d, bf16
+        assert host <= r["host_budget_bytes"]
+        assert r["formula_host_memory_bytes"] == pytest.approx(host, rel=0.01)
+        moved = r["host_transfers"]
+        assert moved["to_host_bytes"] == pytest.approx(host, rel=0.01)
+        assert moved["from_host_bytes"] == pytest.approx(host, rel=0.01)
+        assert moved["to_host_count"] == moved["from_host_count"] == 32  # once per layer
+        assert all(c["per_layer"] == 12 for c in _rows(r, "all-to-all")), r["case"]
+        assert abs(r["formula_memory_bytes"] / r["peak_bytes_per_device"] - 1) <= 0.15, \
+            (r["case"], r["formula_memory_bytes"] / GiB, r["peak_bytes_per_device"] / GiB)
+    assert (one_node["target"]["name"], one_node["hosts"], one_node["gpus_per_host"]) == \
+        ("h100-80gb", 1, 8)
+    assert four["layout"]["groups"] == 4 and four["hosts"] == 4
+    assert sum(c["inter_host_wire_bytes"] for c in _rows(four, "all-to-all")) == 0

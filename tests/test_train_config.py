@@ -105,8 +105,12 @@ def test_shipped_configs_load_and_plan():
         layout = Layout.plan(num_devices=8, batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len,
                              num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
                              mode=cfg.parallel.mode)
+        assert cfg.data.eos_id < mc.vocab_size
+        if path.stem.endswith("_long"):  # one 4M sequence: one group of 8
+            assert (layout.groups, layout.sp, cfg.data.seq_len) == (1, 8, 4194304)
+            continue
         assert (layout.groups, layout.sp) == ((2, 4) if cfg.parallel.mode == "basp" else (1, 8))
-        assert cfg.data.eos_id < mc.vocab_size and cfg.data.seq_len == 16384
+        assert cfg.data.seq_len == 16384
 
 
 def test_required_keys_one_by_one(tmp_path):
@@ -230,7 +234,7 @@ def test_gpu_configs_state_only_what_differs_from_what_they_include():
     from train.config import _load_tree, _read_yaml
 
     paths = shipped_configs("gpu/*.yaml")
-    assert len(paths) == 10
+    assert len(paths) == 11  # five models x basp/ulysses, and the 8B's long-context config
     for path in paths:
         own = _read_yaml(str(path))
         included = _load_tree(str(path.parent / own.pop("include")))
@@ -238,5 +242,7 @@ def test_gpu_configs_state_only_what_differs_from_what_they_include():
             for key, value in values.items():
                 assert included.get(section, {}).get(key, object()) != value, (path, section, key)
         cfg = load_config(str(path))
-        assert cfg.parallel.mode in path.stem and cfg.run.dir == f"runs/{path.stem}"
+        mode = "basp" if path.stem.endswith("_long") else cfg.parallel.mode  # a basp config
+        assert mode in path.stem or path.stem.endswith("_long"), path
+        assert cfg.parallel.mode == mode and cfg.run.dir == f"runs/{path.stem}"
         assert cfg.model.preset == path.stem.rsplit("_", 1)[0]
