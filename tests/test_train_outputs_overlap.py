@@ -1,6 +1,6 @@
 """The checkpointer and its readers (issue #24): checkpoints are written only when asked; a
 reader racing the trainer's pruning reads the next newest step; checkpoints/ removed under a
-running trainer ends it with one line."""
+running trainer ends it with one line. A YAML merge key is accepted."""
 
 import json
 import os
@@ -50,6 +50,26 @@ def test_checkpoints_are_written_only_when_asked(finished, tmp_path):
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text()
              .splitlines()]
     assert steps == [1, 2, 3, 4]
+
+
+def test_yaml_merge_keys_are_accepted(tmp_path):
+    """`<<: *anchor` (and `<<: {...}`) is valid YAML: the merged keys apply, explicit keys win,
+    and a key written twice is still refused."""
+    from train.config import ConfigError, load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "model:\n  preset: tiny\n  shape: &small {num_layers: 2, hidden_size: 64}\n"
+        "data: {source: synthetic, seq_len: 64}\n"
+        "train:\n  <<: {steps: 4, microbatch_size: 2, grad_accum: 1}\n  steps: 6\n"
+        f"run: {{dir: {tmp_path / 'run'}}}\nruntime: {{cpu_devices: 8}}\n"
+        "optimizer: {lr: 1.0e-3}\nparallel: {mode: basp}\n")
+    cfg = load_config(str(path))
+    assert (cfg.train.steps, cfg.train.microbatch_size) == (6, 2)
+    assert cfg.model.shape == {"num_layers": 2, "hidden_size": 64}
+    path.write_text(path.read_text().replace("  steps: 6\n", "  steps: 6\n  steps: 7\n"))
+    with pytest.raises(ConfigError, match="key 'steps' appears twice"):
+        load_config(str(path))
 
 
 # ------------------------------------------------------------------ the checkpointer and its readers

@@ -526,6 +526,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def _construct_unique_mapping(loader, node, deep=False):
     seen = {}
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # `<<: *anchor`: construct_mapping merges it in; the explicit keys win
         key = loader.construct_object(key_node, deep=deep)
         try:
             hash(key)
