@@ -246,7 +246,8 @@ CASES = [
      "earlier export of this run.dir"),
     ("export_hf is model.hf_path", HF + ["model.hf_path={inputs}/hf_good",
                                          "checkpoint.export_hf={inputs}/hf_good"],
-     "error: config: checkpoint.export_hf '{inputs}/hf_good' is model.hf_path", _fresh),
+     "error: config: checkpoint.export_hf '{inputs}/hf_good' is the same path as model.hf_path "
+     "'{inputs}/hf_good'; an export replaces its whole directory", _fresh),
     ("rope_scaling=5", ["model.shape.rope_scaling=5"],
      "error: model: rope_scaling must be a mapping"),
     ("llama3 rope factor x", [LLAMA3_X],
