@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import threading
 from typing import Any
 
@@ -361,6 +362,7 @@ def _restore_newest_params(directory: str, target):
             return ocp.StandardCheckpointer().restore(path, target)
         except Exception as e:  # noqa: BLE001 (orbax/tensorstore raise many kinds)
             if not os.path.isdir(step_dir):
+                _quiet_abandoned_reads()
                 continue  # pruned under us: a newer step is complete by now
             detail = " ".join(str(e).split())[:300]
             raise CheckpointError(f"checkpoint {path} cannot be restored for this model "
@@ -368,6 +370,32 @@ def _restore_newest_params(directory: str, target):
     raise CheckpointError(f"the checkpoints in {directory} were pruned {PRUNE_RETRIES} times while "
                           "being read (or all removed); wait for the run to save less often "
                           "(checkpoint.every) or to end, then try again")
+
+
+def _from_abandoned_read(report) -> bool:
+    """An unraisable report left by orbax's in-flight array reads of a read given up."""
+    if isinstance(report.exc_value, RuntimeError) and "Event loop is closed" in str(
+            report.exc_value):
+        return True
+    code = getattr(report.object, "cr_code", None)  # a coroutine of orbax's
+    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
+def _quiet_abandoned_reads() -> None:
+    """A read given up because its step was pruned leaves orbax's other array reads in flight; as
+    they end they find the read's event loop closed and say so through sys.unraisablehook, dozens
+    of tracebacks after a good result. From the first such read on, those reports are dropped;
+    every other one goes to the hook that was in place."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_abandoned_reads", False):
+        return
+
+    def hook(report):
+        if not _from_abandoned_read(report):
+            previous(report)
+
+    hook.drops_abandoned_reads = True
+    sys.unraisablehook = hook
 
 
 def restore_model(run_dir: str, *, dtype: str | None = None):
