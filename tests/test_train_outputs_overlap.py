@@ -91,8 +91,9 @@ CASES = [
      "error: config: data.path '{W}/r/checkpoints/t.bin' is checkpoints/t.bin in run.dir '{W}/r': "
      "the trainer writes {W}/r/checkpoints (and prunes checkpoints)"),
     ("own config file is run.dir/config.yaml", ["--config", "{W}/r/config.yaml", "run.dir={W}/r"],
-     "error: config: the config file '{W}/r/config.yaml' is config.yaml in run.dir '{W}/r': it "
-     "holds your own config file, which the trainer would replace with the resolved config"),
+     "error: config: the config file '{W}/r/config.yaml' is config.yaml in run.dir '{W}/r': the "
+     "trainer writes the resolved config there, and this file is not one (it has comments, an "
+     "include or keys left out, which would be lost)"),
     ("remote run.dir", ["run.dir=gs://bucket/x"],
      "error: config: run.dir 'gs://bucket/x' is a remote URL; only local paths are supported"),
     ("remote export", ["run.dir={W}/new", "checkpoint.export_hf=s3://bucket/hf"],
@@ -177,11 +178,18 @@ def test_yaml_merge_keys_are_accepted(tmp_path):
 
 
 def test_tilde_is_the_home_directory(tmp_path, monkeypatch):
+    """In every path key, in --config and in an include (a shell leaves `key=~/x` as typed)."""
     monkeypatch.setenv("HOME", str(tmp_path))
     from train.config import load_config
 
-    cfg = load_config(None, tiny_overrides("~/runs/x", "checkpoint.export_hf=~/hf"))
+    (tmp_path / "base.yaml").write_text("train: {steps: 3}\n")
+    (tmp_path / "c.yaml").write_text("include: ~/base.yaml\n")
+    overrides = [o for o in tiny_overrides("~/runs/x", "checkpoint.export_hf=~/hf")
+                 if not o.startswith("train.steps=")]
+    cfg = load_config("~/c.yaml", overrides)
     assert (cfg.run.dir, cfg.checkpoint.export_hf) == (f"{tmp_path}/runs/x", f"{tmp_path}/hf")
+    assert cfg.train.steps == 3  # from the included file
+    assert cfg.sources == (f"{tmp_path}/c.yaml", f"{tmp_path}/base.yaml")
 
 
 # ------------------------------------------------------------------ train.tokenize -o

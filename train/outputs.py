@@ -92,8 +92,8 @@ def _check_run_dir_apart(run_dir: str, inputs: list[tuple[str, str]]) -> None:
             continue  # e.g. run.dir/data.bin: the trainer never writes there
         if rel == "config.yaml" and key.endswith("config file") and _is_resolved_config(path):
             continue
-        what = ("it holds your own config file, which the trainer would replace with the "
-                "resolved config (losing its comments and includes); move your file out of "
+        what = ("the trainer writes the resolved config there, and this file is not one (it has "
+                "comments, an include or keys left out, which would be lost); move it out of "
                 "run.dir (e.g. beside it) or choose another run.dir"
                 if rel == "config.yaml" else
                 f"the trainer writes {os.path.join(run_dir, owned)} (and prunes checkpoints); "
