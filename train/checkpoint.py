@@ -2,9 +2,12 @@
 
 Saves are asynchronous and atomic (orbax writes to `N.orbax-checkpoint-tmp` and renames it to `N`
 when complete), so a crash mid-save leaves only a temporary directory, which listing ignores and
-the next save of that step replaces; the manager keeps the last n. Restore takes abstract arrays
-that carry the *target* shardings, so a checkpoint written under one layout or device count lands
-directly on another mesh.
+the next save of that step replaces; the manager keeps the last n, and a step it prunes leaves in
+one rename (into checkpoints/.pruned, emptied in the background), so a reader sees whole steps.
+Steps are saved only where checkpoint.every and the loop say (Checkpointer.due), never by orbax's
+own first-save rule; a failed save is one line (StorageError for space, else SaveFailed).
+Restore takes abstract arrays that carry the *target* shardings, so a checkpoint written under one
+layout or device count lands directly on another mesh.
 
 Before anything is built, `inspect_latest` reads (never writes) the newest complete checkpoint's
 metadata and refuses one that cannot be read or holds another model's shapes.
@@ -279,8 +282,9 @@ class Checkpointer:
         if step in self.manager.all_steps() or not (force or self.due(step)):
             return False
         self._start_purge()  # the steps the previous save pruned
-        if self.saved and not os.path.isdir(self.directory):
+        if self.saved and jax.process_index() == 0 and not os.path.isdir(self.directory):
             # orbax would make it anew and go on: the run's checkpoints would be gone unsaid
+            # (process 0 looks: the others may see another file system; train.peers stops them)
             self.failed = True
             raise save_failed(FileNotFoundError(f"{self.directory} does not exist"), self.directory)
         self.saved = True
@@ -303,6 +307,8 @@ class Checkpointer:
             yield
         except Exception as e:  # noqa: BLE001 (orbax/tensorstore raise many kinds)
             self.failed = True
+            if isinstance(e, jax.errors.JaxRuntimeError) and jax.process_count() > 1:
+                raise  # the saves' barriers: train.loop tells a lost peer (exit 3) from the rest
             raise (storage_error(e, self.directory) or save_failed(e, self.directory)) from None
 
     def restore(self, step: int, abstract_params, abstract_opt_state):
