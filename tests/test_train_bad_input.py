@@ -34,11 +34,10 @@ BASE = ("train.steps=6", "train.microbatch_size=2", "checkpoint.every=2")
 
 @pytest.fixture(scope="module")
 def good_run(tmp_path_factory):
-    """A run.dir stopped after 4 of 6 steps, with checkpoints of steps 1 (orbax always saves the
-    first), 2 and 4."""
+    """A run.dir stopped after 4 of 6 steps, with checkpoints of steps 2 and 4."""
     run_dir = tmp_path_factory.mktemp("good") / "run"
     run(tiny_config(run_dir, *BASE), stop_at=4)
-    assert sorted(os.listdir(run_dir / "checkpoints"), key=int) == ["1", "2", "4"]
+    assert sorted(os.listdir(run_dir / "checkpoints"), key=int) == ["2", "4"]
     return run_dir
 
 
@@ -205,7 +204,7 @@ CASES = [
      "error: checkpoint: checkpoint {run}/checkpoints/4 holds another optimizer state: "
      "0.0.count has shape absent there and () in this config; the optimizer settings changed"),
     ("resume=false over checkpoints", ["checkpoint.resume=false"],
-     "error: config: checkpoint.resume=false but {run}/checkpoints holds steps [1, 2, 4]"),
+     "error: config: checkpoint.resume=false but {run}/checkpoints holds steps [2, 4]"),
     ("checkpoint beyond train.steps", ["train.steps=3"],
      "error: config: run.dir holds a checkpoint of step 4, beyond train.steps=3"),
     ("run.dir is a file", ["run.dir={inputs}/a_file"],
@@ -247,7 +246,8 @@ CASES = [
      "earlier export of this run.dir"),
     ("export_hf is model.hf_path", HF + ["model.hf_path={inputs}/hf_good",
                                          "checkpoint.export_hf={inputs}/hf_good"],
-     "error: config: checkpoint.export_hf '{inputs}/hf_good' is model.hf_path", _fresh),
+     "error: config: checkpoint.export_hf '{inputs}/hf_good' is the same path as model.hf_path "
+     "'{inputs}/hf_good'; an export replaces its whole directory", _fresh),
     ("rope_scaling=5", ["model.shape.rope_scaling=5"],
      "error: model: rope_scaling must be a mapping"),
     ("llama3 rope factor x", [LLAMA3_X],

@@ -147,3 +147,36 @@ def test_sigint_during_start_up_exits_130_with_one_line(tmp_path, delay):
     assert len(lines) == 1 and lines[0].startswith("error: interrupted: SIGINT"), err[-2000:]
     assert not (run_dir / "checkpoints").exists() or not any(
         p.name.isdigit() for p in (run_dir / "checkpoints").iterdir())
+
+
+def test_sigterm_while_compiling_exits_at_once_with_one_line(tmp_path):
+    """SIGTERM while XLA compiles the train step (one long call into C++, during which Python
+    runs no signal handler): exit status 143 at once with one line, before the compile ends; no
+    step, no checkpoint (was: it compiled on, ran a step and checkpointed, which a preemption's
+    grace period shorter than a GPU compile ends in SIGKILL)."""
+    run_dir = tmp_path / "run"
+    env = dict(train_env(), JAX_LOG_COMPILES="1")  # logs when each compile starts
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"),
+                             *tiny_overrides(run_dir, "train.steps=2")],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        seen = []
+        for line in proc.stderr:  # the step's MLIR is made: XLA compiles it next
+            seen.append(line)
+            if "MLIR module conversion jit(train_step)" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        err = "".join(seen) + proc.stderr.read()
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith(
+        ("layout:", "model:", "mfu:", "WARNING:jax"))]
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: interrupted: SIGTERM outside the training loop"), err[-3000:]
+    assert "Finished XLA compilation of jit(train_step)" not in err
+    assert "compiled the train step" not in err
+    assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text()
+    assert not any(p.name.isdigit() for p in (run_dir / "checkpoints").iterdir())

@@ -2,9 +2,12 @@
 
 Saves are asynchronous and atomic (orbax writes to `N.orbax-checkpoint-tmp` and renames it to `N`
 when complete), so a crash mid-save leaves only a temporary directory, which listing ignores and
-the next save of that step replaces; the manager keeps the last n. Restore takes abstract arrays
-that carry the *target* shardings, so a checkpoint written under one layout or device count lands
-directly on another mesh.
+the next save of that step replaces; the manager keeps the last n, and a step it prunes leaves in
+one rename (into checkpoints/.pruned, emptied in the background), so a reader sees whole steps.
+Steps are saved only where checkpoint.every and the loop say (Checkpointer.due), never by orbax's
+own first-save rule; a failed save is one line (StorageError for space, else SaveFailed).
+Restore takes abstract arrays that carry the *target* shardings, so a checkpoint written under one
+layout or device count lands directly on another mesh.
 
 Before anything is built, `inspect_latest` reads (never writes) the newest complete checkpoint's
 metadata and refuses one that cannot be read or holds another model's shapes.
@@ -17,6 +20,9 @@ import errno
 import json
 import os
 import re
+import shutil
+import sys
+import threading
 from typing import Any
 
 import jax
@@ -55,11 +61,28 @@ def storage_error(err: BaseException, directory: str) -> StorageError | None:
         seen = seen.__cause__ or seen.__context__
     else:
         return None
+    return StorageError(f"no space left on the device writing {path}; {_newest(directory)}; free "
+                        "space (or lower checkpoint.keep) and run the same command again to resume")
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint save failed for another reason than space (e.g. checkpoints/ removed while
+    a save was being written): one line instead of orbax's tracebacks from every thread."""
+
+
+def save_failed(err: BaseException, directory: str) -> SaveFailed:
+    detail = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+    removed = (f"; {directory} was removed while the run was writing it"
+               if not os.path.isdir(directory) else "")
+    again = "resume from it" if complete_steps(directory) else "start afresh"
+    return SaveFailed(f"saving a checkpoint to {directory} failed ({detail}){removed}; the run "
+                      f"stopped; {_newest(directory)}; run the same command again to {again}")
+
+
+def _newest(directory: str) -> str:
     steps = complete_steps(directory)
-    newest = (f"the newest complete checkpoint is step {steps[-1]} in {directory}" if steps
-              else "no checkpoint was completed")
-    return StorageError(f"no space left on the device writing {path}; {newest}; free space (or "
-                        "lower checkpoint.keep) and run the same command again to resume")
+    return (f"the newest complete checkpoint is step {steps[-1]} in {directory}" if steps
+            else f"no complete checkpoint is left in {directory}")
 
 
 def checkpoint_dir(run_dir: str) -> str:
@@ -202,30 +225,71 @@ def _first_difference(found: dict, wanted: dict) -> str | None:
     return None
 
 
+# Pruned steps are first renamed into this folder of checkpoints/ (one atomic rename: a reader
+# such as models.generate sees a whole step or none, never one half deleted) and removed from there
+# in the background. Not a step number, so no listing counts it.
+PRUNED = ".pruned"
+
+
+def _purge(directory: str) -> None:
+    """Remove what checkpoints/.pruned holds (steps orbax renamed there)."""
+    pruned = os.path.join(directory, PRUNED)
+    try:
+        names = os.listdir(pruned)
+    except OSError:
+        return
+    for name in names:
+        shutil.rmtree(os.path.join(pruned, name), ignore_errors=True)
+
+
 class Checkpointer:
     def __init__(self, run_dir: str, cfg: CheckpointConfig, total_steps: int):
         self.cfg = cfg
         self.directory = checkpoint_dir(run_dir)
         self.total_steps = total_steps
         self.failed = False
+        self.saved = False  # a save was started
+        self._purger: threading.Thread | None = None
         options = ocp.CheckpointManagerOptions(
-            save_interval_steps=cfg.every if cfg.every > 0 else total_steps + 1,
+            # due() decides when to save; orbax's own rule would also save the first step of every
+            # invocation, even with checkpoint.every=0 ("only at the end")
+            save_interval_steps=1,
             max_to_keep=cfg.keep,
             enable_async_checkpointing=cfg.async_save,
             create=True,
+            todelete_subdir=PRUNED,
         )
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=ITEMS
         )
+        self._start_purge()  # what a crashed earlier run left there
+
+    def _start_purge(self) -> None:
+        """Empty checkpoints/.pruned in a thread (process 0: orbax prunes from there only), so a
+        large pruned step is not deleted on the step loop's time."""
+        if jax.process_index() != 0 or (self._purger is not None and self._purger.is_alive()):
+            return
+        self._purger = threading.Thread(target=_purge, args=(self.directory,),
+                                        name="checkpoint-purge", daemon=True)
+        self._purger.start()
 
     def due(self, step: int) -> bool:
-        """Whether save(step) would save without force (the interval, or orbax's first save)."""
-        return step not in self.manager.all_steps() and self.manager.should_save(step)
+        """Whether `step` lies on the checkpoint.every interval (0: never; the loop forces the
+        final save) and has no checkpoint yet."""
+        every = self.cfg.every
+        return every > 0 and step % every == 0 and step not in self.manager.all_steps()
 
     def save(self, step: int, params, opt_state, meta: dict[str, Any], *, force: bool = False) -> bool:
         """Save after `step` completed steps when the interval says so (or `force`)."""
-        if step in self.manager.all_steps():
+        if step in self.manager.all_steps() or not (force or self.due(step)):
             return False
+        self._start_purge()  # the steps the previous save pruned
+        if self.saved and jax.process_index() == 0 and not os.path.isdir(self.directory):
+            # orbax would make it anew and go on: the run's checkpoints would be gone unsaid
+            # (process 0 looks: the others may see another file system; train.peers stops them)
+            self.failed = True
+            raise save_failed(FileNotFoundError(f"{self.directory} does not exist"), self.directory)
+        self.saved = True
         with self._failures():
             return self.manager.save(
                 step,
@@ -234,21 +298,20 @@ class Checkpointer:
                     opt_state=ocp.args.StandardSave(opt_state),
                     meta=ocp.args.JsonSave(meta),
                 ),
-                force=force,
+                force=True,
             )
 
     @contextlib.contextmanager
     def _failures(self):
-        """A save that failed for lack of space becomes one StorageError; after any failure,
-        close() no longer waits on (and raises again from) the failed save."""
+        """A save that failed becomes one StorageError (lack of space) or SaveFailed; after any
+        failure, close() no longer waits on (and raises again from) the failed save."""
         try:
             yield
         except Exception as e:  # noqa: BLE001 (orbax/tensorstore raise many kinds)
             self.failed = True
-            full = storage_error(e, self.directory)
-            if full is not None:
-                raise full from None
-            raise
+            if isinstance(e, jax.errors.JaxRuntimeError) and jax.process_count() > 1:
+                raise  # the saves' barriers: train.loop tells a lost peer (exit 3) from the rest
+            raise (storage_error(e, self.directory) or save_failed(e, self.directory)) from None
 
     def restore(self, step: int, abstract_params, abstract_opt_state):
         """(params, opt_state, meta) of `step`, placed as the abstract trees' shardings say."""
@@ -282,6 +345,65 @@ class Checkpointer:
             return
         self.wait()
         self.manager.close()
+        if self._purger is not None:
+            self._purger.join()
+        if jax.process_index() == 0:
+            _purge(self.directory)  # what the last save pruned
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(self.directory, PRUNED))
+
+
+PRUNE_RETRIES = 5  # a trainer prunes at most once per save: this many in one read is no race
+
+
+def _restore_newest_params(directory: str, target):
+    """The parameters of the newest complete checkpoint in `directory`, read while a trainer may
+    be saving and pruning there: a step pruned while it was read (renamed away at once, see
+    PRUNED) is no error; the read starts again from the newest step then complete."""
+    for _ in range(PRUNE_RETRIES):
+        steps = complete_steps(directory)
+        if not steps:
+            break
+        step_dir = os.path.join(directory, str(steps[-1]))
+        path = os.path.join(step_dir, "params")
+        try:
+            return ocp.StandardCheckpointer().restore(path, target)
+        except Exception as e:  # noqa: BLE001 (orbax/tensorstore raise many kinds)
+            if not os.path.isdir(step_dir):
+                _quiet_abandoned_reads()
+                continue  # pruned under us: a newer step is complete by now
+            detail = " ".join(str(e).split())[:300]
+            raise CheckpointError(f"checkpoint {path} cannot be restored for this model "
+                                  f"({type(e).__name__}: {detail})") from None
+    raise CheckpointError(f"the checkpoints in {directory} were pruned {PRUNE_RETRIES} times while "
+                          "being read (or all removed); wait for the run to save less often "
+                          "(checkpoint.every) or to end, then try again")
+
+
+def _from_abandoned_read(report) -> bool:
+    """An unraisable report left by orbax's in-flight array reads of a read given up."""
+    if isinstance(report.exc_value, RuntimeError) and "Event loop is closed" in str(
+            report.exc_value):
+        return True
+    code = getattr(report.object, "cr_code", None)  # a coroutine of orbax's
+    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
+def _quiet_abandoned_reads() -> None:
+    """A read given up because its step was pruned leaves orbax's other array reads in flight; as
+    they end they find the read's event loop closed and say so through sys.unraisablehook, dozens
+    of tracebacks after a good result. From the first such read on, those reports are dropped;
+    every other one goes to the hook that was in place."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_abandoned_reads", False):
+        return
+
+    def hook(report):
+        if not _from_abandoned_read(report):
+            previous(report)
+
+    hook.drops_abandoned_reads = True
+    sys.unraisablehook = hook
 
 
 def restore_model(run_dir: str, *, dtype: str | None = None):
@@ -303,8 +425,7 @@ def restore_model(run_dir: str, *, dtype: str | None = None):
         raise CheckpointError(f"{run_dir!r} has no config.yaml: not a training run directory")
     cfg = load_config(config_path)
     directory = checkpoint_dir(run_dir)
-    steps = complete_steps(directory)
-    if not steps:
+    if not complete_steps(directory):
         raise CheckpointError(f"{directory} holds no complete checkpoint")
     mcfg = model_config(cfg)
     # on one device, whatever kernel the run trained with
@@ -313,13 +434,7 @@ def restore_model(run_dir: str, *, dtype: str | None = None):
     abstract = nnx.state(model, nnx.Param)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = abstract_arrays(nnx.to_pure_dict(abstract), device)
-    path = os.path.join(directory, str(steps[-1]), "params")
-    try:
-        params = ocp.StandardCheckpointer().restore(path, target)
-    except Exception as e:  # noqa: BLE001 (orbax/tensorstore raise many kinds)
-        detail = " ".join(str(e).split())[:300]
-        raise CheckpointError(f"checkpoint {path} cannot be restored for this model "
-                              f"({type(e).__name__}: {detail})") from None
+    params = _restore_newest_params(directory, target)
     nnx.replace_by_pure_dict(abstract, params)
     nnx.update(model, abstract)
     return model, cfg

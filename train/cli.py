@@ -3,10 +3,11 @@
 Exit status 0 on success (also after SIGINT/SIGTERM while training: the current step finishes and
 is checkpointed); 2 with one line on stderr for a config, layout, model, data, checkpoint or
 resource error, or a run.dir another run owns (no traceback), detected before anything compiles or
-is written to run.dir; 1 when training stops on a non-finite loss (train.on_nonfinite=stop) or a
-full disk; 3 when a peer process of a multi-process run fails (train.peers; when the coordinator
-process dies, JAX aborts the others itself: SIGABRT); 128 + the signal (130 for SIGINT) with one
-line when SIGINT/SIGTERM arrives outside the training loop (start-up, compilation).
+is written to run.dir; 1 when training stops on a non-finite loss (train.on_nonfinite=stop), a
+full disk or a checkpoint save that failed; 3 when a peer process of a multi-process run fails
+(train.peers; when the coordinator process dies, JAX aborts the others itself: SIGABRT); 128 +
+the signal (130 for SIGINT) with one line when SIGINT/SIGTERM arrives outside the training loop
+(start-up, compilation: at once, also in the middle of XLA's compile; train.stop).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import traceback
 
@@ -40,20 +40,13 @@ def _fail(kind: str, err: Exception) -> int:
     return 2
 
 
-def _interrupted(signum, frame) -> None:
-    """SIGINT/SIGTERM outside the training loop (which finishes its step and checkpoints): one
-    line and exit 128 + signum at once. Raising KeyboardInterrupt in the middle of JAX's start-up
-    gives a traceback and then a crash in the interpreter's shutdown."""
-    name = signal.Signals(signum).name
-    os.write(2, f"error: interrupted: {name} outside the training loop (nothing half-written); run "
-                f"the same command again to start or resume\n".encode())
-    os._exit(128 + signum)
-
-
 def install_signal_handlers() -> None:
-    """From the first instruction of `python train.py` until the training loop takes over."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _interrupted)
+    """From the first instruction of `python train.py`: SIGINT/SIGTERM end the process at once
+    with one line, also in the middle of a compile, until the training loop takes them over
+    (train.stop)."""
+    from .stop import exit_at_once_outside_the_loop
+
+    exit_at_once_outside_the_loop()
 
 
 class _HeldUnraisable:
@@ -130,7 +123,7 @@ def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
     from basp_jax import LayoutError
     from models import ModelError
 
-    from .checkpoint import CheckpointError, StorageError
+    from .checkpoint import CheckpointError, SaveFailed, StorageError
     from .data import DataError
     from .lock import RunDirInUse
     from .loop import NonFiniteError, PeerFailure, run
@@ -142,7 +135,7 @@ def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
                 (DataError, "data", 2), (CheckpointError, "checkpoint", 2),
                 (ResourceError, "resources", 2), (RunDirInUse, "run.dir", 2),
                 (PeerFailure, "peer", PEER_FAILURE_STATUS), (NonFiniteError, "training", 1),
-                (StorageError, "disk", 1))
+                (StorageError, "disk", 1), (SaveFailed, "checkpoint", 1))
     kinds = tuple(cls for cls, _, _ in one_line)
     try:
         with _HeldUnraisable(kinds, exiting):

@@ -26,6 +26,8 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from . import paths
+
 
 class ConfigError(ValueError):
     """A config that cannot run; the single-line message names the key and the fix."""
@@ -415,6 +417,9 @@ class Config:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
+    # the config files load_config read (the one given, then its includes): not a config key (no
+    # annotation), read by train.outputs, which keeps the run's outputs off them
+    sources = ()
 
     def validate(self) -> None:
         """Each section checks its own keys: the required ones first, then the combinations.
@@ -584,6 +589,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def _construct_unique_mapping(loader, node, deep=False):
     seen = {}
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # `<<: *anchor`: construct_mapping merges it in; the explicit keys win
         key = loader.construct_object(key_node, deep=deep)
         try:
             hash(key)
@@ -755,10 +762,13 @@ def _merge(base: dict, over: dict) -> dict:
 INCLUDE = "include"
 
 
-def _load_tree(path: str, chain: tuple[str, ...] = ()) -> dict:
+def _load_tree(path: str, chain: tuple[str, ...] = (), files: list | None = None) -> dict:
     """A config file's mapping with the files its `include:` names merged under it; chain: the
-    files that include this one (an include of one of them is a cycle)."""
+    files that include this one (an include of one of them is a cycle); files: every file read
+    is appended to it."""
     tree = _read_yaml(path)
+    if files is not None:
+        files.append(path)
     names = tree.pop(INCLUDE, None)
     if names is None:
         return tree
@@ -771,29 +781,50 @@ def _load_tree(path: str, chain: tuple[str, ...] = ()) -> dict:
     chain = (*chain, path)
     base: dict = {}
     for name in names:
-        target = os.path.join(os.path.dirname(path), name)  # relative to the including file
+        # relative to the including file
+        target = os.path.join(os.path.dirname(path), os.path.expanduser(name))
         if not os.path.isfile(target):
             raise ConfigError(f"config file {path!r}: {INCLUDE} {name!r} does not exist "
                               f"(looked for {target!r})")
         if any(os.path.samefile(target, seen) for seen in chain):
             raise ConfigError(f"config file {path!r}: {INCLUDE} {name!r} makes a cycle "
                               f"({' -> '.join([*chain, target])})")
-        base = _merge(base, _load_tree(target, chain))
+        base = _merge(base, _load_tree(target, chain, files))
     return _merge(base, tree)
 
 
 def load_config(path: Optional[str], overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML config (with the files it includes), apply `key.sub=value` overrides,
     type-check and validate it."""
-    tree = _load_tree(path) if path is not None else {}
+    files: list[str] = []
+    tree = _load_tree(os.path.expanduser(path), files=files) if path is not None else {}
     for item in overrides:
         key, value = _parse_override(item)
         _set_dotted(tree, key, value)
-    return from_dict(tree)
+    cfg = from_dict(tree)
+    cfg.sources = tuple(files)
+    return cfg
+
+
+# the keys that hold a path (train.paths.local: `~` expanded, no URL); which the run reads or writes
+INPUT_PATHS = ("model.hf_path", "data.path", "data.tokenizer", "eval.path")
+OUTPUT_PATHS = ("run.dir", "checkpoint.export_hf")
+
+
+def _local_paths(cfg: Config) -> None:
+    for key in INPUT_PATHS + OUTPUT_PATHS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value:
+            try:
+                setattr(getattr(cfg, section), name, paths.local(key, value))
+            except paths.PathError as e:
+                raise ConfigError(str(e)) from None
 
 
 def from_dict(tree: dict) -> Config:
     cfg = _build(Config, tree, "")
+    _local_paths(cfg)
     cfg.validate()
     return cfg
 

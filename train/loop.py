@@ -98,6 +98,7 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: RunDirLock | None) -> di
             with jax.set_mesh(run.plan.mesh):
                 end = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
                 collectives = train_steps(run, end, report, profiler, stop)
+            stop.take_over()  # (done after the compile; here when no step ran)
             run.ckpt.wait()
             if cfg.checkpoint.export_hf and not stop.stopped:
                 export(run, logger.message)
@@ -124,6 +125,7 @@ def train_steps(run: Run, end: int, report: StepReport, profiler, stop: StopRequ
         done = step + 1
         if compiled is None:
             compiled, collectives = compile_step(run, log)
+            stop.take_over()  # until now a signal ended the process at once (train.stop)
             # placed once, then the step returns the next one: a device_put per step
             # would be a cross-process check (assert_equal) in multi-process runs
             step_arr = run.program.step_index(step)

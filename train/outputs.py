@@ -11,10 +11,14 @@ import tempfile
 import models
 from basp_jax import Layout, comm
 
-from .config import Config, ConfigError, to_yaml
+from . import paths
+from .config import INPUT_PATHS, Config, ConfigError, from_dict, to_yaml, yaml_load
 
 # files the trainer writes in run.dir, and what each must be when it exists already
 RUN_DIR_FILES = ("config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "collectives.json")
+# everything the trainer writes (or prunes) in run.dir: the files above, its lock, checkpoints,
+# TensorBoard events, profiles, the W&B run id and wandb's own folder; nothing else there is touched
+RUN_DIR_OWNED = RUN_DIR_FILES + (".lock", "checkpoints", "tb", "profile", "wandb_id", "wandb")
 EXPORT_MARKER = ".basp-export.json"  # in an export: which run.dir wrote it
 
 
@@ -48,9 +52,76 @@ def _check_creatable(key: str, path: str) -> None:
         raise ConfigError(f"{key} {path!r} cannot be created: {ancestor} is not writable")
 
 
+def _inputs(cfg: Config) -> list[tuple[str, str]]:
+    """(key, absolute path) of everything the run reads: its config files and the INPUT_PATHS."""
+    found = [("the config file" if i == 0 else "the included config file", os.path.abspath(p))
+             for i, p in enumerate(cfg.sources)]
+    for key in INPUT_PATHS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value:
+            found.append((key, os.path.abspath(value)))
+    return found
+
+
+def _is_resolved_config(path: str) -> bool:
+    """Whether `path` holds a config exactly as write_config writes one (every key, no comment, no
+    include): writing the new resolved config over it then loses nothing a person wrote."""
+    try:
+        with open(path) as f:
+            text = f.read()
+        return text == to_yaml(from_dict(yaml_load(text)))
+    except Exception:  # noqa: BLE001 (not a config, or not one in that form)
+        return False
+
+
+def _check_run_dir_apart(run_dir: str, inputs: list[tuple[str, str]]) -> None:
+    """run.dir is no input and lies in none; an input inside run.dir is kept clear of what the
+    trainer writes there (RUN_DIR_OWNED). A resume with `--config {run.dir}/config.yaml`, the
+    file an earlier run wrote, is allowed: it is replaced by the same values plus the overrides."""
+    for key, path in inputs:
+        how = paths.relation(run_dir, path)
+        if how in ("same", "inside"):
+            raise ConfigError(f"{paths.describe('run.dir', run_dir, how, key, path)}; the trainer "
+                              "would write into that input; choose a run.dir outside it")
+        if how != "contains":
+            continue
+        rel = os.path.relpath(paths.resolved(path), paths.resolved(run_dir))
+        owned = rel.split(os.sep)[0]
+        if owned not in RUN_DIR_OWNED:
+            continue  # e.g. run.dir/data.bin: the trainer never writes there
+        if rel == "config.yaml" and key.endswith("config file") and _is_resolved_config(path):
+            continue
+        what = ("the trainer writes the resolved config there, and this file is not one (it has "
+                "comments, an include or keys left out, which would be lost); move it out of "
+                "run.dir (e.g. beside it) or choose another run.dir"
+                if rel == "config.yaml" else
+                f"the trainer writes {os.path.join(run_dir, owned)} (and prunes checkpoints); "
+                "move the input out of it or choose another run.dir")
+        raise ConfigError(f"{key} {path!r} is {rel} in run.dir {run_dir!r}: {what}")
+
+
+def check_overlaps(cfg: Config, run_dir: str) -> None:
+    """No output over, into or around an input or another output (train.paths, symlinks
+    resolved): an export replaces its whole directory, so it stays apart from run.dir and from
+    every input; run.dir stays off the inputs (_check_run_dir_apart)."""
+    inputs = _inputs(cfg)
+    if cfg.checkpoint.export_hf:
+        export = os.path.abspath(cfg.checkpoint.export_hf)
+        try:
+            paths.check_apart([("checkpoint.export_hf", export)], [("run.dir", run_dir), *inputs],
+                              why={"checkpoint.export_hf": "an export replaces its whole "
+                                                           "directory"})
+        except paths.PathError as e:
+            raise ConfigError(str(e)) from None
+    _check_run_dir_apart(run_dir, inputs)
+
+
 def check_output_paths(cfg: Config, run_dir: str) -> None:
-    """run.dir (and checkpoint.export_hf) are directories or can be created, the files the trainer
-    writes there are files it can write, and an export never replaces someone else's files."""
+    """run.dir (and checkpoint.export_hf) are directories or can be created, apart from the inputs
+    and each other (check_overlaps), the files the trainer writes there are files it can write,
+    and an export never replaces someone else's files."""
+    check_overlaps(cfg, run_dir)
     _check_creatable("run.dir", run_dir)
     for name in RUN_DIR_FILES:
         path = os.path.join(run_dir, name)
@@ -64,9 +135,6 @@ def check_output_paths(cfg: Config, run_dir: str) -> None:
         return
     _check_creatable("checkpoint.export_hf", export)
     export = os.path.realpath(export)
-    if cfg.model.hf_path and export == os.path.realpath(cfg.model.hf_path):
-        raise ConfigError(f"checkpoint.export_hf {export!r} is model.hf_path: the export would "
-                          "replace the pretrained weights; choose another directory")
     if os.path.isdir(export) and os.listdir(export) and _export_owner(export) != run_dir:
         raise ConfigError(
             f"checkpoint.export_hf {export!r} holds other files and is not an earlier export of "

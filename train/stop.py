@@ -14,14 +14,25 @@ Why LEAD = 2 is safe: the trainer decides about step n only after step n - 1 has
 devices (it has read that step's metrics), and step n - 1's collectives finish only after every
 process has dispatched it. A proposer deciding about step k writes before dispatching step k + 1,
 so any process deciding about step k + 2 has waited for that dispatch, and reads the proposal.
+
+Outside the step loop (start-up, restoring, compiling the step) there is nothing to finish: with
+`exit_at_once_outside_the_loop()` (python train.py) a signal ends the process at once, with one
+line and status 128 + the signal. A StopRequest takes the signals over only once the step has
+compiled (`take_over`), until it exits.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 
 from . import peers
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_graceful = False  # a StopRequest has taken the signals over: finish the step, then stop
+_exiting = threading.Lock()  # held by the thread that writes the line and exits
 
 LEAD = 2  # steps between a proposal and the step all processes stop after (see above)
 _PREFIX = "basp_jax/stop"
@@ -29,9 +40,10 @@ _generation = 0  # StopRequests made by this process: keys of an earlier run() i
 
 
 class StopRequest:
-    """Context manager: remembers SIGINT/SIGTERM (handlers are installed only in the main thread
-    and restored on exit). Call should_stop(n) once per step, in order, after step n - 1 has
-    finished on the devices; it says whether to stop after step n."""
+    """Context manager: once `take_over()` is called, remembers SIGINT/SIGTERM (handlers are
+    installed only in the main thread and restored on exit). Call should_stop(n) once per step,
+    in order, after step n - 1 has finished on the devices; it says whether to stop after step
+    n."""
 
     def __init__(self, client=None):
         """client: the key-value store (default: jax.distributed's in a multi-process run)."""
@@ -89,12 +101,65 @@ class StopRequest:
         self.requested = signal.Signals(signum).name
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
+    def take_over(self) -> None:
+        """From now until exit, SIGINT/SIGTERM are remembered (the step finishes, a checkpoint is
+        written): call it once the step has compiled. Handlers can be set in the main thread only;
+        a second call changes nothing."""
+        global _graceful
+        if self._previous or threading.current_thread() is not threading.main_thread():
+            return
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        _graceful = True
+
     def __exit__(self, *exc):
+        global _graceful
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._previous = {}
+        _graceful = False
         return False
+
+
+# ---- outside the step loop: a signal ends the process at once -------------------------------------
+
+def exit_now(signum: int) -> None:
+    """One line and os._exit(128 + signum), once, whichever thread (the watcher or the main
+    thread's handler) gets here first. Raising KeyboardInterrupt in the middle of JAX's start-up
+    gives a traceback and then a crash in the interpreter's shutdown."""
+    if not _exiting.acquire(blocking=False):
+        while True:  # the other thread is writing the line and ending the process
+            time.sleep(1)
+    name = signal.Signals(signum).name
+    os.write(2, f"error: interrupted: {name} outside the training loop (nothing half-written); run "
+                f"the same command again to start or resume\n".encode())
+    os._exit(128 + signum)
+
+
+def _handler(signum, frame) -> None:
+    if not _graceful:
+        exit_now(signum)
+
+
+def exit_at_once_outside_the_loop() -> None:
+    """From now on SIGINT/SIGTERM end the process at once (exit_now) unless a StopRequest has
+    taken them over. Python runs a signal's handler only between bytecodes of the main thread, so
+    during one long call into XLA (a compile takes minutes on a GPU, longer than a scheduler's
+    grace period) the handler alone would wait for it to return. The interpreter's C-level handler
+    writes the signal's number to the wakeup fd at once, though, and a thread reading it exits
+    (XLA's compile releases the GIL)."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    for sig in SIGNALS:
+        signal.signal(sig, _handler)  # the wakeup fd is written for signals with a Python handler
+    threading.Thread(target=_watch, args=(read_fd,), name="signal-watch", daemon=True).start()
+
+
+def _watch(read_fd: int) -> None:
+    while True:
+        for signum in os.read(read_fd, 64):
+            if signum in SIGNALS and not _graceful:
+                exit_now(signum)

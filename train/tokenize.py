@@ -34,6 +34,7 @@ import sys
 
 import numpy as np
 
+from . import paths
 from .data import DataError, parse_lines, sidecar_seal
 
 FORMAT = "basp-jax tokens"
@@ -192,14 +193,38 @@ def _check_output(output: str, *, overwrite: bool, workers: int) -> None:
         raise TokenizeError(f"--workers must lie in [1, {MAX_WORKERS}] (processes), got {workers}")
 
 
+def _check_apart(input_path: str, files: list[tuple[str, str]], tokenizer: str,
+                 output: str) -> None:
+    """The output and its sidecar are none of the files read (same path, symlink or hard link:
+    --overwrite would replace the corpus), and no later run would read the output as input."""
+    written = [("-o", output), ("the sidecar", sidecar_path(output))]
+    read = [("the input", f) for f, _ in files] + [("--tokenizer", tokenizer)]
+    try:
+        paths.check_apart(written, read, why={"-o": "the output replaces that file",
+                                              "the sidecar": "the sidecar replaces that file"})
+    except paths.PathError as e:
+        raise TokenizeError(str(e)) from None
+    if (os.path.isdir(input_path) and output.endswith((".txt", ".jsonl"))
+            and paths.relation(output, input_path) == "inside"):
+        raise TokenizeError(f"-o {output!r} lies inside the input directory {input_path!r} and "
+                            "ends in .txt/.jsonl: a later run would read the token file as text; "
+                            "name it .bin or write it elsewhere")
+
+
 def tokenize(input_path: str, tokenizer: str, output: str, *, text_key: str = "text",
              eos_id: int | None = None, workers: int = 1, overwrite: bool = False,
              progress: bool | None = None, chunk_bytes: int = CHUNK_BYTES) -> dict:
     """Write `output` and its sidecar (see the module docstring); returns the sidecar's dict."""
     from tqdm import tqdm
 
-    _check_output(output, overwrite=overwrite, workers=workers)
+    try:  # `--tokenizer=~/t.json` reaches us unexpanded; URLs are not read
+        input_path, tokenizer, output = (paths.local(key, value) for key, value in (
+            ("the input", input_path), ("--tokenizer", tokenizer), ("-o", output)))
+    except paths.PathError as e:
+        raise TokenizeError(str(e)) from None
     files = input_files(input_path)
+    _check_apart(input_path, files, tokenizer, output)
+    _check_output(output, overwrite=overwrite, workers=workers)
     tok = _load_tokenizer(tokenizer)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     eos_id = default_eos(tok) if eos_id is None else eos_id
