@@ -127,3 +127,27 @@ def test_vocab_parallel_lookup_in_chunks_equals_the_whole(monkeypatch):
     np.testing.assert_array_equal(whole[0], np.asarray(table)[np.asarray(tokens)])
     np.testing.assert_allclose(chunked[0], whole[0], rtol=0, atol=0)
     np.testing.assert_allclose(chunked[1], whole[1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides,want", [
+    ([], ("full", None)),  # the paper's 16K, B=2 on 2 x 4 A100-40GB: today's program
+    (["data.seq_len=4194304", "train.microbatch_size=1", "parallel.hardware=h100-80gb",
+      "parallel.devices_per_host=8"], ("offload", 4096)),  # 4M on 8 x H100: host holds 128 GiB
+    (["data.seq_len=524288", "train.microbatch_size=1", "parallel.hardware=h100-80gb",
+      "parallel.devices_per_host=8"], ("offload", None)),  # untiled where that fits
+    (["data.seq_len=262144", "train.microbatch_size=1", "parallel.hardware=h100-80gb",
+      "parallel.devices_per_host=8"], ("full", None)),  # 256K still fit before (48.2 GiB)
+    (["model.remat=dots"], ("dots", None)),  # a policy given is kept
+])
+def test_auto_remat_picks_the_fastest_policy_that_fits(overrides, want):
+    """model.remat=auto (configs/gpu/llama-3.1-8b_basp.yaml): the planner's fastest predicted
+    policy whose device memory fits parallel.hardware and whose offload fits its host."""
+    from train.config import load_config
+    from train.planning import memory_policy, plan
+    from train.prepare import model_config
+
+    cfg = load_config("configs/gpu/llama-3.1-8b_basp.yaml", overrides)
+    mcfg = model_config(cfg)
+    per_host = cfg.parallel.devices_per_host
+    layout, strategy = plan(cfg, mcfg, cfg.runtime.devices, per_host)
+    assert memory_policy(cfg, mcfg, layout, strategy, per_host) == want

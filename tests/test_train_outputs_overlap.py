@@ -205,19 +205,19 @@ def _tokenizer(path: Path) -> str:
 
 TOKENIZE_CASES = [
     ("output is the input", "{W}/x.txt", "{W}/x.txt",
-     "error: -o '{W}/x.txt' is the same path as the input '{W}/x.txt'; the output replaces that "
+     "error: tokenize: -o '{W}/x.txt' is the same path as the input '{W}/x.txt'; the output replaces that "
      "file"),
     ("output is a symlink to the input", "{W}/x.txt", "{W}/link.txt",
-     "error: -o '{W}/link.txt' is the same path as the input '{W}/x.txt'"),
+     "error: tokenize: -o '{W}/link.txt' is the same path as the input '{W}/x.txt'"),
     ("output is a hard link to the input", "{W}/x.txt", "{W}/hard.txt",
-     "error: -o '{W}/hard.txt' is the same path as the input '{W}/x.txt'"),
+     "error: tokenize: -o '{W}/hard.txt' is the same path as the input '{W}/x.txt'"),
     ("output is an input of the directory", "{W}/corpus", "{W}/corpus/a.txt",
-     "error: -o '{W}/corpus/a.txt' is the same path as the input '{W}/corpus/a.txt'"),
+     "error: tokenize: -o '{W}/corpus/a.txt' is the same path as the input '{W}/corpus/a.txt'"),
     ("output would be read as text", "{W}/corpus", "{W}/corpus/new.txt",
-     "error: -o '{W}/corpus/new.txt' lies inside the input directory '{W}/corpus' and ends in "
+     "error: tokenize: -o '{W}/corpus/new.txt' lies inside the input directory '{W}/corpus' and ends in "
      ".txt/.jsonl"),
     ("sidecar is the tokenizer", "{W}/x.txt", "{W}/t",
-     "error: the sidecar '{W}/t.json' is the same path as --tokenizer '{W}/t.json'"),
+     "error: tokenize: the sidecar '{W}/t.json' is the same path as --tokenizer '{W}/t.json'"),
 ]
 
 

@@ -181,7 +181,10 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False)
     collectives = comm.parse_collectives(text, len(devices))
     return {
         # the planner's prediction, to set beside the compiled figure
-        "formula_memory_bytes": memory_estimate(cfg, mcfg, layout, run_plan.strategy)[0],
+        "formula_memory_bytes": memory_estimate(cfg, mcfg, layout, run_plan.strategy,
+                                                remat=run_plan.remat,
+                                                tile_tokens=run_plan.tile_tokens)[0],
+        "remat": run_plan.remat, "tile_tokens": run_plan.tile_tokens,
         "model": {"type": mcfg.model_type, "params": mcfg.num_params(),
                   "num_layers": mcfg.num_layers},
         "layout": {"describe": layout.describe(), "mode": layout.mode, "groups": layout.groups,
@@ -204,7 +207,8 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False)
         "host_peak_bytes_per_device": (
             mem.host_argument_size_in_bytes + mem.host_temp_size_in_bytes
             + mem.host_output_size_in_bytes - mem.host_alias_size_in_bytes),
-        "formula_host_memory_bytes": host_memory_estimate(cfg, mcfg, layout),
+        "formula_host_memory_bytes": host_memory_estimate(cfg, mcfg, layout,
+                                                          remat=run_plan.remat),
         "host_transfers": comm.host_transfers(text),
         "attention_kernels": hlo.attention_kernels(text),
         # async collectives with compute between start and done: the latency-hiding scheduler's work
@@ -253,7 +257,9 @@ def format_report(r: dict) -> str:
         f"{r['model']['params'] / 1e9:.2f}B params, {r['model']['num_layers']} layers; "
         f"compiled in {r['compile_s']:.1f}s with jax {r['jax_version']}",
         f"layout: {lay['describe']}; {r['param_sharding']} parameters; "
-        f"{r['grad_accum']} microbatch(es) of {lay['batch']} x {lay['seq_len']} tokens",
+        f"{r['grad_accum']} microbatch(es) of {lay['batch']} x {lay['seq_len']} tokens; "
+        f"remat {r['remat']}" + (f", tiles of {r['tile_tokens']} tokens" if r["tile_tokens"]
+                                 else ""),
         "",
         "memory per device            GiB",
         f"  arguments           {mem['argument_bytes'] / GiB:>10.2f}",
@@ -303,8 +309,12 @@ def report(cfg, target: str, hosts: int, gpus_per_host: int, *, want_hlo: bool =
     """Compile `cfg` for `hosts` x `gpus_per_host` GPUs of `target`: the report as a dict."""
     from basp_jax import cost, gpus
 
+    from .config import replace
+
     gpu = gpus.get(target)
     devices = gpu_devices(target, hosts, gpus_per_host)
+    # the planner's choices (mode=auto, param_sharding=auto, remat=auto) for the target's memory
+    cfg = replace(cfg, f"parallel.hardware={target}")
     r = compile_step(cfg, devices, gpus_per_host, want_hlo=want_hlo)
     usable = gpus.usable_memory_bytes(gpu)
     host_budget = cost.HARDWARE[target].host_memory_bytes
@@ -331,18 +341,21 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
 
     from .config import replace
     from .prepare import model_config
-    from .planning import state_bytes
+    from .planning import memory_policy, state_bytes
 
     devices = hosts * gpus_per_host
-    shape = model_config(cfg).shape
+    cfg = replace(cfg, f"parallel.hardware={target}")
+    mcfg = model_config(cfg)
+    shape = mcfg.shape
     hw = cost.HARDWARE[target]
     hw = dataclasses.replace(hw, devices_per_host=gpus_per_host)
     rows = []
     for layout, sharding in cost.candidates(shape, batch=cfg.train.microbatch_size,
                                             seq_len=cfg.data.seq_len, num_devices=devices,
                                             devices_per_host=gpus_per_host):
+        remat, tile = memory_policy(cfg, mcfg, layout, sharding, gpus_per_host)  # auto: per layout
         pred = cost.predict(shape, layout, sharding, hw=hw, grad_accum=cfg.train.grad_accum,
-                            remat=cfg.model.remat, **state_bytes(cfg))
+                            remat=remat, tile_tokens=tile, **state_bytes(cfg))
         mode = ["parallel.mode=ulysses", "parallel.groups=null"] if layout.groups == 1 else \
             ["parallel.mode=basp", f"parallel.groups={layout.groups}"]
         variant = replace(cfg, *mode, f"parallel.ring={layout.ring}",

@@ -7,6 +7,8 @@
                                      inter-host traffic) where the planner says it fits in memory,
                                      else hsdp where that fits, else fsdp; on one host: hsdp or fsdp
     parallel.zigzag                  with a ring, the layout's zig-zag token order (Layout.zigzag)
+    model.remat = auto               the fastest predicted remat policy (and tiling) that fits
+                                     parallel.hardware's device and host memory (memory_policy)
 """
 
 from __future__ import annotations
@@ -49,8 +51,13 @@ def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[La
     p = cfg.parallel
     shape = model_shape(mcfg)
     hw = hardware(cfg, devices_per_host)
-    common = dict(hw=hw, grad_accum=cfg.train.grad_accum, remat=cfg.model.remat,
-                  tile_tokens=cfg.model.tile_tokens, **state_bytes(cfg))
+    # model.remat=auto is decided after the layout (memory_policy); the layout and sharding are
+    # chosen under the leanest policy it may pick, so none is ruled out for memory it need not use
+    remat, tile = cfg.model.remat, cfg.model.tile_tokens
+    if remat == "auto":
+        remat, tile = AUTO_REMAT[-1], tile or AUTO_TILE_TOKENS
+    common = dict(hw=hw, grad_accum=cfg.train.grad_accum, remat=remat, tile_tokens=tile,
+                  **state_bytes(cfg))
     if p.mode == "auto":
         try:
             layout, best = cost.auto_layout(
@@ -102,36 +109,75 @@ def device_memory(device) -> float | None:
     return available / jax.local_device_count()
 
 
-def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str) -> tuple[float, str]:
+# model.remat=auto: the policies tried, and the chunk size tried when no untiled one fits
+AUTO_REMAT = ("full", "offload_exchanges", "offload")
+AUTO_TILE_TOKENS = 4096
+
+
+def memory_policy(cfg: Config, mcfg, layout: Layout, strategy: str,
+                  devices_per_host: int) -> tuple[str, int | None]:
+    """(model.remat, model.tile_tokens) the step runs with: the configured ones, or with
+    model.remat=auto the fastest predicted (basp_jax.cost.predict) of AUTO_REMAT whose device
+    memory fits parallel.hardware and whose offloaded residuals fit its host's share per GPU;
+    untiled where one fits (model.tile_tokens, when set, is kept), else with AUTO_TILE_TOKENS.
+    Nothing fits: the leanest (offload, tiled), which check_memory or train.aot then refuse."""
+    if cfg.model.remat != "auto":
+        return cfg.model.remat, cfg.model.tile_tokens
+    hw = hardware(cfg, devices_per_host)
+    tiles = [cfg.model.tile_tokens] if cfg.model.tile_tokens else [None, AUTO_TILE_TOKENS]
+    for tile in tiles:
+        fitting = []
+        for remat in AUTO_REMAT:
+            pred = cost.predict(model_shape(mcfg), layout, strategy, hw=hw, remat=remat,
+                                tile_tokens=tile, grad_accum=cfg.train.grad_accum,
+                                act_bytes=_act_bytes(cfg), **state_bytes(cfg))
+            if pred.memory_bytes <= hw.memory_bytes and \
+                    pred.host_memory_bytes <= hw.host_memory_bytes:
+                fitting.append((pred.step_s, remat))
+        if fitting:
+            return min(fitting)[1], tile
+    return AUTO_REMAT[-1], tiles[-1]
+
+
+def _act_bytes(cfg: Config) -> int:
+    return 2 if cfg.model.dtype == "bfloat16" else 4
+
+
+def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,
+                    remat: str | None = None, tile_tokens: int | None = None
+                    ) -> tuple[float, str]:
     """The bytes per device a train step holds (basp_jax.cost.memory_terms, the planner's
-    formula: within 15% of the compiled GPU programs of the paper's models) and a breakdown."""
+    formula: within 15% of the compiled GPU programs of the paper's models) and a breakdown.
+    remat / tile_tokens: the plan's (memory_policy), else the config's."""
     q_heads, kv_heads = layout.exchanged_heads
     terms = cost.memory_terms(
         model_shape(mcfg), layout.tokens_per_device, cost.shard_devices(layout, strategy),
-        q_heads=q_heads, kv_heads=kv_heads, remat=cfg.model.remat,
-        act_bytes=2 if cfg.model.dtype == "bfloat16" else 4, tile_tokens=cfg.model.tile_tokens,
+        q_heads=q_heads, kv_heads=kv_heads, remat=remat or cfg.model.remat,
+        act_bytes=_act_bytes(cfg), tile_tokens=tile_tokens or cfg.model.tile_tokens,
         **state_bytes(cfg))
     detail = ", ".join(f"{name} {value / 1e9:.3g} GB" for name, value in terms.items())
     return sum(terms.values()), detail
 
 
-def host_memory_estimate(cfg: Config, mcfg, layout: Layout) -> float:
-    """Pinned host memory per device the configured remat policy fills per step
+def host_memory_estimate(cfg: Config, mcfg, layout: Layout, *, remat: str | None = None) -> float:
+    """Pinned host memory per device the remat policy fills per step
     (basp_jax.cost.host_memory_bytes; 0 unless it offloads)."""
     q_heads, kv_heads = layout.exchanged_heads
     return cost.host_memory_bytes(model_shape(mcfg), layout.tokens_per_device, q_heads=q_heads,
-                                  kv_heads=kv_heads, remat=cfg.model.remat,
-                                  act_bytes=2 if cfg.model.dtype == "bfloat16" else 4)
+                                  kv_heads=kv_heads, remat=remat or cfg.model.remat,
+                                  act_bytes=_act_bytes(cfg))
 
 
-def check_memory(cfg: Config, mcfg, layout: Layout, strategy: str, devices) -> None:
+def check_memory(cfg: Config, mcfg, layout: Layout, strategy: str, devices, *,
+                 remat: str | None = None, tile_tokens: int | None = None) -> None:
     """Refuse a run whose estimated memory per device exceeds what a device has, before the data
     pipeline generates a row or anything compiles (seq_len=1e9 would otherwise grow the process
     to tens of GB first)."""
     limit = device_memory(devices[0])
     if limit is None:
         return
-    need, detail = memory_estimate(cfg, mcfg, layout, strategy)
+    need, detail = memory_estimate(cfg, mcfg, layout, strategy, remat=remat,
+                                   tile_tokens=tile_tokens)
     if need > limit:
         raise ResourceError(_too_big(cfg, need, limit, devices[0].platform, detail))
 

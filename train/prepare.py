@@ -170,7 +170,8 @@ def check(cfg: Config, *, is_writer: bool) -> Run:
     peak, peak_source = peak_flops(cfg.metrics, getattr(devices[0], "device_kind", None))
     per_host = cfg.parallel.devices_per_host or len(devices) // jax.process_count()
     plan = plan_run(cfg, mcfg, devices, per_host)
-    planning.check_memory(cfg, mcfg, plan.layout, plan.strategy, devices)  # before any row is made
+    planning.check_memory(cfg, mcfg, plan.layout, plan.strategy, devices,  # before any row
+                          remat=plan.remat, tile_tokens=plan.tile_tokens)
     layout = plan.layout  # the rows it pads and the token order it wants
     data = Pipeline(cfg.data, vocab_size=mcfg.vocab_size, grad_accum=cfg.train.grad_accum,
                     microbatch=cfg.train.microbatch_size, seed=cfg.run.seed,

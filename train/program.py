@@ -35,6 +35,8 @@ class RunPlan:
     layout: Layout
     strategy: str  # fsdp | hsdp | host | replicated
     mesh: Mesh
+    remat: str = "none"  # the rematerialisation policy (model.remat, auto resolved)
+    tile_tokens: int | None = None  # model.tile_tokens (auto resolved)
 
     @functools.cached_property
     def rules(self) -> ShardingRules:
@@ -45,7 +47,8 @@ class RunPlan:
 def plan_run(cfg: Config, mcfg, devices, devices_per_host: int) -> RunPlan:
     """The layout and mesh for `devices`; raises LayoutError/ConfigError before anything compiles."""
     layout, strategy = planning.plan(cfg, mcfg, len(devices), devices_per_host)
-    return RunPlan(layout, strategy, make_mesh(layout, devices))
+    remat, tile = planning.memory_policy(cfg, mcfg, layout, strategy, devices_per_host)
+    return RunPlan(layout, strategy, make_mesh(layout, devices), remat, tile)
 
 
 def model_options(cfg: Config, plan: RunPlan | None = None, *,
@@ -53,11 +56,14 @@ def model_options(cfg: Config, plan: RunPlan | None = None, *,
     """How the configured model runs: on the plan's mesh and layout with its parameter sharding,
     or on one device without a plan; dtype replaces model.dtype."""
     m = cfg.model
+    # without a plan (one device, shapes only) model.remat=auto means no rematerialisation
     fields = dict(dtype=DTYPES[dtype or m.dtype], param_dtype=DTYPES[m.param_dtype],
-                  attn_impl=m.attn_impl, remat=m.remat, tile_tokens=m.tile_tokens,
-                  vocab_parallel=m.vocab_parallel, scan_layers=m.scan_layers)
+                  attn_impl=m.attn_impl, remat="none" if m.remat == "auto" else m.remat,
+                  tile_tokens=m.tile_tokens, vocab_parallel=m.vocab_parallel,
+                  scan_layers=m.scan_layers)
     if plan is not None:
-        fields.update(mesh=plan.mesh, layout=plan.layout, param_sharding=plan.strategy)
+        fields.update(mesh=plan.mesh, layout=plan.layout, param_sharding=plan.strategy,
+                      remat=plan.remat, tile_tokens=plan.tile_tokens)
     return models.RunOptions(**fields)
 
 
