@@ -276,8 +276,9 @@ HOST_MEMORY_SPACE = "S(5)"  # how XLA marks an array in pinned host memory in a 
 _LAYOUT_ARRAY_RE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\](\{[^}]*\})?")
 
 
-def _top_level(shape_text: str) -> list[str]:
-    """The elements of a tuple shape's outermost level ('(a, (b, c), d)' -> a, (b, c), d)."""
+def _elements_with_layouts(shape_text: str) -> list[str]:
+    """_top_level's elements with their layouts kept (a layout says which memory space an array
+    is in: {...:S(5)} is pinned host memory)."""
     text = shape_text.strip()
     if not text.startswith("("):
         return [text]
@@ -314,7 +315,7 @@ def host_transfers(hlo_text: str) -> dict[str, float]:
     for inst in hlo.instructions(hlo_text):
         if inst.op not in ("fusion-start", "copy-start") or HOST_MEMORY_SPACE not in inst.shape:
             continue
-        parts = _top_level(inst.shape)
+        parts = _elements_with_layouts(inst.shape)
         if len(parts) < 2:
             continue
         # fusion-start: ((operands...), result, context); copy-start: (result, operand, context)

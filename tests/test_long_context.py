@@ -151,3 +151,19 @@ def test_auto_remat_picks_the_fastest_policy_that_fits(overrides, want):
     per_host = cfg.parallel.devices_per_host
     layout, strategy = plan(cfg, mcfg, cfg.runtime.devices, per_host)
     assert memory_policy(cfg, mcfg, layout, strategy, per_host) == want
+
+
+def test_host_transfers_are_read_from_the_async_copies_between_memory_spaces():
+    """basp_jax.comm.host_transfers on the two async copies a GPU program of the offload policy
+    has (copied from a compiled 8B step): a dynamic-update-slice into a pinned-host (S(5))
+    buffer moves its device operand to the host, a dynamic-slice out of one moves its result back."""
+    from basp_jax import comm
+
+    text = """
+  %a = ((bf16[32,1,64,16]{3,2,1,0:S(5)}, bf16[1,1,64,16]{3,2,1,0}, s32[], s32[]), bf16[32,1,64,16]{3,2,1,0:S(5)}, u32[]) fusion-start(%buf, %x, %i, %j), kind=kCustom
+  %b = ((bf16[32,1,64,16]{3,2,1,0:S(5)}, s32[], s32[]), bf16[1,1,64,16]{3,2,1,0}, u32[]) fusion-start(%buf, %i, %j), kind=kCustom
+  %c = ((bf16[1,1,64,16]{3,2,1,0}, s32[]), bf16[1,1,64,16]{3,2,1,0}, u32[]) fusion-start(%x, %i), kind=kLoop
+"""
+    moved = comm.host_transfers(text)
+    assert moved == {"to_host_bytes": 64 * 16 * 2, "from_host_bytes": 64 * 16 * 2,
+                     "to_host_count": 1, "from_host_count": 1}
