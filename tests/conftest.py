@@ -9,3 +9,61 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+# ------------------------------------------------------------------ one compilation cache per run
+# The trainer tests compile the same tiny programs again and again (every single-device reference
+# run, every subprocess of the same command). One JAX persistent compilation cache for the whole
+# pytest run, shared by its xdist workers and the `python train.py` subprocesses they start, turns
+# each repetition into a cache read: every distinct program is still compiled once per run. Only
+# the tests that ask for it use it (the compile_cache fixture in-process, helpers.trainer.train_env
+# for subprocesses), so the tests that count XLA compilations still see every one. The folder is
+# made by the controller, passed to the workers and removed at the end of the run.
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+CACHE_VAR = "BASP_TEST_COMPILE_CACHE"
+
+
+def pytest_configure(config):
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:  # an xdist worker: the controller's folder
+        os.environ[CACHE_VAR] = workerinput[CACHE_VAR]
+    else:
+        config._basp_tmp = Path(tempfile.mkdtemp(prefix="basp-test-"))
+        os.environ[CACHE_VAR] = str(config._basp_tmp / "compile-cache")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):  # pytest-xdist, in the controller, for each worker it starts
+    node.workerinput[CACHE_VAR] = os.environ[CACHE_VAR]
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_basp_tmp", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def compile_cache():
+    """This run's persistent compilation cache, on for one module's in-process compiles (and
+    restored after it): `pytestmark = pytest.mark.usefixtures("compile_cache")`."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    from tests.helpers.trainer import enable_compile_cache
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    before = {name: getattr(jax.config, name) for name in names}
+    # JAX opens its cache folder once per process: reset it so that this folder is the one used,
+    # and again afterwards so that the next module compiles without it.
+    cc.reset_cache()
+    enable_compile_cache(os.environ[CACHE_VAR])
+    yield os.environ[CACHE_VAR]
+    for name, value in before.items():
+        jax.config.update(name, value)
+    cc.reset_cache()

@@ -6,14 +6,12 @@ import pytest
 from train.config import ConfigError
 from train.loop import run
 
-from tests.helpers.trainer import enable_compile_cache, packed_stream, tiny_config
+from tests.helpers.trainer import packed_stream, tiny_config
 
 RTOL = 2e-5  # float32, different reduction orders across layouts
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _compile_cache(tmp_path_factory):
-    enable_compile_cache(tmp_path_factory.mktemp("jax_cache"))
+pytestmark = pytest.mark.usefixtures("compile_cache")  # this run's (tests/conftest.py)
 
 
 def _single(tmp_path, batch):

@@ -14,6 +14,7 @@ from tests.helpers.trainer import packed_stream, tiny_config
 # losses agree to ~1e-6 relative; 2e-5 leaves room without hiding a real difference (a wrong
 # token or position moves the loss by > 1e-3).
 RTOL = 2e-5
+pytestmark = pytest.mark.usefixtures("compile_cache")  # this run's (tests/conftest.py)
 
 LAYOUTS = {
     "single": ["runtime.cpu_devices=1"],
@@ -116,13 +117,6 @@ def test_checkpoint_restores_onto_fewer_devices(tmp_path):
     second = run(replace(cfg, "runtime.cpu_devices=2"))
     straight = run(tiny_config(tmp_path / "s", "train.steps=4"))
     np.testing.assert_allclose(first["losses"] + second["losses"], straight["losses"], rtol=RTOL)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _compile_cache(tmp_path_factory):
-    from tests.helpers.trainer import enable_compile_cache
-
-    enable_compile_cache(tmp_path_factory.mktemp("jax_cache"))
 
 
 def test_packed_documents_agree_across_layouts(tmp_path):
