@@ -67,3 +67,29 @@ def compile_cache():
     for name, value in before.items():
         jax.config.update(name, value)
     cc.reset_cache()
+
+
+# ------------------------------------------------------------------ slowest files first
+# pytest-xdist (--dist loadfile) hands whole files to the two workers in collection order
+# (pyproject.toml turns off its reordering by test count): starting with the files that take
+# longest and ending with the quick ones keeps both workers busy to the end, instead of one
+# worker starting a 5-minute file while the other has nothing left. Roughly slowest first, as
+# measured with --durations (update when a file's cost changes much; any order is correct).
+SLOWEST_FIRST = [
+    "test_train_multiprocess.py",
+    "test_train_loop.py",
+    "test_gpu_compile.py",
+    "test_attention.py",
+    "test_train_layouts.py",
+    "test_train_collectives.py",
+    "test_loss_chunked.py",
+    "test_models_parallel.py",
+    "test_train_nonfinite.py",
+    "test_generate.py",
+    "test_host_sharding.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
