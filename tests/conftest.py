@@ -9,3 +9,101 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+# ------------------------------------------------------------------ one compilation cache per run
+# The trainer tests compile the same tiny programs again and again (every single-device reference
+# run, every subprocess of the same command). One JAX persistent compilation cache for the whole
+# pytest run, shared by its xdist workers and the `python train.py` subprocesses they start, turns
+# each repetition into a cache read: every distinct program is still compiled once per run. Only
+# the tests that ask for it use it (the compile_cache fixture in-process, helpers.trainer.train_env
+# for subprocesses), so the tests that count XLA compilations still see every one. The folder is
+# made by the controller, passed to the workers and removed at the end of the run.
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.helpers import gpu_plugin  # noqa: E402
+
+CACHE_VAR = "BASP_TEST_COMPILE_CACHE"
+
+
+def pytest_configure(config):
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:  # an xdist worker: the controller's folder and install
+        for name in (CACHE_VAR, gpu_plugin.PID_VAR):
+            if name in workerinput:
+                os.environ[name] = workerinput[name]
+    else:
+        config._basp_tmp = Path(tempfile.mkdtemp(prefix="basp-test-"))
+        os.environ[CACHE_VAR] = str(config._basp_tmp / "compile-cache")
+        # the CUDA plugin for tests/test_gpu_compile.py, downloading while the first tests run
+        config._basp_plugin_install = gpu_plugin.start_install(
+            config.args, config._basp_tmp / "plugin-install.log")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):  # pytest-xdist, in the controller, for each worker it starts
+    for name in (CACHE_VAR, gpu_plugin.PID_VAR):
+        if name in os.environ:
+            node.workerinput[name] = os.environ[name]
+
+
+def pytest_unconfigure(config):
+    install = getattr(config, "_basp_plugin_install", None)
+    if install is not None:
+        install.wait()  # never leave a half-written plugin folder behind
+    folder = getattr(config, "_basp_tmp", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def compile_cache():
+    """This run's persistent compilation cache, on for one module's in-process compiles (and
+    restored after it): `pytestmark = pytest.mark.usefixtures("compile_cache")`."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    from tests.helpers.trainer import enable_compile_cache
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    before = {name: getattr(jax.config, name) for name in names}
+    # JAX opens its cache folder once per process: reset it so that this folder is the one used,
+    # and again afterwards so that the next module compiles without it.
+    cc.reset_cache()
+    enable_compile_cache(os.environ[CACHE_VAR])
+    yield os.environ[CACHE_VAR]
+    for name, value in before.items():
+        jax.config.update(name, value)
+    cc.reset_cache()
+
+
+# ------------------------------------------------------------------ slowest files first
+# pytest-xdist (--dist loadfile) hands whole files to the two workers in collection order
+# (pyproject.toml turns off its reordering by test count): starting with the files that take
+# longest and ending with the quick ones keeps both workers busy to the end, instead of one
+# worker starting a 5-minute file while the other has nothing left. Roughly slowest first, as
+# measured with --durations (update when a file's cost changes much; any order is correct).
+# test_gpu_compile.py comes third, when the CUDA plugin install started at the beginning
+# (tests/helpers/gpu_plugin.py) has ended.
+SLOWEST_FIRST = [
+    "test_train_multiprocess.py",
+    "test_train_loop.py",
+    "test_gpu_compile.py",
+    "test_attention.py",
+    "test_train_layouts.py",
+    "test_train_collectives.py",
+    "test_loss_chunked.py",
+    "test_models_parallel.py",
+    "test_train_nonfinite.py",
+    "test_generate.py",
+    "test_host_sharding.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole

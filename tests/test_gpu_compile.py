@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from basp_jax import comm, cost, gpus
+from tests.helpers import gpu_plugin
 
 ROOT = Path(__file__).resolve().parent.parent
 LINUX_X86 = platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
@@ -41,11 +42,10 @@ def _run(*args, timeout=1200, env=None):
 
 @pytest.fixture(scope="session")
 def cuda_plugin():
-    """JAX's CUDA plugin for this environment: installed here if missing (never skipped)."""
-    probe = ("import importlib.util, os, sys; from train import aot; "
-             "sys.exit(0 if importlib.util.find_spec('jax_cuda12_plugin') or "
-             "os.path.isdir(os.path.join(aot.plugin_dir(), 'jax_plugins')) else 1)")
-    if _run("-c", probe).returncode:
+    """JAX's CUDA plugin for this environment: installed here if missing (never skipped), after
+    the install this run started in the background (tests/helpers/gpu_plugin.py) has ended."""
+    gpu_plugin.wait_for_install()
+    if _run("-c", gpu_plugin.PROBE).returncode:
         done = _run("-m", "train.aot", "--install")
         assert done.returncode == 0, f"could not install the CUDA plugin:\n{done.stderr[-3000:]}"
 

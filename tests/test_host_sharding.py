@@ -12,7 +12,7 @@ from basp_jax import comm, cost
 from train.collectives import step_collectives
 from train.loop import run
 
-from tests.helpers.trainer import enable_compile_cache, tiny_config
+from tests.helpers.trainer import tiny_config
 
 HOST = 4  # devices per emulated host
 SCALAR_SLACK = 64  # bytes: the loss, token count and gradient norm summed over the mesh
@@ -24,9 +24,7 @@ def _vector_bytes(mcfg):
     return 4 * mcfg.hidden_size * (2 * mcfg.num_layers + 1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _compile_cache(tmp_path_factory):
-    enable_compile_cache(tmp_path_factory.mktemp("jax_cache"))
+pytestmark = pytest.mark.usefixtures("compile_cache")  # this run's (tests/conftest.py)
 
 
 def _inter_host(found, *kinds):

@@ -9,14 +9,12 @@ import pytest
 from basp_jax import comm
 from train.loop import run
 
-from tests.helpers.trainer import enable_compile_cache, tiny_config
+from tests.helpers.trainer import tiny_config
 
 HOST = 4  # devices per emulated host
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _compile_cache(tmp_path_factory):
-    enable_compile_cache(tmp_path_factory.mktemp("jax_cache"))
+pytestmark = pytest.mark.usefixtures("compile_cache")  # this run's (tests/conftest.py)
 
 
 def _collectives(tmp_path, name, *extra):

@@ -21,14 +21,15 @@ import pytest
 
 from train.loop import run
 
-from tests.helpers.trainer import tiny_config, tiny_overrides
+from tests.helpers.trainer import cache_env, tiny_config, tiny_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.usefixtures("compile_cache")  # this run's (tests/conftest.py)
 ARGS = ("train.steps=12", "train.microbatch_size=2", "checkpoint.every=2", "checkpoint.keep=3")
 
 
 def _env(**extra):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
+    env = cache_env(dict(os.environ, JAX_PLATFORMS="cpu", **extra))
     env.pop("XLA_FLAGS", None)
     return env
 

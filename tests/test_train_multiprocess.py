@@ -15,9 +15,10 @@ import pytest
 
 from train.loop import run
 
-from tests.helpers.trainer import tiny_config, tiny_overrides
+from tests.helpers.trainer import cache_env, tiny_config, tiny_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.usefixtures("compile_cache")  # this run's (tests/conftest.py)
 
 
 def _free_port() -> int:
@@ -65,7 +66,7 @@ def _launch(run_dir, *extra, per_process=((), ())) -> list[subprocess.Popen]:
     """Processes 0 and 1 of a 2 x 4-device run (jax.distributed on localhost, gloo) with `extra`
     overrides, and per_process[i] for process i alone."""
     port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = cache_env(dict(os.environ, JAX_PLATFORMS="cpu"))
     env.pop("XLA_FLAGS", None)
     procs = []
     for pid in range(2):

@@ -4,9 +4,12 @@ gradient norm NaN after a step or two.)"""
 
 import jax
 import numpy as np
+import pytest
 
 from train.loop import run
 from tests.helpers.trainer import ROOT, tiny_config, tiny_overrides, train_cmd as _train, train_env
+
+pytestmark = pytest.mark.usefixtures("compile_cache")  # this run's (tests/conftest.py)
 
 BLOW_UP = ("optimizer.lr=1e6", "optimizer.clip_norm=null", "optimizer.warmup_steps=0")
 

@@ -21,6 +21,8 @@ from train.writers import Writers, memory_in_use
 
 from tests.helpers.trainer import packed_stream, tiny_config
 
+pytestmark = pytest.mark.usefixtures("compile_cache")  # this run's (tests/conftest.py)
+
 STEPS, EVERY, BATCHES = 5, 2, 2
 
 

@@ -16,6 +16,8 @@ from train import cli
 from train.loop import run
 from tests.helpers.trainer import ROOT, tiny_config, tiny_overrides, train_cmd, train_env
 
+pytestmark = pytest.mark.usefixtures("compile_cache")  # this run's (tests/conftest.py)
+
 
 def _steps(run_dir) -> list[int]:
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -136,8 +138,8 @@ def test_sigint_during_start_up_exits_130_with_one_line(tmp_path, delay):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"),
                              *tiny_overrides(run_dir, "train.steps=4")],
-                            cwd=ROOT, env=train_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, env=train_env(cache=False), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # no cache: compiling is start-up
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

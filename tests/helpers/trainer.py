@@ -59,13 +59,24 @@ def enable_compile_cache(path) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def train_env() -> dict:
-    """The environment of a `python train.py` subprocess: CPU, and the trainer sets the device
-    count itself."""
+def cache_env(env: dict) -> dict:
+    """env with this test run's persistent compilation cache (tests/conftest.py) turned on for a
+    subprocess: a program that an earlier test or process compiled is read, not compiled again."""
+    folder = os.environ.get("BASP_TEST_COMPILE_CACHE")
+    if folder:
+        env.update(JAX_COMPILATION_CACHE_DIR=folder, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return env
+
+
+def train_env(cache: bool = True) -> dict:
+    """The environment of a `python train.py` subprocess: CPU, the trainer sets the device count
+    itself, and the run's compilation cache (cache_env) unless cache=False (a test that needs the
+    start-up to take as long as it does without one)."""
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
     env.pop("XLA_FLAGS", None)
-    return env
+    return cache_env(env) if cache else env
 
 
 def train_cmd(*args, timeout=240) -> subprocess.CompletedProcess:
