@@ -98,6 +98,7 @@ SLOWEST_FIRST = [
     "test_train_collectives.py",
     "test_loss_chunked.py",
     "test_models_parallel.py",
+    "test_long_context.py",
     "test_train_nonfinite.py",
     "test_generate.py",
     "test_host_sharding.py",
