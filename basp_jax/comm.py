@@ -135,16 +135,18 @@ def _parse_groups(line: str, num_devices: int | None) -> list[list[int]]:
     return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", text[1:-1])]
 
 
-def _top_level(shape_text: str) -> list[str]:
-    """The elements of a tuple shape `(a, (b, c), d)` (layouts dropped); [shape] if not a tuple."""
-    text = re.sub(r"\{[^{}]*\}", "", shape_text).strip()
+def _top_level(shape_text: str, keep_layouts: bool = False) -> list[str]:
+    """The elements of a tuple shape `(a, (b, c), d)`; [shape] if not a tuple. Layouts are
+    dropped unless keep_layouts (a layout says which memory space an array is in: {...:S(5)} is
+    pinned host memory)."""
+    text = (shape_text if keep_layouts else re.sub(r"\{[^{}]*\}", "", shape_text)).strip()
     if not text.startswith("("):
         return [text]
     parts, depth, start = [], 0, 1
     for i, ch in enumerate(text):
-        if ch in "([":
+        if ch in "([{":
             depth += 1
-        elif ch in ")]":
+        elif ch in ")]}":
             depth -= 1
             if depth == 0:
                 parts.append(text[start:i])
@@ -276,25 +278,6 @@ HOST_MEMORY_SPACE = "S(5)"  # how XLA marks an array in pinned host memory in a 
 _LAYOUT_ARRAY_RE = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\](\{[^}]*\})?")
 
 
-def _elements_with_layouts(shape_text: str) -> list[str]:
-    """_top_level's elements with their layouts kept (a layout says which memory space an array
-    is in: {...:S(5)} is pinned host memory)."""
-    text = shape_text.strip()
-    if not text.startswith("("):
-        return [text]
-    parts, depth, start = [], 0, 1
-    for i, ch in enumerate(text):
-        if ch in "({[":
-            depth += 1
-        elif ch in ")}]":
-            depth -= 1
-        elif ch == "," and depth == 1:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:-1])
-    return [p.strip() for p in parts if p.strip()]
-
-
 def _arrays(shape_text: str) -> list[tuple[int, bool]]:
     """(bytes, in host memory) of every array in a shape text."""
     out = []
@@ -315,7 +298,7 @@ def host_transfers(hlo_text: str) -> dict[str, float]:
     for inst in hlo.instructions(hlo_text):
         if inst.op not in ("fusion-start", "copy-start") or HOST_MEMORY_SPACE not in inst.shape:
             continue
-        parts = _elements_with_layouts(inst.shape)
+        parts = _top_level(inst.shape, keep_layouts=True)
         if len(parts) < 2:
             continue
         # fusion-start: ((operands...), result, context); copy-start: (result, operand, context)
