@@ -56,10 +56,11 @@ def compile_case(name, target, hosts, per_host, overrides):
     mcfg = model_config(cfg)
     layout, strategy = plan(cfg, mcfg, hosts * per_host, per_host)
     hw = cost.HARDWARE[target]
-    pred = cost.predict(model_shape(mcfg), layout, strategy, hw=hw, remat=cfg.model.remat,
-                        tile_tokens=cfg.model.tile_tokens, **state_bytes(cfg))
+    remat, tile = r["remat"], r["tile_tokens"]  # the compiled step's (model.remat=auto resolved)
+    pred = cost.predict(model_shape(mcfg), layout, strategy, hw=hw, remat=remat,
+                        tile_tokens=tile, **state_bytes(cfg))
     a2a = [c for c in r["collectives"] if c["kind"] == "all-to-all"]
-    return {"name": name, "remat": cfg.model.remat, "tile_tokens": cfg.model.tile_tokens,
+    return {"name": name, "remat": remat, "tile_tokens": tile,
             "predicted_step_s": pred.step_s, "predicted_host_s": pred.host_s,
             "a2a_per_layer": sum(c["per_layer"] for c in a2a),
             "a2a_inter_host_bytes": sum(c["inter_host_wire_bytes"] for c in a2a),

@@ -23,6 +23,8 @@ vocabulary dimension is sharded over (the parameter strategy's axes, see `vocab_
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -75,11 +77,14 @@ def active_axes(axes: tuple[str, ...] | None, mesh: Mesh, num_tokens: int, vocab
         return None
     if mode == "always":
         return axes
-    shard_group = 1
-    for name in axes:
-        shard_group *= mesh.shape[name]
+    shard_group = _shard_count(mesh, axes)
     per_device = num_tokens / mesh.size
     return axes if cost.prefer_vocab_parallel(per_device, shard_group, vocab_size, tied) else None
+
+
+def _shard_count(mesh: Mesh, axes: tuple[str, ...]) -> int:
+    """How many devices the vocabulary is split over."""
+    return math.prod(mesh.shape[name] for name in axes)
 
 
 def _shard_index(axes: tuple[str, ...]) -> jax.Array:
@@ -95,9 +100,7 @@ def lookup(table: jax.Array, flat_tokens: jax.Array, *, mesh: Mesh, axes: tuple[
     """table [vocab, embed] (sharded over `axes` on vocab), flat_tokens [T] sharded over the whole
     mesh (group-major) -> rows [T, embed] in `dtype`, sharded like the tokens."""
 
-    shards = 1
-    for name in axes:
-        shards *= mesh.shape[name]
+    shards = _shard_count(mesh, axes)
     local_tokens = flat_tokens.shape[0] // mesh.size
     row_bytes = shards * table.shape[1] * 4
     c = local_tokens
