@@ -6,9 +6,9 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
-from basp_jax.sharding import ACTIVATION_SPEC, HOST, activation_spec
+from basp_jax.sharding import ACTIVATION_SPEC, HOST, LOCAL
 
 from .tiling import chunk_len, token_chunks
 
@@ -60,8 +60,8 @@ def chunked_lm_loss(hidden: jax.Array, targets: jax.Array, project: Callable, we
     With a mesh, every device runs the loop over its own chunks with a whole copy of `weight`
     (_per_device_chunks): the weight's gradient is summed over the mesh once, after the loop.
     With `host_mesh` (host parameter sharding), `weight` is models.layers.host_copies of the
-    projection: each host's tokens use its own copy, so the weight's gradient crosses hosts once
-    after the loop, not once per chunk.
+    projection: each host's devices run the loop with their host's copy (_per_host_chunks), so
+    the copy is gathered inside the host once and its gradient crosses hosts once.
     """
     b, s, d = hidden.shape
     if targets.shape != (b, s):
@@ -69,31 +69,18 @@ def chunked_lm_loss(hidden: jax.Array, targets: jax.Array, project: Callable, we
     groups, sp = (1, 1) if mesh is None else (mesh.shape["group"], mesh.shape["seq"])
     local = s // sp
     c = chunk_len(local, b // groups, chunk_tokens)
-    if mesh is not None and host_mesh is None:
+    if host_mesh is not None:
+        return _per_host_chunks(hidden, targets, project, weight, loss_fn, mesh, host_mesh,
+                                (b // groups) * c)
+    if mesh is not None:
         return _per_device_chunks(hidden, targets, project, weight, loss_fn, mesh, c)
-    hs, ts = token_chunks(hidden, targets, sp, c)
-    if host_mesh is None:  # one device
-        def per_chunk(h, t, w):
-            return loss_fn(project(h, w), t)
+    hs, ts = token_chunks(hidden, targets, sp, c)  # one device
 
-        zero = jnp.zeros((), jnp.float32)
-    else:  # the loss is a sum over tokens: their order does not matter
-        from .layers import host_major
+    def per_chunk(h, t, w):
+        return loss_fn(project(h, w), t)
 
-        chunks = NamedSharding(mesh, activation_spec(None, "batch", "sequence"))  # [n, B, sp, ...]
-        hs = jax.lax.with_sharding_constraint(hs, chunks)
-        ts = jax.lax.with_sharding_constraint(ts, chunks)
-        per_host = NamedSharding(host_mesh, P(HOST))
-
-        def per_chunk(h, t, w):  # each host's sums: they cross hosts once, after the loop
-            h, t = host_major(h, mesh, host_mesh), host_major(t, mesh, host_mesh)
-            sums = jax.vmap(loss_fn)(jax.vmap(project)(h, w), t)
-            return tuple(jax.lax.with_sharding_constraint(x, per_host) for x in sums)
-
-        zero = jax.lax.with_sharding_constraint(
-            jnp.zeros((host_mesh.shape[HOST],), jnp.float32), per_host)
-    total, count = _sum_chunks(jax.checkpoint(per_chunk), weight, hs, ts, zero)
-    return total.sum(), count.sum()
+    zero = jnp.zeros((), jnp.float32)
+    return _sum_chunks(jax.checkpoint(per_chunk), weight, hs, ts, zero)
 
 
 def _sum_chunks(chunk_loss, weight, hs, ts, zero):
@@ -130,3 +117,36 @@ def _per_device_chunks(hidden, targets, project, weight, loss_fn, mesh: Mesh, c:
 
     return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, P()),
                          out_specs=(P(), P()))(hidden, targets, weight)
+
+
+def _per_host_chunks(hidden, targets, project, copies, loss_fn, mesh: Mesh, host_mesh: Mesh,
+                     c: int):
+    """chunked_lm_loss under host parameter sharding: the tokens relabelled host-major (nothing
+    moves) and one shard_map on the host mesh in which each device scans its own tokens' chunks
+    of c tokens with its host's whole copy of the weight (models.layers.host_copies), gathered
+    inside the host once. The copy's cotangent is summed inside the host once, after the loop,
+    and the copies' across hosts once (host_copies' transpose). Scanned in the global view
+    instead, XLA gathered the copy inside the host for every chunk and reduce-scattered its f32
+    gradient per chunk (a 128K x 4096 head at 256K tokens: 188 GiB per device per step)."""
+    from .layers import host_major  # models.layers imports this module
+
+    hidden = host_major(hidden, mesh, host_mesh)  # [hosts, tokens per host, D]
+    targets = host_major(targets, mesh, host_mesh)
+    axes = tuple(host_mesh.axis_names)
+
+    @jax.checkpoint
+    def chunk_loss(h, t, w):
+        return loss_fn(project(h, w), t)
+
+    def local(h, t, w):  # h [1, tokens per device, D], w [1, ...] its host's copy
+        w = jax.lax.pcast(w[0], (LOCAL,), to="varying")  # already varying over hosts
+        hs, ts = token_chunks(h, t, 1, c)
+        zero = jax.lax.pcast(jnp.zeros((), jnp.float32), axes, to="varying")
+        total, count = _sum_chunks(chunk_loss, w, hs, ts, zero)
+        return jax.lax.psum(total, axes), jax.lax.psum(count, axes)
+
+    tokens = P(HOST, LOCAL)
+    # the step traces under the layout's mesh: the host mesh (same devices) for this part
+    with jax.sharding.use_abstract_mesh(host_mesh.abstract_mesh):
+        return jax.shard_map(local, mesh=host_mesh, in_specs=(tokens, tokens, P(HOST)),
+                             out_specs=(P(), P()))(hidden, targets, copies)

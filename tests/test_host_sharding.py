@@ -50,6 +50,22 @@ def test_gradient_crosses_hosts_once_at_the_minimum(batch):
     assert gathers and not any(comm.crosses_hosts(c, HOST) for c in gathers), batch
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_head_is_gathered_and_reduced_once_per_step_not_once_per_loss_chunk(tied):
+    """The loss runs over chunks of each device's tokens (4 here); the head (or the tied table)
+    is gathered inside the host once before them and its gradient reduced once after them. It
+    used to be gathered and its f32 gradient reduce-scattered once per chunk (the 8B at 256K
+    tokens: 188 GiB per device per step)."""
+    mcfg = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=1, vocab_size=4096,
+                               tie_word_embeddings=tied)
+    _, found = step_collectives(mcfg, mode="basp", strategy="host", batch=1, seq_len=4096,
+                                devices_per_host=HOST)
+    head = 4 * mcfg.vocab_size * mcfg.hidden_size  # fp32 bytes of the [vocab, hidden] table
+    big = [c for c in found if c.bytes >= head / HOST]
+    assert big, found
+    assert all(c.executions == 1 for c in big), [(c.kind, c.bytes, c.executions) for c in big]
+
+
 def test_hsdp_at_b8_sends_devices_per_host_times_the_minimum():
     """The case host sharding fixes: at B=8 the seq groups are single devices, so hsdp
     replicates and every device pair across hosts carries the whole gradient."""
