@@ -186,13 +186,13 @@ def collective_traffic(kind: str, buffer_bytes: float, group_size: int, remote_s
 
 def plan_layout(shape: ModelShape, *, num_devices: int, batch: int, seq_len: int, groups: int,
                 devices_per_host: int | None = None, ring: int = 1, pad_heads: bool = False,
-                pad_rows: int = 0) -> Layout:
+                pad_rows: int = 0, zigzag: bool = False) -> Layout:
     """The validated Layout of `shape`'s heads for one (groups, sp) split: what the planner
     enumerates and predicts. devices_per_host defaults to one host."""
     per_host = num_devices if devices_per_host is None else min(devices_per_host, num_devices)
     return Layout.plan(num_devices, batch, seq_len, shape.num_heads, shape.num_kv_heads,
                        devices_per_host=per_host, groups=groups, ring=ring, pad_heads=pad_heads,
-                       pad_rows=pad_rows)
+                       pad_rows=pad_rows, zigzag=zigzag)
 
 
 def layout_name(layout: Layout, param_sharding: str) -> str:
@@ -309,16 +309,20 @@ def predict(
             buf = tokens_per_device * heads * shape.head_dim * act_bytes
             a2a = a2a + collective_traffic("all-to-all", buf, degree, share)
     if layout.ring > 1:
-        # k and v chunks hop ring - 1 times forward; their gradients hop back as many times.
+        # k and v chunks hop ring - 1 times forward (again in the backward under "offload"),
+        # and their gradients hop back as many times.
         kv_chunk = tokens_per_device * kv_heads * shape.head_dim * act_bytes
         crossing = _ring_crossing_share(layout)
         hop = Traffic(kv_chunk * (1 - crossing), kv_chunk * crossing, 1)
-        a2a = a2a + hop.scale(4 * (layout.ring - 1))
+        passes = 3 if remat == "offload" else 2
+        a2a = a2a + hop.scale(2 * passes * (layout.ring - 1))
     a2a = a2a.scale(shape.num_layers * grad_accum)
 
     # Parameters: gathered forward and backward (ZeRO-3), gradients reduce-scattered, per
     # microbatch; HSDP adds one cross-group all-reduce of the local shard per step, host
-    # sharding one cross-host all-reduce of the host-local shard.
+    # sharding one cross-host all-reduce of the host-local shard. The gradients leave in the
+    # dtype the layers computed them in (param_bytes: bf16 reduce-scatters under bf16 compute,
+    # as the compiled GPU programs show), not in the float32 of the master weights.
     all_params = shape.num_params * param_bytes
     shard_group = shard_devices(layout, param_sharding)
     shard_share = 0.0 if param_sharding == "host" else _remote_share(shard_group, dph)
@@ -338,20 +342,21 @@ def predict(
         per_micro = Traffic()
     per_micro = per_micro + (
         collective_traffic("all-gather", gathered, shard_group, shard_share).scale(2)
-        + collective_traffic("reduce-scatter", gathered * 2, shard_group, shard_share)  # fp32 grads
+        + collective_traffic("reduce-scatter", gathered, shard_group, shard_share)
     )
     params = per_micro.scale(grad_accum)
     if param_sharding == "hsdp" and g > 1:
         params = params + collective_traffic(
-            "all-reduce", all_params * 2 / sp, g, _remote_share(g, dph, spread=sp)
+            "all-reduce", all_params / sp, g, _remote_share(g, dph, spread=sp)
         )
     if param_sharding == "host" and num_devices > dph:
         params = params + Traffic(inter=min_inter_host_gradient_bytes(
-            all_params * 2, num_devices, dph), launches=1)
+            all_params, num_devices, dph), launches=1)
 
     attention_flops = shape.attention_flops_per_token(seq_len) * q_heads / shape.num_heads
-    if layout.ring > 1:
-        # Contiguous causal chunks: each ring step waits for the busiest rank.
+    if layout.ring > 1 and not layout.zigzag:
+        # Contiguous causal chunks: each ring step waits for the busiest rank (zig-zag order
+        # gives every rank the same causal work).
         attention_flops *= 2 - 1 / layout.ring
     flops = (shape.dense_flops_per_token() + attention_flops) * tokens_per_device * grad_accum
     compute_s = flops / (hw.peak_flops * hw.efficiency)
@@ -360,7 +365,7 @@ def predict(
     memory = memory_bytes(shape, tokens_per_device, shard_group, q_heads=q_heads,
                           kv_heads=kv_heads, remat=remat, act_bytes=act_bytes,
                           master_bytes=master_bytes, moment_bytes=moment_bytes,
-                          tile_tokens=tile_tokens)
+                          tile_tokens=tile_tokens, ring=layout.ring, zigzag=layout.zigzag)
     host = host_memory_bytes(shape, tokens_per_device, q_heads=q_heads, kv_heads=kv_heads,
                              remat=remat, act_bytes=act_bytes) * grad_accum
     host_s = 2 * host / hw.host_bw  # to the host forward, back backward (no overlap assumed)
@@ -426,12 +431,18 @@ _WORKING_FACTOR = 2.95  # a layer's recompute, its gathered weights and the chun
 # residual stream's: values of hidden width per token, fitted to the compiled 8B step at 512K
 # tokens per device on 8 x H100 (66.8 GiB; offload policy, vocabulary-parallel loss).
 _TILED_WORKING_HIDDENS = 12.5
+# The ring's merged partial outputs and their cotangents, per float32 query-sized buffer: fitted
+# to the compiled 8B step with one 16M-token sequence on 32 x H100 (ring 4 x all-to-all 8,
+# zig-zag, 2 layers: 167.5 GiB, 69.7 without this term). A ring attention with its own backward
+# pass (recomputing the partials from the final log-sum-exp) would not keep them.
+_RING_PARTIALS = 1.5
 
 
 def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, *,
                  q_heads: int, kv_heads: int, remat: str = "full", act_bytes: int = 2,
                  master_bytes: int = 4, moment_bytes: int | None = None,
-                 tile_tokens: int | None = None) -> dict[str, float]:
+                 tile_tokens: int | None = None, ring: int = 1,
+                 zigzag: bool = False) -> dict[str, float]:
     """Peak memory per device of a train step (layers under a scan, chunked loss), by term:
 
     - state: parameters and Adam's second moment in the master dtype, its first moment in
@@ -442,8 +453,11 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
     - working: one layer being recomputed and differentiated (its gathered weights, twice,
       and ~ (hidden x 6 + intermediate x 4) values per token), with what the loss holds; with
       tile_tokens the intermediate's share is one chunk's and the per-token share the
-      attention's whole-shard tensors (_TILED_WORKING_HIDDENS).
-    The last three carry factors fitted to compiled programs (above). What an offload policy
+      attention's whole-shard tensors (_TILED_WORKING_HIDDENS);
+    - ring (ring > 1): the partial attention outputs basp_jax.ring merges by log-sum-exp, which
+      one layer's backward pass keeps: float32, one per ring step and query piece (2 pieces in
+      zig-zag order), each the size of the device's queries (_RING_PARTIALS).
+    The last four carry factors fitted to compiled programs (above). What an offload policy
     keeps in host memory is host_memory_bytes, not a term here.
     """
     p = shape.num_params
@@ -457,7 +471,11 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
         working = act_bytes * (
             _WORKING_FACTOR * (2 * shape.layer_params + chunk * 4 * shape.intermediate_size)
             + _TILED_WORKING_HIDDENS * tokens_per_device * shape.hidden_size)
+    pieces = 2 if zigzag else 1
+    ring_partials = 0.0 if ring == 1 else (
+        _RING_PARTIALS * ring * pieces * tokens_per_device * q_heads * shape.head_dim * 4)
     return {
+        "ring": ring_partials,
         "state": p * (2 * master_bytes + (moment_bytes or master_bytes)) / shard_group,
         "grads": _GRADIENT_BUFFERS * p * 4 / shard_group,
         "saved": _SAVED_SHARE * shape.num_layers * tokens_per_device * per_token * act_bytes,
@@ -471,42 +489,52 @@ def memory_bytes(*args, **kwargs) -> float:
 
 
 def candidates(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
-               max_pad_rows: int = 0,
-               devices_per_host: int | None = None) -> list[tuple[Layout, str]]:
+               max_pad_rows: int = 0, devices_per_host: int | None = None,
+               zigzag: bool = False) -> list[tuple[Layout, str]]:
     """Every (layout, parameter sharding) the attention can run: (groups, sp) x ring split x
     {fsdp, host, hsdp} (host on several hosts; hsdp where it differs from both), with head
-    padding where no ring split divides the heads, and up to max_pad_rows masked rows. Ties go
-    to the earlier sharding: host before hsdp."""
+    padding where no ring split divides the heads, and up to max_pad_rows masked rows; rings in
+    zig-zag token order with zigzag. Ties go to the earlier sharding: host before hsdp."""
     out = []
     # each group count once, with the fewest pad rows that make the rows divisible by it (more
     # would only add masked work): one split per divisor, however large max_pad_rows is
     splits = sorted((-batch % g, g) for g in _divisors(num_devices) if -batch % g <= max_pad_rows)
     for pad, g in splits:
         layouts = _ring_splits(shape, num_devices=num_devices, batch=batch, seq_len=seq_len,
-                               groups=g, devices_per_host=devices_per_host, pad_rows=pad)
+                               groups=g, devices_per_host=devices_per_host, pad_rows=pad,
+                               zigzag=zigzag)
         for layout in layouts:
             for sharding in _shardings(g, layout.sp, num_devices, devices_per_host):
                 out.append((layout, sharding))
     return out
 
 
-def _ring_splits(shape: ModelShape, **split) -> list[Layout]:
-    """The layouts of one (groups, sp) split worth predicting: no ring where the heads allow it;
-    else every ring that makes them fit, and head padding without a ring. None when the split is
-    invalid (Layout.plan says why)."""
+def _ring_splits(shape: ModelShape, *, zigzag: bool = False, **split) -> list[Layout]:
+    """The layouts of one (groups, sp) split worth predicting: without a ring where the heads
+    allow it, plus the ring that keeps each all-to-all inside one host where the group spans
+    hosts (ring attention across them: with grouped-query attention only the narrow k/v hop
+    between hosts); else every ring that makes the heads fit, and head padding without a ring.
+    None when the split is invalid (Layout.plan says why)."""
     try:
         plain = plan_layout(shape, **split, pad_heads=True)
     except LayoutError:
         return []
-    if not plain.pad_heads:
-        return [plain]
-    rings = []
-    for ring in _divisors(plain.sp)[1:]:
+    rings = _divisors(plain.sp)[1:] if plain.pad_heads else _host_rings(plain)
+    found = []
+    for ring in rings:
         try:
-            rings.append(plan_layout(shape, **split, ring=ring))
+            found.append(plan_layout(shape, **split, ring=ring, zigzag=zigzag))
         except LayoutError:
             continue
-    return rings + [plain]
+    return found + [plain]
+
+
+def _host_rings(layout: Layout) -> list[int]:
+    """The ring split whose all-to-all runs fill one host each, when the group spans hosts."""
+    dph = layout.devices_per_host
+    if layout.sp <= dph or layout.sp % dph:
+        return []
+    return [layout.sp // dph]
 
 
 def _shardings(groups: int, sp: int, num_devices: int, devices_per_host: int | None) -> list[str]:
@@ -523,8 +551,8 @@ def _shardings(groups: int, sp: int, num_devices: int, devices_per_host: int | N
 def plan_table(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int, hw: Hardware,
                grad_accum: int = 1, memory_limit: float | None = None, max_pad_rows: int = 0,
                overlap: float = 0.0, remat: str = "full", master_bytes: int = 4,
-               moment_bytes: int | None = None, tile_tokens: int | None = None
-               ) -> list[Prediction]:
+               moment_bytes: int | None = None, tile_tokens: int | None = None,
+               zigzag: bool = False) -> list[Prediction]:
     """Predictions for every valid candidate, fastest first; those over memory last."""
     limit = hw.memory_bytes if memory_limit is None else memory_limit
     preds = [
@@ -533,7 +561,8 @@ def plan_table(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
                 tile_tokens=tile_tokens)
         for layout, sharding in candidates(shape, batch=batch, seq_len=seq_len,
                                            num_devices=num_devices, max_pad_rows=max_pad_rows,
-                                           devices_per_host=hw.devices_per_host)
+                                           devices_per_host=hw.devices_per_host,
+                                           zigzag=zigzag)
     ]
     return sorted(preds, key=lambda p: (p.memory_bytes > limit, p.step_s))
 
@@ -572,7 +601,7 @@ def auto_layout(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int
                        grad_accum=grad_accum, memory_limit=memory_limit,
                        max_pad_rows=max_pad_rows, overlap=overlap, remat=remat,
                        master_bytes=master_bytes, moment_bytes=moment_bytes,
-                       tile_tokens=tile_tokens)
+                       tile_tokens=tile_tokens, zigzag=zigzag)
     if not preds:
         raise ValueError(
             f"no layout splits seq_len={seq_len} over {num_devices} devices; use a multiple of "

@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the rematerialisation policy, for the memory column (model.remat)")
     parser.add_argument("--overlap", type=float, default=0.0,
                         help="share of parameter collectives hidden behind compute (0..1)")
+    parser.add_argument("--no-zigzag", dest="zigzag", action="store_false",
+                        help="rings in natural token order (the trainer's parallel.zigzag=false): "
+                             "each ring step then waits for its busiest device")
     args = parser.parse_args(argv)
     for name, most in LIMITS.items():
         value = getattr(args, name)
@@ -90,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     shape = MODEL_SHAPES[args.model]
     preds = plan_table(shape, batch=args.batch, seq_len=args.seq, num_devices=args.devices, hw=hw,
                        grad_accum=args.grad_accum, memory_limit=limit,
-                       max_pad_rows=args.max_pad_rows, overlap=args.overlap, remat=args.remat)
+                       max_pad_rows=args.max_pad_rows, overlap=args.overlap, remat=args.remat,
+                       zigzag=args.zigzag)
     if not preds:
         print(f"error: no layout splits {shape.num_heads} heads and {args.seq} tokens over "
               f"{args.devices} devices; try another --devices or --seq", file=sys.stderr)
@@ -100,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     print("bytes are per device per step; 'inter' = crossing hosts; times are predictions\n")
     print(format_plan(preds, limit))
     best = preds[0]
-    # The paper's baseline: Ulysses with ZeRO-3 (fsdp) parameters.
-    ulysses = next((p for p in preds if p.layout.groups == 1 and p.param_sharding == "fsdp"),
-                   None)
+    # The paper's baseline: Ulysses (no ring) with ZeRO-3 (fsdp) parameters.
+    ulysses = next((p for p in preds if p.layout.groups == 1 and p.layout.ring == 1
+                    and p.param_sharding == "fsdp"), None)
     line = f"\npick: {best.name}, predicted {best.step_s:.3f} s/step"
     if ulysses is not None and best is not ulysses:
         line += f" ({ulysses.step_s / best.step_s:.2f}x vs {ulysses.name})"

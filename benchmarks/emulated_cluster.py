@@ -34,6 +34,7 @@ from netns_cluster import Cluster, require_root  # noqa: E402
 from train.plot import bench_figure, rate_label  # noqa: E402  (one drawing for this and the CLI)
 
 TRAIN_CONFIG = ROOT / "benchmarks" / "cluster_train.yaml"
+SHARDINGS = ("fsdp", "hsdp", "host", "replicated")
 SETUPS = [("ulysses", "fsdp"), ("basp", "fsdp"), ("basp", "hsdp"), ("basp", "host"),
           ("basp", "replicated")]
 
@@ -72,7 +73,8 @@ def time_all_to_alls(cluster: Cluster, args, run_index: int) -> dict:
     def argv(host):
         return [sys.executable, "benchmarks/a2a_worker.py", "--coordinator", _port(run_index),
                 "--process-id", str(host), "--batch", str(args.batch), "--seq-len", str(args.seq_len),
-                "--layers", str(args.layers), "--heads", str(args.heads), "--kv-heads", str(args.heads),
+                "--layers", str(args.layers), "--heads", str(args.heads),
+                "--kv-heads", str(args.kv_heads or args.heads),
                 "--head-dim", str(args.hidden // args.heads)]
 
     out = _launch(cluster, argv, timeout=args.timeout)[0]
@@ -80,13 +82,24 @@ def time_all_to_alls(cluster: Cluster, args, run_index: int) -> dict:
     return {row["mode"]: row["a2a_s"] for row in rows}
 
 
-def train_steps(cluster: Cluster, args, run_index: int, mode: str, sharding: str, run_dir: Path) -> dict:
+def parse_setup(name: str) -> tuple[str, int, str]:
+    """'ulysses+fsdp' -> ('ulysses', 1, 'fsdp'); 'ulysses@ring2+host' -> ('ulysses', 2, 'host'):
+    the mode, its ring split (parallel.ring) and the parameter sharding."""
+    mode, _, sharding = name.partition("+")
+    mode, _, ring = mode.partition("@ring")
+    return mode, int(ring or 1), sharding
+
+
+def train_steps(cluster: Cluster, args, run_index: int, setup: str, run_dir: Path) -> dict:
+    mode, ring, sharding = parse_setup(setup)
     overrides = [
         f"run.dir={run_dir}", f"parallel.mode={mode}", f"parallel.param_sharding={sharding}",
+        f"parallel.ring={ring}",
         f"train.steps={args.steps}", f"train.microbatch_size={args.batch}",
         f"data.seq_len={args.seq_len}", f"model.shape.num_layers={args.layers}",
         f"model.shape.hidden_size={args.hidden}", f"model.shape.intermediate_size={4 * args.hidden}",
-        f"model.shape.num_heads={args.heads}", f"model.shape.num_kv_heads={args.heads}",
+        f"model.shape.num_heads={args.heads}",
+        f"model.shape.num_kv_heads={args.kv_heads or args.heads}",
         f"model.shape.head_dim={args.hidden // args.heads}",
         "model.scan_layers=false",  # unrolled: collectives.json then counts every layer's traffic
         f"runtime.distributed.coordinator={_port(run_index)}", "runtime.distributed.num_processes=2",
@@ -105,6 +118,31 @@ def train_steps(cluster: Cluster, args, run_index: int, mode: str, sharding: str
     if comm_file.exists():
         result["collectives"] = json.loads(comm_file.read_text())
     return result
+
+
+def planner_view(args, name: str, rate: float | None) -> dict:
+    """What the planner (basp_jax.cost.predict) says of one setup on this emulated link: its
+    inter-host bytes per device per step and the seconds they take at `rate` Mbit/s shared by
+    a host's 4 devices (compute and in-host copies left out: they are the same for every
+    setup of one batch and sequence length, and the planner knows no CPU's speed)."""
+    import dataclasses
+
+    import models
+    from basp_jax import Layout, cost
+
+    mode, ring, sharding = parse_setup(name)
+    mcfg = dataclasses.replace(
+        models.ModelConfig.preset("tiny"), num_layers=args.layers, hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden, num_heads=args.heads,
+        num_kv_heads=args.kv_heads or args.heads, head_dim=args.hidden // args.heads)
+    layout = Layout.plan(8, args.batch, args.seq_len, mcfg.num_heads, mcfg.num_kv_heads,
+                         devices_per_host=4, mode=mode, ring=ring, zigzag=ring > 1)
+    link = (rate or 10_000) * 1e6 / 8 / 4  # bytes/s per device ('none': ~10 Gbit/s veth)
+    hw = cost.Hardware("emulated 2 x 4 CPU devices", 1e12, intra_bw=1e12, inter_bw=link,
+                       devices_per_host=4)
+    pred = cost.predict(mcfg.shape, layout, sharding, hw=hw, act_bytes=4, param_bytes=4)  # float32
+    inter = pred.all_to_all.inter + pred.params.inter
+    return {"inter_host_bytes": inter, "inter_host_s": inter / link}
 
 
 def write_report(results: list[dict], out: Path) -> str:
@@ -126,7 +164,8 @@ def write_report(results: list[dict], out: Path) -> str:
         )
     lines += ["", "Inter-host wire MiB per device per step, from the compiled program (all-to-all / "
               "parameter gathers / gradient reductions):", "",
-              "| setup | all-to-all | all-gather | all-reduce + reduce-scatter |", "|---|---|---|---|"]
+              "| setup | all-to-all | all-gather | all-reduce + reduce-scatter | ring hops |",
+              "|---|---|---|---|---|"]
     for name in setups:
         per_kind = results[0]["train"][name].get("collectives", {}).get("per_kind", {})
 
@@ -134,7 +173,23 @@ def write_report(results: list[dict], out: Path) -> str:
             return sum(per_kind.get(k, {}).get("inter_host_wire_bytes", 0.0) for k in kinds) / 2**20
 
         lines.append(f"| {name} | {mib('all-to-all'):.2f} | {mib('all-gather'):.2f} "
-                     f"| {mib('all-reduce', 'reduce-scatter'):.2f} |")
+                     f"| {mib('all-reduce', 'reduce-scatter'):.2f} "
+                     f"| {mib('collective-permute'):.2f} |")
+    lines += ["", "The planner's view (basp_jax.cost.predict at each link rate: inter-host MiB per device "
+              "per step and the seconds they take; its ranking against the measured one):", "",
+              "| link | setup | measured step (s) | predicted inter-host MiB | predicted inter-host s "
+              "| measured rank | predicted rank |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        views = r.get("planner", {})
+        measured = sorted(setups, key=lambda n: r["train"][n]["step_s"])
+        predicted = sorted(setups, key=lambda n: views.get(n, {}).get("inter_host_s", 0.0))
+        for name in setups:
+            view = views.get(name)
+            if view is None:
+                continue
+            lines.append(f"| {rate_label(r['rate'])} | {name} | {r['train'][name]['step_s']:.2f} "
+                         f"| {view['inter_host_bytes'] / 2**20:.2f} | {view['inter_host_s']:.2f} "
+                         f"| {measured.index(name) + 1} | {predicted.index(name) + 1} |")
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     return table
@@ -149,19 +204,23 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=None,
+                        help="key/value heads (grouped-query attention; default: --heads)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--out", default="bench/emulated_cluster")
     parser.add_argument("--setups", default=",".join(f"{m}+{s}" for m, s in SETUPS),
-                        help="comma-separated mode+sharding to time; the first is the baseline")
+                        help="comma-separated mode+sharding to time (mode@ringR+sharding: "
+                             "parallel.ring=R, e.g. ulysses@ring2+host); the first is the "
+                             "baseline")
     args = parser.parse_args()
-    known = {f"{m}+{s}": (m, s) for m, s in SETUPS}
     names = [name.strip() for name in args.setups.split(",")]
-    unknown = [name for name in names if name not in known]
+    unknown = [name for name in names if parse_setup(name)[0] not in ("ulysses", "basp")
+               or parse_setup(name)[2] not in SHARDINGS]
     if unknown:
-        parser.error(f"unknown setup(s) {', '.join(unknown)}; use some of {', '.join(known)}")
-    setups = [known[name] for name in names]
+        parser.error(f"unknown setup(s) {', '.join(unknown)}; use MODE[@ringR]+SHARDING with MODE "
+                     f"ulysses or basp and SHARDING one of {', '.join(SHARDINGS)}")
     require_root()
     rates = [None if r.strip().lower() == "none" else float(r) for r in args.rates.split(",")]
     out = Path(args.out)
@@ -172,14 +231,14 @@ def main() -> None:
         for rate in rates:
             cluster.set_rate(rate)
             entry = {"rate": rate, "batch": args.batch, "a2a": time_all_to_alls(cluster, args, run_index),
-                     "train": {}}
+                     "train": {}, "planner": {name: planner_view(args, name, rate) for name in names}}
             run_index += 1
-            for mode, sharding in setups:
-                run_dir = Path(tmp) / f"{rate}-{mode}-{sharding}"
-                entry["train"][f"{mode}+{sharding}"] = train_steps(cluster, args, run_index, mode, sharding, run_dir)
+            for name in names:
+                run_dir = Path(tmp) / f"{rate}-{name}"
+                entry["train"][name] = train_steps(cluster, args, run_index, name, run_dir)
                 run_index += 1
-                print(f"{rate_label(rate)} {mode}+{sharding}: "
-                      f"{entry['train'][f'{mode}+{sharding}']['step_s']:.2f} s/step", flush=True)
+                print(f"{rate_label(rate)} {name}: {entry['train'][name]['step_s']:.2f} s/step",
+                      flush=True)
             results.append(entry)
             (out / "results.json").write_text(json.dumps(results, indent=1))
     print(write_report(results, out))

@@ -30,8 +30,9 @@ def test_hsdp_moves_only_a_shard_across_hosts():
     hw = HARDWARE["a100-40gb"]
     fsdp = predict(shape, _layout(shape, 2), "fsdp", hw=hw)
     hsdp = predict(shape, _layout(shape, 2), "hsdp", hw=hw)
-    # HSDP: one all-reduce of the fp32 gradient shard (1/sp) between the 2 groups: 2 * 1/2 of it.
-    assert hsdp.params.inter == pytest.approx(shape.num_params * 4 / 4 * 2 * (2 - 1) / 2)
+    # HSDP: one all-reduce of the gradient shard (1/sp; bf16, as the layers computed it) between
+    # the 2 groups: 2 * 1/2 of it.
+    assert hsdp.params.inter == pytest.approx(shape.num_params * 2 / 4 * 2 * (2 - 1) / 2)
     assert fsdp.params.inter > 3 * hsdp.params.inter
     assert hsdp.memory_bytes > fsdp.memory_bytes  # state is sharded over 4 devices, not 8
 
@@ -50,7 +51,7 @@ def test_host_sharding_sends_the_minimal_gradient_across_hosts_at_any_batch():
     """Host sharding's inter-host bytes are the closed-form minimum for every seq group size;
     HSDP reaches it only when a seq group fills a host (at B=8 it sends devices-per-host x)."""
     shape, hw = MODEL_SHAPES["llama-3.2-1b"], HARDWARE["a100-40gb"]  # 4 devices per host
-    grads = shape.num_params * 4  # fp32 gradient of bf16 parameters
+    grads = shape.num_params * 2  # the bf16 gradient the bf16 layers produce
     minimum = cost.min_inter_host_gradient_bytes(grads, 8, 4)
     assert minimum == pytest.approx(grads / 4)  # 2 hosts: all-reduce of a quarter shard
     assert cost.min_inter_host_gradient_bytes(grads, 8, 8) == 0
@@ -171,3 +172,34 @@ def test_a_bfloat16_first_moment_saves_its_half_of_the_state():
     assert f32["state"] - bf16["state"] == shape.num_params * 2 / 8
     assert {k: v for k, v in f32.items() if k != "state"} == \
         {k: v for k, v in bf16.items() if k != "state"}
+
+
+def test_a_group_across_hosts_may_ring_between_them_instead():
+    """The issue's 64-GPU case (the 8B, B=2 x 1M): the planner used to run every all-to-all in
+    groups of 32 across 4 hosts. With the ring that keeps each all-to-all inside a host (ring 4
+    x 8), only the 8 kv heads' k/v hop between hosts: fewer inter-host bytes, ranked first."""
+    shape, hw = MODEL_SHAPES["llama-3.1-8b"], HARDWARE["h100-80gb"]
+    preds = cost.plan_table(shape, batch=2, seq_len=1 << 20, num_devices=64, hw=hw, zigzag=True)
+    best = preds[0]
+    assert (best.layout.groups, best.layout.sp, best.layout.ring) == (2, 32, 4), best.name
+    plain = next(p for p in preds if p.layout.groups == 2 and p.layout.ring == 1
+                 and p.param_sharding == best.param_sharding)
+    assert best.all_to_all.inter < plain.all_to_all.inter / 1.9
+    # in natural token order the ring's causal imbalance costs more than the bytes save
+    natural = cost.plan_table(shape, batch=2, seq_len=1 << 20, num_devices=64, hw=hw)
+    assert natural[0].layout.ring == 1
+
+
+def test_a_ring_is_not_planned_where_its_partial_outputs_do_not_fit():
+    """One 16M-token sequence on 32 H100s: the ring's merged partial outputs (basp_jax.ring keeps
+    them for the backward pass) would need ~150 GB per device; Ulysses across the hosts fits."""
+    shape, hw = MODEL_SHAPES["llama-3.1-8b"], HARDWARE["h100-80gb"]
+    layout, pred = cost.auto_layout(shape, batch=1, seq_len=1 << 24, num_devices=32, hw=hw,
+                                    remat="offload", tile_tokens=4096, moment_bytes=2,
+                                    zigzag=True)
+    assert (layout.sp, layout.ring) == (32, 1) and pred.memory_bytes <= hw.memory_bytes
+    ring = cost.plan_layout(shape, num_devices=32, batch=1, seq_len=1 << 24, groups=1,
+                            devices_per_host=8, ring=4, zigzag=True)
+    ringed = cost.predict(shape, ring, pred.param_sharding, hw=hw, remat="offload",
+                          tile_tokens=4096, moment_bytes=2)
+    assert ringed.memory_bytes > 2 * hw.memory_bytes

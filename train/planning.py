@@ -154,7 +154,7 @@ def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,
         model_shape(mcfg), layout.tokens_per_device, cost.shard_devices(layout, strategy),
         q_heads=q_heads, kv_heads=kv_heads, remat=remat or cfg.model.remat,
         act_bytes=_act_bytes(cfg), tile_tokens=tile_tokens or cfg.model.tile_tokens,
-        **state_bytes(cfg))
+        ring=layout.ring, zigzag=layout.zigzag, **state_bytes(cfg))
     detail = ", ".join(f"{name} {value / 1e9:.3g} GB" for name, value in terms.items())
     return sum(terms.values()), detail
 
