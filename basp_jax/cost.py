@@ -431,11 +431,12 @@ _WORKING_FACTOR = 2.95  # a layer's recompute, its gathered weights and the chun
 # residual stream's: values of hidden width per token, fitted to the compiled 8B step at 512K
 # tokens per device on 8 x H100 (66.8 GiB; offload policy, vocabulary-parallel loss).
 _TILED_WORKING_HIDDENS = 12.5
-# The ring's merged partial outputs and their cotangents, per float32 query-sized buffer: fitted
-# to the compiled 8B step with one 16M-token sequence on 32 x H100 (ring 4 x all-to-all 8,
-# zig-zag, 2 layers: 167.5 GiB, 69.7 without this term). A ring attention with its own backward
-# pass (recomputing the partials from the final log-sum-exp) would not keep them.
-_RING_PARTIALS = 1.5
+# The ring attention's working set (the pure-JAX blockwise kernel of every ring step and query
+# piece, its float32 outputs and gradients), per float32 query-sized buffer per step and piece:
+# fitted to the compiled 8B step with one 16M-token sequence on 32 x H100 (ring 4 x all-to-all
+# 8, zig-zag, offload, tiles of 4,096: 242.9 GiB, 56.8 without this term; 271.5 GiB before the
+# ring had its own backward pass, which keeps no step's partial output).
+_RING_WORKING = 2.9
 
 
 def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, *,
@@ -454,9 +455,8 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
       and ~ (hidden x 6 + intermediate x 4) values per token), with what the loss holds; with
       tile_tokens the intermediate's share is one chunk's and the per-token share the
       attention's whole-shard tensors (_TILED_WORKING_HIDDENS);
-    - ring (ring > 1): the partial attention outputs basp_jax.ring merges by log-sum-exp, which
-      one layer's backward pass keeps: float32, one per ring step and query piece (2 pieces in
-      zig-zag order), each the size of the device's queries (_RING_PARTIALS).
+    - ring (ring > 1): the ring attention's working set, in float32 buffers the size of the
+      device's queries per ring step and query piece (2 pieces in zig-zag order; _RING_WORKING).
     The last four carry factors fitted to compiled programs (above). What an offload policy
     keeps in host memory is host_memory_bytes, not a term here.
     """
@@ -472,10 +472,10 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
             _WORKING_FACTOR * (2 * shape.layer_params + chunk * 4 * shape.intermediate_size)
             + _TILED_WORKING_HIDDENS * tokens_per_device * shape.hidden_size)
     pieces = 2 if zigzag else 1
-    ring_partials = 0.0 if ring == 1 else (
-        _RING_PARTIALS * ring * pieces * tokens_per_device * q_heads * shape.head_dim * 4)
+    ring_working = 0.0 if ring == 1 else (
+        _RING_WORKING * ring * pieces * tokens_per_device * q_heads * shape.head_dim * 4)
     return {
-        "ring": ring_partials,
+        "ring": ring_working,
         "state": p * (2 * master_bytes + (moment_bytes or master_bytes)) / shard_group,
         "grads": _GRADIENT_BUFFERS * p * 4 / shard_group,
         "saved": _SAVED_SHARE * shape.num_layers * tokens_per_device * per_token * act_bytes,

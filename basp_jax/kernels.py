@@ -340,14 +340,9 @@ def _pad_seq(x, length, axis, value=0):
     return jnp.pad(x, pad, constant_values=value)
 
 
-def blockwise_attention_with_lse(q, k, v, *, causal: bool, q_segment_ids=None, k_segment_ids=None,
-                                 k_shift=0, block_size: int = DEFAULT_BLOCK):
-    """Flash attention in pure JAX, returning (out [b, sq, hq, d], lse [b, sq, hq] float32).
-
-    Key j sits at position k_shift + j relative to query 0 (causal masking uses it). Both outputs
-    are differentiable, so chunks of a sequence can be merged by their log-sum-exp (ring attention).
-    Memory is O(S x block) in forward and backward.
-    """
+def _grouped(q, k, v, q_segment_ids, k_segment_ids, block_size):
+    """q, k, v [b, s, h, d] padded to whole blocks in the kernels' layout (q [b, hkv, g, sq, d],
+    k/v [b, hkv, sk, d]), the padded segment ids, and the block sizes."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     block_q, block_k = min(block_size, sq), min(block_size, sk)
@@ -358,13 +353,61 @@ def blockwise_attention_with_lse(q, k, v, *, causal: bool, q_segment_ids=None, k
     if q_segment_ids is not None:
         q_seg = _pad_seq(q_segment_ids.astype(jnp.int32), sq_pad, 1, value=-1)
         k_seg = _pad_seq(k_segment_ids.astype(jnp.int32), sk_pad, 1, value=-1)
-    qg = q.reshape(b, sq_pad, hkv, hq // hkv, d).transpose(0, 2, 3, 1, 4)
+    qg = _group_queries(q, hkv)
     kg, vg = (x.transpose(0, 2, 1, 3) for x in (k, v))
+    return qg, kg, vg, q_seg, k_seg, block_q, block_k
+
+
+def _group_queries(x, hkv):
+    """[b, s, hq, d] -> [b, hkv, g, s, d] (or [b, s, hq] -> [b, hkv, g, s])."""
+    b, s, hq = x.shape[:3]
+    x = x.reshape(b, s, hkv, hq // hkv, *x.shape[3:])
+    return jnp.moveaxis(x, 1, 3)
+
+
+def _ungroup_queries(x, sq):
+    """The inverse of _group_queries, with the padded rows beyond sq sliced off."""
+    b, hkv, g, s = x.shape[:4]
+    return jnp.moveaxis(x, 3, 1).reshape(b, s, hkv * g, *x.shape[4:])[:, :sq]
+
+
+def blockwise_attention_with_lse(q, k, v, *, causal: bool, q_segment_ids=None, k_segment_ids=None,
+                                 k_shift=0, block_size: int = DEFAULT_BLOCK):
+    """Flash attention in pure JAX, returning (out [b, sq, hq, d], lse [b, sq, hq] float32).
+
+    Key j sits at position k_shift + j relative to query 0 (causal masking uses it). Both outputs
+    are differentiable, so chunks of a sequence can be merged by their log-sum-exp (ring attention).
+    Memory is O(S x block) in forward and backward.
+    """
+    sq, d = q.shape[1], q.shape[3]
+    qg, kg, vg, q_seg, k_seg, block_q, block_k = _grouped(q, k, v, q_segment_ids,
+                                                          k_segment_ids, block_size)
     shift = jnp.asarray(k_shift, jnp.int32)
-    out, lse = _flash(qg, kg, vg, q_seg, k_seg, shift, causal, sk, block_q, block_k, 1.0 / math.sqrt(d))
-    out = out.transpose(0, 3, 1, 2, 4).reshape(b, sq_pad, hq, d)[:, :sq]
-    lse = lse.transpose(0, 3, 1, 2).reshape(b, sq_pad, hq)[:, :sq]
-    return out, lse
+    out, lse = _flash(qg, kg, vg, q_seg, k_seg, shift, causal, k.shape[1], block_q, block_k,
+                      1.0 / math.sqrt(d))
+    return _ungroup_queries(out, sq), _ungroup_queries(lse, sq)
+
+
+def blockwise_attention_vjp(q, k, v, out, lse, d_out, *, causal: bool, q_segment_ids=None,
+                            k_segment_ids=None, k_shift=0, block_size: int = DEFAULT_BLOCK):
+    """(dq, dk, dv): the gradients through the keys k, v's share of a larger attention of the
+    queries q, whose final output, log-sum-exp and output cotangent are out, lse and d_out
+    ([b, sq, hq, d], [b, sq, hq] float32, [b, sq, hq, d]). Flash attention's backward with the
+    whole attention's lse gives each share's probabilities exactly, so a ring attention sums
+    these over its chunks without keeping any chunk's partial output (basp_jax.ring)."""
+    sq, sk, d = q.shape[1], k.shape[1], q.shape[3]
+    hkv = k.shape[2]
+    qg, kg, vg, q_seg, k_seg, block_q, block_k = _grouped(q, k, v, q_segment_ids,
+                                                          k_segment_ids, block_size)
+    sq_pad = qg.shape[3]
+    # padded query rows: zero cotangent, lse 0 (finite), so they contribute nothing
+    og, dog = (_group_queries(_pad_seq(x, sq_pad, 1), hkv) for x in (out, d_out))
+    lseg = _group_queries(_pad_seq(lse.astype(jnp.float32), sq_pad, 1), hkv)
+    dq, dk, dv = _flash_backward(qg, kg, vg, q_seg, k_seg, jnp.asarray(k_shift, jnp.int32), og,
+                                 lseg, dog, jnp.zeros_like(lseg), causal=causal, k_len=sk,
+                                 block_q=block_q, block_k=block_k, scale=1.0 / math.sqrt(d))
+    dk, dv = (x.transpose(0, 2, 1, 3)[:, :sk] for x in (dk, dv))
+    return _ungroup_queries(dq, sq), dk, dv
 
 
 def blockwise_attention(q, k, v, *, causal: bool, segment_ids=None, block_size: int = DEFAULT_BLOCK):

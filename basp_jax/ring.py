@@ -19,10 +19,14 @@ The runs, the ring's hops and the token order are the layout's (basp_jax.layout.
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .kernels import blockwise_attention_with_lse
+from .kernels import blockwise_attention_vjp, blockwise_attention_with_lse
 from .layout import Layout
 from .mesh import SEQ
 from .remat import name_exchange
@@ -42,12 +46,15 @@ def ring_local_attention(q, k, v, seg, *, layout: Layout, causal: bool, block_si
 
     `seg` is this device's [b, s/sp] segment ids or None. With layout.zigzag, the sequence axis
     is in layout.token_order.
+
+    The k/v hops happen here, outside the attention proper (`_ring_attention`, with its own
+    backward pass): their transposes send the k/v gradients back, and remat policies see them
+    as the exchanges they are. The attention keeps only its final output and log-sum-exp for the
+    backward pass, not every ring step's partial result (16M tokens on 32 GPUs, ring 4: those
+    partials were ~100 GiB per device).
     """
-    ring, zigzag = layout.ring, layout.zigzag
-    groups = layout.a2a_runs
     inner = layout.a2a
-    chunk = q.shape[1] * inner  # tokens per ring chunk: S / ring
-    rank = lax.axis_index(SEQ) // inner
+    groups = layout.a2a_runs
 
     def seq_to_heads(x):
         if inner == 1:
@@ -61,12 +68,33 @@ def ring_local_attention(q, k, v, seg, *, layout: Layout, causal: bool, block_si
 
     q, k, v = (seq_to_heads(x) for x in (q, k, v))
     full_seg = None if seg is None else name_exchange(lax.all_gather(seg, SEQ, axis=1, tiled=True))
+    # ks[step]: the k/v chunk a device holds at ring step `step` (that of ring rank - step)
+    ks, vs = [k], [v]
+    for _ in range(layout.ring - 1):
+        k, v = (name_exchange(lax.ppermute(x, SEQ, layout.ring_hops)) for x in (k, v))
+        ks.append(k)
+        vs.append(v)
+    rank = lax.axis_index(SEQ) // inner
+    static = _Ring(layout.ring, layout.zigzag, causal, block_size)
+    out = _ring_attention(q, tuple(ks), tuple(vs), full_seg, rank, static)
+    return heads_to_seq(out)
 
-    def chunk_seg(index):
-        return None if full_seg is None else lax.dynamic_slice_in_dim(full_seg, index * chunk, chunk, axis=1)
 
-    # Pieces of a chunk with their position (in units of `piece` tokens) in the true sequence.
-    if zigzag:
+class _Ring(NamedTuple):
+    """What the ring attention needs to know that is not an array."""
+
+    ring: int
+    zigzag: bool
+    causal: bool
+    block_size: int
+
+
+def _plan(q, full_seg, rank, static: _Ring):
+    """Closures over the ring's chunking: pieces(x, owner) -> [(piece, position in units of
+    pieces)], the piece length, and each step's k/v segment ids."""
+    ring = static.ring
+    chunk = q.shape[1]  # tokens per ring chunk: S / ring
+    if static.zigzag:
         piece = chunk // 2
 
         def pieces(x, owner):
@@ -80,13 +108,24 @@ def ring_local_attention(q, k, v, seg, *, layout: Layout, causal: bool, block_si
         def pieces(x, owner):
             return [(x, owner)]
 
+    def chunk_seg(index):
+        if full_seg is None:
+            return None
+        return lax.dynamic_slice_in_dim(full_seg, index * chunk, chunk, axis=1)
+
+    return pieces, piece, chunk_seg
+
+
+def _ring_forward(q, ks, vs, full_seg, rank, static: _Ring):
+    """[(out float32, lse)] per query piece: every step's chunk merged by log-sum-exp."""
+    pieces, piece, chunk_seg = _plan(q, full_seg, rank, static)
     q_pieces = pieces(q, rank)
     q_seg_pieces = pieces(chunk_seg(rank), rank)
-    perm = layout.ring_hops
     acc = [None] * len(q_pieces)  # (out, lse) per query piece
-    for step in range(ring):
-        source = (rank - step) % ring  # whose k/v chunk this device holds now
-        kv_pieces = list(zip(pieces(k, source), pieces(v, source), pieces(chunk_seg(source), source)))
+    for step in range(static.ring):
+        source = (rank - step) % static.ring  # whose k/v chunk this device holds now
+        kv_pieces = list(zip(pieces(ks[step], source), pieces(vs[step], source),
+                             pieces(chunk_seg(source), source)))
         for n, ((q_piece, q_pos), (q_seg, _)) in enumerate(zip(q_pieces, q_seg_pieces)):
             # At step 0, piece n of the own chunk is the diagonal of query piece n, where every
             # query sees at least itself: take it first so the running log-sum-exp is finite
@@ -94,14 +133,62 @@ def ring_local_attention(q, k, v, seg, *, layout: Layout, causal: bool, block_si
             order = kv_pieces if step else [kv_pieces[n]] + kv_pieces[:n] + kv_pieces[n + 1:]
             for (k_piece, k_pos), (v_piece, _), (k_seg, _) in order:
                 out_t, lse_t = blockwise_attention_with_lse(
-                    q_piece, k_piece, v_piece, causal=causal, q_segment_ids=q_seg,
-                    k_segment_ids=k_seg, k_shift=(k_pos - q_pos) * piece, block_size=block_size,
+                    q_piece, k_piece, v_piece, causal=static.causal, q_segment_ids=q_seg,
+                    k_segment_ids=k_seg, k_shift=(k_pos - q_pos) * piece,
+                    block_size=static.block_size,
                 )
                 if acc[n] is None:
                     acc[n] = (out_t.astype(jnp.float32), lse_t)
                 else:
                     acc[n] = _merge(*acc[n], out_t, lse_t)
-        if step < ring - 1:
-            k, v = (name_exchange(lax.ppermute(x, SEQ, perm)) for x in (k, v))
-    out = jnp.concatenate([o for o, _ in acc], axis=1)
-    return heads_to_seq(out.astype(q.dtype))
+    return acc
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _ring_attention(q, ks, vs, full_seg, rank, static: _Ring):
+    """Attention of this device's query chunk q [b, S/ring, h, d] to every chunk of the ring
+    (ks, vs: the chunk held at each step), merged by log-sum-exp."""
+    acc = _ring_forward(q, ks, vs, full_seg, rank, static)
+    return jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
+
+
+def _ring_attention_fwd(q, ks, vs, full_seg, rank, static: _Ring):
+    acc = _ring_forward(q, ks, vs, full_seg, rank, static)
+    out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
+    return out, (q, ks, vs, full_seg, rank, out, tuple(lse for _, lse in acc))
+
+
+def _ring_attention_bwd(static: _Ring, residuals, d_out):
+    """Flash attention's backward per (query piece, k/v piece), with the final output and
+    log-sum-exp (basp_jax.kernels.blockwise_attention_vjp): dq summed here, each step's dk/dv
+    returned for the hops' transposes to send home."""
+    q, ks, vs, full_seg, rank, out, lses = residuals
+    pieces, piece, chunk_seg = _plan(q, full_seg, rank, static)
+    q_pieces = pieces(q, rank)
+    q_seg_pieces = pieces(chunk_seg(rank), rank)
+    out_pieces = [x for x, _ in pieces(out, rank)]
+    do_pieces = [x for x, _ in pieces(d_out, rank)]
+    dq = [jnp.zeros(x.shape, jnp.float32) for x, _ in q_pieces]
+    dks, dvs = [], []
+    for step in range(static.ring):
+        source = (rank - step) % static.ring
+        kv_pieces = list(zip(pieces(ks[step], source), pieces(vs[step], source),
+                             pieces(chunk_seg(source), source)))
+        dk = [jnp.zeros(k.shape, jnp.float32) for (k, _), _, _ in kv_pieces]
+        dv = [jnp.zeros(v.shape, jnp.float32) for _, (v, _), _ in kv_pieces]
+        for n, ((q_piece, q_pos), (q_seg, _)) in enumerate(zip(q_pieces, q_seg_pieces)):
+            for m, ((k_piece, k_pos), (v_piece, _), (k_seg, _)) in enumerate(kv_pieces):
+                dq_t, dk_t, dv_t = blockwise_attention_vjp(
+                    q_piece, k_piece, v_piece, out_pieces[n], lses[n], do_pieces[n],
+                    causal=static.causal, q_segment_ids=q_seg, k_segment_ids=k_seg,
+                    k_shift=(k_pos - q_pos) * piece, block_size=static.block_size)
+                dq[n] = dq[n] + dq_t
+                dk[m] = dk[m] + dk_t
+                dv[m] = dv[m] + dv_t
+        dks.append(jnp.concatenate(dk, axis=1).astype(ks[step].dtype))
+        dvs.append(jnp.concatenate(dv, axis=1).astype(vs[step].dtype))
+    dq = jnp.concatenate(dq, axis=1).astype(q.dtype)
+    return dq, tuple(dks), tuple(dvs), None, None
+
+
+_ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)

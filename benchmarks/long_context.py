@@ -35,6 +35,7 @@ CASES = [
     ("8xH100 B=1 8M", "h100-80gb", 1, 8, ["data.seq_len=8388608"]),
     ("8xH100 B=1 512K (16K settings)", "h100-80gb", 1, 8, ["data.seq_len=524288", *SHORT]),
     ("32xH100 B=4 4M", "h100-80gb", 4, 8, ["train.microbatch_size=4"]),
+    ("32xH100 B=1 16M", "h100-80gb", 4, 8, ["data.seq_len=16777216"]),
     ("32xH100 B=1 16M ring=4", "h100-80gb", 4, 8, ["data.seq_len=16777216", "parallel.ring=4"]),
     ("64xH100 B=8 4M", "h100-80gb", 8, 8, ["train.microbatch_size=8"]),
     ("64xH100 B=1 32M ring=8", "h100-80gb", 8, 8, ["data.seq_len=33554432", "parallel.ring=8"]),
@@ -100,13 +101,21 @@ def main() -> None:
         return
     aot.use_plugin()
     wanted = set(args.only.split(",")) if args.only else None
-    rows = []
+    unknown = (wanted or set()) - {case[0] for case in CASES}
+    if unknown:
+        p.error(f"unknown case(s) {', '.join(sorted(unknown))}; the cases: "
+                + "; ".join(case[0] for case in CASES))
+    # --only replaces those cases' rows of an existing --out and keeps the others
+    rows = json.loads(out.read_text()) if wanted and out.exists() else []
+    order = [case[0] for case in CASES]
     for case in CASES:
         if wanted and case[0] not in wanted:
             continue
-        rows.append(compile_case(*case))
-        print(f"{case[0]}: {rows[-1]['peak_bytes_per_device'] / GiB:.2f} GiB, "
-              f"{rows[-1]['compile_s']:.0f} s", flush=True)
+        row = compile_case(*case)
+        rows = sorted([r for r in rows if r["name"] != case[0]] + [row],
+                      key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
+        print(f"{case[0]}: {row['peak_bytes_per_device'] / GiB:.2f} GiB, "
+              f"{row['compile_s']:.0f} s", flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(rows, indent=1))
     print(table(rows))
