@@ -102,8 +102,10 @@ def _kill_leftovers(procs) -> None:
 
 # (victim, signal, the survivor's exit status, a fragment of its message)
 PEER_FAILURES = [
-    # the survivor's next collective fails at once (gloo: connection closed by peer)
-    (1, signal.SIGKILL, 3, "error: peer: a collective failed"),
+    # the survivor's next collective fails at once (gloo: connection closed by peer); on a
+    # loaded machine its heartbeat watch may notice the silence first (either is the truth)
+    (1, signal.SIGKILL, 3, ("error: peer: a collective failed",
+                            "error: peer: process 1 of 2 has sent no heartbeat for 10 s")),
     # a frozen peer sends nothing: train.peers notices the silence after peer_timeout_s
     (1, signal.SIGSTOP, 3, "error: peer: process 1 of 2 has sent no heartbeat for 10 s"),
     # the coordinator dies: JAX's own client aborts the survivor within a second (SIGABRT), with
@@ -135,7 +137,8 @@ def test_a_failed_peer_stops_the_other_process_with_a_clear_message(tmp_path, vi
     # peer_timeout_s (10 s, for the frozen peer) + at most 5 s that process 0 waits to see a
     # peer's end before leaving + slack for a loaded machine; well below the two-minute bound
     assert elapsed < 30, elapsed
-    assert fragment in err, err[-3000:]
+    fragments = fragment if isinstance(fragment, tuple) else (fragment,)
+    assert any(f in err for f in fragments), err[-3000:]
     if status == 3:  # our own message: one line, with what to do
         errors = [line for line in err.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
