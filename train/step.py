@@ -31,6 +31,19 @@ BATCH_SPEC = activation_spec(None, "batch", "sequence")  # [accum, B, S]
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
+def compute_dtype(name: str, device) -> str:
+    """model.dtype as `device` computes it: "auto" is bfloat16 on a GPU with bf16 tensor cores
+    (compute capability 8.0 on), else float32: on CPU, and on a T4 (sm75), where XLA runs bf16
+    matmuls in float32 anyway and float16 would need loss scaling, which the trainer lacks."""
+    if name != "auto":
+        return name
+    from basp_jax import kernels
+
+    cc = kernels.device_capability(device)
+    has_bf16 = device.platform == "gpu" and (cc is None or cc >= kernels.BF16_DOT_MIN_CC)
+    return "bfloat16" if has_bf16 else "float32"
+
+
 @dataclasses.dataclass
 class ModelParts:
     """A model split for training: params (trainable) and rest (other state) as pure pytrees."""
