@@ -17,7 +17,8 @@ head h reads kv head h // (hq // hkv)) and optional segment_ids [b, s], and retu
 half-precision input (its fastest path), Pallas for packed input (cuDNN would take the segment
 mask as a dense [b, 1, S, S] bias) and for what cuDNN refuses; on an older GPU (the T4, sm75),
 on CPU and for what neither takes: blockwise from BLOCKWISE_MIN_SEQ tokens, else xla (bf16 on a
-pre-Ampere GPU: blockwise always). Which GPU runs what: gpu_kernels, by compute capability.
+pre-Ampere GPU, and float16 on CPU: blockwise always, since the xla kernel's dot does not compile
+there). Which GPU runs what: gpu_kernels, by compute capability.
 """
 
 from __future__ import annotations
@@ -86,10 +87,25 @@ def pallas_supported(q: jax.ShapeDtypeStruct, full_seq_len: int) -> str | None:
 # device, so it is refused here, before compiling.
 FUSED_MIN_CC = (8, 0)
 FUSED = ("cudnn", "pallas")
-# Below sm80 XLA has no bf16 x bf16 -> f32 dot (a T4 compile fails with "Unsupported algorithm
-# ... ALG_DOT_BF16_BF16_F32" in the xla kernel's score matmul); the blockwise kernel's dots
-# compile there (XLA runs them in f32: no bf16 tensor cores).
+# The xla kernel (jax.nn.dot_product_attention) asks for a half x half -> f32 dot algorithm.
+# Below sm80 XLA has no bf16 one (a T4 compile fails with "Unsupported algorithm ...
+# ALG_DOT_BF16_BF16_F32"), and the CPU has no f16 one ("The precision 'F16_F16_F32' is not
+# supported by dot_general on CPU"); the blockwise kernel's plain dots compile in both (on a T4
+# XLA runs bf16 ones in f32: no bf16 tensor cores).
 BF16_DOT_MIN_CC = (8, 0)
+
+
+def _xla_dot_unsupported(platform: str, capability, dtype) -> str | None:
+    """Why the xla kernel's dot does not compile here in `dtype`, or None."""
+    if dtype is None:
+        return None
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bfloat16 and platform == "gpu" and capability is not None and \
+            tuple(capability) < BF16_DOT_MIN_CC:
+        return f"does not compile for {_sm(capability)} (XLA has no bf16 dot below sm80)"
+    if dtype == jnp.float16 and platform == "cpu":
+        return "does not compile on CPU (XLA's CPU backend has no f16 x f16 -> f32 dot)"
+    return None
 
 
 def device_capability(device) -> tuple[int, int] | None:
@@ -123,15 +139,14 @@ def kernel_unsupported(impl: str, platform: str, capability: tuple[int, int] | N
     line). "auto" always runs."""
     if impl == "cudnn" and platform != "gpu":
         return f"impl='cudnn' needs a GPU but the mesh is on {platform}; use 'auto'"
+    if impl == "xla" and (why := _xla_dot_unsupported(platform, capability, dtype)):
+        return (f"impl='xla' in {jnp.dtype(dtype).name} {why}; use 'auto' or 'blockwise', or "
+                "float32 compute")
     if platform != "gpu" or capability is None or impl == "auto":
         return None
     if impl in FUSED and impl not in gpu_kernels(capability):
         return (f"impl={impl!r} needs a GPU of compute capability 8.0 (Ampere) or newer and this "
                 f"one is {_sm(capability)}; use 'auto', 'blockwise' or 'xla'")
-    if impl == "xla" and dtype is not None and jnp.dtype(dtype) == jnp.bfloat16 and \
-            tuple(capability) < BF16_DOT_MIN_CC:
-        return (f"impl='xla' in bfloat16 does not compile for {_sm(capability)} (XLA has no bf16 "
-                "dot below sm80); use 'auto' or 'blockwise', or float32 compute")
     return None
 
 

@@ -331,5 +331,11 @@ def test_the_kernel_follows_the_gpu_generation():
         resolve_impl("xla", bf16, 4096, "gpu", False, t4)
     assert resolve_impl("xla", f32_short, 1024, "gpu", False, t4) == "xla"
     assert resolve_impl("blockwise", bf16, 4096, "gpu", True, t4) == "blockwise"
+    # the CPU has no f16 x f16 -> f32 dot for the xla kernel (float16 compute, tests of it)
+    f16_short = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.float16)
+    assert resolve_impl("auto", f16_short, 1024, "cpu", False) == "blockwise"
+    assert resolve_impl("auto", f16_short, 1024, "gpu", False, t4) == "xla"
+    with pytest.raises(ValueError, match="impl='xla' in float16 does not compile on CPU"):
+        resolve_impl("xla", f16_short, 1024, "cpu", False)
     assert gpus.GPUS["t4-16gb"].attention_kernels == ("xla", "blockwise")
     assert "cudnn" in gpus.GPUS["a10g-24gb"].attention_kernels

@@ -22,7 +22,7 @@ class FakeDevice:
         self.compute_capability = "%d.%d" % g.compute_capability if g else None
 
 
-@pytest.mark.parametrize("gpu,dtype", [("t4-16gb", "float32"), ("l4-24gb", "bfloat16"),
+@pytest.mark.parametrize("gpu,dtype", [("t4-16gb", "float16"), ("l4-24gb", "bfloat16"),
                                        ("a10g-24gb", "bfloat16"), ("a100-40gb", "bfloat16"),
                                        (None, "float32")])
 def test_auto_dtype_is_bf16_where_the_gpu_has_it(gpu, dtype):
@@ -30,7 +30,7 @@ def test_auto_dtype_is_bf16_where_the_gpu_has_it(gpu, dtype):
     assert compute_dtype("auto", device) == dtype
     assert compute_dtype("bfloat16", device) == "bfloat16"  # an explicit dtype is kept
     if gpu:
-        assert (dtype == "bfloat16") == gpus.GPUS[gpu].bf16
+        assert dtype == gpus.GPUS[gpu].half_dtype
     cfg = load_config("configs/colab.yaml")
     assert cfg.model.dtype == "auto" and with_compute_dtype(cfg, device).model.dtype == dtype
 
@@ -47,7 +47,7 @@ def test_a_kernel_the_gpu_cannot_run_is_one_config_error():
     with pytest.raises(ConfigError, match="in bfloat16 does not compile for sm75"):
         check_kernel(replace(cfg, "model.attn_impl=xla", "model.dtype=bfloat16"), t4)
     for ok in ("model.attn_impl=xla", "model.attn_impl=blockwise", "model.attn_impl=auto"):
-        check_kernel(replace(cfg, ok), t4)  # auto dtype is float32 there: xla compiles
+        check_kernel(replace(cfg, ok), t4)  # auto dtype is float16 there: xla compiles
     with pytest.raises(ConfigError, match="model.attn_impl=cudnn needs a GPU but the devices"):
         check_kernel(replace(cfg, "model.attn_impl=cudnn"), FakeDevice(None))
 

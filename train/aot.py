@@ -294,7 +294,8 @@ def format_report(r: dict) -> str:
         f"layout: {lay['describe']}; {r['param_sharding']} parameters; "
         f"{r['grad_accum']} microbatch(es) of {lay['batch']} x {lay['seq_len']} tokens; "
         f"remat {r['remat']}" + (f", tiles of {r['tile_tokens']} tokens" if r["tile_tokens"]
-                                 else ""),
+                                 else "") + f"; {r['compute_dtype']} compute"
+        + (" with dynamic loss scaling" if r["compute_dtype"] == "float16" else ""),
         "",
         "memory per device            GiB",
         f"  arguments           {mem['argument_bytes'] / GiB:>10.2f}",

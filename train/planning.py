@@ -145,8 +145,8 @@ def _act_bytes(cfg: Config) -> int:
         from basp_jax import gpus
 
         gpu = gpus.GPUS.get(cfg.parallel.hardware)
-        dtype = "bfloat16" if gpu is not None and gpu.bf16 else "float32"
-    return 2 if dtype == "bfloat16" else 4
+        dtype = "float32" if gpu is None else gpu.half_dtype  # bf16, or fp16 (a T4)
+    return 2 if dtype in ("bfloat16", "float16") else 4
 
 
 def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,

@@ -30,7 +30,7 @@ from .outputs import check_output_paths
 from .program import (RunPlan, TrainProgram, abstract_state, build_program, model_factory,
                       model_options, plan_run)
 from .step import (DTYPES, build_model, compute_dtype, from_module, init_opt_state,
-                   make_optimizer)
+                   loss_scaling, make_optimizer)
 
 
 def model_config(cfg: Config) -> "models.ModelConfig":
@@ -208,7 +208,8 @@ def check_resume(cfg: Config, mcfg, run_dir: str, record: dict) -> tuple[int | N
     that checkpoint (those checkpoint.allow_changed allows; train.resume refuses the others),
     after checking that it fits this config (checkpoint metadata only: no array is read;
     record: this config's train.resume.record)."""
-    tx, _ = make_optimizer(cfg.optimizer, cfg.train.steps)  # its state's structure, for inspection
+    # its state's structure, for inspection (cfg.model.dtype is resolved: check())
+    tx, _ = make_optimizer(cfg.optimizer, cfg.train.steps, loss_scaling(cfg.model.dtype))
     if not cfg.checkpoint.resume:
         existing = complete_steps(checkpoint_dir(run_dir))
         if existing:
