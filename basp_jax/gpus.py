@@ -41,7 +41,7 @@ class Gpu:
     fp32_cores_per_sm: int | None = None
     shared_memory_per_sm: int | None = None
     shared_memory_per_block_optin: int | None = None
-    threads_per_sm: int = 2048  # resident threads per SM: 2048 on sm80/sm90, 1536 sm86/89, 1024 sm75
+    threads_per_sm: int = 2048  # resident threads per SM: 2048 sm80/90, 1536 sm86/89, 1024 sm75
 
     @property
     def is_target(self) -> bool:

@@ -62,7 +62,7 @@ def test_an_xla_refusal_becomes_one_line_naming_the_setting():
     assert line.endswith("set model.attn_impl=auto or blockwise")
     bf16 = RuntimeError("UNIMPLEMENTED: Unsupported algorithm on the current device(s): "
                         "ALG_DOT_BF16_BF16_F32")
-    assert "t4-16gb has no bf16 matrix multiply in XLA (sm75); set model.dtype=float32" in \
+    assert "t4-16gb has no bf16 matrix multiply in XLA (sm75); set model.dtype=auto" in \
         aot.compile_failure(bf16, "t4-16gb")
     other = aot.compile_failure(RuntimeError("INTERNAL: something else"), "l4-24gb")
     assert other.endswith("try model.attn_impl=blockwise (it compiles for every GPU) or "

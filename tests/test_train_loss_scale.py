@@ -47,7 +47,8 @@ def test_only_float16_scales_and_the_scale_lives_in_the_optimizer_state():
 
 
 def test_overflow_halves_finite_steps_grow_and_resume_keeps_the_scale(tmp_path, monkeypatch):
-    monkeypatch.setattr(program, "loss_scaling", lambda dtype: START if dtype == "float16" else None)
+    monkeypatch.setattr(program, "loss_scaling",
+                        lambda dtype: START if dtype == "float16" else None)
     run_dir = tmp_path / "run"
     common = ("model.dtype=float16", "checkpoint.every=10", "checkpoint.async_save=false")
     first = run(tiny_config(run_dir, *common, "train.steps=10"))

@@ -52,8 +52,8 @@ class CompileFailed(AotError):
 _COMPILE_HINTS = (
     ("Triton", "the Pallas/Triton attention kernel does not compile for {target} (Triton needs "
      "sm80); set model.attn_impl=auto or blockwise"),
-    ("ALG_DOT_BF16", "{target} has no bf16 matrix multiply in XLA (sm{sm}); set "
-     "model.dtype=float32, or model.attn_impl=blockwise if it is attention's"),
+    ("ALG_DOT_BF16", "{target} has no bf16 matrix multiply in XLA (sm{sm}); set model.dtype=auto "
+     "(float16 there) or float32, or model.attn_impl=blockwise if it is attention's"),
     ("cudnn", "the cuDNN attention kernel does not compile for {target}; set "
      "model.attn_impl=blockwise (or auto)"),
     ("RESOURCE_EXHAUSTED", "the step needs more memory than {target} has even to compile; lower "
@@ -309,7 +309,7 @@ def format_report(r: dict) -> str:
     ]
     if not r["bf16"] and r["compute_dtype"] == "bfloat16":
         lines.append(f"  model.dtype=bfloat16 on {r['target']['device_kind']}: no bf16 tensor "
-                     "cores, XLA runs its bf16 matmuls in float32")
+                     "cores, XLA runs its bf16 matmuls in float32 (model.dtype=auto: float16)")
     if r["host_peak_bytes_per_device"] or r["formula_host_memory_bytes"]:
         t = r["host_transfers"]
         lines += [

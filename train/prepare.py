@@ -183,7 +183,7 @@ def check(cfg: Config, *, is_writer: bool) -> Run:
     if cfg.model.hf_path and cfg.model.load_weights:
         models.check_pretrained(cfg.model.hf_path, mcfg)  # tensor names and shapes, headers only
     devices = select_devices(cfg)
-    cfg = with_compute_dtype(cfg, devices[0])  # the run (and its checkpoints' record) computes in it
+    cfg = with_compute_dtype(cfg, devices[0])  # the run (and its checkpoint record) computes in it
     check_kernel(cfg, devices[0])
     writers.check(cfg, is_writer)
     peak, peak_source = peak_flops(cfg.metrics, getattr(devices[0], "device_kind", None))
