@@ -99,8 +99,9 @@ def with_compute_dtype(cfg: Config, device) -> Config:
 
 def check_kernel(cfg: Config, device) -> None:
     """model.attn_impl names a kernel this device runs in model.dtype: cuDNN needs a GPU, cuDNN
-    and Pallas/Triton an Ampere (sm80) or newer one, xla in bf16 too (basp_jax.kernels);
-    refused here, before anything compiles (the compiler's own error is a page of traceback)."""
+    and Pallas/Triton an Ampere (sm80) or newer one, xla's half-precision dot bf16 support (sm80)
+    or, in f16, a GPU (basp_jax.kernels); refused here, before anything compiles (the compiler's
+    own error is a page of traceback)."""
     impl, platform = cfg.model.attn_impl, device.platform
     if impl == "cudnn" and platform != "gpu":
         raise ConfigError(f"model.attn_impl=cudnn needs a GPU but the devices are {platform}; use "
