@@ -111,8 +111,10 @@ def attention(
     if padded:
         q, k, v = _pad_heads(q, k, v, kv_heads, group)
     copies = layout.kv_replication
-    platform = mesh.devices.flat[0].platform
-    kernel_name = kernels.resolve_impl(impl, q, q.shape[1], platform, segment_ids is not None)
+    device = mesh.devices.flat[0]
+    platform = device.platform
+    kernel_name = kernels.resolve_impl(impl, q, q.shape[1], platform, segment_ids is not None,
+                                       kernels.device_capability(device))
     kernel = kernels.KERNELS[kernel_name]
     kernel_kwargs = {"block_size": block_size} if kernel_name == "blockwise" else {}
     if kernel_name == "pallas":  # the mesh's platform: compiling for a GPU topology from a CPU

@@ -42,7 +42,7 @@ def _cluster(gpu: str, description: str, intra_bw: float, inter_bw: float,
              devices_per_host: int, host_memory: float, host_bw: float) -> Hardware:
     """A cluster preset of `gpu` (basp_jax.gpus): its peak FLOP/s, and the memory JAX may take."""
     g = gpus.get(gpu)
-    return Hardware(f"{g.device_kind}, {description}", g.peak_bf16_flops, intra_bw, inter_bw,
+    return Hardware(f"{g.device_kind}, {description}", g.peak_flops, intra_bw, inter_bw,
                     devices_per_host=devices_per_host, memory_bytes=gpus.usable_memory_bytes(g),
                     host_memory_bytes=host_memory, host_bw=host_bw)
 
@@ -62,6 +62,20 @@ HARDWARE = {
                           0.9 * 2e12 / 8, 50e9),
     "h200-141gb": _cluster("h200-141gb", "NVLink4, 400 Gb/s IB per GPU", 370e9, 400e9 / 8, 8,
                            0.9 * 2e12 / 8, 50e9),
+    # One-GPU and PCIe machines, no NVLink: GPUs of one host talk over PCIe (Gen3 x16 on the T4,
+    # ~12 GB/s; Gen4 ~25 GB/s), hosts over Ethernet. Clusters of 4 per host: AWS g4dn.12xlarge
+    # (T4, 50 Gb/s), GCP g2-standard-48 (L4, 100 Gb/s), AWS g5.12xlarge (A10G, 40 Gb/s), a
+    # workstation (RTX 4090, 10 GbE). Host memory per GPU: Colab's runtimes for the T4 (12.7 GB
+    # for its one GPU) and the L4 (53 GB); 192 GB / 4 on g5.12xlarge; 128 GB / 4 for the
+    # workstation.
+    "t4-16gb": _cluster("t4-16gb", "PCIe Gen3, 50 Gb/s Ethernet per node of 4", 12e9,
+                        50e9 / 8 / 4, 4, 0.9 * 12.7e9, 12e9),
+    "l4-24gb": _cluster("l4-24gb", "PCIe Gen4, 100 Gb/s Ethernet per node of 4", 25e9,
+                        100e9 / 8 / 4, 4, 0.9 * 53e9, 25e9),
+    "a10g-24gb": _cluster("a10g-24gb", "PCIe Gen4, 40 Gb/s Ethernet per node of 4", 25e9,
+                          40e9 / 8 / 4, 4, 0.9 * 192e9 / 4, 25e9),
+    "rtx4090-24gb": _cluster("rtx4090-24gb", "PCIe Gen4, 10 Gb/s Ethernet per node of 4", 25e9,
+                             10e9 / 8 / 4, 4, 0.9 * 128e9 / 4, 25e9),
 }
 
 

@@ -4,13 +4,17 @@
     gpus.target_config("h100-80gb")               # XLA's GpuTargetConfig text proto, for
                                                   # compiling without a GPU (train.aot)
     gpus.usable_memory_bytes(gpus.GPUS["a100-40gb"])   # what JAX may take of it
-    gpus.by_device_kind("NVIDIA H100 PCIe").peak_bf16_flops   # for MFU (None: not in the table)
+    gpus.by_device_kind("NVIDIA H100 PCIe").peak_flops   # for MFU (None: not in the table)
+    gpus.GPUS["t4-16gb"].bf16, gpus.GPUS["t4-16gb"].half_dtype   # False, "float16"
 
 The planner (basp_jax.cost), the compile-for-GPU command (train.aot) and the trainer's peak FLOP/s
 (MFU) read this table, so a GPU's memory and speed are written once. Every GPU has its exact
-device kind and peak; the compile targets (TARGETS) also have what XLA needs to compile for
-them. Memory sizes are the totals the CUDA driver reports (a little less than the marketing GB);
-peak FLOP/s are dense bf16 without sparsity (NVIDIA's data sheets).
+device kind, compute capability and peak; the compile targets (TARGETS) also have what XLA needs
+to compile for them. Memory sizes are the totals the CUDA driver reports (a little less than the
+marketing GB); peak FLOP/s are dense tensor-core half precision (fp32 accumulate) without
+sparsity, from NVIDIA's data sheets: bf16, or fp16 on a GPU without bf16 tensor cores (the T4,
+sm75). Which attention kernels a GPU runs follows from its compute capability
+(basp_jax.kernels.gpu_kernels: cuDNN flash attention and Pallas/Triton need sm80).
 """
 
 from __future__ import annotations
@@ -23,9 +27,12 @@ import os
 class Gpu:
     name: str  # the key: a100-40gb, ...
     device_kind: str  # exactly what jax.Device.device_kind says on this GPU
-    peak_bf16_flops: float  # dense (half the data sheet's "with sparsity" figure)
+    # dense half-precision tensor-core peak (half the data sheet's "with sparsity" figure), in
+    # half_dtype: bf16 where the GPU has it, else fp16
+    peak_flops: float
+    compute_capability: tuple[int, int]  # sm80 = (8, 0): what kernels and dtypes it runs
+    bf16: bool = True  # bf16 tensor cores (sm80 on); without them bf16 matmuls run as f32
     # What compiling for it without one needs (compile targets only; None for the others)
-    compute_capability: tuple[int, int] | None = None
     memory_bytes: int | None = None  # total device memory as the driver reports it
     memory_bandwidth: float | None = None  # bytes/s
     sm_count: int | None = None
@@ -34,21 +41,44 @@ class Gpu:
     fp32_cores_per_sm: int | None = None
     shared_memory_per_sm: int | None = None
     shared_memory_per_block_optin: int | None = None
+    threads_per_sm: int = 2048  # resident threads per SM: 2048 sm80/90, 1536 sm86/89, 1024 sm75
 
     @property
     def is_target(self) -> bool:
         """Whether the table holds what compiling for it needs (train.aot, the planner)."""
         return self.sm_count is not None
 
+    @property
+    def half_dtype(self) -> str:
+        """The half-precision dtype its tensor cores run (and peak_flops counts)."""
+        return "bfloat16" if self.bf16 else "float16"
+
+    @property
+    def attention_kernels(self) -> tuple[str, ...]:
+        """The attention kernels (basp_jax.kernels.IMPLS) it runs: fused ones from sm80."""
+        from .kernels import gpu_kernels  # kernels imports jax; this table does not need it
+
+        return gpu_kernels(self.compute_capability)
+
 
 def _target(name, device_kind, cc, memory_bytes, peak, bandwidth, sms, clock, l2, fp32, smem,
-            optin) -> Gpu:
-    return Gpu(name, device_kind, peak, cc, memory_bytes, bandwidth, sms, clock, l2, fp32, smem,
-               optin)
+            optin, *, bf16=True, threads_per_sm=2048) -> Gpu:
+    return Gpu(name, device_kind, peak, cc, bf16, memory_bytes, bandwidth, sms, clock, l2, fp32,
+               smem, optin, threads_per_sm)
 
 
 # Peaks: NVIDIA's data sheets (A100; H100 SXM/PCIe/NVL, whose H800 and H200 siblings have the same
-# Tensor Core peak as the H100 of their form factor; HGX B200).
+# Tensor Core peak as the H100 of their form factor; HGX B200; T4; L4; A10; the Ada Lovelace
+# architecture whitepaper for the RTX 4090, whose fp16/bf16 peak with fp32 accumulate is half its
+# fp16-accumulate one). NVIDIA publishes no data sheet for the A10G (AWS's variant of the A10,
+# 80 SMs at 1.71 GHz instead of 72 at 1.695 GHz): its peak here is the A10's 125 TFLOP/s.
+# The single-GPU cards' SM counts, clocks, L2 sizes and bandwidths are their data sheets'; shared
+# memory and resident threads per SM are the CUDA programming guide's for their compute
+# capability (sm75: 64 KiB, 1024 threads; sm86/sm89: 100 KiB, 1536 threads, 99 KiB per block).
+# Device memory: the T4's is what torch's total_memory reports on Colab (15,102 MiB; nvidia-smi
+# says 15,360); the others' are nvidia-smi totals (L4 23,034 MiB, A10G 23,028, RTX 4090 24,564),
+# which on an A100-40GB are ~1% above what the driver gives a process (40,960 vs 40,536 MiB):
+# read on a real card, they may shrink by that much.
 GPUS = {
     g.name: g
     for g in (
@@ -60,14 +90,24 @@ GPUS = {
                 132, 1.98, 50 * 2**20, 128, 233_472, 232_448),
         _target("h200-141gb", "NVIDIA H200", (9, 0), 150_754_820_096, 989e12, 4.8e12,
                 132, 1.98, 50 * 2**20, 128, 233_472, 232_448),
+        # One-GPU machines: Colab (T4 free, L4 and A100 paid), AWS g4dn/g5, workstations. The
+        # T4 (Turing) has fp16 tensor cores but no bf16; none of these has NVLink.
+        _target("t4-16gb", "Tesla T4", (7, 5), 15_102 * 2**20, 65e12, 320e9,
+                40, 1.59, 4 * 2**20, 64, 65_536, 65_536, bf16=False, threads_per_sm=1024),
+        _target("l4-24gb", "NVIDIA L4", (8, 9), 23_034 * 2**20, 121e12, 300e9,
+                58, 2.04, 48 * 2**20, 128, 102_400, 101_376, threads_per_sm=1536),
+        _target("a10g-24gb", "NVIDIA A10G", (8, 6), 23_028 * 2**20, 125e12, 600e9,
+                80, 1.71, 6 * 2**20, 128, 102_400, 101_376, threads_per_sm=1536),
+        _target("rtx4090-24gb", "NVIDIA GeForce RTX 4090", (8, 9), 24_564 * 2**20, 165.2e12,
+                1.008e12, 128, 2.52, 72 * 2**20, 128, 102_400, 101_376, threads_per_sm=1536),
         # peak FLOP/s only (MFU), not compile targets
-        Gpu("a100-40gb-pcie", "NVIDIA A100-PCIE-40GB", 312e12),
-        Gpu("a100-80gb-pcie", "NVIDIA A100 80GB PCIe", 312e12),
-        Gpu("h100-pcie", "NVIDIA H100 PCIe", 756e12),
-        Gpu("h100-nvl", "NVIDIA H100 NVL", 835e12),
-        Gpu("h800", "NVIDIA H800", 989e12),
-        Gpu("h200-nvl", "NVIDIA H200 NVL", 835e12),
-        Gpu("b200", "NVIDIA B200", 2250e12),
+        Gpu("a100-40gb-pcie", "NVIDIA A100-PCIE-40GB", 312e12, (8, 0)),
+        Gpu("a100-80gb-pcie", "NVIDIA A100 80GB PCIe", 312e12, (8, 0)),
+        Gpu("h100-pcie", "NVIDIA H100 PCIe", 756e12, (9, 0)),
+        Gpu("h100-nvl", "NVIDIA H100 NVL", 835e12, (9, 0)),
+        Gpu("h800", "NVIDIA H800", 989e12, (9, 0)),
+        Gpu("h200-nvl", "NVIDIA H200 NVL", 835e12, (9, 0)),
+        Gpu("b200", "NVIDIA B200", 2250e12, (10, 0)),
     )
 }
 TARGETS = {name: g for name, g in GPUS.items() if g.is_target}  # what train.aot compiles for
@@ -128,7 +168,7 @@ def target_config(name: str) -> str:
   threads_per_warp: 32
   shared_memory_per_block: 49152
   shared_memory_per_core: {g.shared_memory_per_sm}
-  threads_per_core_limit: 2048
+  threads_per_core_limit: {g.threads_per_sm}
   core_count: {g.sm_count}
   fpus_per_core: {g.fp32_cores_per_sm}
   block_dim_limit_x: 2147483647

@@ -13,10 +13,12 @@ head h reads kv head h // (hq // hkv)) and optional segment_ids [b, s], and retu
                memory grows with S * block, not S^2, so long sequences run on CPU. Key blocks
                that no query of a block can see (causal future, other documents) are skipped.
 
-"auto" on a GPU takes a fused kernel whenever one applies: cuDNN for unpacked half-precision
-input (its fastest path), Pallas for packed input (cuDNN would take the segment mask as a dense
-[b, 1, S, S] bias) and for what cuDNN refuses; elsewhere blockwise from BLOCKWISE_MIN_SEQ tokens,
-else xla.
+"auto" on a GPU from sm80 (Ampere) takes a fused kernel whenever one applies: cuDNN for unpacked
+half-precision input (its fastest path), Pallas for packed input (cuDNN would take the segment
+mask as a dense [b, 1, S, S] bias) and for what cuDNN refuses; on an older GPU (the T4, sm75),
+on CPU and for what neither takes: blockwise from BLOCKWISE_MIN_SEQ tokens, else xla (bf16 on a
+pre-Ampere GPU, and float16 on CPU: blockwise always, since the xla kernel's dot does not compile
+there). Which GPU runs what: gpu_kernels, by compute capability.
 """
 
 from __future__ import annotations
@@ -79,22 +81,95 @@ def pallas_supported(q: jax.ShapeDtypeStruct, full_seq_len: int) -> str | None:
     return None
 
 
-def resolve_impl(impl: str, q_shape_dtype, full_seq_len: int, platform: str, has_segments: bool) -> str:
-    """Turn "auto" into a concrete kernel: on a GPU cudnn (unpacked) or pallas (packed, or what
-    cuDNN refuses) where they apply; blockwise for long S; else xla."""
+# cuDNN's flash attention (its frontend refuses SDPA below Ampere) and Triton, under the Pallas
+# kernel (XLA: "Triton support is only enabled for Ampere GPUs (compute capability 8.0) and up"),
+# need sm80. A deviceless compile for a T4 does build a cuDNN custom call: cuDNN refuses it on the
+# device, so it is refused here, before compiling.
+FUSED_MIN_CC = (8, 0)
+FUSED = ("cudnn", "pallas")
+# The xla kernel (jax.nn.dot_product_attention) asks for a half x half -> f32 dot algorithm.
+# Below sm80 XLA has no bf16 one (a T4 compile fails with "Unsupported algorithm ...
+# ALG_DOT_BF16_BF16_F32"), and the CPU has no f16 one ("The precision 'F16_F16_F32' is not
+# supported by dot_general on CPU"); the blockwise kernel's plain dots compile in both (on a T4
+# XLA runs bf16 ones in f32: no bf16 tensor cores).
+BF16_DOT_MIN_CC = (8, 0)
+
+
+def _xla_dot_unsupported(platform: str, capability, dtype) -> str | None:
+    """Why the xla kernel's dot does not compile here in `dtype`, or None."""
+    if dtype is None:
+        return None
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bfloat16 and platform == "gpu" and capability is not None and \
+            tuple(capability) < BF16_DOT_MIN_CC:
+        return f"does not compile for {_sm(capability)} (XLA has no bf16 dot below sm80)"
+    if dtype == jnp.float16 and platform == "cpu":
+        return "does not compile on CPU (XLA's CPU backend has no f16 x f16 -> f32 dot)"
+    return None
+
+
+def device_capability(device) -> tuple[int, int] | None:
+    """A CUDA device's compute capability, e.g. (7, 5) for a T4 (a deviceless compile target's
+    devices have it too); None for other devices."""
+    raw = getattr(device, "compute_capability", None)  # "8.0" on CUDA devices
+    if getattr(device, "platform", None) != "gpu" or not raw:
+        return None
+    try:
+        major, minor = (int(x) for x in str(raw).split(".")[:2])
+    except ValueError:
+        return None
+    return major, minor
+
+
+def gpu_kernels(capability: tuple[int, int] | None) -> tuple[str, ...]:
+    """The kernels of IMPLS (but auto) a GPU of this compute capability runs (None: unknown, e.g.
+    a non-CUDA GPU; assumed to run all)."""
+    if capability is None or tuple(capability) >= FUSED_MIN_CC:
+        return ("xla", "cudnn", "pallas", "blockwise")
+    return ("xla", "blockwise")
+
+
+def _sm(capability) -> str:
+    return f"sm{capability[0]}{capability[1]}"
+
+
+def kernel_unsupported(impl: str, platform: str, capability: tuple[int, int] | None,
+                       dtype=None) -> str | None:
+    """None when `impl` runs on this platform/GPU in `dtype`, else why not and what to use (one
+    line). "auto" always runs."""
+    if impl == "cudnn" and platform != "gpu":
+        return f"impl='cudnn' needs a GPU but the mesh is on {platform}; use 'auto'"
+    if impl == "xla" and (why := _xla_dot_unsupported(platform, capability, dtype)):
+        return (f"impl='xla' in {jnp.dtype(dtype).name} {why}; use 'auto' or 'blockwise', or "
+                "float32 compute")
+    if platform != "gpu" or capability is None or impl == "auto":
+        return None
+    if impl in FUSED and impl not in gpu_kernels(capability):
+        return (f"impl={impl!r} needs a GPU of compute capability 8.0 (Ampere) or newer and this "
+                f"one is {_sm(capability)}; use 'auto', 'blockwise' or 'xla'")
+    return None
+
+
+def resolve_impl(impl: str, q_shape_dtype, full_seq_len: int, platform: str, has_segments: bool,
+                 capability: tuple[int, int] | None = None) -> str:
+    """Turn "auto" into a concrete kernel: on a GPU from sm80 cudnn (unpacked) or pallas (packed,
+    or what cuDNN refuses) where they apply; blockwise for long S (and for bf16 below sm80);
+    else xla. capability: the GPU's compute capability (device_capability), None: any GPU."""
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; use one of {', '.join(IMPLS)}")
-    if impl == "cudnn" and platform != "gpu":
-        raise ValueError(f"impl='cudnn' needs a GPU but the mesh is on {platform}; use 'auto'")
+    if why := kernel_unsupported(impl, platform, capability, q_shape_dtype.dtype):
+        raise ValueError(why)
     if impl == "pallas" and (why := pallas_supported(q_shape_dtype, full_seq_len)):
         raise ValueError(f"impl='pallas': {why}; use 'auto' or 'blockwise'")
     if impl != "auto":
         return impl
-    if platform == "gpu":
-        if cudnn_supported(q_shape_dtype, platform) and not has_segments:
-            return "cudnn"
-        if pallas_supported(q_shape_dtype, full_seq_len) is None:
-            return "pallas"
+    runs = gpu_kernels(capability) if platform == "gpu" else ("xla", "blockwise")
+    if "cudnn" in runs and cudnn_supported(q_shape_dtype, platform) and not has_segments:
+        return "cudnn"
+    if "pallas" in runs and pallas_supported(q_shape_dtype, full_seq_len) is None:
+        return "pallas"
+    if kernel_unsupported("xla", platform, capability, q_shape_dtype.dtype):
+        return "blockwise"
     return "blockwise" if full_seq_len >= BLOCKWISE_MIN_SEQ else "xla"
 
 

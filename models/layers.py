@@ -243,8 +243,9 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 def local_attention(q, k, v, *, segment_ids, impl: str):
     """Single-device attention through the basp_jax kernels (no mesh, no all-to-all)."""
-    platform = jax.devices()[0].platform
-    name = basp_kernels.resolve_impl(impl, q, q.shape[1], platform, segment_ids is not None)
+    device = jax.devices()[0]
+    name = basp_kernels.resolve_impl(impl, q, q.shape[1], device.platform, segment_ids is not None,
+                                     basp_kernels.device_capability(device))
     with jax.named_scope("attention_kernel"):  # as basp_jax.attention names it
         return basp_kernels.KERNELS[name](q, k, v, causal=True, segment_ids=segment_ids)
 

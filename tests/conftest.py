@@ -100,6 +100,7 @@ SLOWEST_FIRST = [
     "test_models_parallel.py",
     "test_long_context.py",
     "test_train_nonfinite.py",
+    "test_train_loss_scale.py",
     "test_generate.py",
     "test_host_sharding.py",
 ]

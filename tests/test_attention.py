@@ -294,3 +294,48 @@ def test_auto_takes_a_fused_kernel_on_gpu():
     assert resolve_impl("auto", bf16, 4096, "cpu", has_segments=True) == "blockwise"
     with pytest.raises(ValueError, match="multiple of 128"):
         resolve_impl("pallas", bf16, 4000, "gpu", has_segments=True)
+
+
+class _Device:
+    """What device_capability reads of a jax device."""
+
+    def __init__(self, platform, compute_capability=None):
+        self.platform, self.compute_capability = platform, compute_capability
+
+
+def test_the_kernel_follows_the_gpu_generation():
+    """From sm80 the fused kernels; on a T4 (sm75) blockwise or xla, blockwise whenever the
+    input is bf16 (XLA has no bf16 dot there); an explicit kernel the GPU cannot run is refused
+    with one line naming what would run."""
+    from basp_jax import gpus
+    from basp_jax.kernels import device_capability, resolve_impl
+
+    t4 = device_capability(_Device("gpu", "7.5"))
+    assert t4 == (7, 5) and device_capability(_Device("cpu")) is None
+    assert device_capability(_Device("gpu", "8.9")) == gpus.GPUS["l4-24gb"].compute_capability
+    bf16 = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
+    f32_short = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.float32)
+    bf16_short = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16)
+    for segments in (False, True):
+        assert resolve_impl("auto", bf16, 4096, "gpu", segments, t4) == "blockwise"
+        assert resolve_impl("auto", bf16_short, 1024, "gpu", segments, t4) == "blockwise"
+        assert resolve_impl("auto", f32_short, 1024, "gpu", segments, t4) == "xla"
+    for cc in ((8, 0), (8, 6), (8, 9), (9, 0)):
+        assert resolve_impl("auto", bf16, 4096, "gpu", False, cc) == "cudnn"
+        assert resolve_impl("auto", bf16, 4096, "gpu", True, cc) == "pallas"
+    for impl in ("cudnn", "pallas"):
+        with pytest.raises(ValueError, match=f"impl='{impl}' needs a GPU of compute capability "
+                                             "8.0 .* this one is sm75; use 'auto', 'blockwise'"):
+            resolve_impl(impl, bf16, 4096, "gpu", False, t4)
+    with pytest.raises(ValueError, match="impl='xla' in bfloat16 does not compile for sm75"):
+        resolve_impl("xla", bf16, 4096, "gpu", False, t4)
+    assert resolve_impl("xla", f32_short, 1024, "gpu", False, t4) == "xla"
+    assert resolve_impl("blockwise", bf16, 4096, "gpu", True, t4) == "blockwise"
+    # the CPU has no f16 x f16 -> f32 dot for the xla kernel (float16 compute, tests of it)
+    f16_short = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.float16)
+    assert resolve_impl("auto", f16_short, 1024, "cpu", False) == "blockwise"
+    assert resolve_impl("auto", f16_short, 1024, "gpu", False, t4) == "xla"
+    with pytest.raises(ValueError, match="impl='xla' in float16 does not compile on CPU"):
+        resolve_impl("xla", f16_short, 1024, "cpu", False)
+    assert gpus.GPUS["t4-16gb"].attention_kernels == ("xla", "blockwise")
+    assert "cudnn" in gpus.GPUS["a10g-24gb"].attention_kernels

@@ -382,3 +382,72 @@ def test_long_context_config_fits_with_its_layer_inputs_in_host_memory(long_8b):
         ("h100-80gb", 1, 8)
     assert four["layout"]["groups"] == 4 and four["hosts"] == 4
     assert sum(c["inter_host_wire_bytes"] for c in _rows(four, "all-to-all")) == 0
+
+
+COLAB = "configs/colab.yaml"
+
+
+@pytest.fixture(scope="session")
+def colab_t4(cuda_plugin, tmp_path_factory):
+    """The Colab config for a free Colab GPU, by the README's command (issue #26)."""
+    out = tmp_path_factory.mktemp("aot") / "t4.json"
+    done = _run("-m", "train.aot", "--config", COLAB, "--target", "t4-16gb", "--hosts", "1",
+                "--gpus-per-host", "1", "--json", str(out))
+    return {"done": done, "report": json.loads(out.read_text()) if out.exists() else None}
+
+
+@pytest.fixture(scope="session")
+def colab_others(cuda_plugin, tmp_path_factory):
+    """The Colab config for the paid Colab GPUs (L4, A100-40GB), and for a T4 at four times its
+    length (which does not fit), compiled in one process."""
+    out = tmp_path_factory.mktemp("aot") / "colab.json"
+    cases = [f"{COLAB},parallel.hardware=l4-24gb", f"{COLAB},parallel.hardware=a100-40gb",
+             f"{COLAB},data.seq_len=262144"]
+    done = _run("tests/aot_worker.py", str(out), *cases)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(zip(("l4-24gb", "a100-40gb", "t4-16gb x4"), json.loads(out.read_text())))
+
+
+def test_the_colab_config_fits_a_t4_in_float16_with_a_kernel_a_t4_runs(colab_t4):
+    done, r = colab_t4["done"], colab_t4["report"]
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr == ""  # no traceback, no notice
+    assert "Tesla T4 x 1 (1 host(s) x 1)" in done.stdout and ": fits" in done.stdout
+    assert r["fits"] and r["layout"]["seq_len"] == 65536
+    assert r["compute_dtype"] == "float16"  # model.dtype=auto: fp16 tensor cores, no bf16 ones
+    assert "float16 compute with dynamic loss scaling" in done.stdout
+    # the blockwise kernel: no Triton (refused below sm80) and no cuDNN flash attention
+    assert set(r["attention_kernels"]) == {"pure-JAX loop"}, r["attention_kernels"]
+    assert r["peak_bytes_per_device"] <= gpus.usable_memory_bytes(gpus.GPUS["t4-16gb"])
+
+
+def test_the_colab_config_fits_l4_and_a100_with_cudnn_in_bf16(colab_others):
+    for target in ("l4-24gb", "a100-40gb"):
+        r = colab_others[target]
+        assert r["target"]["name"] == target and (r["hosts"], r["gpus_per_host"]) == (1, 1)
+        assert r["fits"], f"{target}: {r['peak_bytes_per_device'] / GiB:.1f} GiB"
+        assert r["compute_dtype"] == "bfloat16"
+        assert set(r["attention_kernels"]) == {"cudnn"}, (target, r["attention_kernels"])
+
+
+def test_a_step_that_does_not_fit_a_t4_says_what_would_in_one_line(colab_others):
+    from train import aot
+
+    r = colab_others["t4-16gb x4"]
+    assert not r["fits"] and r["would_fit"] == "data.seq_len=131072 or --hosts 2 (2 GPUs)"
+    last = aot.format_report(r).splitlines()[-1]
+    assert last.startswith("does not fit: ") and last.endswith(r["would_fit"])
+
+
+def test_a_kernel_a_t4_cannot_run_is_one_line_before_compiling(cuda_plugin):
+    cases = [
+        (["model.attn_impl=pallas"], "model.attn_impl=pallas on Tesla T4: attn_impl='pallas' needs "
+                                     "a GPU of compute capability 8.0 (Ampere) or newer"),
+        (["model.attn_impl=cudnn"], "this one is sm75; use 'auto', 'blockwise' or 'xla'"),
+        (["model.attn_impl=xla", "model.dtype=bfloat16"], "does not compile for sm75"),
+    ]
+    for extra, message in cases:
+        done = _run("-m", "train.aot", "--config", COLAB, "--target", "t4-16gb", "--hosts", "1",
+                    "--gpus-per-host", "1", *extra, timeout=300)
+        assert done.returncode == 2 and done.stdout == "", (extra, done.stdout, done.stderr)
+        assert done.stderr.count("\n") == 1 and message in done.stderr, (extra, done.stderr)

@@ -11,7 +11,8 @@ KINDS = {
     "NVIDIA A100-SXM4-40GB": 312, "NVIDIA A100-SXM4-80GB": 312, "NVIDIA A100-PCIE-40GB": 312,
     "NVIDIA A100 80GB PCIe": 312, "NVIDIA H100 80GB HBM3": 989, "NVIDIA H100 PCIe": 756,
     "NVIDIA H100 NVL": 835, "NVIDIA H800": 989, "NVIDIA H200": 989, "NVIDIA H200 NVL": 835,
-    "NVIDIA B200": 2250,
+    "NVIDIA B200": 2250, "NVIDIA L4": 121, "NVIDIA A10G": 125, "NVIDIA GeForce RTX 4090": 165.2,
+    "Tesla T4": 65,  # fp16: no bf16 tensor cores
 }
 
 
@@ -19,11 +20,12 @@ KINDS = {
 def test_each_device_kind_gets_its_own_peak_and_the_log_names_it(kind):
     peak, line = peak_flops(MetricsConfig(), kind)
     assert peak == KINDS[kind] * 1e12
-    assert line == f"{KINDS[kind]:g} TFLOP/s per device, the bf16 dense peak of {kind}"
+    half = "fp16" if kind == "Tesla T4" else "bf16"
+    assert line == f"{KINDS[kind]:g} TFLOP/s per device, the {half} dense peak of {kind}"
 
 
 @pytest.mark.parametrize("kind", ["NVIDIA H100", "NVIDIA H100 80GB HBM3 MIG 1g.10gb",
-                                  "NVIDIA GeForce RTX 4090", "cpu", None])
+                                  "NVIDIA GeForce RTX 3090", "cpu", None])
 def test_an_unknown_kind_has_no_peak_and_says_so(kind):
     peak, line = peak_flops(MetricsConfig(), kind)
     assert peak is None
@@ -45,7 +47,16 @@ def test_one_table_serves_mfu_the_planner_and_the_compile_targets():
     kinds = [g.device_kind for g in gpus.GPUS.values()]
     assert len(set(kinds)) == len(kinds) == len(KINDS) and set(kinds) == set(KINDS)
     for name, hw in cost.HARDWARE.items():  # the planner's peak is the table's
-        assert hw.peak_flops == gpus.GPUS[name].peak_bf16_flops
-    assert set(gpus.TARGETS) == {"a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb"}
+        assert hw.peak_flops == gpus.GPUS[name].peak_flops
+    assert set(gpus.TARGETS) == set(cost.HARDWARE) == {
+        "a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "t4-16gb", "l4-24gb", "a10g-24gb",
+        "rtx4090-24gb"}
+    # bf16 tensor cores and the fused attention kernels from sm80 only
+    assert [n for n, g in gpus.GPUS.items() if not g.bf16] == ["t4-16gb"]
+    assert gpus.GPUS["t4-16gb"].half_dtype == "float16"
+    assert [n for n, g in gpus.GPUS.items() if "pallas" not in g.attention_kernels] == ["t4-16gb"]
+    t4 = gpus.target_config("t4-16gb")  # what XLA is told about a T4 (sm75: 1024 threads per SM)
+    assert "core_count: 40" in t4 and "threads_per_core_limit: 1024" in t4
+    assert "major: 7\n    minor: 5" in t4 and 'device_description_str: "Tesla T4"' in t4
     with pytest.raises(ValueError, match="unknown GPU 'b200'; use one of a100-40gb"):
         gpus.target_config("b200")  # a peak alone is not enough to compile for it

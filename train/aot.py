@@ -13,8 +13,9 @@ basp_jax.gpus. The plugin is either installed in this environment (jax[cuda12] o
 installed by --install into a folder beside this environment, which only this command puts on
 its path (so `import jax` elsewhere stays quiet on CPU-only machines).
 
-Exit status: 0, the step fits; 1, it compiled but does not fit in the memory JAX may take;
-2, bad input (one line on stderr).
+Exit status: 0, the step fits; 1, it compiled but does not fit in the memory JAX may take (the
+report's last line says what would), or XLA could not compile it for this GPU (one line on stderr
+naming the kernel or setting to change, never a traceback); 2, bad input (one line on stderr).
 """
 
 from __future__ import annotations
@@ -40,6 +41,40 @@ GiB = 2**30
 
 class AotError(ValueError):
     """Bad input for the compile command; the one-line message says what to change or install."""
+
+
+class CompileFailed(AotError):
+    """XLA refused to compile the step for the target (exit 1, as a step that does not fit)."""
+
+
+# What XLA's error says -> the setting to change (first match wins). A kernel the target cannot
+# run is refused before compiling (train.prepare.check_kernel); these are what gets past that.
+_COMPILE_HINTS = (
+    ("Triton", "the Pallas/Triton attention kernel does not compile for {target} (Triton needs "
+     "sm80); set model.attn_impl=auto or blockwise"),
+    ("ALG_DOT_BF16", "{target} has no bf16 matrix multiply in XLA (sm{sm}); set model.dtype=auto "
+     "(float16 there) or float32, or model.attn_impl=blockwise if it is attention's"),
+    ("cudnn", "the cuDNN attention kernel does not compile for {target}; set "
+     "model.attn_impl=blockwise (or auto)"),
+    ("RESOURCE_EXHAUSTED", "the step needs more memory than {target} has even to compile; lower "
+     "data.seq_len or train.microbatch_size, or set model.remat=auto"),
+)
+
+
+def compile_failure(error: BaseException, target: str) -> str:
+    """One line for a compile error: XLA's first line and the setting that avoids it."""
+    from basp_jax import gpus
+
+    text = str(error)
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
+    cc = gpus.get(target).compute_capability
+    for needle, hint in _COMPILE_HINTS:
+        if needle.lower() in text.lower():
+            fix = hint.format(target=target, sm=f"{cc[0]}{cc[1]}")
+            break
+    else:
+        fix = "try model.attn_impl=blockwise (it compiles for every GPU) or model.dtype=float32"
+    return f"XLA could not compile the step for {target}: {first[:300]}; {fix}"
 
 
 # ---------------------------------------------------------------------------- the CUDA plugin
@@ -259,7 +294,8 @@ def format_report(r: dict) -> str:
         f"layout: {lay['describe']}; {r['param_sharding']} parameters; "
         f"{r['grad_accum']} microbatch(es) of {lay['batch']} x {lay['seq_len']} tokens; "
         f"remat {r['remat']}" + (f", tiles of {r['tile_tokens']} tokens" if r["tile_tokens"]
-                                 else ""),
+                                 else "") + f"; {r['compute_dtype']} compute"
+        + (" with dynamic loss scaling" if r["compute_dtype"] == "float16" else ""),
         "",
         "memory per device            GiB",
         f"  arguments           {mem['argument_bytes'] / GiB:>10.2f}",
@@ -271,6 +307,9 @@ def format_report(r: dict) -> str:
         f"{r['device_memory_bytes'] / GiB:.2f} on the device; JAX may take {usable / GiB:.2f} "
         f"({r['memory_fraction']:.0%}): " + ("fits" if r["fits"] else "DOES NOT FIT"),
     ]
+    if not r["bf16"] and r["compute_dtype"] == "bfloat16":
+        lines.append(f"  model.dtype=bfloat16 on {r['target']['device_kind']}: no bf16 tensor "
+                     "cores, XLA runs its bf16 matmuls in float32 (model.dtype=auto: float16)")
     if r["host_peak_bytes_per_device"] or r["formula_host_memory_bytes"]:
         t = r["host_transfers"]
         lines += [
@@ -302,22 +341,40 @@ def format_report(r: dict) -> str:
             f"  {c['kind']:<20}{c['dtype']:<7}{c['group_size']:>6}{c['count']:>7}"
             f"{c['per_layer']:>8.2f}{c['bytes'] / 2**20:>11.1f}{c['wire_bytes'] / 2**20:>11.1f}"
             f"{c['inter_host_wire_bytes'] / 2**20:>16.1f}")
+    if not r["fits"]:
+        lines += ["", f"does not fit: {r['peak_bytes_per_device'] / GiB:.2f} GiB per device of the "
+                  f"{usable / GiB:.2f} JAX may take on {r['target']['device_kind']}; would fit "
+                  f"(the planner's estimate, not compiled): {r['would_fit']}"]
     return "\n".join(lines)
 
 
 def report(cfg, target: str, hosts: int, gpus_per_host: int, *, want_hlo: bool = False) -> dict:
     """Compile `cfg` for `hosts` x `gpus_per_host` GPUs of `target`: the report as a dict."""
-    from basp_jax import cost, gpus
+    import jax
 
-    from .config import replace
+    from basp_jax import LayoutError, cost, gpus
+    from models import ModelError
+
+    from .config import ConfigError, replace
+    from .prepare import check_kernel, with_compute_dtype
 
     gpu = gpus.get(target)
     devices = gpu_devices(target, hosts, gpus_per_host)
+    cfg = with_compute_dtype(cfg, devices[0])  # model.dtype=auto: as this GPU would compute
+    check_kernel(cfg, devices[0])  # a kernel this GPU cannot run: one line, before compiling
     # the planner's choices (mode=auto, param_sharding=auto, remat=auto) for the target's memory
     cfg = replace(cfg, f"parallel.hardware={target}")
-    r = compile_step(cfg, devices, gpus_per_host, want_hlo=want_hlo)
+    try:
+        r = compile_step(cfg, devices, gpus_per_host, want_hlo=want_hlo)
+    except (jax.errors.JaxRuntimeError, NotImplementedError) as e:  # XLA's, cuDNN's refusals
+        raise CompileFailed(compile_failure(e, target)) from None
+    except (LayoutError, ModelError, ConfigError):
+        raise  # their one line, as bad input
+    except ValueError as e:  # a kernel's own check while tracing (basp_jax.kernels: one line)
+        raise AotError(f"model.attn_impl={cfg.model.attn_impl}: {e}") from None
     usable = gpus.usable_memory_bytes(gpu)
     host_budget = cost.HARDWARE[target].host_memory_bytes
+    r["compute_dtype"] = cfg.model.dtype
     r.update({
         "host_budget_bytes": host_budget,
         "host_fits": r["host_peak_bytes_per_device"] <= host_budget,
@@ -327,8 +384,61 @@ def report(cfg, target: str, hosts: int, gpus_per_host: int, *, want_hlo: bool =
         "memory_fraction": gpus.memory_fraction(),
         "usable_memory_bytes": usable,
         "fits": r["peak_bytes_per_device"] <= usable and r["host_peak_bytes_per_device"] <= host_budget,
+        "bf16": gpu.bf16,
     })
+    if not r["fits"]:
+        r["would_fit"] = would_fit(cfg, r, hosts * gpus_per_host, gpus_per_host)
     return r
+
+
+def would_fit(cfg, r: dict, num_devices: int, devices_per_host: int) -> str:
+    """What would fit when the compiled step does not: model.remat=auto at this length, else the
+    longest shorter data.seq_len (halving) and the fewest hosts (doubling, up to 8x) that fit at
+    this length, by the planner's formula scaled to what this compile measured (the formula is
+    within 15% of compiled programs; the scale takes this one's error out). A suggestion, not a
+    compiled result."""
+    from .config import replace
+    from .planning import memory_estimate, memory_policy, plan
+    from .prepare import model_config
+
+    mcfg = model_config(cfg)
+    scale = r["peak_bytes_per_device"] / r["formula_memory_bytes"]
+    usable = r["usable_memory_bytes"]
+
+    def fits(variant, devices=num_devices) -> bool:
+        try:
+            layout, strategy = plan(variant, mcfg, devices, devices_per_host)
+        except ValueError:  # a length this layout cannot split
+            return False
+        remat, tile = memory_policy(variant, mcfg, layout, strategy, devices_per_host)
+        need = memory_estimate(variant, mcfg, layout, strategy, remat=remat, tile_tokens=tile)[0]
+        return need * scale <= usable
+
+    def with_remat(variant, devices=num_devices) -> str | None:
+        """'' when `variant` fits as it is, ' model.remat=auto' when it fits with it, else None."""
+        if fits(variant, devices):
+            return ""
+        if cfg.model.remat != "auto" and fits(replace(variant, "model.remat=auto"), devices):
+            return " model.remat=auto"
+        return None
+
+    if (extra := with_remat(cfg)) is not None:
+        return extra.strip()
+    options = []
+    seq = cfg.data.seq_len // 2
+    while seq >= 256 and not options:
+        if (extra := with_remat(replace(cfg, f"data.seq_len={seq}"))) is not None:
+            options.append(f"data.seq_len={seq}{extra}")
+        seq //= 2
+    hosts = num_devices // devices_per_host
+    for more in (2 * hosts, 4 * hosts, 8 * hosts):
+        devices = more * devices_per_host
+        variant = replace(cfg, f"runtime.devices={devices}")
+        if (extra := with_remat(variant, devices)) is not None:
+            options.append(f"--hosts {more} ({devices} GPUs){extra}")
+            break
+    return " or ".join(options) or \
+        "nothing shorter nor up to 8x the hosts: a smaller model (or a GPU with more memory)"
 
 
 # ---------------------------------------------------------------------------- compiled planner
@@ -478,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
             raise AotError(str(e)) from None
     except (AotError, ConfigError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(e, CompileFailed) else 2
     print(format_plan(rows) if args.plan else format_report(r), flush=True)
     try:
         if args.hlo and not args.plan:

@@ -71,7 +71,9 @@ class ModelSection:
     hf_path: Optional[str] = None  # local Hugging Face directory (config.json [+ safetensors])
     load_weights: bool = True  # with hf_path: load its safetensors (False: config only, random init)
     shape: dict = dataclasses.field(default_factory=dict)  # ModelConfig field overrides
-    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
+    # compute dtype (float16: with dynamic loss scaling); auto: bfloat16 on a GPU with bf16 tensor
+    # cores (sm80 on), float16 on one with fp16 ones only (T4), else float32 (CPU)
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     attn_impl: Literal["auto", "xla", "cudnn", "pallas", "blockwise"] = "auto"
     remat: str = "none"

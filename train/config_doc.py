@@ -34,9 +34,10 @@ COMMAND = "python -m train.config_doc --write configs/README.md"
 EXTRA_MEANINGS = {
     "run.seed": "initialisation and data order; 0 to 2**32 - 1",
     "model.param_dtype": "storage dtype of the parameters",
-    "model.attn_impl": "attention kernel: auto (on a GPU cudnn for unpacked, pallas for packed "
-                       "data; else blockwise from 2048 tokens, else xla), xla, cudnn (GPU), pallas "
-                       "(Triton, GPU), blockwise (memory-efficient, pure JAX)",
+    "model.attn_impl": "attention kernel: auto (on a GPU from sm80 cudnn for unpacked, pallas for "
+                       "packed data; else, and on a T4 (sm75), blockwise from 2048 tokens or in "
+                       "bf16, else xla), xla, cudnn (GPU, sm80+), pallas (Triton, GPU, sm80+), "
+                       "blockwise (memory-efficient, pure JAX)",
     "model.remat": "recompute in the backward pass: none, full, dots (keep the projections), "
                    "offload (each layer's input in pinned host memory; the all-to-alls repeat "
                    "backward), offload_exchanges (the all-to-alls' outputs offloaded too); "

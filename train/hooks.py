@@ -127,6 +127,8 @@ class StepReport:
             "loss_tokens": int(metrics["tokens"]),  # targets that count (not masked)
             "mfu": self.mfu(tps),
         }
+        if "loss_scale" in metrics:  # float16: the scale this step's loss was multiplied by
+            record["loss_scale"] = float(metrics["loss_scale"])
         finite = bool(metrics["finite"])
         record["skipped"] = not finite
         if evaluation is not None:
@@ -136,17 +138,21 @@ class StepReport:
         self.logger.log(record)
         self.writer.write(record)
         if not finite:
-            self.non_finite(step + 1, loss, record["grad_norm"])
+            self.non_finite(step + 1, loss, record["grad_norm"], record.get("loss_scale"))
         return ended
 
-    def non_finite(self, step: int, loss: float, grad_norm: float) -> None:
-        """train.on_nonfinite: the step left the parameters unchanged; go on, or stop the run."""
+    def non_finite(self, step: int, loss: float, grad_norm: float,
+                   loss_scale: float | None = None) -> None:
+        """train.on_nonfinite: the step left the parameters unchanged; go on, or stop the run.
+        Under float16 an overflow also halves the loss scale (train.step.LossScale)."""
         if math.isfinite(loss) and math.isfinite(grad_norm):
             what = (f"the update (loss {loss}, grad norm {grad_norm}) "
                     "made the parameters or optimizer state non-finite")
         else:
             what = f"loss {loss} / grad norm {grad_norm} is not finite"
         message = f"step {step}: {what}; the parameters were left unchanged"
+        if loss_scale is not None:
+            message += f" and the float16 loss scale {loss_scale:g} is halved"
         if self.run.cfg.train.on_nonfinite == "stop":
             ckpt = self.run.ckpt
             ckpt.wait()  # an async save of an earlier step completes first

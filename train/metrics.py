@@ -18,7 +18,7 @@ from .config import ConfigError, MetricsConfig
 def peak_flops(cfg: MetricsConfig, device_kind: str | None = None) -> tuple[float | None, str]:
     """Peak FLOP/s of one device for MFU, and a line for the log naming it (or saying why MFU is
     not reported): metrics.peak_flops, else the GPU metrics.device names, else the GPU whose
-    device kind is exactly `device_kind` (basp_jax.gpus, bf16 dense)."""
+    device kind is exactly `device_kind` (basp_jax.gpus, bf16 dense; fp16 without bf16)."""
     from basp_jax import gpus
 
     if cfg.peak_flops is not None:
@@ -28,14 +28,19 @@ def peak_flops(cfg: MetricsConfig, device_kind: str | None = None) -> tuple[floa
         if gpu is None:
             raise ConfigError(f"metrics.device {cfg.device!r} is not a known GPU; use one of "
                               f"{', '.join(gpus.GPUS)} or set metrics.peak_flops")
-        return gpu.peak_bf16_flops, (f"{gpu.peak_bf16_flops / 1e12:g} TFLOP/s per device, the bf16 "
-                                     f"dense peak of {gpu.device_kind} (metrics.device={gpu.name})")
+        return gpu.peak_flops, (f"{gpu.peak_flops / 1e12:g} TFLOP/s per device, the "
+                                f"{_half(gpu)} dense peak of {gpu.device_kind} "
+                                f"(metrics.device={gpu.name})")
     gpu = gpus.by_device_kind(device_kind) if device_kind else None
     if gpu is None:
         return None, (f"no peak FLOP/s is known for device kind {device_kind!r}, so mfu is not "
                       "reported; set metrics.peak_flops (FLOP/s per device) or metrics.device")
-    return gpu.peak_bf16_flops, (f"{gpu.peak_bf16_flops / 1e12:g} TFLOP/s per device, the bf16 "
-                                 f"dense peak of {gpu.device_kind}")
+    return gpu.peak_flops, (f"{gpu.peak_flops / 1e12:g} TFLOP/s per device, the {_half(gpu)} "
+                            f"dense peak of {gpu.device_kind}")
+
+
+def _half(gpu) -> str:
+    return "bf16" if gpu.bf16 else "fp16"  # the T4's peak is fp16: it has no bf16 tensor cores
 
 
 def _clean(value: Any) -> Any:

@@ -140,7 +140,13 @@ def memory_policy(cfg: Config, mcfg, layout: Layout, strategy: str,
 
 
 def _act_bytes(cfg: Config) -> int:
-    return 2 if cfg.model.dtype == "bfloat16" else 4
+    dtype = cfg.model.dtype
+    if dtype == "auto":  # unresolved (train.aot --plan): as parallel.hardware would compute
+        from basp_jax import gpus
+
+        gpu = gpus.GPUS.get(cfg.parallel.hardware)
+        dtype = "float32" if gpu is None else gpu.half_dtype  # bf16, or fp16 (a T4)
+    return 2 if dtype in ("bfloat16", "float16") else 4
 
 
 def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,

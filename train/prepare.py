@@ -18,17 +18,19 @@ from flax import nnx
 
 import models
 from basp_jax import Layout
+from basp_jax import kernels as basp_kernels
 
 from . import evaluate, planning, resume, runtime, writers
 from .checkpoint import Checkpointer, checkpoint_dir, complete_steps, inspect_latest
-from .config import Config, ConfigError, _coerce, yaml_load
+from .config import Config, ConfigError, _coerce, replace, yaml_load
 from .data import Pipeline
 from .lock import RunDirLock, check_free
 from .metrics import peak_flops
 from .outputs import check_output_paths
 from .program import (RunPlan, TrainProgram, abstract_state, build_program, model_factory,
                       model_options, plan_run)
-from .step import build_model, from_module, init_opt_state, make_optimizer
+from .step import (DTYPES, build_model, compute_dtype, from_module, init_opt_state,
+                   loss_scaling, make_optimizer)
 
 
 def model_config(cfg: Config) -> "models.ModelConfig":
@@ -88,11 +90,28 @@ def select_devices(cfg: Config) -> list:
     return devices
 
 
-def check_kernel(cfg: Config, platform: str) -> None:
-    """model.attn_impl names a kernel this platform has."""
-    if cfg.model.attn_impl == "cudnn" and platform != "gpu":
+def with_compute_dtype(cfg: Config, device) -> Config:
+    """cfg with model.dtype=auto resolved for `device` (train.step.compute_dtype)."""
+    if cfg.model.dtype != "auto":
+        return cfg
+    return replace(cfg, f"model.dtype={compute_dtype('auto', device)}")
+
+
+def check_kernel(cfg: Config, device) -> None:
+    """model.attn_impl names a kernel this device runs in model.dtype: cuDNN needs a GPU, cuDNN
+    and Pallas/Triton an Ampere (sm80) or newer one, xla's half-precision dot bf16 support (sm80)
+    or, in f16, a GPU (basp_jax.kernels); refused here, before anything compiles (the compiler's
+    own error is a page of traceback)."""
+    impl, platform = cfg.model.attn_impl, device.platform
+    if impl == "cudnn" and platform != "gpu":
         raise ConfigError(f"model.attn_impl=cudnn needs a GPU but the devices are {platform}; use "
                           "auto (cuDNN where it applies), xla or blockwise")
+    why = basp_kernels.kernel_unsupported(impl, platform, basp_kernels.device_capability(device),
+                                          DTYPES[compute_dtype(cfg.model.dtype, device)])
+    if why:
+        name = getattr(device, "device_kind", platform)
+        raise ConfigError(f"model.attn_impl={impl} on {name}: {why.replace('impl=', 'attn_impl=')}"
+                          f" (model.dtype={cfg.model.dtype})")
 
 
 def check_finite_weights(params, source: str) -> None:
@@ -165,7 +184,8 @@ def check(cfg: Config, *, is_writer: bool) -> Run:
     if cfg.model.hf_path and cfg.model.load_weights:
         models.check_pretrained(cfg.model.hf_path, mcfg)  # tensor names and shapes, headers only
     devices = select_devices(cfg)
-    check_kernel(cfg, devices[0].platform)
+    cfg = with_compute_dtype(cfg, devices[0])  # the run (and its checkpoint record) computes in it
+    check_kernel(cfg, devices[0])
     writers.check(cfg, is_writer)
     peak, peak_source = peak_flops(cfg.metrics, getattr(devices[0], "device_kind", None))
     per_host = cfg.parallel.devices_per_host or len(devices) // jax.process_count()
@@ -189,7 +209,8 @@ def check_resume(cfg: Config, mcfg, run_dir: str, record: dict) -> tuple[int | N
     that checkpoint (those checkpoint.allow_changed allows; train.resume refuses the others),
     after checking that it fits this config (checkpoint metadata only: no array is read;
     record: this config's train.resume.record)."""
-    tx, _ = make_optimizer(cfg.optimizer, cfg.train.steps)  # its state's structure, for inspection
+    # its state's structure, for inspection (cfg.model.dtype is resolved: check())
+    tx, _ = make_optimizer(cfg.optimizer, cfg.train.steps, loss_scaling(cfg.model.dtype))
     if not cfg.checkpoint.resume:
         existing = complete_steps(checkpoint_dir(run_dir))
         if existing:

@@ -24,7 +24,8 @@ from basp_jax.sharding import ShardingRules, abstract_arrays
 
 from . import planning
 from .config import Config
-from .step import DTYPES, build_model, make_optimizer, make_train_step, opt_state_shardings
+from .step import (DTYPES, build_model, compute_dtype, loss_scaling, make_optimizer,
+                   make_train_step, opt_state_shardings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +57,10 @@ def model_options(cfg: Config, plan: RunPlan | None = None, *,
     """How the configured model runs: on the plan's mesh and layout with its parameter sharding,
     or on one device without a plan; dtype replaces model.dtype."""
     m = cfg.model
+    device = plan.mesh.devices.flat[0] if plan is not None else jax.devices()[0]
     # without a plan (one device, shapes only) model.remat=auto means no rematerialisation
-    fields = dict(dtype=DTYPES[dtype or m.dtype], param_dtype=DTYPES[m.param_dtype],
+    fields = dict(dtype=DTYPES[compute_dtype(dtype or m.dtype, device)],
+                  param_dtype=DTYPES[m.param_dtype],
                   attn_impl=m.attn_impl, remat="none" if m.remat == "auto" else m.remat,
                   tile_tokens=m.tile_tokens, vocab_parallel=m.vocab_parallel,
                   scan_layers=m.scan_layers)
@@ -116,13 +119,14 @@ class TrainProgram:
 def build_program(cfg: Config, plan: RunPlan, parts) -> TrainProgram:
     """The optimizer, the shardings and the jitted train step for the model `parts`
     (train.step.ModelParts, with real or abstract parameters)."""
-    tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
+    loss_scale = loss_scaling(compute_dtype(cfg.model.dtype, plan.mesh.devices.flat[0]))
+    tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps, loss_scale)
     rules = plan.rules
     param_sh = parts.shardings(rules)
     abs_opt, opt_sh = opt_state_shardings(tx, parts.params, param_sh, rules.replicated)
     step_fn, batch_sharding = make_train_step(
         parts, tx, schedule, plan.mesh, param_sh, opt_sh,
-        loss_fn=models.causal_lm_loss, packed=cfg.data.pack,
+        loss_fn=models.causal_lm_loss, packed=cfg.data.pack, loss_scale=loss_scale,
     )
     shape = (cfg.train.grad_accum, plan.layout.batch, cfg.data.seq_len)
     return TrainProgram(plan, step_fn, tx, schedule, param_sh, abs_opt, opt_sh, batch_sharding,

@@ -6,12 +6,16 @@ whole mesh by default, never replicated unless asked). `train_step(params, opt_s
 microbatches of one step under `lax.scan`, sums loss and gradients, divides by the token count of
 the whole step, constrains the gradients to the parameters' sharding and applies the optax update,
 all in one jit with params and optimizer state donated.
+
+Under float16 compute (a T4: fp16 tensor cores, no bf16) the loss is scaled before
+differentiation and the gradients unscaled after (dynamic loss scaling, LossScale): the scale
+lives in the optimizer state, so checkpoints carry it and a resume goes on with it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +32,72 @@ from .config import OptimizerConfig
 
 BATCH_SPEC = activation_spec(None, "batch", "sequence")  # [accum, B, S]
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# fp16 tensor cores: Volta (sm70) and Turing (sm75, the T4) have them, bf16 ones come with sm80
+FP16_MIN_CC = (7, 0)
+
+
+def compute_dtype(name: str, device) -> str:
+    """model.dtype as `device` computes it: "auto" is bfloat16 on a GPU with bf16 tensor cores
+    (compute capability 8.0 on), float16 (with loss scaling) on one with only fp16 tensor cores
+    (a T4, sm75: XLA would run bf16 matmuls in float32), else float32 (CPU)."""
+    if name != "auto":
+        return name
+    from basp_jax import kernels
+
+    if device.platform != "gpu":
+        return "float32"
+    cc = kernels.device_capability(device)
+    if cc is None or cc >= kernels.BF16_DOT_MIN_CC:
+        return "bfloat16"
+    return "float16" if cc >= FP16_MIN_CC else "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScale:
+    """Dynamic loss scaling for float16 compute: the loss is multiplied by `scale` before the
+    backward pass so small gradients survive fp16 (its smallest normal is 6e-5), and the
+    gradients are divided by it after. A step whose gradients overflow is skipped (as every
+    non-finite step is) and halves the scale; `growth_interval` finite steps in a row double it.
+    The values are the usual ones (PyTorch's GradScaler, apex)."""
+
+    initial: float = 2.0**15
+    growth_interval: int = 2000
+    factor: float = 2.0
+    min_scale: float = 1.0
+
+
+class LossScaleState(NamedTuple):
+    scale: jax.Array  # float32 scalar: this step's
+    good_steps: jax.Array  # int32: finite steps since the scale last changed
+
+
+def loss_scaling(dtype: str) -> LossScale | None:
+    """The loss scaling a compute dtype needs: float16's range is too narrow for gradients."""
+    return LossScale() if dtype == "float16" else None
+
+
+def _loss_scale_holder(ls: LossScale) -> optax.GradientTransformation:
+    """Keeps the loss scale in the optimizer state (so checkpoints carry it); its update passes
+    the gradients through: the train step reads the scale and sets the next (_next_scale),
+    because that depends on whether the whole step was finite."""
+    def init(params):
+        del params
+        return LossScaleState(jnp.asarray(ls.initial, jnp.float32), jnp.zeros((), jnp.int32))
+
+    def update(updates, state, params=None):
+        del params
+        return updates, state
+
+    return optax.GradientTransformation(init, update)
+
+
+def _next_scale(state: LossScaleState, finite, ls: LossScale) -> LossScaleState:
+    grow = state.good_steps + 1 >= ls.growth_interval
+    scale = jnp.where(finite, jnp.where(grow, state.scale * ls.factor, state.scale),
+                      jnp.maximum(state.scale / ls.factor, ls.min_scale))
+    good = jnp.where(finite & ~grow, state.good_steps + 1, 0).astype(jnp.int32)
+    return LossScaleState(scale.astype(jnp.float32), good)
 
 
 @dataclasses.dataclass
@@ -94,10 +163,12 @@ def make_schedule(cfg: OptimizerConfig, steps: int) -> optax.Schedule:
 
 
 def make_optimizer(
-    cfg: OptimizerConfig, steps: int
+    cfg: OptimizerConfig, steps: int, loss_scale: LossScale | None = None
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with the schedule (and gradient clipping); with `loss_scale`, the first state of the
+    chain holds the loss scale (LossScaleState)."""
     schedule = make_schedule(cfg, steps)
-    parts = []
+    parts = [_loss_scale_holder(loss_scale)] if loss_scale is not None else []
     if cfg.clip_norm is not None:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))
     parts.append(
@@ -171,19 +242,43 @@ def make_train_step(
     *,
     loss_fn: Callable,
     packed: bool,
+    loss_scale: LossScale | None = None,
 ):
     """jit(train_step)(params, opt_state, batch, step) -> (params, opt_state, metrics).
 
     loss_fn(logits, targets) -> (sum, count) is applied to chunks of tokens and summed, so it must
-    add up over tokens (models.causal_lm_loss does).
+    add up over tokens (models.causal_lm_loss does). With `loss_scale`, `tx` is
+    make_optimizer(..., loss_scale) (its first state is the scale) and metrics hold loss_scale.
     """
     batch_sharding = NamedSharding(mesh, BATCH_SPEC)
     replicated = NamedSharding(mesh, P())
-    grad_fn = jax.value_and_grad(make_micro_loss(parts, loss_fn), has_aux=True)
+    micro_loss = make_micro_loss(parts, loss_fn)
+
+    def grad_fn_at(scale):
+        """((loss sum, count), gradients of scale x loss sum) of one microbatch."""
+        if loss_scale is None:  # the program as it is without scaling, not one times 1.0
+            return jax.value_and_grad(micro_loss, has_aux=True)
+
+        def scaled(params, tokens, targets, segment_ids):
+            # The scale multiplies the microbatch's mean loss (as in PyTorch's GradScaler and
+            # apex), not its sum: a sum over 64K tokens would overflow at a 64K times smaller scale
+            loss, n = micro_loss(params, tokens, targets, segment_ids)
+            return loss * (scale / tokens.size), (loss, n)
+
+        def grad_fn(params, tokens, targets, segment_ids):
+            (_, aux), grads = jax.value_and_grad(scaled, has_aux=True)(params, tokens, targets,
+                                                                       segment_ids)
+            return aux, grads
+
+        return grad_fn
 
     def train_step(params, opt_state, batch, step):
-        grad_sum, loss_sum, count = _accumulate(grad_fn, params, batch, param_shardings, packed)
+        scale = opt_state[0].scale if loss_scale is not None else None
+        grad_sum, loss_sum, count = _accumulate(grad_fn_at(scale), params, batch,
+                                                param_shardings, packed)
         denom = jnp.maximum(count, 1.0)
+        if scale is not None:  # the mean gradient of the unscaled loss
+            denom = denom * (scale / batch["tokens"][0].size)
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grad_sum, params)
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
         grad_norm = optax.tree.norm(grads)
@@ -196,9 +291,14 @@ def make_train_step(
         keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
         params = jax.tree.map(keep, new_params, params)
         opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+        extra = {}
+        if loss_scale is not None:  # set whether or not the step was kept: an overflow halves it
+            opt_state = (_next_scale(opt_state[0], finite, loss_scale),) + tuple(opt_state[1:])
+            extra["loss_scale"] = scale
         metrics = {
+            **extra,
             "finite": finite,
-            "loss": loss_sum / denom,
+            "loss": loss_sum / jnp.maximum(count, 1.0),
             "grad_norm": grad_norm,
             "lr": schedule(step),
             "tokens": count,
