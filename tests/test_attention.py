@@ -27,8 +27,13 @@ def _inputs(seed, hkv):
 
 
 def _value_and_grads(fn, q, k, v, d_out):
-    out, vjp = jax.vjp(fn, q, k, v)
-    return (out, *vjp(d_out))
+    """fn's output and its q, k, v gradients for the cotangent d_out, as one compiled program
+    (op by op, every kernel's loops would compile piecewise: minutes per test)."""
+    def both(q, k, v, d_out):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return (out, *vjp(d_out))
+
+    return jax.jit(both)(q, k, v, d_out)
 
 
 @pytest.mark.parametrize("impl", ["xla", "blockwise"])
