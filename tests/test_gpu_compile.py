@@ -303,9 +303,12 @@ def test_the_planners_memory_formula_is_within_15_percent_of_the_compiled(report
 
 def test_plan_compiles_every_candidate_and_picks_one_that_fits(cuda_plugin, tmp_path):
     out = tmp_path / "plan.json"
-    # one layer at 4K tokens: the candidates are those of the shipped 16K config (6 compiles)
+    # a small model of the same head counts at 4K tokens: the candidates are those of the shipped
+    # 16K config (6 compiles, seconds each)
     done = _run("-m", "train.aot", "--config", "configs/gpu/llama-3.2-1b_basp.yaml",
-                "model.shape={num_layers: 1}", "data.seq_len=4096", "--plan", "--json", str(out))
+                "model.shape={num_layers: 1, hidden_size: 512, intermediate_size: 1024, "
+                "head_dim: 16, vocab_size: 8192}", "data.seq_len=4096", "--plan", "--json",
+                str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())
     names = [row["name"] for row in rows]
