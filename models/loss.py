@@ -102,21 +102,30 @@ def _per_device_chunks(hidden, targets, project, weight, loss_fn, mesh: Mesh, c:
     under hsdp: 16.5 instead of 9.0 MiB across hosts per device; a 128K x 2048 fp32 head at 4K
     tokens per device: 32 chunks of 1 GB per step)."""
     axes = tuple(mesh.axis_names)
-    tokens = ACTIVATION_SPEC
+    loop = _device_loop(project, loss_fn, c, axes)
 
+    def local(h, t, w):
+        return loop(h, t, jax.lax.pcast(w, axes, to="varying"))
+
+    tokens = ACTIVATION_SPEC
+    return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, P()),
+                         out_specs=(P(), P()))(hidden, targets, weight)
+
+
+def _device_loop(project, loss_fn, c: int, axes: tuple[str, ...]):
+    """The body both shard_maps run: (sum, count) of this device's tokens h, t in chunks of c,
+    with its device-varying copy w of the weight, summed over `axes` once after the scan."""
     @jax.checkpoint
     def chunk_loss(h, t, w):
         return loss_fn(project(h, w), t)
 
-    def local(h, t, w):
-        w = jax.lax.pcast(w, axes, to="varying")
+    def loop(h, t, w):
         hs, ts = token_chunks(h, t, 1, c)
         zero = jax.lax.pcast(jnp.zeros((), jnp.float32), axes, to="varying")
         total, count = _sum_chunks(chunk_loss, w, hs, ts, zero)
         return jax.lax.psum(total, axes), jax.lax.psum(count, axes)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, P()),
-                         out_specs=(P(), P()))(hidden, targets, weight)
+    return loop
 
 
 def _per_host_chunks(hidden, targets, project, copies, loss_fn, mesh: Mesh, host_mesh: Mesh,
@@ -132,18 +141,10 @@ def _per_host_chunks(hidden, targets, project, copies, loss_fn, mesh: Mesh, host
 
     hidden = host_major(hidden, mesh, host_mesh)  # [hosts, tokens per host, D]
     targets = host_major(targets, mesh, host_mesh)
-    axes = tuple(host_mesh.axis_names)
-
-    @jax.checkpoint
-    def chunk_loss(h, t, w):
-        return loss_fn(project(h, w), t)
+    loop = _device_loop(project, loss_fn, c, tuple(host_mesh.axis_names))
 
     def local(h, t, w):  # h [1, tokens per device, D], w [1, ...] its host's copy
-        w = jax.lax.pcast(w[0], (LOCAL,), to="varying")  # already varying over hosts
-        hs, ts = token_chunks(h, t, 1, c)
-        zero = jax.lax.pcast(jnp.zeros((), jnp.float32), axes, to="varying")
-        total, count = _sum_chunks(chunk_loss, w, hs, ts, zero)
-        return jax.lax.psum(total, axes), jax.lax.psum(count, axes)
+        return loop(h, t, jax.lax.pcast(w[0], (LOCAL,), to="varying"))  # varying over hosts
 
     tokens = P(HOST, LOCAL)
     # the step traces under the layout's mesh: the host mesh (same devices) for this part
