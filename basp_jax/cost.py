@@ -304,9 +304,14 @@ def predict(
     master_bytes: int = 4,
     moment_bytes: int | None = None,
     tile_tokens: int | None = None,
+    offload_state: bool = False,
 ) -> Prediction:
     """Predicted per-step time and memory of a layout (for `shape`'s heads; its batch with its
-    pad rows, its devices per host) under a parameter sharding strategy, on `hw`'s links."""
+    pad rows, its devices per host) under a parameter sharding strategy, on `hw`'s links. With
+    offload_state the master weights and moments live in host memory and stream through the
+    device a layer at a time (train.streamed: remat is then "offload" whatever it says)."""
+    if offload_state:
+        remat = "offload"
     g, sp, num_devices, seq_len = layout.groups, layout.sp, layout.num_devices, layout.seq_len
     dph = layout.devices_per_host
     tokens_per_device = layout.tokens_per_device
@@ -379,10 +384,16 @@ def predict(
     memory = memory_bytes(shape, tokens_per_device, shard_group, q_heads=q_heads,
                           kv_heads=kv_heads, remat=remat, act_bytes=act_bytes,
                           master_bytes=master_bytes, moment_bytes=moment_bytes,
-                          tile_tokens=tile_tokens, ring=layout.ring, zigzag=layout.zigzag)
+                          tile_tokens=tile_tokens, ring=layout.ring, zigzag=layout.zigzag,
+                          offload_state=offload_state)
     host = host_memory_bytes(shape, tokens_per_device, q_heads=q_heads, kv_heads=kv_heads,
                              remat=remat, act_bytes=act_bytes) * grad_accum
     host_s = 2 * host / hw.host_bw  # to the host forward, back backward (no overlap assumed)
+    if offload_state:
+        state = shape.num_params * state_bytes_per_param(master_bytes, moment_bytes) / shard_group
+        host += state
+        # master weights in forward and backward, then every state read and written by the update
+        host_s += (2 * shape.num_params * master_bytes / shard_group + 2 * state) / hw.host_bw
     return Prediction(layout, param_sharding, a2a, params, compute_s, a2a_s, params_s,
                       compute_s + a2a_s + params_s + host_s, memory, host, host_s)
 
@@ -453,11 +464,22 @@ _TILED_WORKING_HIDDENS = 12.5
 _RING_WORKING = 2.9
 
 
+def state_bytes_per_param(master_bytes: int, moment_bytes: int | None) -> int:
+    """Master weight and Adam's second moment in the master dtype, first moment in its own."""
+    return 2 * master_bytes + (moment_bytes or master_bytes)
+
+
+# The streamed step's working set (train.streamed, optimizer.offload) as a share of the tiled
+# `working` term: fitted to the compiled 8B step on one H100 at 256K and 512K tokens (37.56 and
+# 59.75 GiB: 0.86 of the term once the layers' bf16 gradient is taken off; it gathers no weights).
+_STREAMED_WORKING_SHARE = 0.86
+
+
 def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, *,
                  q_heads: int, kv_heads: int, remat: str = "full", act_bytes: int = 2,
                  master_bytes: int = 4, moment_bytes: int | None = None,
                  tile_tokens: int | None = None, ring: int = 1,
-                 zigzag: bool = False) -> dict[str, float]:
+                 zigzag: bool = False, offload_state: bool = False) -> dict[str, float]:
     """Peak memory per device of a train step (layers under a scan, chunked loss), by term:
 
     - state: parameters and Adam's second moment in the master dtype, its first moment in
@@ -472,7 +494,10 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
     - ring (ring > 1): the ring attention's working set, in float32 buffers the size of the
       device's queries per ring step and query piece (2 pieces in zig-zag order; _RING_WORKING).
     The last four carry factors fitted to compiled programs (above). What an offload policy
-    keeps in host memory is host_memory_bytes, not a term here.
+    keeps in host memory is host_memory_bytes, not a term here. With offload_state (the
+    streamed step) the state is in host memory, the gradient is the layers' in the compute
+    dtype, nothing is saved on the device, and the working set is _STREAMED_WORKING_SHARE of
+    the same term.
     """
     p = shape.num_params
     per_token = _saved_per_token(shape, remat, q_heads, kv_heads)
@@ -488,9 +513,13 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
     pieces = 2 if zigzag else 1
     ring_working = 0.0 if ring == 1 else (
         _RING_WORKING * ring * pieces * tokens_per_device * q_heads * shape.head_dim * 4)
+    if offload_state:
+        return {"ring": ring_working, "state": 0.0,
+                "grads": shape.num_layers * shape.layer_params * act_bytes / shard_group,
+                "saved": 0.0, "working": _STREAMED_WORKING_SHARE * working}
     return {
         "ring": ring_working,
-        "state": p * (2 * master_bytes + (moment_bytes or master_bytes)) / shard_group,
+        "state": p * state_bytes_per_param(master_bytes, moment_bytes) / shard_group,
         "grads": _GRADIENT_BUFFERS * p * 4 / shard_group,
         "saved": _SAVED_SHARE * shape.num_layers * tokens_per_device * per_token * act_bytes,
         "working": working,

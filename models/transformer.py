@@ -150,17 +150,7 @@ class Transformer(nnx.Module):
     def hidden_states(self, tokens, segment_ids=None, positions=None, _table=None):
         """Final normalised hidden states [B, S, hidden] in the compute dtype. (_table: the
         embedding's per-host copies when the loss shares them, models.layers.host_copies.)"""
-        if tokens.ndim != 2:
-            raise ModelError(f"tokens must be [batch, seq], got shape {tokens.shape}")
-        b, s = tokens.shape
-        if positions is None:
-            positions = basp_jax.position_ids(b, s, segment_ids, order=self._token_order(b, s))
-        if self.mesh is not None:
-            tokens = constrain(tokens, self.mesh)
-            positions = constrain(positions, self.mesh)
-            if segment_ids is not None:
-                segment_ids = constrain(segment_ids, self.mesh)
-        x = constrain(self.embed_tokens(tokens, copies=_table), self.mesh)
+        x, positions, segment_ids = self.embed_inputs(tokens, segment_ids, positions, _table)
         remat = self.options.remat != "none"
         if self.options.scan_layers:
             graphdef, stacked = nnx.split(self.layers)
@@ -178,6 +168,22 @@ class Transformer(nnx.Module):
         for layer in self.layers:
             x = block_fn(layer, x, positions, segment_ids)
         return self.norm(x)
+
+    def embed_inputs(self, tokens, segment_ids=None, positions=None, _table=None):
+        """(the first layer's input [B, S, hidden], positions, segment_ids), placed on the mesh:
+        what every layer reads (the layers' own loop is hidden_states', or
+        train.streamed's where the layers' weights stream from host memory)."""
+        if tokens.ndim != 2:
+            raise ModelError(f"tokens must be [batch, seq], got shape {tokens.shape}")
+        b, s = tokens.shape
+        if positions is None:
+            positions = basp_jax.position_ids(b, s, segment_ids, order=self._token_order(b, s))
+        if self.mesh is not None:
+            tokens = constrain(tokens, self.mesh)
+            positions = constrain(positions, self.mesh)
+            if segment_ids is not None:
+                segment_ids = constrain(segment_ids, self.mesh)
+        return constrain(self.embed_tokens(tokens, copies=_table), self.mesh), positions, segment_ids
 
     def _token_order(self, batch: int, seq_len: int):
         """The order of the sequence axis the layout wants for [batch, seq_len] (None: natural)."""
@@ -246,19 +252,32 @@ class Transformer(nnx.Module):
         """loss_fn(self(tokens, ...), targets) -> (sum, count), with the logits computed and
         differentiated chunk_tokens tokens per device at a time (models.loss.chunked_lm_loss):
         no [tokens, vocab] float32 buffer of the whole batch exists, forward or backward."""
-        host_mesh = self.embed_tokens.host_mesh
-        if self.lm_head is None:
-            project, param = _project_tied, self.embed_tokens.weight
-        else:
-            project, param = _project_untied, self.lm_head.kernel
-        weight = param[...]
-        if host_mesh is not None:  # tied: one set of per-host copies for lookup and projection
-            weight = host_copies(param, self.options.rules)
-        table = weight if host_mesh is not None and self.lm_head is None else None
+        weight, table = self._head_weight()
         hidden = self.hidden_states(tokens, segment_ids, positions, _table=table)
+        return self._loss_of_hidden(hidden, targets, weight, loss_fn, chunk_tokens)
+
+    def _head_weight(self):
+        """(the weight the loss projects with, the embedding's per-host copies when the lookup
+        shares them (tied, host sharding) else None)."""
+        param = self.embed_tokens.weight if self.lm_head is None else self.lm_head.kernel
+        if self.embed_tokens.host_mesh is None:
+            return param[...], None
+        weight = host_copies(param, self.options.rules)  # tied: one set for lookup and projection
+        return weight, weight if self.lm_head is None else None
+
+    def loss_of_last_layer(self, x, targets, *, loss_fn=causal_lm_loss,
+                           chunk_tokens: int = LOSS_CHUNK_TOKENS):
+        """`loss` from the last layer's output [B, S, hidden] (the final norm, then the chunked
+        loss), for a caller that runs the layers itself (train.streamed)."""
+        weight, _ = self._head_weight()
+        return self._loss_of_hidden(self.norm(x), targets, weight, loss_fn, chunk_tokens)
+
+    def _loss_of_hidden(self, hidden, targets, weight, loss_fn, chunk_tokens):
+        host_mesh = self.embed_tokens.host_mesh
+        project = _project_tied if self.lm_head is None else _project_untied
         with jax.named_scope("loss"):
             axes = None if self.mesh is None else vocab_parallel.active_axes(
-                self.head_vocab_axes, self.mesh, tokens.size, self.config.vocab_size,
+                self.head_vocab_axes, self.mesh, targets.size, self.config.vocab_size,
                 tied=self.lm_head is None, mode=self.options.vocab_parallel)
             if axes is not None and loss_fn is causal_lm_loss:
                 return vocab_parallel.lm_loss(

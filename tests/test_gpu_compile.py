@@ -347,10 +347,17 @@ def long_8b(cuda_plugin, tmp_path_factory):
     """The long-context config as shipped (4M tokens, B=1, 8 x H100-80GB; GPU defaults on), and
     one sequence per host on 4 hosts (B=4: 16M tokens per step), compiled in one process."""
     out = tmp_path_factory.mktemp("aot") / "long.json"
-    cases = [CONFIG_LONG, f"{CONFIG_LONG},train.microbatch_size=4,runtime.devices=32"]
+    cases = [CONFIG_LONG, f"{CONFIG_LONG},train.microbatch_size=4,runtime.devices=32",
+             ONE_GPU_512K]
     done = _run("tests/aot_worker.py", str(out), *cases, timeout=3000)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+# The issue's one-GPU command (beyond ALST's 500K on one H100) with the state in host memory
+ONE_GPU_512K = (f"{CONFIG_8B},data.seq_len=524288,train.microbatch_size=1,"
+                "parallel.devices_per_host=1,runtime.devices=1,parallel.hardware=h100-80gb,"
+                "optimizer.offload=true")
 
 
 def test_long_context_config_fits_with_its_layer_inputs_in_host_memory(long_8b):
@@ -359,8 +366,8 @@ def test_long_context_config_fits_with_its_layer_inputs_in_host_memory(long_8b):
     layer per GPU) in pinned host memory within the host's share, copied there once and back
     once per step, the all-to-alls repeated backward (12 per layer), the planner's device and
     host memory within 15%. With B=4 on 4 hosts, no all-to-all byte crosses hosts."""
-    one_node, four = long_8b
-    for r in long_8b:
+    one_node, four, _ = long_8b
+    for r in (one_node, four):
         assert r["fits"], f"{r['case']}: {r['peak_bytes_per_device'] / GiB:.1f} GiB"
         assert r["layout"]["seq_len"] == 4194304
         tokens = r["layout"]["batch"] * r["layout"]["seq_len"] / (r["hosts"] * r["gpus_per_host"])
@@ -385,6 +392,28 @@ def test_long_context_config_fits_with_its_layer_inputs_in_host_memory(long_8b):
         ("h100-80gb", 1, 8)
     assert four["layout"]["groups"] == 4 and four["hosts"] == 4
     assert sum(c["inter_host_wire_bytes"] for c in _rows(four, "all-to-all")) == 0
+
+
+def test_one_gpu_holds_512k_tokens_with_the_state_in_host_memory(long_8b):
+    """Llama-3.1-8B, one 524,288-token sequence on one H100-80GB (optimizer.offload=true,
+    train.streamed): its float32 master weights and Adam moments (75 GiB: more than the device
+    may take beside any activation) and every layer's input (4 GiB each) in pinned host memory
+    within one GPU's share of a DGX H100's; the device holds the layers' bf16 gradient and one
+    layer's work. The planner's device and host memory within 15%."""
+    r = long_8b[2]
+    assert (r["target"]["name"], r["hosts"], r["gpus_per_host"]) == ("h100-80gb", 1, 1)
+    assert r["fits"], f"{r['peak_bytes_per_device'] / GiB:.1f} GiB"
+    assert r["layout"]["seq_len"] == 524288 and r["remat"] == "offload"
+    params = 8_030_261_248  # Llama-3.1-8B
+    state = params * (4 + 4 + 2)  # fp32 master and second moment, bf16 first moment
+    inputs = 32 * 524288 * 4096 * 2
+    host = r["host_peak_bytes_per_device"]
+    assert host == pytest.approx(state + inputs, rel=0.01)
+    assert host <= r["host_budget_bytes"]
+    assert r["peak_bytes_per_device"] < state  # the state alone would not fit beside anything
+    for formula, compiled in ((r["formula_memory_bytes"], r["peak_bytes_per_device"]),
+                              (r["formula_host_memory_bytes"], host)):
+        assert abs(formula / compiled - 1) <= 0.15, (formula / GiB, compiled / GiB)
 
 
 COLAB = "configs/colab.yaml"

@@ -242,7 +242,7 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False)
         "host_peak_bytes_per_device": (
             mem.host_argument_size_in_bytes + mem.host_temp_size_in_bytes
             + mem.host_output_size_in_bytes - mem.host_alias_size_in_bytes),
-        "formula_host_memory_bytes": host_memory_estimate(cfg, mcfg, layout,
+        "formula_host_memory_bytes": host_memory_estimate(cfg, mcfg, layout, run_plan.strategy,
                                                           remat=run_plan.remat),
         "host_transfers": comm.host_transfers(text),
         "attention_kernels": hlo.attention_kernels(text),

@@ -199,6 +199,10 @@ class OptimizerConfig:
     # dtype of Adam's first moment: null keeps model.param_dtype; bfloat16 halves its memory
     # (second moment and master weights stay in param_dtype)
     mu_dtype: Optional[Literal["float32", "bfloat16"]] = None
+    # master weights and optimizer state in pinned host memory, streamed through the device a
+    # layer at a time (train.streamed): for a model whose state does not fit beside its
+    # activations (an 8B model on one GPU)
+    offload: bool = False
 
     def validate(self) -> None:
         _require("optimizer.lr", self.lr, "the peak learning rate, > 0")

@@ -43,7 +43,8 @@ def state_bytes(cfg: Config) -> dict[str, int]:
     and cost.memory_terms."""
     master = 2 if cfg.model.param_dtype == "bfloat16" else 4
     return {"master_bytes": master,
-            "moment_bytes": {"bfloat16": 2, "float32": 4}.get(cfg.optimizer.mu_dtype, master)}
+            "moment_bytes": {"bfloat16": 2, "float32": 4}.get(cfg.optimizer.mu_dtype, master),
+            "offload_state": cfg.optimizer.offload}
 
 
 def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[Layout, str]:
@@ -66,6 +67,8 @@ def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[La
         except ValueError as err:
             raise ConfigError(f"parallel.mode=auto: {err}") from None
         strategy = best.param_sharding if p.param_sharding == "auto" else p.param_sharding
+        if cfg.optimizer.offload and p.param_sharding == "auto" and strategy == "host":
+            strategy = "fsdp"  # the streamed step keeps no per-host device copies
         return layout, strategy
 
     layout = Layout.plan(
@@ -76,7 +79,8 @@ def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[La
     if p.param_sharding != "auto":
         return layout, p.param_sharding
     # Fewest inter-host bytes first; each later choice shards over more devices.
-    choices = (["host"] if layout.num_hosts > 1 else []) + (["hsdp"] if layout.groups > 1 else [])
+    choices = (["host"] if layout.num_hosts > 1 and not cfg.optimizer.offload else []) + (
+        ["hsdp"] if layout.groups > 1 else [])
     for strategy in choices:
         if cost.predict(shape, layout, strategy, **common).memory_bytes <= hw.memory_bytes:
             return layout, strategy
@@ -121,6 +125,8 @@ def memory_policy(cfg: Config, mcfg, layout: Layout, strategy: str,
     memory fits parallel.hardware and whose offloaded residuals fit its host's share per GPU;
     untiled where one fits (model.tile_tokens, when set, is kept), else with AUTO_TILE_TOKENS.
     Nothing fits: the leanest (offload, tiled), which check_memory or train.aot then refuse."""
+    if cfg.optimizer.offload:  # the streamed step keeps each layer's input in host memory
+        return "offload", cfg.model.tile_tokens or AUTO_TILE_TOKENS
     if cfg.model.remat != "auto":
         return cfg.model.remat, cfg.model.tile_tokens
     hw = hardware(cfg, devices_per_host)
@@ -165,13 +171,20 @@ def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,
     return sum(terms.values()), detail
 
 
-def host_memory_estimate(cfg: Config, mcfg, layout: Layout, *, remat: str | None = None) -> float:
-    """Pinned host memory per device the remat policy fills per step
-    (basp_jax.cost.host_memory_bytes; 0 unless it offloads)."""
+def host_memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,
+                         remat: str | None = None) -> float:
+    """Pinned host memory per device the remat policy fills per step (basp_jax.cost.
+    host_memory_bytes; 0 unless it offloads), with optimizer.offload the state it holds too."""
     q_heads, kv_heads = layout.exchanged_heads
-    return cost.host_memory_bytes(model_shape(mcfg), layout.tokens_per_device, q_heads=q_heads,
+    shape = model_shape(mcfg)
+    host = cost.host_memory_bytes(shape, layout.tokens_per_device, q_heads=q_heads,
                                   kv_heads=kv_heads, remat=remat or cfg.model.remat,
                                   act_bytes=_act_bytes(cfg))
+    if cfg.optimizer.offload:
+        sizes = state_bytes(cfg)
+        host += shape.num_params * cost.state_bytes_per_param(
+            sizes["master_bytes"], sizes["moment_bytes"]) / cost.shard_devices(layout, strategy)
+    return host
 
 
 def check_memory(cfg: Config, mcfg, layout: Layout, strategy: str, devices, *,

@@ -20,7 +20,7 @@ import models
 from basp_jax import Layout
 from basp_jax import kernels as basp_kernels
 
-from . import evaluate, planning, resume, runtime, writers
+from . import evaluate, planning, resume, runtime, streamed, writers
 from .checkpoint import Checkpointer, checkpoint_dir, complete_steps, inspect_latest
 from .config import Config, ConfigError, _coerce, replace, yaml_load
 from .data import Pipeline
@@ -255,6 +255,10 @@ def build_state(run: Run, owner: RunDirLock | None) -> None:
                                                        *abstract_state(run.program, run.parts))
             run.parts.params = params
             run.start = int(meta["data_step"])
+        elif cfg.optimizer.offload:  # straight into host memory, a leaf at a time
+            run.parts.params = jax.device_put(run.parts.params, run.program.param_shardings)
+            opt_state = streamed.init_opt_state(run.program.tx, run.parts.params,
+                                                run.program.opt_shardings)
         else:
             opt_state = init_opt_state(run.program.tx, run.parts.params, run.program.opt_shardings)
         run.params, run.opt_state = run.parts.params, opt_state

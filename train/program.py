@@ -22,7 +22,7 @@ import models
 from basp_jax import Layout, make_mesh
 from basp_jax.sharding import ShardingRules, abstract_arrays
 
-from . import planning
+from . import planning, streamed
 from .config import Config
 from .step import (DTYPES, build_model, compute_dtype, loss_scaling, make_optimizer,
                    make_train_step, opt_state_shardings)
@@ -49,6 +49,7 @@ def plan_run(cfg: Config, mcfg, devices, devices_per_host: int) -> RunPlan:
     """The layout and mesh for `devices`; raises LayoutError/ConfigError before anything compiles."""
     layout, strategy = planning.plan(cfg, mcfg, len(devices), devices_per_host)
     remat, tile = planning.memory_policy(cfg, mcfg, layout, strategy, devices_per_host)
+    streamed.check_offload(cfg, strategy, compute_dtype(cfg.model.dtype, devices[0]))
     return RunPlan(layout, strategy, make_mesh(layout, devices), remat, tile)
 
 
@@ -124,10 +125,19 @@ def build_program(cfg: Config, plan: RunPlan, parts) -> TrainProgram:
     rules = plan.rules
     param_sh = parts.shardings(rules)
     abs_opt, opt_sh = opt_state_shardings(tx, parts.params, param_sh, rules.replicated)
-    step_fn, batch_sharding = make_train_step(
-        parts, tx, schedule, plan.mesh, param_sh, opt_sh,
-        loss_fn=models.causal_lm_loss, packed=cfg.data.pack, loss_scale=loss_scale,
-    )
+    if cfg.optimizer.offload:  # master weights and moments in host memory (train.streamed)
+        param_sh = streamed.in_host_memory(param_sh)
+        opt_sh = jax.tree.map(lambda s, a: streamed.in_host_memory(s) if a.ndim else s,
+                              opt_sh, abs_opt)
+        step_fn, batch_sharding = streamed.make_streamed_train_step(
+            parts, tx, schedule, plan.mesh, param_sh, opt_sh, loss_fn=models.causal_lm_loss,
+            packed=cfg.data.pack, clip_norm=cfg.optimizer.clip_norm,
+            grad_dtype=DTYPES[compute_dtype(cfg.model.dtype, plan.mesh.devices.flat[0])])
+    else:
+        step_fn, batch_sharding = make_train_step(
+            parts, tx, schedule, plan.mesh, param_sh, opt_sh,
+            loss_fn=models.causal_lm_loss, packed=cfg.data.pack, loss_scale=loss_scale,
+        )
     shape = (cfg.train.grad_accum, plan.layout.batch, cfg.data.seq_len)
     return TrainProgram(plan, step_fn, tx, schedule, param_sh, abs_opt, opt_sh, batch_sharding,
                         shape, cfg.data.pack)
