@@ -452,10 +452,13 @@ _WORKING_FACTOR = 2.95  # a layer's recompute, its gathered weights and the chun
 
 
 # A tiled layer (models.tiling, tile_tokens) keeps per token only what attention needs whole: the
-# layer input, q, k, v and the output on both sides of the all-to-alls, their gradients and the
-# residual stream's: values of hidden width per token, fitted to the compiled 8B step at 512K
-# tokens per device on 8 x H100 (66.8 GiB; offload policy, vocabulary-parallel loss).
-_TILED_WORKING_HIDDENS = 12.5
+# layer input and the residual stream's gradient (hidden width), and q, k, v and the output on
+# both sides of the all-to-alls with their gradients (the exchanged heads' width, padded heads
+# included). Fitted to two compiled 8B steps at 512K tokens per device (offload, vocabulary-
+# parallel loss): 8 x H100 (32 q / 8 kv heads exchanged, 66.8 GiB) and one 32M sequence over
+# 64 H100 (heads padded to 64 / 64 for the 64-way all-to-all, 93.0 GiB).
+_TILED_WORKING_HIDDENS = 8.8  # values of hidden width per token
+_TILED_WORKING_EXCHANGED = 1.47  # per value of q, k, v and output as exchanged
 # The ring attention's working set (the pure-JAX blockwise kernel of every ring step and query
 # piece, its float32 outputs and gradients), per float32 query-sized buffer per step and piece:
 # fitted to the compiled 8B step with one 16M-token sequence on 32 x H100 (ring 4 x all-to-all
@@ -490,7 +493,7 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
     - working: one layer being recomputed and differentiated (its gathered weights, twice,
       and ~ (hidden x 6 + intermediate x 4) values per token), with what the loss holds; with
       tile_tokens the intermediate's share is one chunk's and the per-token share the
-      attention's whole-shard tensors (_TILED_WORKING_HIDDENS);
+      attention's whole-shard tensors (_TILED_WORKING_HIDDENS, _TILED_WORKING_EXCHANGED);
     - ring (ring > 1): the ring attention's working set, in float32 buffers the size of the
       device's queries per ring step and query piece (2 pieces in zig-zag order; _RING_WORKING).
     The last four carry factors fitted to compiled programs (above). What an offload policy
@@ -501,6 +504,7 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
     """
     p = shape.num_params
     per_token = _saved_per_token(shape, remat, q_heads, kv_heads)
+    exchanged = (2 * q_heads + 2 * kv_heads) * shape.head_dim
     if tile_tokens is None:
         working = _WORKING_FACTOR * act_bytes * (
             2 * shape.layer_params
@@ -509,7 +513,8 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
         chunk = min(tile_tokens, tokens_per_device)
         working = act_bytes * (
             _WORKING_FACTOR * (2 * shape.layer_params + chunk * 4 * shape.intermediate_size)
-            + _TILED_WORKING_HIDDENS * tokens_per_device * shape.hidden_size)
+            + tokens_per_device * (_TILED_WORKING_HIDDENS * shape.hidden_size
+                                   + _TILED_WORKING_EXCHANGED * exchanged))
     pieces = 2 if zigzag else 1
     ring_working = 0.0 if ring == 1 else (
         _RING_WORKING * ring * pieces * tokens_per_device * q_heads * shape.head_dim * 4)
@@ -595,17 +600,20 @@ def plan_table(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
                grad_accum: int = 1, memory_limit: float | None = None, max_pad_rows: int = 0,
                overlap: float = 0.0, remat: str = "full", master_bytes: int = 4,
                moment_bytes: int | None = None, tile_tokens: int | None = None,
-               zigzag: bool = False) -> list[Prediction]:
-    """Predictions for every valid candidate, fastest first; those over memory last."""
+               zigzag: bool = False, offload_state: bool = False) -> list[Prediction]:
+    """Predictions for every valid candidate, fastest first; those over memory last. With
+    offload_state (the streamed step) host sharding is no candidate: it keeps per-host device
+    copies of the weights, which the streamed step keeps in host memory instead."""
     limit = hw.memory_bytes if memory_limit is None else memory_limit
     preds = [
         predict(shape, layout, sharding, hw=hw, grad_accum=grad_accum, overlap=overlap,
                 remat=remat, master_bytes=master_bytes, moment_bytes=moment_bytes,
-                tile_tokens=tile_tokens)
+                tile_tokens=tile_tokens, offload_state=offload_state)
         for layout, sharding in candidates(shape, batch=batch, seq_len=seq_len,
                                            num_devices=num_devices, max_pad_rows=max_pad_rows,
                                            devices_per_host=hw.devices_per_host,
                                            zigzag=zigzag)
+        if not (offload_state and sharding == "host")
     ]
     return sorted(preds, key=lambda p: (p.memory_bytes > limit, p.step_s))
 
@@ -629,7 +637,8 @@ def auto_layout(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int
                 memory_limit: float | None = None, max_pad_rows: int | None = None,
                 overlap: float = 0.0, remat: str = "full", zigzag: bool = False,
                 master_bytes: int = 4, moment_bytes: int | None = None,
-                tile_tokens: int | None = None) -> tuple[Layout, Prediction]:
+                tile_tokens: int | None = None,
+                offload_state: bool = False) -> tuple[Layout, Prediction]:
     """mode="auto": the fastest predicted layout that fits in memory, as a validated Layout.
 
     The Layout's batch includes any pad rows (Layout.pad_rows, which the trainer masks out of
@@ -644,7 +653,7 @@ def auto_layout(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int
                        grad_accum=grad_accum, memory_limit=memory_limit,
                        max_pad_rows=max_pad_rows, overlap=overlap, remat=remat,
                        master_bytes=master_bytes, moment_bytes=moment_bytes,
-                       tile_tokens=tile_tokens, zigzag=zigzag)
+                       tile_tokens=tile_tokens, zigzag=zigzag, offload_state=offload_state)
     if not preds:
         raise ValueError(
             f"no layout splits seq_len={seq_len} over {num_devices} devices; use a multiple of "

@@ -30,15 +30,23 @@ SHORT = ["model.remat=full", "model.tile_tokens=null"]  # the 16K config's memor
 
 # (name, target, hosts, gpus per host, overrides): B=1, and one sequence per host
 CASES = [
+    # optimizer.offload=auto (configs/gpu/_base.yaml): the state in host memory (train.streamed)
+    # only where nothing else fits; the "state on device" / "streamed" rows force it
     ("1xH100 B=1 512K", "h100-80gb", 1, 1, ["data.seq_len=524288"]),
+    ("1xH100 B=1 512K (state on device)", "h100-80gb", 1, 1,
+     ["data.seq_len=524288", "optimizer.offload=false"]),
+    ("1xH100 B=1 1M", "h100-80gb", 1, 1, ["data.seq_len=1048576"]),
     ("8xH100 B=1 4M", "h100-80gb", 1, 8, []),
+    ("8xH100 B=1 4M (streamed)", "h100-80gb", 1, 8, ["optimizer.offload=true"]),
     ("8xH100 B=1 8M", "h100-80gb", 1, 8, ["data.seq_len=8388608"]),
     ("8xH100 B=1 512K (16K settings)", "h100-80gb", 1, 8, ["data.seq_len=524288", *SHORT]),
     ("32xH100 B=4 4M", "h100-80gb", 4, 8, ["train.microbatch_size=4"]),
     ("32xH100 B=1 16M", "h100-80gb", 4, 8, ["data.seq_len=16777216"]),
     ("32xH100 B=1 16M ring=4", "h100-80gb", 4, 8, ["data.seq_len=16777216", "parallel.ring=4"]),
     ("64xH100 B=8 4M", "h100-80gb", 8, 8, ["train.microbatch_size=8"]),
-    ("64xH100 B=1 32M ring=8", "h100-80gb", 8, 8, ["data.seq_len=33554432", "parallel.ring=8"]),
+    ("64xH100 B=1 32M", "h100-80gb", 8, 8, ["data.seq_len=33554432", "parallel.mode=auto"]),
+    ("64xH100 B=1 32M ulysses", "h100-80gb", 8, 8, ["data.seq_len=33554432",
+                                                    "parallel.mode=ulysses"]),
     ("8xA100-40GB B=1 1M", "a100-40gb", 2, 4, ["data.seq_len=1048576"]),
     ("8xA100-40GB B=2 512K", "a100-40gb", 2, 4, ["data.seq_len=524288", "train.microbatch_size=2"]),
 ]
@@ -46,7 +54,7 @@ CASES = [
 
 def compile_case(name, target, hosts, per_host, overrides):
     from basp_jax import cost
-    from train.config import load_config
+    from train.config import load_config, replace
     from train.planning import model_shape, plan, state_bytes
     from train.prepare import model_config
 
@@ -54,6 +62,8 @@ def compile_case(name, target, hosts, per_host, overrides):
         f"parallel.hardware={target}", f"parallel.devices_per_host={per_host}",
         f"runtime.devices={hosts * per_host}", *overrides])
     r = aot.report(cfg, target, hosts, per_host)
+    # the planner's prediction for the step compiled (optimizer.offload=auto resolved)
+    cfg = replace(cfg, f"optimizer.offload={str(r['offload_state']).lower()}")
     mcfg = model_config(cfg)
     layout, strategy = plan(cfg, mcfg, hosts * per_host, per_host)
     hw = cost.HARDWARE[target]
@@ -61,7 +71,7 @@ def compile_case(name, target, hosts, per_host, overrides):
     pred = cost.predict(model_shape(mcfg), layout, strategy, hw=hw, remat=remat,
                         tile_tokens=tile, **state_bytes(cfg))
     a2a = [c for c in r["collectives"] if c["kind"] == "all-to-all"]
-    return {"name": name, "remat": remat, "tile_tokens": tile,
+    return {"name": name, "remat": remat, "tile_tokens": tile, "offload_state": r["offload_state"],
             "predicted_step_s": pred.step_s, "predicted_host_s": pred.host_s,
             "a2a_per_layer": sum(c["per_layer"] for c in a2a),
             "a2a_inter_host_bytes": sum(c["inter_host_wire_bytes"] for c in a2a),
@@ -72,14 +82,16 @@ def compile_case(name, target, hosts, per_host, overrides):
 
 
 def table(rows) -> str:
-    lines = ["| case | tokens/GPU | remat, tile | device GiB (formula) / may take | host GiB "
-             "(formula) / budget | host copies/step | a2a/layer, inter-host | predicted step | fits |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | tokens/GPU | remat, tile | state in | device GiB (formula) / may take | "
+             "host GiB (formula) / budget | host copies/step | a2a/layer, inter-host | "
+             "predicted step | fits |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lay, t = r["layout"], r["host_transfers"]
         per_gpu = lay["batch"] * lay["seq_len"] // (lay["groups"] * lay["sp"])
         lines.append(
             f"| {r['name']} | {per_gpu:,} | {r['remat']}, {r['tile_tokens']} | "
+            f"{'host' if r.get('offload_state') else 'device'} | "
             f"{r['peak_bytes_per_device'] / GiB:.1f} ({r['formula_memory_bytes'] / GiB:.1f}) / "
             f"{r['usable_memory_bytes'] / GiB:.1f} | {r['host_peak_bytes_per_device'] / GiB:.0f} "
             f"({r['formula_host_memory_bytes'] / GiB:.0f}) / {r['host_budget_bytes'] / GiB:.0f} | "

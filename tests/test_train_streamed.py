@@ -19,12 +19,14 @@ import pytest
 from flax import nnx
 
 import models
-from tests.helpers.trainer import tiny_config
+from tests.helpers.trainer import ROOT, tiny_config
 from train import program as prog
 from train import streamed
 from train.config import ConfigError
 from train.prepare import model_config
 from train.step import build_model, init_opt_state
+
+pytestmark = pytest.mark.usefixtures("compile_cache")  # programs compiled twice: read once
 
 LAYOUTS = {"basp (2,4)": ["parallel.mode=basp"], "ulysses (1,8)": ["parallel.mode=ulysses"],
            "ring 2 x a2a 4": ["parallel.mode=ulysses", "parallel.ring=2",
@@ -143,10 +145,10 @@ def test_a_non_finite_streamed_step_keeps_the_state(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, after, before)
 
 
-def test_offload_trains_resumes_and_takes_an_ordinary_checkpoint(tmp_path):
-    """The trainer end to end: 2 steps with offload, resumed to 4 with offload, then to 6
-    without it, from the same checkpoint as a run that never offloaded (the state's layout is
-    the ordinary step's: a checkpoint moves between the two)."""
+def test_checkpoints_move_between_the_streamed_and_the_ordinary_step(tmp_path):
+    """The trainer end to end, both ways: 2 steps streamed then resumed to 4 ordinary, and 2
+    ordinary then resumed to 4 streamed (restored straight into host memory): the same losses
+    (the state keeps the ordinary step's layout, so a checkpoint moves between the two)."""
     from train.loop import run
 
     def losses(run_dir):
@@ -154,15 +156,15 @@ def test_offload_trains_resumes_and_takes_an_ordinary_checkpoint(tmp_path):
         return [json.loads(line)["loss"] for line in lines]
 
     common = ("model.dtype=float32", "model.remat=auto", "checkpoint.every=2",
-              "checkpoint.allow_changed=train.steps")
-    a, b = tmp_path / "a", tmp_path / "b"
-    for steps, offload in ((2, "true"), (4, "true"), (6, "false")):
-        run(tiny_config(a, *common, f"train.steps={steps}", f"optimizer.offload={offload}",
-                        "optimizer.warmup_steps=1", "optimizer.min_lr_ratio=1.0"))
-    run(tiny_config(b, *common, "train.steps=6", "optimizer.offload=false",
-                    "optimizer.warmup_steps=1", "optimizer.min_lr_ratio=1.0"))
-    np.testing.assert_allclose(losses(a), losses(b), rtol=2e-6)
-    assert len(losses(a)) == 6
+              "checkpoint.allow_changed=train.steps", "optimizer.min_lr_ratio=1.0")
+    for first, then in (("true", "false"), ("false", "true")):
+        run_dir = tmp_path / f"from_offload_{first}"
+        for steps, offload in ((2, first), (4, then)):
+            run(tiny_config(run_dir, *common, f"train.steps={steps}",
+                            f"optimizer.offload={offload}"))
+    a, b = losses(tmp_path / "from_offload_true"), losses(tmp_path / "from_offload_false")
+    assert len(a) == 4
+    np.testing.assert_allclose(a, b, rtol=2e-6)
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -178,3 +180,21 @@ def test_offload_refuses_what_it_does_not_do(tmp_path, extra, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as err:
         prog.plan_run(cfg, model_config(cfg), jax.devices(), 4)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides,cluster,offload", [
+    ([], (8, 4), False),  # the shipped 16K step on 2 x 4 A100-40GB: as it was
+    (["data.seq_len=524288", "train.microbatch_size=1", "parallel.hardware=h100-80gb"], (1, 1),
+     True),  # the 8B at 512K on one H100: only the streamed step fits
+    (["data.seq_len=524288", "train.microbatch_size=1", "parallel.hardware=h100-80gb",
+      "train.grad_accum=2"], (1, 1), False),  # it would fit streamed, but that runs 1 microbatch
+])
+def test_offload_auto_streams_only_where_nothing_else_fits(overrides, cluster, offload):
+    """optimizer.offload=auto (the shipped GPU configs') from the planner's estimates alone."""
+    from train.config import load_config
+    from train.planning import resolve_offload
+
+    cfg = load_config(str(ROOT / "configs/gpu/llama-3.1-8b_basp.yaml"), overrides)
+    assert cfg.optimizer.offload == "auto"
+    resolved = resolve_offload(cfg, model_config(cfg), *cluster)
+    assert resolved.optimizer.offload is offload

@@ -220,6 +220,7 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False)
                                                 remat=run_plan.remat,
                                                 tile_tokens=run_plan.tile_tokens)[0],
         "remat": run_plan.remat, "tile_tokens": run_plan.tile_tokens,
+        "offload_state": run_plan.offload_state,
         "model": {"type": mcfg.model_type, "params": mcfg.num_params(),
                   "num_layers": mcfg.num_layers},
         "layout": {"describe": layout.describe(), "mode": layout.mode, "groups": layout.groups,
@@ -295,7 +296,9 @@ def format_report(r: dict) -> str:
         f"{r['grad_accum']} microbatch(es) of {lay['batch']} x {lay['seq_len']} tokens; "
         f"remat {r['remat']}" + (f", tiles of {r['tile_tokens']} tokens" if r["tile_tokens"]
                                  else "") + f"; {r['compute_dtype']} compute"
-        + (" with dynamic loss scaling" if r["compute_dtype"] == "float16" else ""),
+        + (" with dynamic loss scaling" if r["compute_dtype"] == "float16" else "")
+        + ("; master weights and optimizer state in host memory, streamed a layer at a time "
+           "(optimizer.offload)" if r.get("offload_state") else ""),
         "",
         "memory per device            GiB",
         f"  arguments           {mem['argument_bytes'] / GiB:>10.2f}",
@@ -364,7 +367,11 @@ def report(cfg, target: str, hosts: int, gpus_per_host: int, *, want_hlo: bool =
     check_kernel(cfg, devices[0])  # a kernel this GPU cannot run: one line, before compiling
     # the planner's choices (mode=auto, param_sharding=auto, remat=auto) for the target's memory
     cfg = replace(cfg, f"parallel.hardware={target}")
+    from .planning import resolve_offload
+    from .prepare import model_config
+
     try:
+        cfg = resolve_offload(cfg, model_config(cfg), hosts * gpus_per_host, gpus_per_host)
         r = compile_step(cfg, devices, gpus_per_host, want_hlo=want_hlo)
     except (jax.errors.JaxRuntimeError, NotImplementedError) as e:  # XLA's, cuDNN's refusals
         raise CompileFailed(compile_failure(e, target)) from None

@@ -22,7 +22,7 @@ import math
 import os
 import types
 import typing
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 
@@ -201,8 +201,9 @@ class OptimizerConfig:
     mu_dtype: Optional[Literal["float32", "bfloat16"]] = None
     # master weights and optimizer state in pinned host memory, streamed through the device a
     # layer at a time (train.streamed): for a model whose state does not fit beside its
-    # activations (an 8B model on one GPU)
-    offload: bool = False
+    # activations (an 8B model on one GPU); auto: only where the ordinary step's planned memory
+    # does not fit parallel.hardware and the streamed step's does
+    offload: Union[bool, Literal["auto"]] = False
 
     def validate(self) -> None:
         _require("optimizer.lr", self.lr, "the peak learning rate, > 0")

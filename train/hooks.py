@@ -76,7 +76,9 @@ def log_start(run: Run, logger: MetricsLogger) -> None:
     logger.message(f"layout: {run.layout.describe()}")
     logger.message(
         f"model: {run.mcfg.model_type} {run.mcfg.num_params() / 1e6:.2f}M params, "
-        f"{run.plan.strategy} parameters; data: {run.data.name}"
+        f"{run.plan.strategy} parameters"
+        + (" and optimizer state in host memory (optimizer.offload)" if run.plan.offload_state
+           else "") + f"; data: {run.data.name}"
     )
     if run.latest is not None:
         logger.message(f"resumed from {run.ckpt.directory} at step {run.start}")

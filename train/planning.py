@@ -19,7 +19,7 @@ import os
 from basp_jax import Layout
 from basp_jax import cost
 
-from .config import Config, ConfigError
+from .config import Config, ConfigError, replace
 
 
 def model_shape(mcfg) -> cost.ModelShape:
@@ -44,7 +44,7 @@ def state_bytes(cfg: Config) -> dict[str, int]:
     master = 2 if cfg.model.param_dtype == "bfloat16" else 4
     return {"master_bytes": master,
             "moment_bytes": {"bfloat16": 2, "float32": 4}.get(cfg.optimizer.mu_dtype, master),
-            "offload_state": cfg.optimizer.offload}
+            "offload_state": cfg.optimizer.offload is True}
 
 
 def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[Layout, str]:
@@ -67,7 +67,7 @@ def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[La
         except ValueError as err:
             raise ConfigError(f"parallel.mode=auto: {err}") from None
         strategy = best.param_sharding if p.param_sharding == "auto" else p.param_sharding
-        if cfg.optimizer.offload and p.param_sharding == "auto" and strategy == "host":
+        if cfg.optimizer.offload is True and p.param_sharding == "auto" and strategy == "host":
             strategy = "fsdp"  # the streamed step keeps no per-host device copies
         return layout, strategy
 
@@ -79,12 +79,46 @@ def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[La
     if p.param_sharding != "auto":
         return layout, p.param_sharding
     # Fewest inter-host bytes first; each later choice shards over more devices.
-    choices = (["host"] if layout.num_hosts > 1 and not cfg.optimizer.offload else []) + (
+    choices = (["host"] if layout.num_hosts > 1 and cfg.optimizer.offload is not True else []) + (
         ["hsdp"] if layout.groups > 1 else [])
     for strategy in choices:
         if cost.predict(shape, layout, strategy, **common).memory_bytes <= hw.memory_bytes:
             return layout, strategy
     return layout, "fsdp"
+
+
+def resolve_offload(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> Config:
+    """cfg with optimizer.offload=auto decided: false where the ordinary step's planned device
+    and host memory fit parallel.hardware (it moves no state over PCIe), else true where the
+    streamed step (train.streamed) applies and fits, else false (check_memory or train.aot then
+    say it does not fit)."""
+    if cfg.optimizer.offload != "auto":
+        return cfg
+    from .streamed import check_offload
+
+    ordinary = replace(cfg, "optimizer.offload=false")
+    if _planned_fit(ordinary, mcfg, num_devices, devices_per_host) is not None:
+        return ordinary
+    streaming = replace(cfg, "optimizer.offload=true")
+    try:
+        fit = _planned_fit(streaming, mcfg, num_devices, devices_per_host)
+        # model.dtype is resolved for the device by now (prepare.with_compute_dtype)
+        check_offload(streaming, fit[1] if fit else "fsdp", cfg.model.dtype)
+    except ConfigError:
+        return ordinary
+    return streaming if fit is not None else ordinary
+
+
+def _planned_fit(cfg: Config, mcfg, num_devices: int, devices_per_host: int):
+    """(layout, strategy) of cfg's plan when its estimated device and host memory fit
+    parallel.hardware, else None."""
+    layout, strategy = plan(cfg, mcfg, num_devices, devices_per_host)
+    remat, tile = memory_policy(cfg, mcfg, layout, strategy, devices_per_host)
+    need, _ = memory_estimate(cfg, mcfg, layout, strategy, remat=remat, tile_tokens=tile)
+    host = host_memory_estimate(cfg, mcfg, layout, strategy, remat=remat)
+    hw = hardware(cfg, devices_per_host)
+    fits = need <= hw.memory_bytes and host <= hw.host_memory_bytes
+    return (layout, strategy) if fits else None
 
 
 class ResourceError(ValueError):
@@ -125,7 +159,7 @@ def memory_policy(cfg: Config, mcfg, layout: Layout, strategy: str,
     memory fits parallel.hardware and whose offloaded residuals fit its host's share per GPU;
     untiled where one fits (model.tile_tokens, when set, is kept), else with AUTO_TILE_TOKENS.
     Nothing fits: the leanest (offload, tiled), which check_memory or train.aot then refuse."""
-    if cfg.optimizer.offload:  # the streamed step keeps each layer's input in host memory
+    if cfg.optimizer.offload is True:  # the streamed step keeps each layer's input on the host
         return "offload", cfg.model.tile_tokens or AUTO_TILE_TOKENS
     if cfg.model.remat != "auto":
         return cfg.model.remat, cfg.model.tile_tokens
@@ -180,7 +214,7 @@ def host_memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,
     host = cost.host_memory_bytes(shape, layout.tokens_per_device, q_heads=q_heads,
                                   kv_heads=kv_heads, remat=remat or cfg.model.remat,
                                   act_bytes=_act_bytes(cfg))
-    if cfg.optimizer.offload:
+    if cfg.optimizer.offload is True:
         sizes = state_bytes(cfg)
         host += shape.num_params * cost.state_bytes_per_param(
             sizes["master_bytes"], sizes["moment_bytes"]) / cost.shard_devices(layout, strategy)

@@ -186,9 +186,10 @@ def check(cfg: Config, *, is_writer: bool) -> Run:
     devices = select_devices(cfg)
     cfg = with_compute_dtype(cfg, devices[0])  # the run (and its checkpoint record) computes in it
     check_kernel(cfg, devices[0])
+    per_host = cfg.parallel.devices_per_host or len(devices) // jax.process_count()
+    cfg = planning.resolve_offload(cfg, mcfg, len(devices), per_host)  # optimizer.offload=auto
     writers.check(cfg, is_writer)
     peak, peak_source = peak_flops(cfg.metrics, getattr(devices[0], "device_kind", None))
-    per_host = cfg.parallel.devices_per_host or len(devices) // jax.process_count()
     plan = plan_run(cfg, mcfg, devices, per_host)
     planning.check_memory(cfg, mcfg, plan.layout, plan.strategy, devices,  # before any row
                           remat=plan.remat, tile_tokens=plan.tile_tokens)
@@ -255,7 +256,7 @@ def build_state(run: Run, owner: RunDirLock | None) -> None:
                                                        *abstract_state(run.program, run.parts))
             run.parts.params = params
             run.start = int(meta["data_step"])
-        elif cfg.optimizer.offload:  # straight into host memory, a leaf at a time
+        elif plan.offload_state:  # straight into host memory, a leaf at a time
             run.parts.params = jax.device_put(run.parts.params, run.program.param_shardings)
             opt_state = streamed.init_opt_state(run.program.tx, run.parts.params,
                                                 run.program.opt_shardings)

@@ -38,6 +38,7 @@ class RunPlan:
     mesh: Mesh
     remat: str = "none"  # the rematerialisation policy (model.remat, auto resolved)
     tile_tokens: int | None = None  # model.tile_tokens (auto resolved)
+    offload_state: bool = False  # optimizer.offload (auto resolved): the streamed step
 
     @functools.cached_property
     def rules(self) -> ShardingRules:
@@ -47,10 +48,12 @@ class RunPlan:
 
 def plan_run(cfg: Config, mcfg, devices, devices_per_host: int) -> RunPlan:
     """The layout and mesh for `devices`; raises LayoutError/ConfigError before anything compiles."""
+    cfg = planning.resolve_offload(cfg, mcfg, len(devices), devices_per_host)
     layout, strategy = planning.plan(cfg, mcfg, len(devices), devices_per_host)
     remat, tile = planning.memory_policy(cfg, mcfg, layout, strategy, devices_per_host)
     streamed.check_offload(cfg, strategy, compute_dtype(cfg.model.dtype, devices[0]))
-    return RunPlan(layout, strategy, make_mesh(layout, devices), remat, tile)
+    return RunPlan(layout, strategy, make_mesh(layout, devices), remat, tile,
+                   cfg.optimizer.offload)
 
 
 def model_options(cfg: Config, plan: RunPlan | None = None, *,
@@ -125,7 +128,7 @@ def build_program(cfg: Config, plan: RunPlan, parts) -> TrainProgram:
     rules = plan.rules
     param_sh = parts.shardings(rules)
     abs_opt, opt_sh = opt_state_shardings(tx, parts.params, param_sh, rules.replicated)
-    if cfg.optimizer.offload:  # master weights and moments in host memory (train.streamed)
+    if plan.offload_state:  # master weights and moments in host memory (train.streamed)
         param_sh = streamed.in_host_memory(param_sh)
         opt_sh = jax.tree.map(lambda s, a: streamed.in_host_memory(s) if a.ndim else s,
                               opt_sh, abs_opt)

@@ -49,7 +49,7 @@ LAYERS = "layers"  # the params key of the scanned layer stack
 
 def check_offload(cfg: Config, strategy: str, compute_dtype: str) -> None:
     """Refuse, in one line, what the streamed step does not do (before anything compiles)."""
-    if not cfg.optimizer.offload:
+    if cfg.optimizer.offload is not True:  # false, or auto before planning.resolve_offload
         return
     fix = "or set optimizer.offload=false"
     if cfg.train.grad_accum != 1:
