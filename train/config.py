@@ -114,8 +114,12 @@ class DataConfig:
     text_key: str = "text"  # jsonl: the field holding each document
     eos_id: Optional[int] = None  # document separator; text/jsonl: appended after each document
     seq_len: Optional[int] = None  # required
-    pack: bool = False  # segment ids from eos_id: tokens attend only within their document
+    # documents end at eos_id: first-fit packed into rows (split only when longer than one), each
+    # attending only within itself; false: windows of the stream
+    pack: bool = False
     branching: int = 4  # synthetic: successors per token of the Markov chain (probabilities halve)
+    # tokens: several token files mixed by weight, {path: weight} (instead of data.path)
+    mix: dict = dataclasses.field(default_factory=dict)
 
     def require(self) -> None:
         """The required keys (checked with the other sections' before the combinations)."""
@@ -127,9 +131,23 @@ class DataConfig:
             raise ConfigError(f"data.seq_len must be at most {MAX_INT32}, got {self.seq_len}")
 
     def validate(self) -> None:
-        if self.source == "tokens":
+        if self.mix and self.source != "tokens":
+            raise ConfigError(f"data.mix mixes token files: it needs data.source=tokens, not "
+                              f"{self.source}")
+        if self.mix and self.path:
+            raise ConfigError("data.path and data.mix are both set; list the file in data.mix "
+                              "({path: weight, ...}) or set data.path only")
+        for path, weight in self.mix.items():
+            if not (path.endswith(".bin") or path.endswith(".npy")):
+                raise ConfigError(f"data.mix path {path!r}: token files must end in .bin or .npy")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or \
+                    not weight > 0 or weight == float("inf"):
+                raise ConfigError(f"data.mix weight of {path!r} must be a positive number, got "
+                                  f"{weight!r}")
+        if self.source == "tokens" and not self.mix:
             if not self.path:
-                raise ConfigError("data.source=tokens needs data.path: a .bin or .npy token file")
+                raise ConfigError("data.source=tokens needs data.path: a .bin or .npy token file "
+                                  "(or data.mix: {path: weight, ...})")
             if not (self.path.endswith(".bin") or self.path.endswith(".npy")):
                 raise ConfigError(f"data.path {self.path!r}: token files must end in .bin or .npy")
         if self.source in ("text", "jsonl"):

@@ -103,6 +103,7 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: RunDirLock | None) -> di
             if cfg.checkpoint.export_hf and not stop.stopped:
                 export(run, logger.message)
     finally:
+        run.data.close()
         profiler.close()
         if writer is not None:
             writer.close()
@@ -117,7 +118,9 @@ def train_steps(run: Run, end: int, report: StepReport, profiler, stop: StopRequ
     dispatched, so the host's work overlaps the devices' (except before a save or a stop)."""
     cfg, ckpt, data, sharding = run.cfg, run.ckpt, run.data, run.program.batch_sharding
     evaluator, log = report.evaluator, report.logger.message
-    batch = data.global_batch(run.start, sharding) if run.start < end else None
+    # each call hands over a batch built in the background and starts the next one's
+    batch = data.global_batch(run.start, sharding, prefetch=run.start + 1 < end) \
+        if run.start < end else None
     compiled, collectives, step_arr = None, [], None
     pending = None  # (step, metrics, evaluation) read after the next dispatch
     last_end = None  # when the previous step was seen to end
@@ -141,7 +144,7 @@ def train_steps(run: Run, end: int, report: StepReport, profiler, stop: StopRequ
             pending = None
         last = done == end
         if not last:  # build the next batch while the device runs this step
-            batch = data.global_batch(done, sharding)
+            batch = data.global_batch(done, sharding, prefetch=done + 1 < end)
         stopping = stop.agree_at_end() if last else stop.should_stop(done)
         force = stopping or (last and (cfg.checkpoint.save_final or done < cfg.train.steps))
         if not (last or force or ckpt.due(done)):
