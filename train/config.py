@@ -278,6 +278,8 @@ class CheckpointConfig:
     save_final: bool = True
     resume: bool = True  # continue from the latest checkpoint in run.dir/checkpoints
     export_hf: Optional[str] = None  # write final weights as HF safetensors to this directory
+    # the export's tensor dtype (null: the parameters', model.param_dtype)
+    export_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
     # keys a resume may find changed on purpose (e.g. optimizer.lr,train.steps; model.shape.*
     # for all of model.shape), logged and recorded in metrics.jsonl; any other change of a key
     # that alters the run (train/resume.py RULES) is refused

@@ -11,7 +11,7 @@ import tempfile
 import models
 from basp_jax import Layout, comm
 
-from . import paths
+from . import hf_export, paths
 from .config import INPUT_PATHS, Config, ConfigError, from_dict, to_yaml, yaml_load
 
 # files the trainer writes in run.dir, and what each must be when it exists already
@@ -151,7 +151,8 @@ def _export_owner(export_dir: str) -> str | None:
         return None
 
 
-def export_hf(module, export_dir: str, run_dir: str, is_writer: bool) -> None:
+def export_hf(module, export_dir: str, run_dir: str, is_writer: bool,
+              cfg: Config | None = None) -> None:
     """Write the Hugging Face export into a fresh directory beside export_dir, then move it into
     place: an interrupted export leaves the previous one (or nothing) rather than a mixture.
     check_output_paths has made sure export_dir is new, empty or an earlier export of this run."""
@@ -162,9 +163,12 @@ def export_hf(module, export_dir: str, run_dir: str, is_writer: bool) -> None:
         tmp = tempfile.mkdtemp(dir=parent, prefix=".export-")
     try:
         # every process takes part (shards are gathered one at a time); process 0 writes
-        models.save_pretrained(module, tmp or export_dir)
+        models.save_pretrained(module, tmp or export_dir,
+                               dtype=cfg.checkpoint.export_dtype if cfg else None)
         if not is_writer:
             return
+        if cfg is not None:  # tokenizer, bos/eos ids, generation_config.json
+            hf_export.write(cfg, tmp)
         with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
             json.dump({"run_dir": run_dir}, f)
         umask = os.umask(0)
