@@ -300,7 +300,10 @@ class CheckpointConfig:
 class MetricsConfig:
     peak_flops: Optional[float] = None  # peak FLOP/s of one device, for mfu
     device: Optional[str] = None  # a GPU of basp_jax.gpus (e.g. h100-pcie): its bf16 dense peak; null: from the device kind
-    progress: bool = True  # tqdm bar on the console
+    # progress on stderr: a tqdm bar on a terminal, else (a log file, SLURM) one line every
+    # metrics.log_every steps; false: neither
+    progress: bool = True
+    log_every: int = 0  # steps between progress lines when stderr is not a terminal (0: ~20 lines a run)
     # TensorBoard event files in {run.dir}/tb: the metrics.jsonl scalars, eval loss, memory in
     # use and step-time percentiles
     tensorboard: bool = True
@@ -310,6 +313,9 @@ class MetricsConfig:
     def validate(self) -> None:
         if self.peak_flops is not None and self.peak_flops <= 0:
             raise ConfigError(f"metrics.peak_flops must be > 0 or null, got {self.peak_flops}")
+        if self.log_every < 0:
+            raise ConfigError(f"metrics.log_every must be >= 0 (0: about 20 lines a run), got "
+                              f"{self.log_every}")
 
 
 @dataclasses.dataclass

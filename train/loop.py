@@ -79,11 +79,13 @@ def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
 
 def _run_owned(cfg: Config, stop_at: int | None, owner: RunDirLock | None) -> dict[str, Any]:
     run = prepare(cfg, owner)  # every check, then the state: nothing compiled or written before
+    end = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
+    idle = run.start >= end  # nothing to train: run.dir is left as it is
     # ---- the checks passed and the state is in place: only now is run.dir written
-    if run.is_writer:
+    if run.is_writer and not idle:
         write_config(cfg, run.run_dir)
     logger = MetricsLogger(run.run_dir, cfg.metrics, total_steps=cfg.train.steps,
-                           start_step=run.start, is_writer=run.is_writer)
+                           start_step=run.start, is_writer=run.is_writer, files=not idle)
     log_start(run, logger)
     wall0 = time.perf_counter()
     stop = StopRequest()
@@ -91,12 +93,11 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: RunDirLock | None) -> di
     profiler = profiling.Profiler(cfg, run.run_dir, is_writer=run.is_writer, log=logger.message)
     evaluator = evaluate.Evaluator(cfg, run.program, run.parts, run.eval_data)
     try:
-        writer = writers.Writers(cfg, run.run_dir, start_step=run.start, is_writer=run.is_writer,
-                                 devices=run.devices)
+        writer = writers.Writers(cfg, run.run_dir, start_step=run.start,
+                                 is_writer=run.is_writer and not idle, devices=run.devices)
         report = StepReport(run, logger, writer, evaluator)
         with stop:  # to the end: a signal while saving or exporting waits for them
             with jax.set_mesh(run.plan.mesh):
-                end = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
                 collectives = train_steps(run, end, report, profiler, stop)
             stop.take_over()  # (done after the compile; here when no step ran)
             run.ckpt.wait()

@@ -190,10 +190,15 @@ def export_hf(module, export_dir: str, run_dir: str, is_writer: bool,
 
 
 def write_config(cfg: Config, run_dir: str) -> None:
-    """The config on the console and in {run.dir}/config.yaml: the first file a run writes."""
-    print(to_yaml(cfg), end="", flush=True)
-    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+    """The resolved config in {run.dir}/config.yaml (the first file a run writes), and one line
+    on stdout that names it."""
+    path = os.path.join(run_dir, "config.yaml")
+    with open(path, "w") as f:
         f.write(to_yaml(cfg))
+    model = cfg.model.hf_path or f"preset {cfg.model.preset}"
+    print(f"config: {path} (model {model}, data.source={cfg.data.source} "
+          f"seq_len={cfg.data.seq_len}, train.steps={cfg.train.steps}, "
+          f"parallel.mode={cfg.parallel.mode})", flush=True)
 
 
 def write_collectives(run_dir: str, collectives, layout: Layout) -> None:
