@@ -246,3 +246,32 @@ def test_global_batch_places_rows_on_the_mesh():
     assert batch["tokens"].shape == (2, 4, 16) and batch["tokens"].sharding == sharding
     np.testing.assert_array_equal(np.asarray(batch["tokens"]), full["tokens"].reshape(2, 4, 16))
     np.testing.assert_array_equal(np.asarray(batch["targets"]), full["targets"].reshape(2, 4, 16))
+
+
+def test_mixture_paths_expand_the_home_directory(tmp_path, monkeypatch):
+    from train.config import load_config
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    from tests.helpers.trainer import tiny_overrides
+
+    cfg = load_config(None, tiny_overrides(tmp_path / "r", "data.source=tokens",
+                                           "data.mix={~/a.bin: 2, ~/b.bin: 1}"))
+    assert cfg.data.mix == {str(tmp_path / "a.bin"): 2, str(tmp_path / "b.bin"): 1}
+
+
+def test_a_run_on_a_mixture_stopped_mid_epoch_resumes_to_the_same_losses(tmp_path):
+    """Two token files mixed 3:1 (epochs of 31 and 15 windows, 4 rows a step): stopped after
+    step 3 of 5 and resumed, the run trains on the batches of an uninterrupted one (the tiny
+    config's program: compiled once per test session)."""
+    from tests.helpers.trainer import tiny_config
+    from train.loop import run
+
+    rng = np.random.default_rng(0)
+    rng.integers(0, 256, 2000).astype(np.uint16).tofile(tmp_path / "a.bin")
+    rng.integers(0, 256, 1000).astype(np.uint16).tofile(tmp_path / "b.bin")
+    data = ("data.source=tokens", f"data.mix={{{tmp_path}/a.bin: 3, {tmp_path}/b.bin: 1}}")
+    first = run(tiny_config(tmp_path / "cut", *data), stop_at=3)
+    second = run(tiny_config(tmp_path / "cut", *data))
+    straight = run(tiny_config(tmp_path / "straight", *data))
+    assert second["start_step"] == 3
+    assert first["losses"] + second["losses"] == straight["losses"]

@@ -848,6 +848,10 @@ def _local_paths(cfg: Config) -> None:
                 setattr(getattr(cfg, section), name, paths.local(key, value))
             except paths.PathError as e:
                 raise ConfigError(str(e)) from None
+    try:  # data.mix's keys are paths too
+        cfg.data.mix = {paths.local("data.mix", str(k)): v for k, v in cfg.data.mix.items()}
+    except paths.PathError as e:
+        raise ConfigError(str(e)) from None
 
 
 def from_dict(tree: dict) -> Config:

@@ -61,6 +61,7 @@ def _inputs(cfg: Config) -> list[tuple[str, str]]:
         value = getattr(getattr(cfg, section), name)
         if value:
             found.append((key, os.path.abspath(value)))
+    found += [("data.mix", os.path.abspath(path)) for path in cfg.data.mix]  # its token files
     return found
 
 
