@@ -81,17 +81,13 @@ class MarkovSource:
 
 
 class StreamSource:
-    """Windows of one long token stream at offsets drawn from (seed, step)."""
+    """Held-out evaluation rows: consecutive windows from the start of one token stream, so
+    every evaluation sees the same tokens, each once."""
 
-    def __init__(self, stream: np.ndarray, seed: int, num_rows: int, name: str,
-                 sequential: bool = False):
+    def __init__(self, stream: np.ndarray, num_rows: int, name: str):
         self.stream = stream
-        self.seed = seed
         self.num_rows = num_rows
         self.name = name
-        # held-out evaluation: consecutive windows from the start of the file, so every evaluation
-        # sees the same tokens, each once
-        self.sequential = sequential
 
     def rows(self, step: int, row_ids: np.ndarray, length: int) -> np.ndarray:
         n = len(self.stream)
@@ -99,15 +95,12 @@ class StreamSource:
             raise DataError(
                 f"{self.name} holds {n} tokens, fewer than one row of seq_len+1={length}"
             )
-        if self.sequential:
-            offsets = (step * self.num_rows + np.arange(self.num_rows)) * (length - 1)
-            if offsets[-1] + length > n:
-                raise DataError(
-                    f"{self.name} holds {n} tokens, fewer than the {offsets[-1] + length} that "
-                    f"{self.num_rows} consecutive rows of seq_len={length - 1} need; use a longer "
-                    "file or fewer rows (eval.batches)")
-        else:
-            offsets = _rng(self.seed, step).integers(0, n - length + 1, size=self.num_rows)
+        offsets = (step * self.num_rows + np.arange(self.num_rows)) * (length - 1)
+        if offsets[-1] + length > n:
+            raise DataError(
+                f"{self.name} holds {n} tokens, fewer than the {offsets[-1] + length} that "
+                f"{self.num_rows} consecutive rows of seq_len={length - 1} need; use a longer "
+                "file or fewer rows (eval.batches)")
         out = np.stack([np.asarray(self.stream[o : o + length]) for o in offsets[row_ids]])
         return out.astype(np.int64)
 
@@ -340,7 +333,7 @@ class Pipeline:
                 streams.append(stream)
                 names.append(f"{path} ({len(stream):,} tokens{how})")
             if held_out:
-                self.source = StreamSource(streams[0], seed, self.num_rows, paths[0], True)
+                self.source = StreamSource(streams[0], self.num_rows, paths[0])
             else:
                 self.sources = [self._rows_of(s, p, seed) for s, p in zip(streams, paths)]
                 weights = [float(cfg.mix[p]) for p in paths] if cfg.mix else None
