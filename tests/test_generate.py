@@ -140,6 +140,7 @@ def test_cli_from_a_run_checkpoint(tmp_path, capsys):
     assert status == 2 and err.count("\n") == 1 and "config.yaml" in err
 
 
+@pytest.mark.usefixtures("compile_cache")  # its runs share one compile
 def test_a_runs_export_is_a_complete_hugging_face_model(tmp_path):
     """checkpoint.export_hf of a run on tokenized text: transformers loads the tokenizer (with its
     eos) and the model from the directory alone and generates what our sampler does; the eos id

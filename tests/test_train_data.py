@@ -259,6 +259,7 @@ def test_mixture_paths_expand_the_home_directory(tmp_path, monkeypatch):
     assert cfg.data.mix == {str(tmp_path / "a.bin"): 2, str(tmp_path / "b.bin"): 1}
 
 
+@pytest.mark.usefixtures("compile_cache")  # its runs share one compile
 def test_a_run_on_a_mixture_stopped_mid_epoch_resumes_to_the_same_losses(tmp_path):
     """Two token files mixed 3:1 (epochs of 31 and 15 windows, 4 rows a step): stopped after
     step 3 of 5 and resumed, the run trains on the batches of an uninterrupted one (the tiny

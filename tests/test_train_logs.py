@@ -6,6 +6,8 @@ import io
 import os
 import sys
 
+import pytest
+
 from tests.helpers.trainer import tiny_config
 from train.config import MetricsConfig
 from train.metrics import MetricsLogger
@@ -51,6 +53,7 @@ def test_a_terminal_gets_the_progress_bar(tmp_path, monkeypatch):
     assert "step 2/40" not in out
 
 
+@pytest.mark.usefixtures("compile_cache")  # its runs share one compile
 def test_one_config_line_and_nothing_written_when_there_is_nothing_to_do(tmp_path, capsys):
     from train.loop import run
 
