@@ -205,13 +205,14 @@ def hf_state_dict(model_or_state) -> dict[str, np.ndarray]:
 
 
 def save_pretrained(model: Transformer, path: str, *,
-                    max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES, params=None) -> None:
+                    max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES, params=None,
+                    dtype: str | None = None) -> None:
     """Write config.json and model.safetensors (or shards + model.safetensors.index.json when the
     weights exceed max_shard_size) in the layout `transformers` loads.
 
     `params` (an nnx.State of parameters) overrides the model's own, e.g. the trainer's final state.
-    Tensors are written in the parameters' dtype. All processes must call it (parameters are
-    gathered one shard at a time); only process 0 writes.
+    Tensors are written in the parameters' dtype, or in `dtype` (e.g. "bfloat16"). All processes
+    must call it (parameters are gathered one shard at a time); only process 0 writes.
     """
     config: ModelConfig = model.config
     state = nnx.state(model, nnx.Param) if params is None else params
@@ -224,7 +225,8 @@ def save_pretrained(model: Transformer, path: str, *,
             values[name], transposed[name] = part, transpose
     try:  # the same split (and file names) as transformers' save_pretrained
         split = split_state_dict_into_shards_factory(
-            values, max_shard_size=max_shard_size, get_storage_size=lambda value: value.nbytes,
+            values, max_shard_size=max_shard_size, get_storage_size=lambda value: value.size * (
+                jnp.dtype(dtype).itemsize if dtype else value.dtype.itemsize),
             filename_pattern="model{suffix}.safetensors")
     except ValueError as e:  # a max_shard_size it cannot parse
         raise ModelError(f"max_shard_size must be bytes or like '5GB'/'500MB': {e}") from None
@@ -239,6 +241,8 @@ def save_pretrained(model: Transformer, path: str, *,
         tensors = {}
         for name in names:  # gathered to the host one shard at a time
             array = _to_host(values[name])
+            if dtype is not None:
+                array = array.astype(jnp.dtype(dtype))
             tensors[name] = array.T if transposed[name] else array
             dtypes.add(str(np.dtype(array.dtype)))
         if writer:

@@ -138,3 +138,50 @@ def test_cli_from_a_run_checkpoint(tmp_path, capsys):
     empty.mkdir()
     status, _, err = _main(capsys, "--run_dir", str(empty), "--prompt-ids", ids)
     assert status == 2 and err.count("\n") == 1 and "config.yaml" in err
+
+
+@pytest.mark.usefixtures("compile_cache")  # its runs share one compile
+def test_a_runs_export_is_a_complete_hugging_face_model(tmp_path):
+    """checkpoint.export_hf of a run on tokenized text: transformers loads the tokenizer (with its
+    eos) and the model from the directory alone and generates what our sampler does; the eos id
+    is in config.json and generation_config.json; checkpoint.export_dtype sets the tensors'."""
+    import json
+
+    import transformers
+    from safetensors import safe_open
+
+    from train.loop import run
+
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, hf_tiny.VOCAB)}}
+    tokenizer = Tokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    rng = np.random.default_rng(0)
+    (tmp_path / "d.txt").write_text("\n".join(
+        " ".join(f"w{t}" for t in rng.integers(2, 256, rng.integers(3, 40))) for _ in range(100)))
+    export = tmp_path / "export"
+    run(tiny_config(tmp_path / "run", "train.steps=2",  # the program of the test above
+                    "data.source=text", f"data.path={tmp_path / 'd.txt'}",
+                    f"data.tokenizer={tmp_path / 'tokenizer.json'}", "data.eos_id=1",
+                    f"checkpoint.export_hf={export}"))
+    assert json.loads((export / "config.json").read_text())["eos_token_id"] == 1
+    assert json.loads((export / "generation_config.json").read_text())["eos_token_id"] == 1
+    tok = transformers.AutoTokenizer.from_pretrained(str(export))
+    assert tok.eos_token == "<eos>" and tok.eos_token_id == 1
+    prompt = tok(" ".join(f"w{t}" for t in PROMPT))["input_ids"]
+    assert prompt == PROMPT
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(export))
+    assert hf.generation_config.eos_token_id == 1
+    theirs = _hf_greedy(hf, prompt, NEW)
+    ours = sampler.generate(models.from_pretrained(str(export)), PROMPT, max_new_tokens=NEW,
+                            eos_ids=[1])
+    assert theirs[:len(ours)] == ours and len(ours) > 2
+    assert tok.decode(theirs[:3]) == " ".join(f"w{t}" for t in theirs[:3])
+
+    half = tmp_path / "bf16"  # what checkpoint.export_dtype=bfloat16 passes on
+    models.save_pretrained(models.from_pretrained(str(export)), str(half), dtype="bfloat16")
+    with safe_open(str(half / "model.safetensors"), "np") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert json.loads((half / "config.json").read_text())["torch_dtype"] == "bfloat16"

@@ -132,3 +132,24 @@ def test_command_line(tmp_path):
     assert bad.returncode == 2
     assert bad.stderr.startswith("error: plot: ") and bad.stderr.count("\n") == 1
     assert "Traceback" not in bad.stderr
+
+
+def test_without_matplotlib_help_works_and_drawing_is_one_line(tmp_path):
+    """The [plot] extra is optional: without it `--help` still answers and a figure is refused
+    in one line that names the extra."""
+    import subprocess
+    import sys
+
+    from tests.helpers.trainer import ROOT, train_env
+
+    hide = "import sys; sys.modules['matplotlib'] = None; from train.plot import main; "
+    helped = subprocess.run([sys.executable, "-c", hide + "main(['--help'])"], cwd=ROOT,
+                            env=train_env(), capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and "losses" in helped.stdout, helped.stderr
+    drawn = subprocess.run([sys.executable, "-c", hide + "sys.exit(main(['layouts', '-o', "
+                            f"'{tmp_path}/x.png']))"], cwd=ROOT, env=train_env(),
+                           capture_output=True, text=True, timeout=60)
+    assert drawn.returncode == 2 and drawn.stderr == (
+        "error: plot: train.plot draws with matplotlib, which is not installed: "
+        "pip install -e '.[plot]'\n")
+    assert not (tmp_path / "x.png").exists()

@@ -133,14 +133,20 @@ def test_overlapping_or_remote_outputs_exit_2_with_one_line_and_touch_nothing(
 
 def test_a_resume_with_the_config_file_the_run_wrote_is_allowed(finished, tmp_path, capsys):
     """`--config RUN/config.yaml` (the resolved config an earlier run wrote there) resumes: that
-    file holds nothing a person wrote, and is replaced by the same values and the overrides."""
+    file holds nothing a person wrote. With nothing left to train the run writes nothing, so
+    the file is left as it was (a run with steps to go replaces it with the overrides applied)."""
     run_dir = tmp_path / "run"
     shutil.copytree(finished, run_dir)
+    written = (run_dir / "config.yaml").read_text()
     capsys.readouterr()
     status = cli.main(["--config", str(run_dir / "config.yaml"), f"run.dir={run_dir}"])
     out, err = capsys.readouterr()
     assert status == 0, err
     assert f"done: {run_dir} already holds step 4 of 4" in out
+    assert (run_dir / "config.yaml").read_text() == written
+    status = cli.main(["--config", str(run_dir / "config.yaml"), f"run.dir={run_dir}",
+                       "train.steps=5", "checkpoint.allow_changed=train.steps"])
+    assert status == 0, capsys.readouterr().err
     assert f"dir: {run_dir}\n" in (run_dir / "config.yaml").read_text()
 
 

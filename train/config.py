@@ -114,8 +114,12 @@ class DataConfig:
     text_key: str = "text"  # jsonl: the field holding each document
     eos_id: Optional[int] = None  # document separator; text/jsonl: appended after each document
     seq_len: Optional[int] = None  # required
-    pack: bool = False  # segment ids from eos_id: tokens attend only within their document
+    # documents end at eos_id: first-fit packed into rows (split only when longer than one), each
+    # attending only within itself; false: windows of the stream
+    pack: bool = False
     branching: int = 4  # synthetic: successors per token of the Markov chain (probabilities halve)
+    # tokens: several token files mixed by weight, {path: weight} (instead of data.path)
+    mix: dict = dataclasses.field(default_factory=dict)
 
     def require(self) -> None:
         """The required keys (checked with the other sections' before the combinations)."""
@@ -127,9 +131,23 @@ class DataConfig:
             raise ConfigError(f"data.seq_len must be at most {MAX_INT32}, got {self.seq_len}")
 
     def validate(self) -> None:
-        if self.source == "tokens":
+        if self.mix and self.source != "tokens":
+            raise ConfigError(f"data.mix mixes token files: it needs data.source=tokens, not "
+                              f"{self.source}")
+        if self.mix and self.path:
+            raise ConfigError("data.path and data.mix are both set; list the file in data.mix "
+                              "({path: weight, ...}) or set data.path only")
+        for path, weight in self.mix.items():
+            if not (path.endswith(".bin") or path.endswith(".npy")):
+                raise ConfigError(f"data.mix path {path!r}: token files must end in .bin or .npy")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or \
+                    not weight > 0 or weight == float("inf"):
+                raise ConfigError(f"data.mix weight of {path!r} must be a positive number, got "
+                                  f"{weight!r}")
+        if self.source == "tokens" and not self.mix:
             if not self.path:
-                raise ConfigError("data.source=tokens needs data.path: a .bin or .npy token file")
+                raise ConfigError("data.source=tokens needs data.path: a .bin or .npy token file "
+                                  "(or data.mix: {path: weight, ...})")
             if not (self.path.endswith(".bin") or self.path.endswith(".npy")):
                 raise ConfigError(f"data.path {self.path!r}: token files must end in .bin or .npy")
         if self.source in ("text", "jsonl"):
@@ -265,6 +283,8 @@ class CheckpointConfig:
     save_final: bool = True
     resume: bool = True  # continue from the latest checkpoint in run.dir/checkpoints
     export_hf: Optional[str] = None  # write final weights as HF safetensors to this directory
+    # the export's tensor dtype (null: the parameters', model.param_dtype)
+    export_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
     # keys a resume may find changed on purpose (e.g. optimizer.lr,train.steps; model.shape.*
     # for all of model.shape), logged and recorded in metrics.jsonl; any other change of a key
     # that alters the run (train/resume.py RULES) is refused
@@ -285,7 +305,10 @@ class CheckpointConfig:
 class MetricsConfig:
     peak_flops: Optional[float] = None  # peak FLOP/s of one device, for mfu
     device: Optional[str] = None  # a GPU of basp_jax.gpus (e.g. h100-pcie): its bf16 dense peak; null: from the device kind
-    progress: bool = True  # tqdm bar on the console
+    # progress on stderr: a tqdm bar on a terminal, else (a log file, SLURM) one line every
+    # metrics.log_every steps; false: neither
+    progress: bool = True
+    log_every: int = 0  # steps between progress lines when stderr is not a terminal (0: ~20 lines a run)
     # TensorBoard event files in {run.dir}/tb: the metrics.jsonl scalars, eval loss, memory in
     # use and step-time percentiles
     tensorboard: bool = True
@@ -295,6 +318,9 @@ class MetricsConfig:
     def validate(self) -> None:
         if self.peak_flops is not None and self.peak_flops <= 0:
             raise ConfigError(f"metrics.peak_flops must be > 0 or null, got {self.peak_flops}")
+        if self.log_every < 0:
+            raise ConfigError(f"metrics.log_every must be >= 0 (0: about 20 lines a run), got "
+                              f"{self.log_every}")
 
 
 @dataclasses.dataclass
@@ -827,6 +853,10 @@ def _local_paths(cfg: Config) -> None:
                 setattr(getattr(cfg, section), name, paths.local(key, value))
             except paths.PathError as e:
                 raise ConfigError(str(e)) from None
+    try:  # data.mix's keys are paths too
+        cfg.data.mix = {paths.local("data.mix", str(k)): v for k, v in cfg.data.mix.items()}
+    except paths.PathError as e:
+        raise ConfigError(str(e)) from None
 
 
 def from_dict(tree: dict) -> Config:

@@ -1,25 +1,32 @@
 """Training batches: synthetic tokens, token files, or tokenized text / JSONL, one step at a time.
 
-The batch of step t is [grad_accum, microbatch, seq_len] and a pure function of (seed, t): each
-global row r = a * microbatch + b is drawn from its own (seed, t, r) stream, so any process can
-build exactly the rows its devices hold and nothing else, and a resumed run continues from step t
-with the same rows. Sources:
+The batch of step t is [grad_accum, microbatch, seq_len] and a pure function of (seed, t): global
+row r = a * microbatch + b of step t is row g = t * grad_accum * microbatch + r of an endless
+sequence of seeded epochs (train.sources, on Grain), so any process builds exactly the rows its
+devices hold and nothing else, and a resumed run continues from step t with the same rows (the
+checkpoint's step is the whole iterator state). Sources:
 
     synthetic   a fixed random Markov chain over the vocabulary (learnable: the loss falls to the
-                chain's entropy), `branching` successors per token
-    tokens      one long stream in a .bin (raw uint16/uint32) or .npy file, memory-mapped; a row is
-                a window at a random offset (the nanoGPT / Megatron convention). A .bin written
-                by `python -m train.tokenize` has a sidecar FILE.json that is checked instead of
-                scanning every id at start-up
+                chain's entropy), `branching` successors per token; rows keyed (seed, t, r)
+    tokens      one long stream in a .bin (raw uint16/uint32) or .npy file, memory-mapped, or
+                several mixed by weight (data.mix); an epoch visits every window of seq_len + 1
+                tokens (consecutive windows share one token) once, in a seeded order. A .bin
+                written by `python -m train.tokenize` has a sidecar FILE.json that is checked
+                instead of scanning every id at start-up
     text/jsonl  documents (non-empty lines / the `text_key` field of each JSON line) tokenized with
                 a local tokenizer.json, joined with eos_id into one stream
 
-With pack=true, documents end at eos_id: each row gets segment ids (a token attends only within its
-document, positions restart) and the prediction across a document boundary is masked out.
+With pack=true, documents end at eos_id and an epoch visits every document once: they are
+first-fit packed into rows (split only when longer than a row) and padded; each row gets segment
+ids (a token attends only within its document, positions restart) and no prediction crosses a
+document boundary. The next step's batch is built on a background thread while a step runs
+(global_batch(..., prefetch=...)).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import hashlib
 import json
 import os
@@ -27,6 +34,7 @@ from typing import Callable
 
 import numpy as np
 
+from . import sources
 from .config import DataConfig
 
 
@@ -73,17 +81,13 @@ class MarkovSource:
 
 
 class StreamSource:
-    """Windows of one long token stream at offsets drawn from (seed, step)."""
+    """Held-out evaluation rows: consecutive windows from the start of one token stream, so
+    every evaluation sees the same tokens, each once."""
 
-    def __init__(self, stream: np.ndarray, seed: int, num_rows: int, name: str,
-                 sequential: bool = False):
+    def __init__(self, stream: np.ndarray, num_rows: int, name: str):
         self.stream = stream
-        self.seed = seed
         self.num_rows = num_rows
         self.name = name
-        # held-out evaluation: consecutive windows from the start of the file, so every evaluation
-        # sees the same tokens, each once
-        self.sequential = sequential
 
     def rows(self, step: int, row_ids: np.ndarray, length: int) -> np.ndarray:
         n = len(self.stream)
@@ -91,15 +95,12 @@ class StreamSource:
             raise DataError(
                 f"{self.name} holds {n} tokens, fewer than one row of seq_len+1={length}"
             )
-        if self.sequential:
-            offsets = (step * self.num_rows + np.arange(self.num_rows)) * (length - 1)
-            if offsets[-1] + length > n:
-                raise DataError(
-                    f"{self.name} holds {n} tokens, fewer than the {offsets[-1] + length} that "
-                    f"{self.num_rows} consecutive rows of seq_len={length - 1} need; use a longer "
-                    "file or fewer rows (eval.batches)")
-        else:
-            offsets = _rng(self.seed, step).integers(0, n - length + 1, size=self.num_rows)
+        offsets = (step * self.num_rows + np.arange(self.num_rows)) * (length - 1)
+        if offsets[-1] + length > n:
+            raise DataError(
+                f"{self.name} holds {n} tokens, fewer than the {offsets[-1] + length} that "
+                f"{self.num_rows} consecutive rows of seq_len={length - 1} need; use a longer "
+                "file or fewer rows (eval.batches)")
         out = np.stack([np.asarray(self.stream[o : o + length]) for o in offsets[row_ids]])
         return out.astype(np.int64)
 
@@ -319,32 +320,80 @@ class Pipeline:
             raise DataError(
                 f"data.eos_id={cfg.eos_id} is not below the model's vocab_size={vocab_size}"
             )
+        self.held_out = held_out
+        self.epochs = None  # global row index -> (source, row): train.sources
         if cfg.source == "synthetic":
             self.source = MarkovSource(vocab_size, cfg.branching, seed, held_out)
             self.name = f"synthetic Markov chain (branching {cfg.branching})"
-        elif cfg.source == "tokens":
-            sidecar = checked_sidecar(cfg.path, cfg, vocab_size)
-            stream = _load_token_file(cfg.path, cfg.dtype)
-            if sidecar is None:  # no record of its ids that can be trusted: scan them all
-                _check_ids(stream, vocab_size, cfg.path)
-            how = (", checked sidecar" if sidecar else ", every id scanned: its sidecar's seal "
-                   "does not match the file" if os.path.isfile(cfg.path + ".json") else "")
-            self.source = StreamSource(stream, seed, self.num_rows, cfg.path, held_out)
-            self.name = f"{cfg.path} ({len(stream):,} tokens{how})"
         else:
-            stream = _tokenize(cfg, vocab_size)
-            _check_ids(stream, vocab_size, f"{cfg.path} tokenized with {cfg.tokenizer}")
-            self.source = StreamSource(stream, seed, self.num_rows, cfg.path, held_out)
-            self.name = f"{cfg.path} ({len(stream):,} tokens after tokenization)"
+            paths = [cfg.path] if held_out or not cfg.mix else list(cfg.mix)
+            streams, names = [], []
+            for path in paths:
+                stream, how = self._stream(cfg, path, vocab_size)
+                streams.append(stream)
+                names.append(f"{path} ({len(stream):,} tokens{how})")
+            if held_out:
+                self.source = StreamSource(streams[0], self.num_rows, paths[0])
+            else:
+                self.sources = [self._rows_of(s, p, seed) for s, p in zip(streams, paths)]
+                weights = [float(cfg.mix[p]) for p in paths] if cfg.mix else None
+                self.epochs = sources.epochs(self.sources, weights, seed)
+                names = [f"{n}: {s.count:,} {'packed rows' if self.pack else 'windows'}"
+                         + (f", weight {w:g}" if weights else "")
+                         for n, s, w in zip(names, self.sources, weights or [None] * len(paths))]
+                self.source = self.sources[0]
+            self.name = "; ".join(names)
+        self._prefetch = None  # (step, future) of the batch built in the background
+        self._pool = None
         # Fail now, not at step 0 of a compiled run, when the stream is too short.
         self.rows(0, np.arange(1))
+
+    def _stream(self, cfg: DataConfig, path: str, vocab_size: int) -> tuple[np.ndarray, str]:
+        """One source's checked token stream and how it was checked."""
+        if cfg.source == "tokens":
+            sidecar = checked_sidecar(path, cfg, vocab_size)
+            stream = _load_token_file(path, cfg.dtype)
+            if sidecar is None:  # no record of its ids that can be trusted: scan them all
+                _check_ids(stream, vocab_size, path)
+            how = (", checked sidecar" if sidecar else ", every id scanned: its sidecar's seal "
+                   "does not match the file" if os.path.isfile(path + ".json") else "")
+            return stream, how
+        stream = _tokenize(dataclasses.replace(cfg, path=path), vocab_size)
+        _check_ids(stream, vocab_size, f"{path} tokenized with {cfg.tokenizer}")
+        return stream, " after tokenization"
+
+    def _rows_of(self, stream: np.ndarray, path: str, seed: int):
+        length = self.seq_len + 1
+        if len(stream) < length and not self.pack:
+            raise DataError(f"{path} holds {len(stream)} tokens, fewer than one row of "
+                            f"seq_len+1={length}")
+        if self.pack:
+            rows = sources.Packed(stream, length, self.eos_id, seed)
+        else:
+            rows = sources.Windows(stream, length)
+        if rows.count == 0:
+            raise DataError(f"{path} holds {len(stream)} tokens: no row of seq_len+1={length}")
+        return rows
 
     def rows(self, step: int, row_ids: np.ndarray) -> dict[str, np.ndarray]:
         """tokens, targets (-1: no loss) and segment_ids [len(row_ids), seq_len] int32."""
         row_ids = np.asarray(row_ids)
-        raw = self.source.rows(step, row_ids, self.seq_len + 1)  # ids checked once, at start-up
+        seg = None
+        if self.epochs is None:
+            raw = self.source.rows(step, row_ids, self.seq_len + 1)  # ids checked at start-up
+        else:
+            drawn = [self.sources[k].row(i) for k, i in
+                     (self.epochs[step * self.num_rows + int(r)] for r in row_ids)]
+            raw = np.stack([d[0] for d in drawn])
+            if self.pack:
+                seg = np.stack([d[1] for d in drawn])
         tokens, targets = raw[:, :-1], raw[:, 1:].copy()
-        if self.pack:
+        if seg is not None:  # packed documents: segments given, -1 padding
+            targets[(seg[:, 1:] != seg[:, :-1]) | (seg[:, 1:] < 0)] = -1
+            # padding: a segment of its own after the row's last document
+            seg = np.where(seg < 0, seg.max(axis=1, keepdims=True) + 1, seg)
+            segment_ids = seg[:, :-1]
+        elif self.pack:
             is_eos = raw == self.eos_id
             # a token's document = number of eos strictly before it; eos ends its own document
             seg = np.concatenate(
@@ -363,20 +412,41 @@ class Pipeline:
             out = {name: x[:, self.seq_order] for name, x in out.items()}
         return out
 
-    def global_batch(self, step: int, sharding) -> dict:
+    def global_batch(self, step: int, sharding, prefetch: bool = False) -> dict:
         """The step's [accum, B + pad_rows, S] arrays on `sharding`; this process builds only its
-        rows (pad rows are made on the spot)."""
-        import jax
+        rows (pad rows are made on the spot). prefetch=True then starts building step + 1's on a
+        background thread, so the next call finds it ready (off the step's critical path)."""
+        ahead, self._prefetch = self._prefetch, None
+        batch = ahead[1].result() if ahead and ahead[0] == step else self._build(step, sharding)
+        if prefetch:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, "basp-data")
+            self._prefetch = (step + 1, self._pool.submit(self._build, step + 1, sharding))
+        return batch
 
+    def close(self) -> None:
+        """Ends the prefetch thread (a batch being built is dropped)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool, self._prefetch = None, None
+
+    def row_ids(self, index_map: dict) -> np.ndarray:
+        """The global rows that the devices of index_map (device -> index into the step's
+        [accum, B + pad_rows, S] batch; a process's addressable devices) hold, pad rows left out."""
         rows_per_micro = self.batch + self.pad_rows
-        shape = (self.accum, rows_per_micro, self.seq_len)
-        index_map = sharding.addressable_devices_indices_map(shape)
         wanted = set()
         for index in index_map.values():
             a_range = range(*index[0].indices(self.accum))
             b_range = range(*index[1].indices(rows_per_micro))
             wanted.update(a * self.batch + b for a in a_range for b in b_range if b < self.batch)
-        row_ids = np.array(sorted(wanted), dtype=np.int64)
+        return np.array(sorted(wanted), dtype=np.int64)
+
+    def _build(self, step: int, sharding) -> dict:
+        import jax
+
+        rows_per_micro = self.batch + self.pad_rows
+        shape = (self.accum, rows_per_micro, self.seq_len)
+        row_ids = self.row_ids(sharding.addressable_devices_indices_map(shape))
         local = self.rows(step, row_ids)
         position = {int(r): i for i, r in enumerate(row_ids)}
         fill = {"tokens": 0, "targets": -1, "segment_ids": 0}

@@ -66,7 +66,7 @@ def save_checkpoint(run: Run, step: int, force: bool) -> None:
 def export(run: Run, log: Callable[[str], None]) -> None:
     """checkpoint.export_hf: the final weights as a Hugging Face directory."""
     export_dir = os.path.realpath(run.cfg.checkpoint.export_hf)
-    export_hf(run.parts.module(run.params), export_dir, run.run_dir, run.is_writer)
+    export_hf(run.parts.module(run.params), export_dir, run.run_dir, run.is_writer, run.cfg)
     log(f"exported Hugging Face weights to {export_dir}")
 
 

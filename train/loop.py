@@ -79,11 +79,13 @@ def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
 
 def _run_owned(cfg: Config, stop_at: int | None, owner: RunDirLock | None) -> dict[str, Any]:
     run = prepare(cfg, owner)  # every check, then the state: nothing compiled or written before
+    end = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
+    idle = run.start >= end  # nothing to train: run.dir is left as it is
     # ---- the checks passed and the state is in place: only now is run.dir written
-    if run.is_writer:
+    if run.is_writer and not idle:
         write_config(cfg, run.run_dir)
     logger = MetricsLogger(run.run_dir, cfg.metrics, total_steps=cfg.train.steps,
-                           start_step=run.start, is_writer=run.is_writer)
+                           start_step=run.start, is_writer=run.is_writer, files=not idle)
     log_start(run, logger)
     wall0 = time.perf_counter()
     stop = StopRequest()
@@ -91,18 +93,18 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: RunDirLock | None) -> di
     profiler = profiling.Profiler(cfg, run.run_dir, is_writer=run.is_writer, log=logger.message)
     evaluator = evaluate.Evaluator(cfg, run.program, run.parts, run.eval_data)
     try:
-        writer = writers.Writers(cfg, run.run_dir, start_step=run.start, is_writer=run.is_writer,
-                                 devices=run.devices)
+        writer = writers.Writers(cfg, run.run_dir, start_step=run.start,
+                                 is_writer=run.is_writer and not idle, devices=run.devices)
         report = StepReport(run, logger, writer, evaluator)
         with stop:  # to the end: a signal while saving or exporting waits for them
             with jax.set_mesh(run.plan.mesh):
-                end = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
                 collectives = train_steps(run, end, report, profiler, stop)
             stop.take_over()  # (done after the compile; here when no step ran)
             run.ckpt.wait()
             if cfg.checkpoint.export_hf and not stop.stopped:
                 export(run, logger.message)
     finally:
+        run.data.close()
         profiler.close()
         if writer is not None:
             writer.close()
@@ -117,7 +119,9 @@ def train_steps(run: Run, end: int, report: StepReport, profiler, stop: StopRequ
     dispatched, so the host's work overlaps the devices' (except before a save or a stop)."""
     cfg, ckpt, data, sharding = run.cfg, run.ckpt, run.data, run.program.batch_sharding
     evaluator, log = report.evaluator, report.logger.message
-    batch = data.global_batch(run.start, sharding) if run.start < end else None
+    # each call hands over a batch built in the background and starts the next one's
+    batch = data.global_batch(run.start, sharding, prefetch=run.start + 1 < end) \
+        if run.start < end else None
     compiled, collectives, step_arr = None, [], None
     pending = None  # (step, metrics, evaluation) read after the next dispatch
     last_end = None  # when the previous step was seen to end
@@ -141,7 +145,7 @@ def train_steps(run: Run, end: int, report: StepReport, profiler, stop: StopRequ
             pending = None
         last = done == end
         if not last:  # build the next batch while the device runs this step
-            batch = data.global_batch(done, sharding)
+            batch = data.global_batch(done, sharding, prefetch=done + 1 < end)
         stopping = stop.agree_at_end() if last else stop.should_stop(done)
         force = stopping or (last and (cfg.checkpoint.save_final or done < cfg.train.steps))
         if not (last or force or ckpt.due(done)):

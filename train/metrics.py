@@ -49,14 +49,32 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def progress_line(record: dict[str, Any], total: int, remaining_s: float | None) -> str:
+    """One progress line for a log that is not a terminal (no carriage returns)."""
+    parts = [f"step {record['step']}/{total}", f"loss {record['loss']:.4f}",
+             f"grad_norm {record['grad_norm']:.3g}", f"lr {record['lr']:.3g}",
+             f"{record['tokens_per_s']:,.0f} tok/s", f"{record['step_time_s']:.3g} s/step"]
+    if record.get("mfu") is not None:
+        parts.append(f"mfu {record['mfu']:.1%}")
+    if remaining_s is not None:
+        parts.append(f"eta {remaining_s:,.0f}s")
+    return "  ".join(parts)
+
+
 class MetricsLogger:
+    """metrics.jsonl, and the progress on stderr: a bar on a terminal, else a line every
+    log_every steps and at the last one. files=False: nothing is written (a run with nothing
+    to do), messages still go to stderr."""
+
     def __init__(self, run_dir: str, cfg: MetricsConfig, *, total_steps: int, start_step: int,
-                 is_writer: bool):
+                 is_writer: bool, files: bool = True):
         self.is_writer = is_writer
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.bar = None
         self.file = None
-        if not is_writer:
+        self.total = total_steps
+        self.every = 0  # progress lines every so many steps (0: none)
+        if not is_writer or not files:
             return
         kept = []
         if os.path.exists(self.path):
@@ -75,17 +93,24 @@ class MetricsLogger:
             f.writelines(kept)
         os.replace(tmp, self.path)
         self.file = open(self.path, "a")
-        if cfg.progress:
+        if cfg.progress and sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                             file=sys.stderr)
+        elif cfg.progress:
+            self.every = cfg.log_every or max(1, round(total_steps / 20))
 
     def log(self, record: dict[str, Any]) -> None:
-        if not self.is_writer:
+        if self.file is None:
             return
         self.file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
         self.file.flush()
+        step = record["step"]
+        if self.every and (step % self.every == 0 or step == self.total):
+            remaining = (self.total - step) * record["step_time_s"]
+            print(progress_line(record, self.total, remaining if step < self.total else None),
+                  file=sys.stderr, flush=True)
         if self.bar is not None:
             postfix = {"loss": f"{record['loss']:.4f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
             if record.get("mfu") is not None:

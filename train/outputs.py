@@ -11,7 +11,7 @@ import tempfile
 import models
 from basp_jax import Layout, comm
 
-from . import paths
+from . import hf_export, paths
 from .config import INPUT_PATHS, Config, ConfigError, from_dict, to_yaml, yaml_load
 
 # files the trainer writes in run.dir, and what each must be when it exists already
@@ -61,6 +61,7 @@ def _inputs(cfg: Config) -> list[tuple[str, str]]:
         value = getattr(getattr(cfg, section), name)
         if value:
             found.append((key, os.path.abspath(value)))
+    found += [("data.mix", os.path.abspath(path)) for path in cfg.data.mix]  # its token files
     return found
 
 
@@ -151,7 +152,8 @@ def _export_owner(export_dir: str) -> str | None:
         return None
 
 
-def export_hf(module, export_dir: str, run_dir: str, is_writer: bool) -> None:
+def export_hf(module, export_dir: str, run_dir: str, is_writer: bool,
+              cfg: Config | None = None) -> None:
     """Write the Hugging Face export into a fresh directory beside export_dir, then move it into
     place: an interrupted export leaves the previous one (or nothing) rather than a mixture.
     check_output_paths has made sure export_dir is new, empty or an earlier export of this run."""
@@ -162,9 +164,12 @@ def export_hf(module, export_dir: str, run_dir: str, is_writer: bool) -> None:
         tmp = tempfile.mkdtemp(dir=parent, prefix=".export-")
     try:
         # every process takes part (shards are gathered one at a time); process 0 writes
-        models.save_pretrained(module, tmp or export_dir)
+        models.save_pretrained(module, tmp or export_dir,
+                               dtype=cfg.checkpoint.export_dtype if cfg else None)
         if not is_writer:
             return
+        if cfg is not None:  # tokenizer, bos/eos ids, generation_config.json
+            hf_export.write(cfg, tmp)
         with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
             json.dump({"run_dir": run_dir}, f)
         umask = os.umask(0)
@@ -186,10 +191,15 @@ def export_hf(module, export_dir: str, run_dir: str, is_writer: bool) -> None:
 
 
 def write_config(cfg: Config, run_dir: str) -> None:
-    """The config on the console and in {run.dir}/config.yaml: the first file a run writes."""
-    print(to_yaml(cfg), end="", flush=True)
-    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+    """The resolved config in {run.dir}/config.yaml (the first file a run writes), and one line
+    on stdout that names it."""
+    path = os.path.join(run_dir, "config.yaml")
+    with open(path, "w") as f:
         f.write(to_yaml(cfg))
+    model = cfg.model.hf_path or f"preset {cfg.model.preset}"
+    print(f"config: {path} (model {model}, data.source={cfg.data.source} "
+          f"seq_len={cfg.data.seq_len}, train.steps={cfg.train.steps}, "
+          f"parallel.mode={cfg.parallel.mode})", flush=True)
 
 
 def write_collectives(run_dir: str, collectives, layout: Layout) -> None:

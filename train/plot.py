@@ -18,12 +18,14 @@ from pathlib import Path
 
 try:
     import matplotlib
-except ImportError:  # not a dependency of training itself
-    raise ImportError("train.plot needs matplotlib: pip install -e '.[plot]'") from None
+except ImportError:  # not a dependency of training itself: `--help` works, drawing says so
+    matplotlib = None
+else:
+    matplotlib.use("Agg")  # files only: no display on clusters and in CI
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch, Rectangle
 
-matplotlib.use("Agg")  # files only: no display on clusters and in CI
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import FancyBboxPatch, Rectangle  # noqa: E402
+NO_MATPLOTLIB = "train.plot draws with matplotlib, which is not installed: pip install -e '.[plot]'"
 
 METRICS = ("loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu")
 METRIC_LABELS = {"loss": "loss (nats/token)", "grad_norm": "gradient norm", "lr": "learning rate",
@@ -283,6 +285,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if matplotlib is None:
+        print(f"error: plot: {NO_MATPLOTLIB}", file=sys.stderr)
+        return 2
     try:
         if Path(args.out).suffix.lower() != ".png":
             raise PlotError(f"output {args.out}: expected a .png file name")

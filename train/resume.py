@@ -37,6 +37,7 @@ RULES: dict[str, tuple[str, str]] = {
     "data.source": (ON_PURPOSE, "where the tokens come from"),
     "data.file": (ON_PURPOSE, "the contents of data.path"),
     "data.dtype": (ON_PURPOSE, "how data.path is read"),
+    "data.mix": (ON_PURPOSE, "the token files mixed and their weights"),
     "data.tokenizer_file": (ON_PURPOSE, "the contents of data.tokenizer"),
     "data.text_key": (ON_PURPOSE, "which field of the JSONL is read"),
     "data.eos_id": (ON_PURPOSE, "where documents end"),
@@ -112,7 +113,8 @@ def record(cfg, model_fields: dict[str, Any]) -> dict[str, Any]:
             if key not in values and key in RULES:
                 values[key] = value
     data = cfg.data
-    values["data.file"] = file_identity(data.path) if data.source != "synthetic" else None
+    values["data.file"] = file_identity(data.path) if data.source != "synthetic" and \
+        data.path else None  # (data.mix: its paths and weights are recorded, not contents)
     values["data.tokenizer_file"] = file_identity(data.tokenizer) if data.source in (
         "text", "jsonl") else None
     return json.loads(json.dumps(values))  # as the checkpoint's JSON gives it back

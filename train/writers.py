@@ -14,10 +14,12 @@ percentiles of the last STEP_WINDOW step times. View with `tensorboard --logdir 
 from __future__ import annotations
 
 import collections
+import glob
 import numbers
 import os
 import secrets
 import sys
+import threading
 import time
 from typing import Any
 
@@ -92,51 +94,121 @@ def memory_in_use(devices) -> dict[str, float]:
 
 
 class TensorBoardFile:
-    """One event file, written in the caller's thread and flushed every step: a full disk raises
-    OSError at the step that hit it (the trainer's one-line error) instead of killing a writer
-    thread, after which tensorboardX's SummaryWriter blocks once its queue is full."""
+    """tensorboardX's SummaryWriter on one event file, opened at the first write (a run that
+    writes nothing leaves no file). Its events are written by a thread of its own; an OSError
+    there (a full disk) is taken from that thread (threading.excepthook) and raised at the next
+    write in the trainer's thread, with the file's name, as the trainer's one-line disk error;
+    the queue is unbounded, so a writer thread that died never blocks the loop."""
+
+    QUEUE = 1 << 20  # events held in memory at most (SummaryWriter's max_queue)
 
     def __init__(self, directory: str, start_step: int):
-        _import_tensorboardx()
-        from tensorboardX.event_file_writer import EventsWriter
-        from tensorboardX.proto.event_pb2 import Event, SessionLog
-        from tensorboardX.summary import scalar
-
-        self.Event, self.scalar = Event, scalar
-        os.makedirs(directory, exist_ok=True)
+        _import_tensorboardx()  # (checked now, opened later)
+        self.directory, self.start = directory, start_step
         # File names carry the second they were made in; the suffix (nanoseconds) keeps a file
         # made within the same second from overwriting the one before, and sorts after it, as
         # TensorBoard reads them.
-        self.events = EventsWriter(os.path.join(directory, "events"),
-                                   f".{time.time_ns()}.from-step-{start_step}")
-        self.path = getattr(self.events, "_file_name", directory)  # for error messages
-        # A session start at step start+1: TensorBoard drops the events of later steps that an
-        # earlier invocation wrote (a resumed run, or a fresh one in an old run.dir), as
-        # metrics.jsonl drops their lines (SummaryWriter's purge_step does the same).
-        self._guard(lambda: self.events.write_event(Event(
-            step=start_step + 1, wall_time=time.time(),
-            session_log=SessionLog(status=SessionLog.START))))
+        self.suffix = f".{time.time_ns()}.from-step-{start_step}"
+        self.path = directory  # the event file's, once it is made (for error messages)
+        self.writer = None
+        self.threads: set = set()  # the writer's own threads, whose errors are ours
+        self.before: set | None = None  # while the first write starts them: the threads before
+        self.error: OSError | None = None
+
+    def _open(self) -> None:
+        tensorboardX = _import_tensorboardx()
+        os.makedirs(self.directory, exist_ok=True)
+        # purge_step: a session start at step start+1, so TensorBoard drops the events of
+        # later steps that an earlier invocation wrote (a resumed run, or a fresh one in an old
+        # run.dir), as metrics.jsonl drops their lines
+        self.path = os.path.join(self.directory, "events.out.tfevents.*" + self.suffix)
+        self.writer = tensorboardX.SummaryWriter(
+            self.directory, purge_step=self.start + 1, max_queue=self.QUEUE, flush_secs=5,
+            filename_suffix=self.suffix)
 
     def _guard(self, write) -> None:
         try:
+            if self.error is not None:
+                raise self.error
             write()
+            if self.error is not None:
+                raise self.error
         except OSError as e:  # name the file (a buffered write's error has no filename)
+            self.error = self.error or e
+            _reported.append(e.errno)
             raise OSError(e.errno, e.strerror, self.path) from e
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
+        first = self.writer is None
+        if first:
+            self.before = set(threading.enumerate())  # its threads start from here
+            _watch(self)
+            self._guard(self._open)
+
         def write():
             for name, value in scalars.items():
-                self.events.write_event(self.Event(step=step, wall_time=time.time(),
-                                                   summary=self.scalar(name, value)))
-            self.events.flush()
+                self.writer.add_scalar(name, value, global_step=step)
+            self.writer.flush()  # (in this thread: a full disk raises here or in the writer's)
 
-        self._guard(write)
+        try:
+            self._guard(write)
+        finally:
+            if first:
+                self.threads = set(threading.enumerate()) - self.before
+                self.before = None
+                found = glob.glob(glob.escape(self.directory) + self.path[len(self.directory):])
+                self.path = found[0] if found else self.path  # (not made: the pattern names it)
 
     def close(self) -> None:
-        try:
-            self.events.close()
-        except OSError:
-            pass  # every step was flushed already: nothing is lost
+        if self.writer is not None and self.error is None:
+            try:
+                self.writer.close()
+            except OSError:
+                pass  # the error was raised at a step already, or nothing was left to write
+        # (after a failed write the writer is left to its daemon threads, still watched:
+        # closing its queue under them only prints their tracebacks)
+        self.writer = None
+        if self.error is None:
+            _watched.discard(self)
+
+
+_watched: set = set()  # open TensorBoardFiles whose writer threads' errors are taken
+_reported: list = []  # errnos raised to the trainer already (its one-line error)
+
+
+def _watch(tb: TensorBoardFile) -> None:
+    """Route an OSError of tb's writer thread to tb (raised at its next write) instead of a
+    traceback on stderr from a thread that then silently stops writing; and keep the writer's
+    exit-time flush (an atexit callback of tensorboardX) from printing the same error again."""
+    if threading.excepthook is not _excepthook:
+        _excepthook.previous = threading.excepthook
+        threading.excepthook = _excepthook
+    if sys.unraisablehook is not _unraisablehook:
+        _unraisablehook.previous = sys.unraisablehook
+        sys.unraisablehook = _unraisablehook
+    _watched.add(tb)
+
+
+def _unraisablehook(args) -> None:
+    if isinstance(args.exc_value, OSError) and args.exc_value.errno in _reported:
+        return  # the trainer has reported this disk error in one line already
+    _unraisablehook.previous(args)
+
+
+_unraisablehook.previous = sys.unraisablehook
+
+
+def _excepthook(args) -> None:
+    for tb in list(_watched):
+        ours = args.thread in tb.threads or (tb.before is not None and
+                                             args.thread not in tb.before)
+        if ours and isinstance(args.exc_value, OSError):
+            tb.error = tb.error or args.exc_value
+            return
+    _excepthook.previous(args)
+
+
+_excepthook.previous = threading.excepthook
 
 
 class Writers:

@@ -1,0 +1,116 @@
+"""Epochs over token files on Grain: windows or packed documents, shuffled without replacement.
+
+Each source is a finite list of rows (windows of one stream, or bins of first-fit packed
+documents). `epochs(sources, weights, seed)` turns them into one grain MapDataset indexed by a
+global row number: `.shuffle(seed)` permutes a source's rows, `.repeat()` runs epoch after epoch
+(grain reshuffles each epoch with seed + epoch) and `MapDataset.mix` interleaves several sources
+by weight. The row of global index g is a pure function of (seed, g), computed by grain's index
+arithmetic without reading the rows before it: step t's rows are g = t * rows_per_step + r, so a
+resumed run needs only the step (which the checkpoint holds), and a process reads only its rows.
+
+Why not grain's FirstFitPackIterDataset: it is an IterDataset (its position is iterator state,
+checkpointed and restored per process), which would lose the (seed, step) -> batch property; the
+packing here is planned once, at start-up, from the documents' lengths (`_first_fit`).
+"""
+
+from __future__ import annotations
+
+import grain
+import numpy as np
+
+PACKING_BINS = 16  # open bins of the first-fit packer: more pack tighter, each piece checks all
+
+
+class Windows:
+    """Rows of C = seq_len + 1 tokens of one stream, starting every seq_len tokens (a row's last
+    token is the next one's first: its target), the tail shorter than a row left out."""
+
+    def __init__(self, stream: np.ndarray, length: int):
+        self.stream, self.length = stream, length
+        self.count = (len(stream) - 1) // (length - 1)
+
+    def row(self, i: int) -> tuple[np.ndarray, None]:
+        start = i * (self.length - 1)
+        return np.asarray(self.stream[start:start + self.length], dtype=np.int64), None
+
+
+def document_pieces(ends: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, lengths) of the pieces of documents ending (exclusive) at `ends`: a document of
+    up to `length` tokens is one piece; a longer one is cut into rows of `length` overlapping by
+    one token (no prediction lost), its last piece shorter. Only documents that cannot fit are
+    split."""
+    begins = np.concatenate([[0], ends[:-1]])
+    sizes = ends - begins
+    step = length - 1
+    count = np.maximum(1, -(-(sizes - 1) // step))  # pieces per document
+    first = np.repeat(np.cumsum(count) - count, count)
+    k = np.arange(count.sum()) - first  # piece number within its document
+    doc = np.repeat(np.arange(len(sizes)), count)
+    starts = begins[doc] + k * step
+    lengths = np.minimum(length, ends[doc] - starts)
+    return starts, lengths
+
+
+def _first_fit(lengths: np.ndarray, order: np.ndarray, capacity: int) -> list[list[int]]:
+    """Bins of piece indices (in `order`): each piece goes to the first open bin with room; when
+    none has room the fullest bin is closed and the piece opens a new one in its place."""
+    closed: list[list[int]] = []
+    room = np.full(PACKING_BINS, capacity, dtype=np.int64)
+    bins: list[list[int]] = [[] for _ in range(PACKING_BINS)]
+    for i in order:
+        size = int(lengths[i])
+        if size == capacity:  # a full row: a bin of its own
+            closed.append([int(i)])
+            continue
+        fits = np.flatnonzero(room >= size)
+        if len(fits):
+            b = int(fits[0])
+        else:
+            b = int(np.argmin(room))
+            closed.append(bins[b])
+            bins[b], room[b] = [], capacity
+        bins[b].append(int(i))
+        room[b] -= size
+    return closed + [b for b in bins if b]
+
+
+class Packed:
+    """Rows of whole documents (documents end with eos_id, which they keep), first-fit packed
+    into `length` tokens and padded; segment ids number the documents of a row, -1 the padding.
+    The packing is planned once from the lengths, in an order shuffled by the seed."""
+
+    def __init__(self, stream: np.ndarray, length: int, eos_id: int, seed: int,
+                 chunk: int = 1 << 26):
+        self.stream, self.length = stream, length
+        ends = [start + np.flatnonzero(np.asarray(stream[start:start + chunk]) == eos_id) + 1
+                for start in range(0, len(stream), chunk)]
+        ends = np.concatenate(ends + [np.array([len(stream)])]).astype(np.int64)
+        ends = np.unique(ends[ends > 0])  # (a stream ending in eos has no empty last document)
+        self.documents = len(ends)
+        self.starts, self.lengths = document_pieces(ends, length)
+        order = np.random.default_rng([seed, 0xFAC]).permutation(len(self.starts))
+        bins = _first_fit(self.lengths, order, length)
+        self.offsets = np.cumsum([0] + [len(b) for b in bins])
+        self.pieces = np.fromiter((p for b in bins for p in b), dtype=np.int64)
+        self.count = len(bins)
+
+    def row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        raw = np.zeros(self.length, dtype=np.int64)
+        seg = np.full(self.length, -1, dtype=np.int64)
+        at = 0
+        for s, p in enumerate(self.pieces[self.offsets[i]:self.offsets[i + 1]]):
+            start, n = int(self.starts[p]), int(self.lengths[p])
+            raw[at:at + n] = self.stream[start:start + n]
+            seg[at:at + n] = s
+            at += n
+        return raw, seg
+
+
+def epochs(sources: list, weights: list[float] | None, seed: int) -> grain.MapDataset:
+    """The global row index -> (source number, row number) of endless seeded epochs; with several
+    sources, mixed by weight (grain keeps each source's own epochs)."""
+    parts = [grain.MapDataset.range(src.count).shuffle(seed=(seed + 7919 * k) % 2**32).repeat()
+             .map(lambda i, k=k: (k, int(i))) for k, src in enumerate(sources)]
+    if len(parts) == 1:
+        return parts[0]
+    return grain.MapDataset.mix(parts, weights=weights)
