@@ -46,7 +46,7 @@ CASES = [
     ("64xH100 B=8 4M", "h100-80gb", 8, 8, ["train.microbatch_size=8"]),
     ("64xH100 B=1 32M", "h100-80gb", 8, 8, ["data.seq_len=33554432", "parallel.mode=auto"]),
     ("64xH100 B=1 32M ulysses", "h100-80gb", 8, 8, ["data.seq_len=33554432",
-                                                    "parallel.mode=ulysses"]),
+                                                    "parallel.mode=ulysses", "parallel.pad_heads=true"]),
     ("8xA100-40GB B=1 1M", "a100-40gb", 2, 4, ["data.seq_len=1048576"]),
     ("8xA100-40GB B=2 512K", "a100-40gb", 2, 4, ["data.seq_len=524288", "train.microbatch_size=2"]),
 ]
