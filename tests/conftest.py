@@ -99,6 +99,7 @@ SLOWEST_FIRST = [
     "test_loss_chunked.py",
     "test_models_parallel.py",
     "test_long_context.py",
+    "test_train_streamed.py",
     "test_train_nonfinite.py",
     "test_train_loss_scale.py",
     "test_generate.py",

@@ -74,7 +74,8 @@ def check_offload(cfg: Config, strategy: str, compute_dtype: str) -> None:
 
 
 def in_host_memory(shardings):
-    """The same shardings in pinned host memory (scalars, e.g. step counts, stay on device)."""
+    """The same shardings in pinned host memory (the caller leaves scalars such as step counts
+    on the device: train.program.build_program)."""
     return jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), shardings)
 
 
@@ -98,8 +99,8 @@ def streamed_loss_and_grads(parts: ModelParts, params, tokens, targets, segment_
                             loss_fn: Callable, grad_dtype):
     """((loss sum, token count), gradients of the mean loss, their squared norm) of one
     microbatch, with params['layers'] (in host memory) streamed a layer at a time; the layers'
-    gradient is stacked on the device in `grad_dtype` (the compute dtype: 15 GiB for an 8B
-    model in bf16, where its master weights and moments are 75 GiB)."""
+    gradient is stacked on the device in `grad_dtype` (the compute dtype: 13 GiB for the 8B
+    model's layers in bf16, where its master weights and moments are 75 GiB)."""
     graphdef, (abs_params, abs_rest), rest = parts.graphdef, parts.abstract_state, parts.rest
     stack = params[LAYERS]
     outer = _to_device({k: v for k, v in params.items() if k != LAYERS})
