@@ -250,8 +250,6 @@ def make_train_step(
     add up over tokens (models.causal_lm_loss does). With `loss_scale`, `tx` is
     make_optimizer(..., loss_scale) (its first state is the scale) and metrics hold loss_scale.
     """
-    batch_sharding = NamedSharding(mesh, BATCH_SPEC)
-    replicated = NamedSharding(mesh, P())
     micro_loss = make_micro_loss(parts, loss_fn)
 
     def grad_fn_at(scale):
@@ -307,6 +305,14 @@ def make_train_step(
         }
         return params, opt_state, metrics
 
+    return jit_train_step(train_step, mesh, param_shardings, opt_shardings, packed)
+
+
+def jit_train_step(train_step, mesh: Mesh, param_shardings, opt_shardings, packed: bool):
+    """(jit(train_step), the batch's sharding): train_step(params, opt_state, batch, step) ->
+    (params, opt_state, metrics) with params and optimizer state donated."""
+    batch_sharding = NamedSharding(mesh, BATCH_SPEC)
+    replicated = NamedSharding(mesh, P())
     batch_shardings = {"tokens": batch_sharding, "targets": batch_sharding}
     if packed:
         batch_shardings["segment_ids"] = batch_sharding

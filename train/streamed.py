@@ -35,12 +35,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from models.transformer import with_values
 
 from .config import Config, ConfigError
-from .step import BATCH_SPEC, ModelParts
+from .step import ModelParts, jit_train_step
 
 HOST_MEMORY = "pinned_host"
 _DEVICE, _HOST = jax.memory.Space.Device, jax.memory.Space.Host
@@ -242,8 +242,6 @@ def make_streamed_train_step(parts: ModelParts, tx, schedule, mesh: Mesh, param_
     train.step.make_train_step's, for parameters and optimizer state in host memory
     (param_shardings / opt_shardings: in_host_memory of the ordinary ones). One microbatch per
     step (train.grad_accum=1)."""
-    batch_sharding = NamedSharding(mesh, BATCH_SPEC)
-    replicated = NamedSharding(mesh, P())
     update = make_streamed_update(tx)
 
     def train_step(params, opt_state, batch, step):
@@ -262,12 +260,4 @@ def make_streamed_train_step(parts: ModelParts, tx, schedule, mesh: Mesh, param_
                    "grad_norm": grad_norm, "lr": lr, "tokens": count, "next_step": step + 1}
         return params, opt_state, metrics
 
-    batch_shardings = {"tokens": batch_sharding, "targets": batch_sharding}
-    if packed:
-        batch_shardings["segment_ids"] = batch_sharding
-    return jax.jit(
-        train_step,
-        in_shardings=(param_shardings, opt_shardings, batch_shardings, replicated),
-        out_shardings=(param_shardings, opt_shardings, replicated),
-        donate_argnums=(0, 1),
-    ), batch_sharding
+    return jit_train_step(train_step, mesh, param_shardings, opt_shardings, packed)
