@@ -458,7 +458,7 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
 
     from .config import replace
     from .prepare import model_config
-    from .planning import memory_policy, state_bytes
+    from .planning import memory_policy, resolve_offload, state_bytes
 
     devices = hosts * gpus_per_host
     cfg = replace(cfg, f"parallel.hardware={target}")
@@ -470,14 +470,16 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
     for layout, sharding in cost.candidates(shape, batch=cfg.train.microbatch_size,
                                             seq_len=cfg.data.seq_len, num_devices=devices,
                                             devices_per_host=gpus_per_host):
-        remat, tile = memory_policy(cfg, mcfg, layout, sharding, gpus_per_host)  # auto: per layout
-        pred = cost.predict(shape, layout, sharding, hw=hw, grad_accum=cfg.train.grad_accum,
-                            remat=remat, tile_tokens=tile, **state_bytes(cfg))
         mode = ["parallel.mode=ulysses", "parallel.groups=null"] if layout.groups == 1 else \
             ["parallel.mode=basp", f"parallel.groups={layout.groups}"]
         variant = replace(cfg, *mode, f"parallel.ring={layout.ring}",
                           f"parallel.pad_heads={layout.pad_heads}",
                           f"parallel.param_sharding={sharding}")
+        # optimizer.offload=auto and model.remat=auto decided per layout, as report() does
+        variant = resolve_offload(variant, mcfg, devices, gpus_per_host)
+        remat, tile = memory_policy(variant, mcfg, layout, sharding, gpus_per_host)
+        pred = cost.predict(shape, layout, sharding, hw=hw, grad_accum=cfg.train.grad_accum,
+                            remat=remat, tile_tokens=tile, **state_bytes(variant))
         r = report(variant, target, hosts, gpus_per_host)
         rows.append({"name": pred.name, "predicted_step_s": pred.step_s,
                      "formula_memory_bytes": pred.memory_bytes, "report": r})

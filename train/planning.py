@@ -102,8 +102,13 @@ def resolve_offload(cfg: Config, mcfg, num_devices: int, devices_per_host: int) 
     streaming = replace(cfg, "optimizer.offload=true")
     try:
         fit = _planned_fit(streaming, mcfg, num_devices, devices_per_host)
-        # model.dtype is resolved for the device by now (prepare.with_compute_dtype)
-        check_offload(streaming, fit[1] if fit else "fsdp", cfg.model.dtype)
+        dtype = cfg.model.dtype  # resolved for the device by the trainer and train.aot
+        if dtype == "auto":  # train.aot --plan: as parallel.hardware would compute
+            from basp_jax import gpus
+
+            gpu = gpus.GPUS.get(cfg.parallel.hardware)
+            dtype = "float32" if gpu is None else gpu.half_dtype
+        check_offload(streaming, fit[1] if fit else "fsdp", dtype)
     except ConfigError:
         return ordinary
     return streaming if fit is not None else ordinary
