@@ -454,11 +454,12 @@ _WORKING_FACTOR = 2.95  # a layer's recompute, its gathered weights and the chun
 # A tiled layer (models.tiling, tile_tokens) keeps per token only what attention needs whole: the
 # layer input and the residual stream's gradient (hidden width), and q, k, v and the output on
 # both sides of the all-to-alls with their gradients (the exchanged heads' width, padded heads
-# included). Fitted to two compiled 8B steps at 512K tokens per device (offload, vocabulary-
-# parallel loss): 8 x H100 (32 q / 8 kv heads exchanged, 66.8 GiB) and one 32M sequence over
-# 64 H100 (heads padded to 64 / 64 for the 64-way all-to-all, 93.0 GiB).
-_TILED_WORKING_HIDDENS = 8.8  # values of hidden width per token
-_TILED_WORKING_EXCHANGED = 1.47  # per value of q, k, v and output as exchanged
+# included). Fitted to compiled 8B steps at 512K tokens per device (offload, vocabulary-parallel
+# loss) under jax 0.10.2 and 0.12, which differ by up to 15%: 8 x H100 4M (32 q / 8 kv heads
+# exchanged: 66.8 / 58.3 GiB), one 16M sequence on 32 (heads 32 / 32: 62.2 / 53.9) and one 32M
+# sequence over 64 H100 (heads padded to 64 / 64: 93.0 under 0.10.2, predicted 16% low).
+_TILED_WORKING_HIDDENS = 9.3  # values of hidden width per token
+_TILED_WORKING_EXCHANGED = 1.1  # per value of q, k, v and output as exchanged
 # The ring attention's working set (the pure-JAX blockwise kernel of every ring step and query
 # piece, its float32 outputs and gradients), per float32 query-sized buffer per step and piece:
 # fitted to the compiled 8B step with one 16M-token sequence on 32 x H100 (ring 4 x all-to-all
