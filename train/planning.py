@@ -66,9 +66,8 @@ def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[La
                 num_devices=num_devices, zigzag=p.zigzag, **common)
         except ValueError as err:
             raise ConfigError(f"parallel.mode=auto: {err}") from None
+        # (under optimizer.offload, cost.plan_table offers no host sharding)
         strategy = best.param_sharding if p.param_sharding == "auto" else p.param_sharding
-        if cfg.optimizer.offload is True and p.param_sharding == "auto" and strategy == "host":
-            strategy = "fsdp"  # the streamed step keeps no per-host device copies
         return layout, strategy
 
     layout = Layout.plan(
@@ -102,13 +101,7 @@ def resolve_offload(cfg: Config, mcfg, num_devices: int, devices_per_host: int) 
     streaming = replace(cfg, "optimizer.offload=true")
     try:
         fit = _planned_fit(streaming, mcfg, num_devices, devices_per_host)
-        dtype = cfg.model.dtype  # resolved for the device by the trainer and train.aot
-        if dtype == "auto":  # train.aot --plan: as parallel.hardware would compute
-            from basp_jax import gpus
-
-            gpu = gpus.GPUS.get(cfg.parallel.hardware)
-            dtype = "float32" if gpu is None else gpu.half_dtype
-        check_offload(streaming, fit[1] if fit else "fsdp", dtype)
+        check_offload(streaming, fit[1] if fit else "fsdp", _compute_dtype(cfg))
     except ConfigError:
         return ordinary
     return streaming if fit is not None else ordinary
@@ -184,14 +177,19 @@ def memory_policy(cfg: Config, mcfg, layout: Layout, strategy: str,
     return AUTO_REMAT[-1], tiles[-1]
 
 
-def _act_bytes(cfg: Config) -> int:
+def _compute_dtype(cfg: Config) -> str:
+    """model.dtype; "auto" unresolved (train.aot --plan) as parallel.hardware would compute."""
     dtype = cfg.model.dtype
-    if dtype == "auto":  # unresolved (train.aot --plan): as parallel.hardware would compute
+    if dtype == "auto":
         from basp_jax import gpus
 
         gpu = gpus.GPUS.get(cfg.parallel.hardware)
         dtype = "float32" if gpu is None else gpu.half_dtype  # bf16, or fp16 (a T4)
-    return 2 if dtype in ("bfloat16", "float16") else 4
+    return dtype
+
+
+def _act_bytes(cfg: Config) -> int:
+    return 2 if _compute_dtype(cfg) in ("bfloat16", "float16") else 4
 
 
 def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,

@@ -112,12 +112,11 @@ def streamed_loss_and_grads(parts: ModelParts, params, tokens, targets, segment_
     model = model_with(outer)
     layer_def, layer_state = nnx.split(model.layers)
 
-    def embed(outer_params):
-        x, _, _ = model_with(outer_params).embed_inputs(tokens, segment_ids)
-        return x
+    def embed(outer_params):  # (first layer's input, (positions, segment ids) as placed)
+        x, positions, segs = model_with(outer_params).embed_inputs(tokens, segment_ids)
+        return x, (positions, segs)
 
-    _, positions, segs = model.embed_inputs(tokens, segment_ids)  # the token arrays only
-    x0, embed_vjp = jax.vjp(embed, outer)
+    x0, embed_vjp, (positions, segs) = jax.vjp(embed, outer, has_aux=True)
 
     def layer(weights, x):
         return nnx.merge(layer_def, weights)(x, positions, segs)
