@@ -75,6 +75,14 @@ def test_layouts_figure(tmp_path, capsys):
     assert_png(out, min_width=1000)
 
 
+def test_tilde_paths_are_expanded(tmp_path, monkeypatch, capsys):
+    """`-o ~/x.png` or `--out=~/x.png` (a shell expands neither in `--out=~/...` nor quoted)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert plot.main(["layouts", "--out=~/layouts.png"]) == 0
+    assert_png(tmp_path / "layouts.png", min_width=100)
+    assert not Path("~").exists()
+
+
 @pytest.mark.parametrize("case", ["no run dir", "empty metrics", "unknown metric", "not results",
                                   "results not JSON", "bad layout", "not png", "missing -o",
                                   "metrics not UTF-8", "results not UTF-8", "-o not writable",

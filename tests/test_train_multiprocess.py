@@ -205,3 +205,53 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resumes(tmp_p
     assert f"at step {stopped}" in outputs[0][1]
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     np.testing.assert_allclose(losses, reference, rtol=2e-5)
+
+
+# Start-up as python train.py does it (train.cli): signals end the process at once, then
+# runtime.configure joins the run; "joined" says jax.distributed.initialize has returned.
+_JOIN_THEN_WAIT = """
+import sys, time
+from train import runtime
+from train.stop import exit_at_once_outside_the_loop
+from tests.helpers.trainer import tiny_config
+exit_at_once_outside_the_loop()
+runtime.configure(tiny_config(*sys.argv[1:]))
+print("joined", flush=True)
+time.sleep(120)
+"""
+
+
+def test_sigterm_after_joining_the_run_still_ends_the_process_at_once(tmp_path):
+    """jax.distributed.initialize must not take SIGTERM over: JAX's preemption service installs
+    a C-level handler that silently replaced ours (a SIGTERM while the step compiled was
+    swallowed, and the scheduler's SIGKILL came after its grace period)."""
+    port = _free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", _JOIN_THEN_WAIT, str(tmp_path / "run"), "runtime.cpu_devices=4",
+         f"runtime.distributed.coordinator=127.0.0.1:{port}",
+         "runtime.distributed.num_processes=2", f"runtime.distributed.process_id={pid}"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for pid in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "joined", p.communicate()[1][-3000:]
+        procs[1].send_signal(signal.SIGTERM)
+        try:
+            _, err = procs[1].communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail("SIGTERM after jax.distributed.initialize was swallowed: the process "
+                        "still runs 20 s later")
+    finally:
+        _kill_leftovers(procs)
+    assert procs[1].returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "error: interrupted: SIGTERM outside the training loop" in err, err[-3000:]
+
+
+def test_jax_heartbeat_is_a_backstop_behind_the_peer_watch():
+    from train.runtime import jax_heartbeat_timeout_s
+
+    assert jax_heartbeat_timeout_s(30.0) == 100  # JAX's default when ours is shorter
+    assert jax_heartbeat_timeout_s(0) == 100  # our watch off: JAX's as it is
+    assert jax_heartbeat_timeout_s(600.0) == 1200  # never before our one-line verdict

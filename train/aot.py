@@ -519,7 +519,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hosts", type=int, help="hosts (default: runtime.devices / gpus per host)")
     p.add_argument("--gpus-per-host", type=int,
                    help="GPUs per host (default: parallel.devices_per_host, else 8)")
-    p.add_argument("--json", help="write the report as JSON here")
+    p.add_argument("--json", type=os.path.expanduser, help="write the report as JSON here")
     p.add_argument("--hlo", help="write the optimized HLO text here")
     p.add_argument("--plan", action="store_true",
                    help="compile every candidate layout and rank those that fit (slow)")

@@ -37,7 +37,7 @@ CLIENT_METHODS = ("key_value_set", "key_value_dir_get")
 def distributed_client():
     """The key-value client of jax.distributed.initialize, or None in a run without it.
 
-    JAX has no public accessor for it (checked up to jax 0.11.1, where JAX's own
+    JAX has no public accessor for it (checked up to jax 0.12.0, where JAX's own
     multihost_utils and array_serialization read the same private attribute), so this is the one
     place that reaches into jax._src; the public jax.distributed.is_initialized() guards it.
     """

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -269,17 +270,18 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m train.plot", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     losses = sub.add_parser("losses", help="curves from each run's metrics.jsonl")
-    losses.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    losses.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", type=os.path.expanduser)
     losses.add_argument("--metric", action="append", dest="metrics", metavar="NAME",
                         help=f"one of {', '.join(METRICS)}; repeat for more panels (default: loss)")
     bench = sub.add_parser("bench", help="the figure of benchmarks/emulated_cluster.py")
-    bench.add_argument("results", metavar="RESULTS_JSON")
+    bench.add_argument("results", metavar="RESULTS_JSON", type=os.path.expanduser)
     layouts = sub.add_parser("layouts", help="Ulysses and BASP device layouts side by side")
     layouts.add_argument("--devices", type=int, default=8)
     layouts.add_argument("--devices-per-host", type=int, default=4)
     layouts.add_argument("--batch", type=int, default=2, help="microbatch size B")
     for p in (losses, bench, layouts):
-        p.add_argument("-o", "--out", required=True, help="PNG file to write")
+        p.add_argument("-o", "--out", required=True, type=os.path.expanduser,
+                       help="PNG file to write")
     return parser
 
 

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 import sys
@@ -30,6 +31,7 @@ CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")
 NVIDIA_DRIVER_VERSION = "/proc/driver/nvidia/version"
 # the oldest NVIDIA driver each of JAX's CUDA builds runs on (JAX's installation guide)
 MIN_DRIVER = {"cuda13": 580, "cuda12": 525}
+JAX_DEFAULT_HEARTBEAT_S = 100  # jax.distributed.initialize's heartbeat_timeout_seconds default
 
 
 def _want_distributed(cfg: Config) -> bool:
@@ -72,10 +74,16 @@ def configure(cfg: Config) -> None:
             else _env_int("JAX_NUM_PROCESSES", minimum=1)
         process_id = dist.process_id if dist.process_id is not None \
             else _env_int("JAX_PROCESS_ID", minimum=0)
+        # JAX's preemption service installs a C-level SIGTERM handler of its own in initialize,
+        # silently replacing train.stop's (measured, jax 0.10.2 and 0.12): a SIGTERM while the
+        # step compiles would then be swallowed, and it knows no SIGINT. train.stop agrees on
+        # the stop step itself (see there why JAX's reached_preemption_sync_point cannot).
+        jax.config.update("jax_enable_preemption_service", False)
         try:
             jax.distributed.initialize(
                 coordinator_address=dist.coordinator,  # None: JAX_COORDINATOR_ADDRESS or the cluster
-                num_processes=num_processes, process_id=process_id)
+                num_processes=num_processes, process_id=process_id,
+                heartbeat_timeout_seconds=jax_heartbeat_timeout_s(dist.peer_timeout_s))
         except Exception as e:  # noqa: BLE001 (no cluster found, coordinator unreachable, ...)
             detail = " ".join(str(e).split())[:300] or type(e).__name__
             raise ConfigError(
@@ -95,6 +103,14 @@ def configure(cfg: Config) -> None:
         cache = gpu_defaults.enable_compilation_cache()
         if jax.process_index() == 0:
             print(gpu_defaults.describe(*settings, *cache), flush=True)
+
+
+def jax_heartbeat_timeout_s(peer_timeout_s: float) -> int:
+    """JAX's own heartbeat (its coordination service aborts every process, with a C++ stack
+    trace, once a peer has missed it this long): a backstop behind train.peers' watch, which says
+    the same in one line after peer_timeout_s. Twice our timeout, never under JAX's default of
+    100 s (a peer_timeout_s of 0 turns our watch off and leaves JAX's as it is)."""
+    return max(JAX_DEFAULT_HEARTBEAT_S, math.ceil(2 * peer_timeout_s))
 
 
 def _gpu_likely() -> bool:
