@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from train import cli, resume
+from train.config import ConfigError
 from train.loop import run
 
 from tests.helpers.trainer import snapshot, tiny_config, tiny_overrides
@@ -275,3 +276,23 @@ def test_every_key_of_the_table_is_documented():
     for key in resume.RULES:
         names = (f"`{key}*`",) if key.endswith(".") else (f"`{key}`", f"`{key.split('.')[-1]}`")
         assert any(n in text for n in names), key
+
+
+def test_a_mixed_file_replaced_under_the_same_name_and_size_is_refused(tmp_path):
+    """data.mix's paths and weights are recorded, and each file's contents as data.mix_files."""
+    for name, seed in (("a.bin", 0), ("b.bin", 1)):
+        _stream(tmp_path / name, seed)
+    mix = (f"data.mix={{{tmp_path}/a.bin: 3, {tmp_path}/b.bin: 1}}", "data.source=tokens")
+    cfg = tiny_config(tmp_path / "run", *mix)
+    saved = resume.record(cfg, {})
+    assert [f["path"] for f in saved["data.mix_files"]] == [str(tmp_path / "a.bin"),
+                                                           str(tmp_path / "b.bin")]
+    assert resume.check(saved, resume.record(cfg, {}), []) == {}  # unchanged: resumes
+    _stream(tmp_path / "b.bin", 2)  # another corpus, the same name and size
+    with pytest.raises(ConfigError) as e:
+        resume.check(saved, resume.record(cfg, {}), [])
+    line = str(e.value)
+    assert line.startswith(f"data.mix_files=[{tmp_path}/a.bin (1200000 bytes"), line
+    assert "checkpoint.allow_changed=data.mix_files" in line and "\n" not in line
+    assert set(resume.check(saved, resume.record(cfg, {}), ["data.mix_files"])) == \
+        {"data.mix_files"}

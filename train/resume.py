@@ -38,6 +38,7 @@ RULES: dict[str, tuple[str, str]] = {
     "data.file": (ON_PURPOSE, "the contents of data.path"),
     "data.dtype": (ON_PURPOSE, "how data.path is read"),
     "data.mix": (ON_PURPOSE, "the token files mixed and their weights"),
+    "data.mix_files": (ON_PURPOSE, "the contents of data.mix's files"),
     "data.tokenizer_file": (ON_PURPOSE, "the contents of data.tokenizer"),
     "data.text_key": (ON_PURPOSE, "which field of the JSONL is read"),
     "data.eos_id": (ON_PURPOSE, "where documents end"),
@@ -114,7 +115,9 @@ def record(cfg, model_fields: dict[str, Any]) -> dict[str, Any]:
                 values[key] = value
     data = cfg.data
     values["data.file"] = file_identity(data.path) if data.source != "synthetic" and \
-        data.path else None  # (data.mix: its paths and weights are recorded, not contents)
+        data.path else None
+    # data.mix records the paths and weights; this the files' contents, in data.mix's order
+    values["data.mix_files"] = [file_identity(p) for p in data.mix] if data.mix else None
     values["data.tokenizer_file"] = file_identity(data.tokenizer) if data.source in (
         "text", "jsonl") else None
     return json.loads(json.dumps(values))  # as the checkpoint's JSON gives it back
@@ -122,6 +125,8 @@ def record(cfg, model_fields: dict[str, Any]) -> dict[str, Any]:
 
 def _same(old: Any, new: Any) -> bool:
     """Equal values; files by contents (size and sample), not by path or modification time."""
+    if isinstance(old, list) and isinstance(new, list):
+        return len(old) == len(new) and all(map(_same, old, new))
     if isinstance(old, dict) and isinstance(new, dict) and "sample_sha256" in old:
         return (old.get("bytes"), old.get("sample_sha256")) == (new.get("bytes"),
                                                                   new.get("sample_sha256"))
@@ -129,6 +134,8 @@ def _same(old: Any, new: Any) -> bool:
 
 
 def _show(value: Any) -> str:
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return "[" + ", ".join(map(_show, value)) + "]"
     if isinstance(value, dict) and "sample_sha256" in value:
         import datetime
 
