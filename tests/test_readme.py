@@ -5,8 +5,11 @@ every `section.key=value` they mention is a config key."""
 import contextlib
 import dataclasses
 import io
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 from basp_jax import plan
@@ -71,6 +74,20 @@ def test_plan_output_shown_is_what_the_planner_prints():
     assert len(shown) >= 4 and any(line.startswith("pick:") for line in shown)
     for line in shown:
         assert line in printed, f"the docs show a planner line it no longer prints: {line!r}"
+
+
+def test_the_readme_python_example_runs(tmp_path):
+    """The README's library example runs as pasted into a fresh interpreter, arranging its own 8
+    CPU devices (not the suite's), and its parallel attention matches the single-device kernel."""
+    (block,) = re.findall(r"^```python\n(.*?)^```", README, flags=re.M | re.S)
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = done.stdout.split("\n")
+    assert "print(layout.groups, layout.sp)" in block and f"# {printed[0]}" in block, printed
+    assert printed[0] == "2 4" and float(printed[1]) < 1e-5, printed
 
 
 def test_plot_commands_parse():
