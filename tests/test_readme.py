@@ -1,6 +1,6 @@
-"""The README and docs/ cannot rot: their pictures and relative links exist, the planner output
-they show is what the planner prints today, their plot, tokenize and generate commands parse, and
-every `section.key=value` they mention is a config key."""
+"""The README and docs/ cannot rot: their pictures and relative links exist, the README's Python
+example runs, the planner output they show is what the planner prints today, their plot, tokenize
+and generate commands parse, and every `section.key=value` they mention is a config key."""
 
 import contextlib
 import dataclasses
