@@ -52,7 +52,7 @@ def cuda_plugin():
 
 @pytest.fixture(scope="session")
 def basp_8b(cuda_plugin, tmp_path_factory):
-    """The README's command for the paper's testbed: report, JSON and HLO of the shipped 8B config."""
+    """docs/gpu.md's command for the paper's testbed: report, JSON and HLO of the shipped 8B config."""
     out = tmp_path_factory.mktemp("aot")
     done = _run("-m", "train.aot", "--config", CONFIG_8B, "--target", "a100-40gb", "--hosts", "2",
                 "--gpus-per-host", "4", "--json", str(out / "r.json"), "--hlo", str(out / "s.hlo"))
@@ -426,7 +426,7 @@ COLAB = "configs/colab.yaml"
 
 @pytest.fixture(scope="session")
 def colab_t4(cuda_plugin, tmp_path_factory):
-    """The Colab config for a free Colab GPU, by the README's command (issue #26)."""
+    """The Colab config for a free Colab GPU, by docs/gpu.md's command (issue #26)."""
     out = tmp_path_factory.mktemp("aot") / "t4.json"
     done = _run("-m", "train.aot", "--config", COLAB, "--target", "t4-16gb", "--hosts", "1",
                 "--gpus-per-host", "1", "--json", str(out))
