@@ -115,10 +115,7 @@ def attention(
     platform = device.platform
     kernel_name = kernels.resolve_impl(impl, q, q.shape[1], platform, segment_ids is not None,
                                        kernels.device_capability(device))
-    kernel = kernels.KERNELS[kernel_name]
-    kernel_kwargs = {"block_size": block_size} if kernel_name == "blockwise" else {}
-    if kernel_name == "pallas":  # the mesh's platform: compiling for a GPU topology from a CPU
-        kernel_kwargs = {"interpret": platform != "gpu"}  # host must not fall back to interpret
+    kernel = kernels.KERNELS.get(kernel_name).bind(platform, block_size)
 
     def local(q, k, v, seg):
         if copies > 1:
@@ -132,7 +129,7 @@ def attention(
             seg = lax.all_gather(seg, SEQ, axis=1, tiled=True)  # small ints, never activations
             seg = name_exchange(seg)
         with jax.named_scope("attention_kernel"):
-            out = kernel(q, k, v, causal=causal, segment_ids=seg, **kernel_kwargs)
+            out = kernel(q, k, v, causal=causal, segment_ids=seg)
         return _heads_to_seq(out, sp)
 
     seg_spec = None if segment_ids is None else ACTIVATION_SPEC

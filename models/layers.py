@@ -247,7 +247,7 @@ def local_attention(q, k, v, *, segment_ids, impl: str):
     name = basp_kernels.resolve_impl(impl, q, q.shape[1], device.platform, segment_ids is not None,
                                      basp_kernels.device_capability(device))
     with jax.named_scope("attention_kernel"):  # as basp_jax.attention names it
-        return basp_kernels.KERNELS[name](q, k, v, causal=True, segment_ids=segment_ids)
+        return basp_kernels.KERNELS.get(name).fn(q, k, v, causal=True, segment_ids=segment_ids)
 
 
 class Attention(nnx.Module):

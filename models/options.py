@@ -53,7 +53,7 @@ class RunOptions:
     layout: the Layout the mesh was made from, for its ring and token order (None: the mesh's
         plain split); with layout.zigzag, tokens come in layout.token_order.
     dtype / param_dtype: compute and storage dtypes.
-    attn_impl: the attention kernel (basp_jax.kernels.IMPLS).
+    attn_impl: the attention kernel ("auto" or one of basp_jax.kernels.KERNELS).
     remat: the rematerialisation policy (REMAT_POLICIES).
     tile_tokens: run each layer's token-local work (norms, projections, RoPE, MLP, residual
         adds) over chunks of at most this many tokens per device, each rematerialised
@@ -90,9 +90,9 @@ class RunOptions:
         if self.vocab_parallel not in vocab_parallel.MODES:
             raise ModelError(f"unknown vocab_parallel {self.vocab_parallel!r}; use one of "
                              f"{', '.join(vocab_parallel.MODES)}")
-        if self.attn_impl not in basp_kernels.IMPLS:
+        if self.attn_impl not in basp_kernels.impl_names():
             raise ModelError(f"unknown attn_impl {self.attn_impl!r}; use one of "
-                             f"{', '.join(basp_kernels.IMPLS)}")
+                             f"{', '.join(basp_kernels.impl_names())}")
         if self.param_sharding not in STRATEGIES:
             raise ModelError(f"unknown param_sharding {self.param_sharding!r}; use one of "
                              f"{', '.join(STRATEGIES)}")

@@ -75,7 +75,7 @@ class ModelSection:
     # cores (sm80 on), float16 on one with fp16 ones only (T4), else float32 (CPU)
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
-    attn_impl: Literal["auto", "xla", "cudnn", "pallas", "blockwise"] = "auto"
+    attn_impl: str = "auto"  # attention kernel (the choices: basp_jax.kernels.KERNELS)
     remat: str = "none"
     # each layer's norms, projections and MLP over chunks of at most this many tokens per device
     # (long sequences: no [tokens, intermediate] buffer of a whole shard); null: the whole shard
