@@ -13,6 +13,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from . import kernels
+from .hlo import ATTENTION_SCOPE
 from .layout import Layout, LayoutError
 from .mesh import SEQ, layout_on
 from .remat import name_exchange
@@ -120,15 +121,15 @@ def attention(
     def local(q, k, v, seg):
         if copies > 1:
             k, v = jnp.repeat(k, copies, axis=2), jnp.repeat(v, copies, axis=2)
-        if layout.ring > 1:
-            with jax.named_scope("ring_attention"):
+        if layout.ring > 1:  # the ring's blockwise kernels are attention kernels too (basp_jax.hlo)
+            with jax.named_scope(ATTENTION_SCOPE), jax.named_scope("ring_attention"):
                 return ring_local_attention(q, k, v, seg, layout=layout, causal=causal,
                                             block_size=block_size)
         q, k, v = (_seq_to_heads(x, sp) for x in (q, k, v))
         if seg is not None and sp > 1:
             seg = lax.all_gather(seg, SEQ, axis=1, tiled=True)  # small ints, never activations
             seg = name_exchange(seg)
-        with jax.named_scope("attention_kernel"):
+        with jax.named_scope(ATTENTION_SCOPE):
             out = kernel(q, k, v, causal=causal, segment_ids=seg)
         return _heads_to_seq(out, sp)
 
