@@ -131,7 +131,7 @@ class Embed(nnx.Module):
         self.dtype = dtype
         self.rules = rules
         self.mesh = None if rules is None else rules.mesh
-        self.host_mesh = rules.placement if rules is not None and rules.strategy == "host" else None
+        self.host_mesh = rules.placement if rules is not None and rules.entry.per_host else None
         # the mesh axes of a vocabulary-sharded table (models.vocab_parallel), else None
         self.vocab_axes = vocab_parallel.vocab_axes(axis_names(self.weight), self.weight.shape,
                                                     rules)

@@ -23,7 +23,7 @@ from basp_jax import Layout
 from basp_jax import kernels as basp_kernels
 from basp_jax.mesh import layout_on
 from basp_jax.remat import offload_layer_inputs, save_exchanges
-from basp_jax.sharding import STRATEGIES, ShardingRules
+from basp_jax.sharding import PARAM_SHARDINGS, ShardingRules
 
 from . import vocab_parallel
 from .config import ModelConfig, ModelError
@@ -63,8 +63,8 @@ class RunOptions:
         is stored, moving the tokens' rows (models.vocab_parallel): "auto" where that moves
         fewer bytes than gathering the table (short sequences), "always", "never".
     scan_layers: the layers as one stacked Block under lax.scan (else a Python list).
-    param_sharding: how parameters are stored on the mesh (basp_jax.sharding.STRATEGIES; 'host'
-        needs the layout, for its devices_per_host); `rules` places them. The embedding and LM
+    param_sharding: how parameters are stored on the mesh (basp_jax.sharding.PARAM_SHARDINGS; a
+        per-host one such as 'host' needs the layout, for its devices_per_host); `rules` places them. The embedding and LM
         head are used where they are stored when it splits the vocabulary; under 'host' their
         gradient is summed inside each host before it crosses hosts.
     """
@@ -93,9 +93,9 @@ class RunOptions:
         if self.attn_impl not in basp_kernels.impl_names():
             raise ModelError(f"unknown attn_impl {self.attn_impl!r}; use one of "
                              f"{', '.join(basp_kernels.impl_names())}")
-        if self.param_sharding not in STRATEGIES:
+        if self.param_sharding not in PARAM_SHARDINGS:
             raise ModelError(f"unknown param_sharding {self.param_sharding!r}; use one of "
-                             f"{', '.join(STRATEGIES)}")
+                             f"{', '.join(PARAM_SHARDINGS)}")
         if self.mesh is not None and tuple(self.mesh.axis_names) != basp_jax.AXES:
             raise ModelError(
                 f"the mesh must have axes {basp_jax.AXES}, got {tuple(self.mesh.axis_names)}; "
@@ -103,9 +103,10 @@ class RunOptions:
             )
         if self.layout is not None and self.mesh is None:
             raise ModelError("a layout needs its mesh: pass mesh=basp_jax.make_mesh(layout)")
-        if self.param_sharding == "host" and self.mesh is not None and self.layout is None:
-            raise ModelError("param_sharding='host' needs the layout the mesh was made from (its "
-                             "devices_per_host): pass layout=layout")
+        if PARAM_SHARDINGS.get(self.param_sharding).per_host and self.mesh is not None \
+                and self.layout is None:
+            raise ModelError(f"param_sharding={self.param_sharding!r} needs the layout the mesh "
+                             "was made from (its devices_per_host): pass layout=layout")
 
     @functools.cached_property
     def rules(self) -> ShardingRules | None:

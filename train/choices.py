@@ -15,6 +15,7 @@ import dataclasses
 from typing import Callable
 
 from basp_jax import kernels
+from basp_jax.sharding import PARAM_SHARDINGS
 
 from .config import Config, ConfigError
 
@@ -27,6 +28,8 @@ class Choice:
 
 CHOICES = {
     "model.attn_impl": Choice(kernels.impl_names, kernels.describe),
+    # auto: train.planning's pick
+    "parallel.param_sharding": Choice(lambda: ("auto", *PARAM_SHARDINGS.names())),
 }
 
 

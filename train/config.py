@@ -249,8 +249,9 @@ class ParallelConfig:
     mode: Optional[Literal["basp", "ulysses", "auto"]] = None  # required; auto: the planner picks
     groups: Optional[int] = None  # force a group count (basp); default gcd(microbatch, devices)
     devices_per_host: Optional[int] = None  # default: devices per process
-    # auto: host (parameters sharded inside each host) where it fits in memory, else fsdp
-    param_sharding: Literal["auto", "fsdp", "hsdp", "host", "replicated"] = "auto"
+    # auto: host (parameters sharded inside each host) where it fits in memory, else fsdp (the
+    # choices: basp_jax.sharding.PARAM_SHARDINGS)
+    param_sharding: str = "auto"
     hardware: str = "h100-80gb"  # the GPU (basp_jax.gpus) the planner assumes for mode=auto and param_sharding=auto
     memory_gb: Optional[float] = None  # per-device memory limit for the planner (default: preset)
     ring: int = 1  # ring attention across sp/ring-device all-to-all runs (ring must divide sp)
