@@ -74,6 +74,7 @@ def test_bad_values_one_line(tmp_path, override, fragment):
 @pytest.mark.parametrize("override, names", [
     ("model.attn_impl=flash", "auto, xla, cudnn, pallas, blockwise"),
     ("parallel.param_sharding=zero", "auto, fsdp, hsdp, host, replicated"),
+    ("model.remat=some", "none, full, dots, offload, offload_exchanges, auto"),
 ])
 def test_registry_choices_are_checked_with_one_line_naming_them(tmp_path, override, names):
     """Keys that take a registry's names are `str` in train/config.py (no JAX there) and

@@ -16,6 +16,7 @@ from typing import Callable
 
 from basp_jax import kernels
 from basp_jax.sharding import PARAM_SHARDINGS
+from models.options import REMAT_POLICIES
 
 from .config import Config, ConfigError
 
@@ -30,6 +31,7 @@ CHOICES = {
     "model.attn_impl": Choice(kernels.impl_names, kernels.describe),
     # auto: train.planning's pick
     "parallel.param_sharding": Choice(lambda: ("auto", *PARAM_SHARDINGS.names())),
+    "model.remat": Choice(lambda: (*REMAT_POLICIES, "auto")),  # auto: train.planning.memory_policy
 }
 
 
