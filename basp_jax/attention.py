@@ -13,6 +13,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from . import kernels
+from .hlo import ATTENTION_SCOPE
 from .layout import Layout, LayoutError
 from .mesh import SEQ, layout_on
 from .remat import name_exchange
@@ -115,24 +116,21 @@ def attention(
     platform = device.platform
     kernel_name = kernels.resolve_impl(impl, q, q.shape[1], platform, segment_ids is not None,
                                        kernels.device_capability(device))
-    kernel = kernels.KERNELS[kernel_name]
-    kernel_kwargs = {"block_size": block_size} if kernel_name == "blockwise" else {}
-    if kernel_name == "pallas":  # the mesh's platform: compiling for a GPU topology from a CPU
-        kernel_kwargs = {"interpret": platform != "gpu"}  # host must not fall back to interpret
+    kernel = kernels.KERNELS.get(kernel_name).bind(platform, block_size)
 
     def local(q, k, v, seg):
         if copies > 1:
             k, v = jnp.repeat(k, copies, axis=2), jnp.repeat(v, copies, axis=2)
-        if layout.ring > 1:
-            with jax.named_scope("ring_attention"):
+        if layout.ring > 1:  # the ring's blockwise kernels are attention kernels too (basp_jax.hlo)
+            with jax.named_scope(ATTENTION_SCOPE), jax.named_scope("ring_attention"):
                 return ring_local_attention(q, k, v, seg, layout=layout, causal=causal,
                                             block_size=block_size)
         q, k, v = (_seq_to_heads(x, sp) for x in (q, k, v))
         if seg is not None and sp > 1:
             seg = lax.all_gather(seg, SEQ, axis=1, tiled=True)  # small ints, never activations
             seg = name_exchange(seg)
-        with jax.named_scope("attention_kernel"):
-            out = kernel(q, k, v, causal=causal, segment_ids=seg, **kernel_kwargs)
+        with jax.named_scope(ATTENTION_SCOPE):
+            out = kernel(q, k, v, causal=causal, segment_ids=seg)
         return _heads_to_seq(out, sp)
 
     seg_spec = None if segment_ids is None else ACTIVATION_SPEC

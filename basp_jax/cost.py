@@ -19,6 +19,7 @@ import math
 
 from . import gpus
 from .layout import Layout, LayoutError, _divisors
+from .sharding import PARAM_SHARDINGS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,8 +222,7 @@ def layout_name(layout: Layout, param_sharding: str) -> str:
 
 def shard_devices(layout: Layout, param_sharding: str) -> int:
     """How many devices share (shard) each parameter under a strategy."""
-    return {"fsdp": layout.num_devices, "hsdp": layout.sp,
-            "host": min(layout.devices_per_host, layout.num_devices)}.get(param_sharding, 1)
+    return PARAM_SHARDINGS.get(param_sharding).shard_devices(layout)
 
 
 def min_inter_host_gradient_bytes(gradient_bytes: float, num_devices: int,
@@ -238,10 +238,23 @@ def min_inter_host_gradient_bytes(gradient_bytes: float, num_devices: int,
     return 2.0 * (hosts - 1) / hosts * gradient_bytes / devices_per_host
 
 
+def _gradient_sync(sync: str | None, layout: Layout, all_params: float) -> Traffic:
+    """The once-a-step gradient reduction a strategy adds beyond its shard group's
+    (basp_jax.sharding.Strategy.sync)."""
+    g, sp, n, dph = layout.groups, layout.sp, layout.num_devices, layout.devices_per_host
+    if sync == "groups" and g > 1:  # hsdp: the local 1/sp shard all-reduced across groups
+        return collective_traffic("all-reduce", all_params / sp, g, _remote_share(g, dph, spread=sp))
+    if sync == "hosts" and n > dph:  # host: every element crosses hosts once
+        return Traffic(inter=min_inter_host_gradient_bytes(all_params, n, dph), launches=1)
+    if sync not in (None, "groups", "hosts"):
+        raise ValueError(f"unknown gradient sync {sync!r}; basp_jax.cost prices groups, hosts")
+    return Traffic()
+
+
 @dataclasses.dataclass(frozen=True)
 class Prediction:
     layout: Layout
-    param_sharding: str  # "fsdp" | "hsdp" | "host"
+    param_sharding: str  # a name of basp_jax.sharding.PARAM_SHARDINGS
     all_to_all: Traffic
     params: Traffic
     compute_s: float
@@ -280,10 +293,10 @@ def prefer_vocab_parallel(tokens_per_device: float, shard_group: int, vocab_size
 def vocab_parallel(shape: ModelShape, param_sharding: str, shard_group: int,
                    tokens_per_device: float | None = None) -> bool:
     """Whether the embedding and LM head are used where they are stored (models.vocab_parallel):
-    fsdp/hsdp parameters split on the vocabulary (basp_jax.sharding.RULES splits it wherever the
-    shard group divides it), at token counts where it is preferred (prefer_vocab_parallel;
-    None: any count)."""
-    if not (param_sharding in ("fsdp", "hsdp") and shard_group > 1
+    parameters of a strategy that allows it (fsdp, hsdp) split on the vocabulary
+    (basp_jax.sharding.RULES splits it wherever the shard group divides it), at token counts
+    where it is preferred (prefer_vocab_parallel; None: any count)."""
+    if not (PARAM_SHARDINGS.get(param_sharding).vocab_parallel and shard_group > 1
             and shape.vocab_size % shard_group == 0):
         return False
     return tokens_per_device is None or prefer_vocab_parallel(
@@ -343,8 +356,9 @@ def predict(
     # dtype the layers computed them in (param_bytes: bf16 reduce-scatters under bf16 compute,
     # as the compiled GPU programs show), not in the float32 of the master weights.
     all_params = shape.num_params * param_bytes
-    shard_group = shard_devices(layout, param_sharding)
-    shard_share = 0.0 if param_sharding == "host" else _remote_share(shard_group, dph)
+    strategy = PARAM_SHARDINGS.get(param_sharding)
+    shard_group = strategy.shard_devices(layout)
+    shard_share = 0.0 if strategy.per_host else _remote_share(shard_group, dph)
     gathered = all_params
     if vocab_parallel(shape, param_sharding, shard_group, tokens_per_device):
         # models.vocab_parallel: the embedding and LM head stay where they are stored; the
@@ -363,14 +377,7 @@ def predict(
         collective_traffic("all-gather", gathered, shard_group, shard_share).scale(2)
         + collective_traffic("reduce-scatter", gathered, shard_group, shard_share)
     )
-    params = per_micro.scale(grad_accum)
-    if param_sharding == "hsdp" and g > 1:
-        params = params + collective_traffic(
-            "all-reduce", all_params / sp, g, _remote_share(g, dph, spread=sp)
-        )
-    if param_sharding == "host" and num_devices > dph:
-        params = params + Traffic(inter=min_inter_host_gradient_bytes(
-            all_params, num_devices, dph), launches=1)
+    params = per_micro.scale(grad_accum) + _gradient_sync(strategy.sync, layout, all_params)
 
     attention_flops = shape.attention_flops_per_token(seq_len) * q_heads / shape.num_heads
     if layout.ring > 1 and not layout.zigzag:
@@ -543,7 +550,8 @@ def candidates(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
     """Every (layout, parameter sharding) the attention can run: (groups, sp) x ring split x
     {fsdp, host, hsdp} (host on several hosts; hsdp where it differs from both), with head
     padding where no ring split divides the heads, and up to max_pad_rows masked rows; rings in
-    zig-zag token order with zigzag. Ties go to the earlier sharding: host before hsdp."""
+    zig-zag token order with zigzag. Ties go to the earlier sharding: fewest inter-host bytes
+    first (host, hsdp, fsdp: basp_jax.sharding.Strategy.auto_rank)."""
     out = []
     # each group count once, with the fewest pad rows that make the rows divisible by it (more
     # would only add masked work): one split per divisor, however large max_pad_rows is
@@ -553,7 +561,7 @@ def candidates(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
                                groups=g, devices_per_host=devices_per_host, pad_rows=pad,
                                zigzag=zigzag)
         for layout in layouts:
-            for sharding in _shardings(g, layout.sp, num_devices, devices_per_host):
+            for sharding in _shardings(layout):
                 out.append((layout, sharding))
     return out
 
@@ -586,15 +594,12 @@ def _host_rings(layout: Layout) -> list[int]:
     return [layout.sp // dph]
 
 
-def _shardings(groups: int, sp: int, num_devices: int, devices_per_host: int | None) -> list[str]:
-    """The parameter shardings that differ from each other for one (groups, sp) split."""
-    out = ["fsdp"]
-    several_hosts = devices_per_host is not None and devices_per_host < num_devices
-    if several_hosts:
-        out.append("host")
-    if groups > 1 and not (several_hosts and sp == devices_per_host):  # else fsdp / host
-        out.append("hsdp")
-    return out
+def _shardings(layout: Layout) -> list[str]:
+    """The parameter shardings that differ from each other for one split, in auto_rank order
+    (basp_jax.sharding.Strategy)."""
+    offered = [(s.auto_rank, name) for name, s in PARAM_SHARDINGS.items()
+               if s.auto_rank is not None and s.applies(layout) and not s.same_as_another(layout)]
+    return [name for _, name in sorted(offered)]
 
 
 def plan_table(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int, hw: Hardware,
@@ -614,7 +619,7 @@ def plan_table(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
                                            num_devices=num_devices, max_pad_rows=max_pad_rows,
                                            devices_per_host=hw.devices_per_host,
                                            zigzag=zigzag)
-        if not (offload_state and sharding == "host")
+        if not (offload_state and not PARAM_SHARDINGS.get(sharding).streamed)
     ]
     return sorted(preds, key=lambda p: (p.memory_bytes > limit, p.step_s))
 

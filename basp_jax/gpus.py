@@ -55,7 +55,7 @@ class Gpu:
 
     @property
     def attention_kernels(self) -> tuple[str, ...]:
-        """The attention kernels (basp_jax.kernels.IMPLS) it runs: fused ones from sm80."""
+        """The attention kernels (basp_jax.kernels.KERNELS) it runs: fused ones from sm80."""
         from .kernels import gpu_kernels  # kernels imports jax; this table does not need it
 
         return gpu_kernels(self.compute_capability)

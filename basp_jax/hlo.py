@@ -1,4 +1,4 @@
-"""Reading a compiled program's HLO text: which instruction runs how often, and from which file.
+"""Reading a compiled program's HLO text: which instruction runs how often, and what it computes.
 
     for inst in instructions(hlo_text):      # every instruction of every computation
         inst.op, inst.line, inst.executions  # executions: runs per call of the program
@@ -7,9 +7,9 @@ A while loop with a known trip count (XLA writes `"known_trip_count":{"n":"32"}`
 backend_config, e.g. for a scan over layers or microbatches) runs its body that many times; a
 computation called from several places adds up. Collectives (basp_jax.comm) and kernels
 (`attention_kernels`) are counted with these multiplicities, so a scanned program reports what it
-executes, not how it is written. Source files come from the instruction's metadata: jax >= 0.10
-writes `stack_frame_id=N` and tables of frames and file names at the top of the module; older
-printings write `source_file="..."` directly.
+executes, not how it is written. Kernels are found by the `attention_kernel` named scope
+(jax.named_scope) that basp_jax.attention puts around whichever local kernel runs: XLA keeps it in
+each instruction's `op_name` metadata, forward, backward and rematerialised alike.
 """
 
 from __future__ import annotations
@@ -109,55 +109,6 @@ class Module:
             for name, shape, op, line in insts:
                 yield Instruction(name, comp, shape, op, line, n, unknown)
 
-    @cached_property
-    def _frame_files(self) -> dict[int, tuple[str, ...]]:
-        """stack_frame_id -> the source files of that frame and its callers."""
-        files, locations, frames = {}, {}, {}
-        section = None
-        for line in self.text.splitlines()[:20000]:
-            stripped = line.strip()
-            if stripped in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
-                section = stripped
-                continue
-            if not stripped or stripped.startswith("%") or stripped.startswith("ENTRY"):
-                if stripped.startswith("%") or stripped.startswith("ENTRY"):
-                    break
-                continue
-            m = re.match(r"(\d+)\s+(.*)", stripped)
-            if not m or section is None:
-                continue
-            key, rest = int(m.group(1)), m.group(2)
-            if section == "FileNames":
-                files[key] = rest.strip('"')
-            elif section == "FileLocations":
-                f = re.search(r"file_name_id=(\d+)", rest)
-                locations[key] = int(f.group(1)) if f else None
-            elif section == "StackFrames":
-                loc = re.search(r"file_location_id=(\d+)", rest)
-                parent = re.search(r"parent_frame_id=(\d+)", rest)
-                frames[key] = (int(loc.group(1)) if loc else None,
-                               int(parent.group(1)) if parent else None)
-        out = {}
-        for frame in frames:
-            chain, seen, f = [], set(), frame
-            while f in frames and f not in seen:
-                seen.add(f)
-                loc, parent = frames[f]
-                name = files.get(locations.get(loc))
-                if name:
-                    chain.append(name)
-                f = parent
-            out[frame] = tuple(chain)
-        return out
-
-    def source_files(self, line: str) -> tuple[str, ...]:
-        """The source files an instruction came from (innermost first)."""
-        m = re.search(r'source_file="([^"]+)"', line)
-        if m:
-            return (m.group(1),)
-        m = re.search(r"stack_frame_id=(\d+)", line)
-        return self._frame_files.get(int(m.group(1)), ()) if m else ()
-
 
 def instructions(hlo_text: str):
     return Module(hlo_text).instructions()
@@ -169,8 +120,10 @@ KERNEL_TRITON = "triton"  # a Pallas/Triton kernel (custom call __gpu$xla.gpu.tr
 KERNEL_LOOP = "pure-JAX loop"  # the blockwise kernel: while loops over key/query blocks
 KERNEL_XLA = "xla"  # jax.nn.dot_product_attention's XLA path: materialised scores
 
-# Source files whose loops and matmuls are attention (basp_jax's local kernels and ring attention).
-_ATTENTION_SOURCES = ("basp_jax/kernels.py", "basp_jax/ring.py")
+# The named scope around every local kernel (basp_jax.attention, models.layers.local_attention):
+# what an instruction's op_name holds as one path component when attention computed it.
+ATTENTION_SCOPE = "attention_kernel"
+_SCOPE_RE = re.compile(r'op_name="(?:[^"]*/)?' + ATTENTION_SCOPE + r'[/"]')
 
 
 def attention_kernels(hlo_text: str) -> dict[str, dict]:
@@ -197,9 +150,7 @@ def attention_kernels(hlo_text: str) -> dict[str, dict]:
                 name = re.search(r'op_name="[^"]*?([\w.\-]+)/pallas_call"', inst.line)
                 add(KERNEL_TRITON, inst.executions, name.group(1) if name else target)
                 continue
-        from_attention = any(f.endswith(s) for f in module.source_files(inst.line)
-                             for s in _ATTENTION_SOURCES)
-        if not from_attention:
+        if not _SCOPE_RE.search(inst.line):
             continue
         if inst.op == "while":
             add(KERNEL_LOOP, inst.executions, "while")

@@ -23,17 +23,79 @@ there). Which GPU runs what: gpu_kernels, by compute capability.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-IMPLS = ("auto", "xla", "cudnn", "pallas", "blockwise")
+from .registry import Registry
+
+AUTO = "auto"  # not a kernel: resolve_impl's choice among them
+AUTO_DOC = ("on a GPU from sm80 cudnn for unpacked, pallas for packed data; else, and on a T4 "
+            "(sm75), blockwise from 2048 tokens or in bf16, else xla")
 # Below this full sequence length the S x S scores of the xla kernel are cheap enough.
 BLOCKWISE_MIN_SEQ = 2048
 DEFAULT_BLOCK = 512
+
+
+def _runs_anywhere(platform, capability, dtype) -> str | None:
+    return None
+
+
+def _takes_any(q, full_seq_len) -> str | None:
+    return None
+
+
+def _no_options(platform: str, block_size: int) -> dict:
+    return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """A local attention kernel and what it supports: the one place that knows it.
+
+    fn(q, k, v, *, causal, segment_ids=None, **options) -> out (the module docstring's shapes).
+    supports(platform, capability, dtype): None where it runs (capability: a CUDA GPU's, None:
+        unknown; dtype None: any), else why not and what to use, one line naming `impl=`.
+    accepts(q, full_seq_len): None when it takes inputs of this shape, else why not.
+    auto(q, full_seq_len, platform, has_segments): whether "auto" wants it where it runs and
+        takes the input; auto_rank: the order "auto" asks (None: auto never picks it).
+    options(platform, block_size): the keyword arguments attention() passes fn.
+    doc: what the config reference says of it ("" for none).
+    """
+
+    fn: Callable
+    supports: Callable[..., str | None] = _runs_anywhere
+    accepts: Callable[..., str | None] = _takes_any
+    auto: Callable[..., bool] = lambda q, full_seq_len, platform, has_segments: True
+    auto_rank: int | None = None
+    options: Callable[[str, int], dict] = _no_options
+    doc: str = ""
+
+    def bind(self, platform: str, block_size: int = DEFAULT_BLOCK) -> Callable:
+        """fn with the options it takes on `platform` (the mesh's: compiling for a GPU topology
+        from a CPU host must not fall back to Pallas's interpret mode)."""
+        options = self.options(platform, block_size)
+        return functools.partial(self.fn, **options) if options else self.fn
+
+
+# Every kernel registers itself below its function; "auto" resolves among them (resolve_impl).
+KERNELS: Registry[Kernel] = Registry("attention impl")
+
+
+def impl_names() -> tuple[str, ...]:
+    """What `impl=` (and model.attn_impl) takes: "auto" and every registered kernel."""
+    return (AUTO, *KERNELS.names())
+
+
+def describe() -> str:
+    """The choices as the config reference lists them: 'auto (...), xla, cudnn (GPU, ...), ...'."""
+    docs = [(AUTO, AUTO_DOC)] + [(name, k.doc) for name, k in KERNELS.items()]
+    return ", ".join(f"{name} ({doc})" if doc else name for name, doc in docs)
 
 
 def _segment_mask(segment_ids: jax.Array | None) -> jax.Array | None:
@@ -53,6 +115,12 @@ def cudnn_attention(q, k, v, *, causal: bool, segment_ids=None):
     return jax.nn.dot_product_attention(
         q, k, v, mask=_segment_mask(segment_ids), is_causal=causal, implementation="cudnn"
     )
+
+
+def _cudnn_runs(platform: str, capability, dtype) -> str | None:
+    if platform != "gpu":
+        return f"impl='cudnn' needs a GPU but the mesh is on {platform}; use 'auto'"
+    return _fused_runs("cudnn", platform, capability)
 
 
 def cudnn_supported(q: jax.ShapeDtypeStruct, platform: str) -> bool:
@@ -86,7 +154,16 @@ def pallas_supported(q: jax.ShapeDtypeStruct, full_seq_len: int) -> str | None:
 # need sm80. A deviceless compile for a T4 does build a cuDNN custom call: cuDNN refuses it on the
 # device, so it is refused here, before compiling.
 FUSED_MIN_CC = (8, 0)
-FUSED = ("cudnn", "pallas")
+
+
+def _fused_runs(name: str, platform: str, capability) -> str | None:
+    """Why a fused (cuDNN or Triton) kernel does not run on this GPU, or None."""
+    if platform == "gpu" and capability is not None and tuple(capability) < FUSED_MIN_CC:
+        return (f"impl={name!r} needs a GPU of compute capability 8.0 (Ampere) or newer and this "
+                f"one is {_sm(capability)}; use 'auto', 'blockwise' or 'xla'")
+    return None
+
+
 # The xla kernel (jax.nn.dot_product_attention) asks for a half x half -> f32 dot algorithm.
 # Below sm80 XLA has no bf16 one (a T4 compile fails with "Unsupported algorithm ...
 # ALG_DOT_BF16_BF16_F32"), and the CPU has no f16 one ("The precision 'F16_F16_F32' is not
@@ -108,6 +185,21 @@ def _xla_dot_unsupported(platform: str, capability, dtype) -> str | None:
     return None
 
 
+def _xla_runs(platform: str, capability, dtype) -> str | None:
+    if why := _xla_dot_unsupported(platform, capability, dtype):
+        return (f"impl='xla' in {jnp.dtype(dtype).name} {why}; use 'auto' or 'blockwise', or "
+                "float32 compute")
+    return None
+
+
+KERNELS.register("xla", Kernel(xla_attention, supports=_xla_runs, auto_rank=3))
+KERNELS.register("cudnn", Kernel(
+    cudnn_attention, supports=_cudnn_runs, auto_rank=0, doc="GPU, sm80+",
+    # its fastest path; packed input would cost a dense [b, 1, S, S] mask
+    auto=lambda q, full_seq_len, platform, has_segments: (
+        cudnn_supported(q, platform) and not has_segments)))
+
+
 def device_capability(device) -> tuple[int, int] | None:
     """A CUDA device's compute capability, e.g. (7, 5) for a T4 (a deviceless compile target's
     devices have it too); None for other devices."""
@@ -122,11 +214,9 @@ def device_capability(device) -> tuple[int, int] | None:
 
 
 def gpu_kernels(capability: tuple[int, int] | None) -> tuple[str, ...]:
-    """The kernels of IMPLS (but auto) a GPU of this compute capability runs (None: unknown, e.g.
-    a non-CUDA GPU; assumed to run all)."""
-    if capability is None or tuple(capability) >= FUSED_MIN_CC:
-        return ("xla", "cudnn", "pallas", "blockwise")
-    return ("xla", "blockwise")
+    """The registered kernels a GPU of this compute capability runs (None: unknown, e.g. a
+    non-CUDA GPU; assumed to run all)."""
+    return tuple(name for name, k in KERNELS.items() if k.supports("gpu", capability, None) is None)
 
 
 def _sm(capability) -> str:
@@ -137,17 +227,9 @@ def kernel_unsupported(impl: str, platform: str, capability: tuple[int, int] | N
                        dtype=None) -> str | None:
     """None when `impl` runs on this platform/GPU in `dtype`, else why not and what to use (one
     line). "auto" always runs."""
-    if impl == "cudnn" and platform != "gpu":
-        return f"impl='cudnn' needs a GPU but the mesh is on {platform}; use 'auto'"
-    if impl == "xla" and (why := _xla_dot_unsupported(platform, capability, dtype)):
-        return (f"impl='xla' in {jnp.dtype(dtype).name} {why}; use 'auto' or 'blockwise', or "
-                "float32 compute")
-    if platform != "gpu" or capability is None or impl == "auto":
+    if impl == AUTO:
         return None
-    if impl in FUSED and impl not in gpu_kernels(capability):
-        return (f"impl={impl!r} needs a GPU of compute capability 8.0 (Ampere) or newer and this "
-                f"one is {_sm(capability)}; use 'auto', 'blockwise' or 'xla'")
-    return None
+    return KERNELS.get(impl).supports(platform, capability, dtype)
 
 
 def resolve_impl(impl: str, q_shape_dtype, full_seq_len: int, platform: str, has_segments: bool,
@@ -155,22 +237,24 @@ def resolve_impl(impl: str, q_shape_dtype, full_seq_len: int, platform: str, has
     """Turn "auto" into a concrete kernel: on a GPU from sm80 cudnn (unpacked) or pallas (packed,
     or what cuDNN refuses) where they apply; blockwise for long S (and for bf16 below sm80);
     else xla. capability: the GPU's compute capability (device_capability), None: any GPU."""
-    if impl not in IMPLS:
-        raise ValueError(f"unknown attention impl {impl!r}; use one of {', '.join(IMPLS)}")
-    if why := kernel_unsupported(impl, platform, capability, q_shape_dtype.dtype):
-        raise ValueError(why)
-    if impl == "pallas" and (why := pallas_supported(q_shape_dtype, full_seq_len)):
-        raise ValueError(f"impl='pallas': {why}; use 'auto' or 'blockwise'")
-    if impl != "auto":
+    if impl != AUTO and impl not in KERNELS:
+        raise ValueError(f"unknown attention impl {impl!r}; use one of {', '.join(impl_names())}")
+    if impl != AUTO:
+        kernel = KERNELS.get(impl)
+        if why := kernel.supports(platform, capability, q_shape_dtype.dtype):
+            raise ValueError(why)
+        if why := kernel.accepts(q_shape_dtype, full_seq_len):
+            raise ValueError(f"impl={impl!r}: {why}; use 'auto' or 'blockwise'")
         return impl
-    runs = gpu_kernels(capability) if platform == "gpu" else ("xla", "blockwise")
-    if "cudnn" in runs and cudnn_supported(q_shape_dtype, platform) and not has_segments:
-        return "cudnn"
-    if "pallas" in runs and pallas_supported(q_shape_dtype, full_seq_len) is None:
-        return "pallas"
-    if kernel_unsupported("xla", platform, capability, q_shape_dtype.dtype):
-        return "blockwise"
-    return "blockwise" if full_seq_len >= BLOCKWISE_MIN_SEQ else "xla"
+    # "auto": the first kernel, by auto_rank, that runs here, takes the input and wants it
+    ranked = sorted((k for k in KERNELS.items() if k[1].auto_rank is not None),
+                    key=lambda k: k[1].auto_rank)
+    for name, kernel in ranked:
+        if kernel.supports(platform, capability, q_shape_dtype.dtype) is None \
+                and kernel.accepts(q_shape_dtype, full_seq_len) is None \
+                and kernel.auto(q_shape_dtype, full_seq_len, platform, has_segments):
+            return name
+    return AUTO_FALLBACK
 
 
 def pallas_attention(q, k, v, *, causal: bool, segment_ids=None, interpret: bool | None = None):
@@ -195,6 +279,15 @@ def pallas_attention(q, k, v, *, causal: bool, segment_ids=None, interpret: bool
     seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
     return pallas_mha.mha(q, k, v, seg, sm_scale=1.0 / math.sqrt(d), causal=causal,
                           block_sizes=blocks, interpret=interpret)
+
+
+KERNELS.register("pallas", Kernel(
+    pallas_attention, supports=lambda platform, capability, dtype: _fused_runs(
+        "pallas", platform, capability),
+    accepts=lambda q, full_seq_len: pallas_supported(q, full_seq_len), auto_rank=1,
+    auto=lambda q, full_seq_len, platform, has_segments: platform == "gpu",  # CPU: interpret
+    options=lambda platform, block_size: {"interpret": platform != "gpu"},
+    doc="Triton, GPU, sm80+"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -492,5 +585,9 @@ def blockwise_attention(q, k, v, *, causal: bool, segment_ids=None, block_size: 
     return out
 
 
-KERNELS = {"xla": xla_attention, "cudnn": cudnn_attention, "pallas": pallas_attention,
-           "blockwise": blockwise_attention}
+KERNELS.register("blockwise", Kernel(
+    blockwise_attention, auto_rank=2, doc="memory-efficient, pure JAX",
+    auto=lambda q, full_seq_len, platform, has_segments: full_seq_len >= BLOCKWISE_MIN_SEQ,
+    options=lambda platform, block_size: {"block_size": block_size}))
+# What "auto" takes when no kernel above wants the input: blockwise runs everywhere.
+AUTO_FALLBACK = "blockwise"

@@ -29,15 +29,69 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .mesh import GROUP, SEQ
+from .registry import Registry
 
-STRATEGIES = ("fsdp", "hsdp", "host", "replicated")
 HOST, LOCAL = "host", "local"
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """A parameter sharding strategy: the one place that knows what it implies. `layout` below
+    is a basp_jax.Layout (its sizes only).
+
+    split_axes: the axes of its placement mesh a split parameter axis goes to.
+    shard_devices(layout): how many devices share (shard) each parameter.
+    per_host: placed on the ('host', 'local') mesh (host_mesh), so it needs devices_per_host;
+        its gathers never leave a host.
+    vocab_parallel: the embedding and LM head can be used where they are stored (split on the
+        vocabulary over the compute mesh's axes: models.vocab_parallel).
+    sync: the gradient reduction per step beyond the shard group's, as basp_jax.cost prices
+        it: "groups" (the 1/sp shard all-reduced across groups), "hosts" (each element crosses
+        hosts once), None.
+    applies(layout): whether the planner (train.planning, basp_jax.cost) tries it for this
+        split; auto_rank: the order it tries them in (fewest inter-host bytes first; on a fixed
+        layout the last that applies is taken when none fits; None: never tried).
+    same_as_another(layout): whether it shards exactly as another that applies (basp_jax.cost
+        then leaves it out of its candidates).
+    streamed: whether the streamed step (train.streamed: weights in host memory) can use it.
+    """
+
+    split_axes: tuple[str, ...]
+    shard_devices: Callable[..., int]
+    per_host: bool = False
+    vocab_parallel: bool = False
+    sync: str | None = None
+    applies: Callable[..., bool] = lambda layout: False
+    auto_rank: int | None = None
+    same_as_another: Callable[..., bool] = lambda layout: False
+    streamed: bool = True
+
+
+def _several_hosts(layout) -> bool:
+    return layout.devices_per_host < layout.num_devices
+
+
+PARAM_SHARDINGS: Registry[Strategy] = Registry("parameter sharding")
+PARAM_SHARDINGS.register("fsdp", Strategy(
+    (GROUP, SEQ), lambda layout: layout.num_devices, vocab_parallel=True,
+    applies=lambda layout: True, auto_rank=2))
+PARAM_SHARDINGS.register("hsdp", Strategy(
+    (SEQ,), lambda layout: layout.sp, vocab_parallel=True, sync="groups", auto_rank=1,
+    applies=lambda layout: layout.groups > 1,  # one group: it is fsdp
+    # on hosts of one seq group each it shards as host does
+    same_as_another=lambda layout: _several_hosts(layout) and layout.sp == layout.devices_per_host))
+PARAM_SHARDINGS.register("host", Strategy(
+    (LOCAL,), lambda layout: min(layout.devices_per_host, layout.num_devices), per_host=True,
+    sync="hosts", applies=_several_hosts, auto_rank=0,
+    streamed=False))  # its per-host device copies of the weights are what streaming avoids
+PARAM_SHARDINGS.register("replicated", Strategy((), lambda layout: 1))
 SPLIT = "split"  # in RULES: split over the strategy's parameter axes
 
 # The one table. One axis of each parameter is split: the major axis of each matrix (a gather or
@@ -131,24 +185,26 @@ class ShardingRules:
     devices_per_host: int | None = None
 
     def __post_init__(self):
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"unknown parameter sharding {self.strategy!r}; use one of "
-                             f"{', '.join(STRATEGIES)}")
-        if self.strategy == "host" and self.devices_per_host is None:
-            raise ValueError("param_sharding='host' needs devices_per_host (the devices of one host)")
+        if self.entry.per_host and self.devices_per_host is None:
+            raise ValueError(f"param_sharding={self.strategy!r} needs devices_per_host (the "
+                             "devices of one host)")
+
+    @property
+    def entry(self) -> Strategy:
+        return PARAM_SHARDINGS.get(self.strategy)  # (a ValueError naming the choices)
 
     @functools.cached_property
     def placement(self) -> Mesh:
-        """The mesh parameters are placed on: ('host', 'local') for 'host', else the mesh."""
-        if self.strategy == "host":
+        """The mesh parameters are placed on: ('host', 'local') for a per-host strategy, else
+        the mesh."""
+        if self.entry.per_host:
             return host_mesh(self.mesh, self.devices_per_host)
         return self.mesh
 
     @property
     def split_axes(self) -> tuple[str, ...]:
         """The mesh axes of `placement` that a split parameter axis goes to."""
-        return {"fsdp": (GROUP, SEQ), "hsdp": (SEQ,), "host": (LOCAL,),
-                "replicated": ()}[self.strategy]
+        return self.entry.split_axes
 
     def spec(self, names, shape) -> P:
         """The PartitionSpec of a parameter of `shape` whose axes are named `names`."""

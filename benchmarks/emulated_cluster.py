@@ -34,7 +34,6 @@ from netns_cluster import Cluster, require_root  # noqa: E402
 from train.plot import bench_figure, rate_label  # noqa: E402  (one drawing for this and the CLI)
 
 TRAIN_CONFIG = ROOT / "benchmarks" / "cluster_train.yaml"
-SHARDINGS = ("fsdp", "hsdp", "host", "replicated")
 SETUPS = [("ulysses", "fsdp"), ("basp", "fsdp"), ("basp", "hsdp"), ("basp", "host"),
           ("basp", "replicated")]
 
@@ -216,11 +215,13 @@ def main() -> None:
                              "baseline")
     args = parser.parse_args()
     names = [name.strip() for name in args.setups.split(",")]
+    from basp_jax.sharding import PARAM_SHARDINGS  # (imports JAX: only once the flags are read)
+
     unknown = [name for name in names if parse_setup(name)[0] not in ("ulysses", "basp")
-               or parse_setup(name)[2] not in SHARDINGS]
+               or parse_setup(name)[2] not in PARAM_SHARDINGS]
     if unknown:
         parser.error(f"unknown setup(s) {', '.join(unknown)}; use MODE[@ringR]+SHARDING with MODE "
-                     f"ulysses or basp and SHARDING one of {', '.join(SHARDINGS)}")
+                     f"ulysses or basp and SHARDING one of {', '.join(PARAM_SHARDINGS)}")
     require_root()
     rates = [None if r.strip().lower() == "none" else float(r) for r in args.rates.split(",")]
     out = Path(args.out)

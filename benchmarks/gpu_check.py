@@ -32,8 +32,6 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
-KERNELS = ("xla", "cudnn", "pallas", "blockwise")
-GPU_ONLY = {"cudnn": "cuDNN fused attention runs on NVIDIA GPUs only"}
 PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax",
             "orbax-checkpoint", "safetensors", "tokenizers", "numpy")
 GiB = 2**30
@@ -159,12 +157,20 @@ def _loss_and_grads(fn):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
 
 
+def _off_gpu(impl: str, on_gpu: bool) -> str | None:
+    """Why `impl` is skipped here: off a GPU, what the kernel's registry entry says of the CPU."""
+    from basp_jax.kernels import KERNELS
+
+    why = None if on_gpu else KERNELS.get(impl).supports("cpu", None, None)
+    return None if why is None else f"--cpu-smoke: {why}"
+
+
 def check_kernel(impl: str, packed: bool, shapes: Shapes, on_gpu: bool) -> dict:
     """Relative errors (max |x - ref| / max |ref|) of the output and dq, dk, dv."""
     import jax.numpy as jnp
 
-    if impl in GPU_ONLY and not on_gpu:
-        return _skip(f"--cpu-smoke: {GPU_ONLY[impl]}")
+    if skip := _off_gpu(impl, on_gpu):
+        return _skip(skip)
     dtype = jnp.dtype(shapes.dtype)
     q, k, v, ct, seg = _inputs(shapes, shapes.check_seq, packed, dtype)
     (_, out), grads = _loss_and_grads(_single_device_attention(impl, shapes, shapes.check_seq))(
@@ -200,8 +206,8 @@ def time_kernel(impl: str, shapes: Shapes, on_gpu: bool, repeats: int) -> dict:
     """Median seconds of one forward + backward pass of causal attention (unpacked)."""
     import jax.numpy as jnp
 
-    if impl in GPU_ONLY and not on_gpu:
-        return _skip(f"--cpu-smoke: {GPU_ONLY[impl]}")
+    if skip := _off_gpu(impl, on_gpu):
+        return _skip(skip)
     seq = shapes.time_seq
     q, k, v, ct, seg = _inputs(shapes, seq, False, jnp.dtype(shapes.dtype))
     t0 = time.perf_counter()
@@ -378,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     report["train"] = _section(f"train steps: {shapes.preset} at {shapes.step_seq} tokens",
                                train_steps, shapes, args.steps, on_gpu)
     save()
+    from basp_jax.kernels import KERNELS
+
     for impl in KERNELS:
         for packed in (False, True):
             name = f"{impl}, {'packed' if packed else 'unpacked'}"

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import basp_jax
 from basp_jax import kernels as basp_kernels
+from basp_jax.hlo import ATTENTION_SCOPE
 from basp_jax.sharding import HOST, LOCAL, TOKENS, ShardingRules, activation_spec
 
 from . import vocab_parallel
@@ -130,7 +131,7 @@ class Embed(nnx.Module):
         self.dtype = dtype
         self.rules = rules
         self.mesh = None if rules is None else rules.mesh
-        self.host_mesh = rules.placement if rules is not None and rules.strategy == "host" else None
+        self.host_mesh = rules.placement if rules is not None and rules.entry.per_host else None
         # the mesh axes of a vocabulary-sharded table (models.vocab_parallel), else None
         self.vocab_axes = vocab_parallel.vocab_axes(axis_names(self.weight), self.weight.shape,
                                                     rules)
@@ -246,8 +247,8 @@ def local_attention(q, k, v, *, segment_ids, impl: str):
     device = jax.devices()[0]
     name = basp_kernels.resolve_impl(impl, q, q.shape[1], device.platform, segment_ids is not None,
                                      basp_kernels.device_capability(device))
-    with jax.named_scope("attention_kernel"):  # as basp_jax.attention names it
-        return basp_kernels.KERNELS[name](q, k, v, causal=True, segment_ids=segment_ids)
+    with jax.named_scope(ATTENTION_SCOPE):  # as basp_jax.attention names it (basp_jax.hlo)
+        return basp_kernels.KERNELS.get(name).fn(q, k, v, causal=True, segment_ids=segment_ids)
 
 
 class Attention(nnx.Module):

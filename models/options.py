@@ -23,7 +23,7 @@ from basp_jax import Layout
 from basp_jax import kernels as basp_kernels
 from basp_jax.mesh import layout_on
 from basp_jax.remat import offload_layer_inputs, save_exchanges
-from basp_jax.sharding import STRATEGIES, ShardingRules
+from basp_jax.sharding import PARAM_SHARDINGS, ShardingRules
 
 from . import vocab_parallel
 from .config import ModelConfig, ModelError
@@ -53,7 +53,7 @@ class RunOptions:
     layout: the Layout the mesh was made from, for its ring and token order (None: the mesh's
         plain split); with layout.zigzag, tokens come in layout.token_order.
     dtype / param_dtype: compute and storage dtypes.
-    attn_impl: the attention kernel (basp_jax.kernels.IMPLS).
+    attn_impl: the attention kernel ("auto" or one of basp_jax.kernels.KERNELS).
     remat: the rematerialisation policy (REMAT_POLICIES).
     tile_tokens: run each layer's token-local work (norms, projections, RoPE, MLP, residual
         adds) over chunks of at most this many tokens per device, each rematerialised
@@ -63,8 +63,8 @@ class RunOptions:
         is stored, moving the tokens' rows (models.vocab_parallel): "auto" where that moves
         fewer bytes than gathering the table (short sequences), "always", "never".
     scan_layers: the layers as one stacked Block under lax.scan (else a Python list).
-    param_sharding: how parameters are stored on the mesh (basp_jax.sharding.STRATEGIES; 'host'
-        needs the layout, for its devices_per_host); `rules` places them. The embedding and LM
+    param_sharding: how parameters are stored on the mesh (basp_jax.sharding.PARAM_SHARDINGS; a
+        per-host one such as 'host' needs the layout, for its devices_per_host); `rules` places them. The embedding and LM
         head are used where they are stored when it splits the vocabulary; under 'host' their
         gradient is summed inside each host before it crosses hosts.
     """
@@ -90,12 +90,12 @@ class RunOptions:
         if self.vocab_parallel not in vocab_parallel.MODES:
             raise ModelError(f"unknown vocab_parallel {self.vocab_parallel!r}; use one of "
                              f"{', '.join(vocab_parallel.MODES)}")
-        if self.attn_impl not in basp_kernels.IMPLS:
+        if self.attn_impl not in basp_kernels.impl_names():
             raise ModelError(f"unknown attn_impl {self.attn_impl!r}; use one of "
-                             f"{', '.join(basp_kernels.IMPLS)}")
-        if self.param_sharding not in STRATEGIES:
+                             f"{', '.join(basp_kernels.impl_names())}")
+        if self.param_sharding not in PARAM_SHARDINGS:
             raise ModelError(f"unknown param_sharding {self.param_sharding!r}; use one of "
-                             f"{', '.join(STRATEGIES)}")
+                             f"{', '.join(PARAM_SHARDINGS)}")
         if self.mesh is not None and tuple(self.mesh.axis_names) != basp_jax.AXES:
             raise ModelError(
                 f"the mesh must have axes {basp_jax.AXES}, got {tuple(self.mesh.axis_names)}; "
@@ -103,9 +103,10 @@ class RunOptions:
             )
         if self.layout is not None and self.mesh is None:
             raise ModelError("a layout needs its mesh: pass mesh=basp_jax.make_mesh(layout)")
-        if self.param_sharding == "host" and self.mesh is not None and self.layout is None:
-            raise ModelError("param_sharding='host' needs the layout the mesh was made from (its "
-                             "devices_per_host): pass layout=layout")
+        if PARAM_SHARDINGS.get(self.param_sharding).per_host and self.mesh is not None \
+                and self.layout is None:
+            raise ModelError(f"param_sharding={self.param_sharding!r} needs the layout the mesh "
+                             "was made from (its devices_per_host): pass layout=layout")
 
     @functools.cached_property
     def rules(self) -> ShardingRules | None:

@@ -45,7 +45,7 @@ def vocab_axes(names: tuple[str, ...], shape: tuple[int, ...],
     over, or None when the vocabulary is not what is split (then the plain, gathering
     computation applies): no mesh, replicated, host sharding (its own per-host path), or a
     vocabulary no axis size divides."""
-    if rules is None or rules.strategy not in ("fsdp", "hsdp"):
+    if rules is None or not rules.entry.vocab_parallel:
         return None
     spec = tuple(rules.spec(names, shape))
     spec = spec + (None,) * (len(shape) - len(spec))

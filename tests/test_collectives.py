@@ -169,7 +169,7 @@ def test_stored_gpu_hlo_is_read_with_async_pairs_tuples_and_loops():
         scatter.wire_bytes * 4 / 7)
     kernels = hlo.attention_kernels(text)
     assert kernels[hlo.KERNEL_CUDNN]["targets"] == ["__cudnn$fmhaSoftmax"]
-    assert kernels[hlo.KERNEL_LOOP]["count"] == 1  # the while from basp_jax/kernels.py
+    assert kernels[hlo.KERNEL_LOOP]["count"] == 1  # the while in the attention_kernel scope
 
 
 def test_a_combined_collective_of_several_dtypes_is_named_by_its_bulk():

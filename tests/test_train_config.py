@@ -71,6 +71,24 @@ def test_bad_values_one_line(tmp_path, override, fragment):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("override, names", [
+    ("model.attn_impl=flash", "auto, xla, cudnn, pallas, blockwise"),
+    ("parallel.param_sharding=zero", "auto, fsdp, hsdp, host, replicated"),
+    ("model.remat=some", "none, full, dots, offload, offload_exchanges, auto"),
+])
+def test_registry_choices_are_checked_with_one_line_naming_them(tmp_path, override, names):
+    """Keys that take a registry's names are `str` in train/config.py (no JAX there) and
+    checked by train.choices, which train.prepare and train.aot run first."""
+    from train import choices
+
+    cfg = load_config(None, tiny_overrides(tmp_path / "r", override))
+    key, got = override.split("=")
+    with pytest.raises(ConfigError) as info:
+        choices.check(cfg)
+    assert str(info.value) == f"{key}: expected one of {names}, got {got!r}"
+    choices.check(load_config(None, tiny_overrides(tmp_path / "r")))  # the defaults pass
+
+
 def test_ulysses_with_groups_rejected_by_the_layouts_own_rule(tmp_path):
     """The config leaves the split's rules to Layout.plan, which the trainer asks before
     anything compiles (train.planning.plan)."""

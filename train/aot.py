@@ -588,6 +588,9 @@ def main(argv: list[str] | None = None) -> int:
         from basp_jax import LayoutError
         from models import ModelError
 
+        from . import choices
+
+        choices.check(cfg)  # (after use_plugin: the registries import JAX)
         try:
             if args.plan:
                 rows = plan_compiled(cfg, target, hosts, per_host)

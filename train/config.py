@@ -75,7 +75,7 @@ class ModelSection:
     # cores (sm80 on), float16 on one with fp16 ones only (T4), else float32 (CPU)
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
-    attn_impl: Literal["auto", "xla", "cudnn", "pallas", "blockwise"] = "auto"
+    attn_impl: str = "auto"  # attention kernel (the choices: basp_jax.kernels.KERNELS)
     remat: str = "none"
     # each layer's norms, projections and MLP over chunks of at most this many tokens per device
     # (long sequences: no [tokens, intermediate] buffer of a whole shard); null: the whole shard
@@ -249,8 +249,9 @@ class ParallelConfig:
     mode: Optional[Literal["basp", "ulysses", "auto"]] = None  # required; auto: the planner picks
     groups: Optional[int] = None  # force a group count (basp); default gcd(microbatch, devices)
     devices_per_host: Optional[int] = None  # default: devices per process
-    # auto: host (parameters sharded inside each host) where it fits in memory, else fsdp
-    param_sharding: Literal["auto", "fsdp", "hsdp", "host", "replicated"] = "auto"
+    # auto: host (parameters sharded inside each host) where it fits in memory, else fsdp (the
+    # choices: basp_jax.sharding.PARAM_SHARDINGS)
+    param_sharding: str = "auto"
     hardware: str = "h100-80gb"  # the GPU (basp_jax.gpus) the planner assumes for mode=auto and param_sharding=auto
     memory_gb: Optional[float] = None  # per-device memory limit for the planner (default: preset)
     ring: int = 1  # ring attention across sp/ring-device all-to-all runs (ring must divide sp)

@@ -23,6 +23,7 @@ import typing
 from pathlib import Path
 
 from . import config
+from .choices import CHOICES
 from .config import Config
 
 START = "<!-- config-reference:start -->"
@@ -34,10 +35,6 @@ COMMAND = "python -m train.config_doc --write configs/README.md"
 EXTRA_MEANINGS = {
     "run.seed": "initialisation and data order; 0 to 2**32 - 1",
     "model.param_dtype": "storage dtype of the parameters",
-    "model.attn_impl": "attention kernel: auto (on a GPU from sm80 cudnn for unpacked, pallas for "
-                       "packed data; else, and on a T4 (sm75), blockwise from 2048 tokens or in "
-                       "bf16, else xla), xla, cudnn (GPU, sm80+), pallas (Triton, GPU, sm80+), "
-                       "blockwise (memory-efficient, pure JAX)",
     "model.remat": "recompute in the backward pass: none, full, dots (keep the projections), "
                    "offload (each layer's input in pinned host memory; the all-to-alls repeat "
                    "backward), offload_exchanges (the all-to-alls' outputs offloaded too); "
@@ -132,6 +129,8 @@ def rows(cls=Config, prefix: str = "", comments: dict | None = None) -> list[Row
         type_name = config._type_name(tp)
         if required:  # null is only the "not set" marker of a required key
             type_name = type_name.removesuffix(" or null")
+        if key in CHOICES:  # a `str` key that takes a registry's names: list them from it
+            type_name, meaning = _choice(key, meaning)
         result.append(Row(
             key=key,
             type=type_name,
@@ -140,6 +139,14 @@ def rows(cls=Config, prefix: str = "", comments: dict | None = None) -> list[Row
             commented=bool(meaning),
         ))
     return result
+
+
+def _choice(key: str, meaning: str) -> tuple[str, str]:
+    """The type and meaning of a registry-backed key (train.choices): its names, and the comment
+    before the parenthesis that points at the registry, followed by each name's note."""
+    choice = CHOICES[key]
+    lead = meaning.split(" (the choices:")[0]
+    return " | ".join(choice.names()), f"{lead}: {choice.describe()}" if choice.describe else lead
 
 
 def check(table_rows: list[Row]) -> None:

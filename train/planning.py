@@ -18,6 +18,7 @@ import os
 
 from basp_jax import Layout
 from basp_jax import cost
+from basp_jax.sharding import PARAM_SHARDINGS
 
 from .config import Config, ConfigError, replace
 
@@ -77,13 +78,16 @@ def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[La
     )
     if p.param_sharding != "auto":
         return layout, p.param_sharding
-    # Fewest inter-host bytes first; each later choice shards over more devices.
-    choices = (["host"] if layout.num_hosts > 1 and cfg.optimizer.offload is not True else []) + (
-        ["hsdp"] if layout.groups > 1 else [])
-    for strategy in choices:
+    # Fewest inter-host bytes first (auto_rank); each later choice shards over more devices, and
+    # the last (fsdp) is taken whether or not it fits (check_memory says so).
+    choices = [name for _, name in sorted(
+        (s.auto_rank, name) for name, s in PARAM_SHARDINGS.items()
+        if s.auto_rank is not None and s.applies(layout)
+        and (s.streamed or cfg.optimizer.offload is not True))]
+    for strategy in choices[:-1]:
         if cost.predict(shape, layout, strategy, **common).memory_bytes <= hw.memory_bytes:
             return layout, strategy
-    return layout, "fsdp"
+    return layout, choices[-1]
 
 
 def resolve_offload(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> Config:

@@ -20,7 +20,7 @@ import models
 from basp_jax import Layout
 from basp_jax import kernels as basp_kernels
 
-from . import evaluate, planning, resume, runtime, streamed, writers
+from . import choices, evaluate, planning, resume, runtime, streamed, writers
 from .checkpoint import Checkpointer, checkpoint_dir, complete_steps, inspect_latest
 from .config import Config, ConfigError, _coerce, replace, yaml_load
 from .data import Pipeline
@@ -103,11 +103,16 @@ def check_kernel(cfg: Config, device) -> None:
     or, in f16, a GPU (basp_jax.kernels); refused here, before anything compiles (the compiler's
     own error is a page of traceback)."""
     impl, platform = cfg.model.attn_impl, device.platform
-    if impl == "cudnn" and platform != "gpu":
-        raise ConfigError(f"model.attn_impl=cudnn needs a GPU but the devices are {platform}; use "
-                          "auto (cuDNN where it applies), xla or blockwise")
+    dtype = DTYPES[compute_dtype(cfg.model.dtype, device)]
+    if platform != "gpu" and basp_kernels.kernel_unsupported(impl, "gpu", None) is None \
+            and basp_kernels.kernel_unsupported(impl, platform, None):  # a GPU-only kernel
+        runs = [f"auto ({impl} where it applies)"] + [
+            name for name in basp_kernels.KERNELS
+            if basp_kernels.kernel_unsupported(name, platform, None, dtype) is None]
+        raise ConfigError(f"model.attn_impl={impl} needs a GPU but the devices are {platform}; use "
+                          f"{', '.join(runs[:-1])} or {runs[-1]}")
     why = basp_kernels.kernel_unsupported(impl, platform, basp_kernels.device_capability(device),
-                                          DTYPES[compute_dtype(cfg.model.dtype, device)])
+                                          dtype)
     if why:
         name = getattr(device, "device_kind", platform)
         raise ConfigError(f"model.attn_impl={impl} on {name}: {why.replace('impl=', 'attn_impl=')}"
@@ -176,6 +181,7 @@ def prepare(cfg: Config, owner: RunDirLock | None) -> Run:
 
 def check(cfg: Config, *, is_writer: bool) -> Run:
     """Everything that can be wrong, checked before anything compiles or is written."""
+    choices.check(cfg)  # the keys train.config cannot check without JAX
     run_dir = os.path.abspath(cfg.run.dir)
     if is_writer:
         check_free(run_dir)  # another run owns it: say so before reading what it is writing

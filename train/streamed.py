@@ -37,6 +37,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from basp_jax.sharding import PARAM_SHARDINGS
 from models.transformer import with_values
 
 from .config import Config, ConfigError
@@ -64,8 +65,8 @@ def check_offload(cfg: Config, strategy: str, compute_dtype: str) -> None:
     if not cfg.model.scan_layers:
         raise ConfigError(f"optimizer.offload=true streams the layers of a scanned stack; set "
                           f"model.scan_layers=true {fix}")
-    if strategy == "host":
-        raise ConfigError(f"optimizer.offload=true keeps the weights in host memory, so host "
+    if not PARAM_SHARDINGS.get(strategy).streamed:
+        raise ConfigError(f"optimizer.offload=true keeps the weights in host memory, so {strategy} "
                           f"parameter sharding (per-host device copies) does not apply; set "
                           f"parallel.param_sharding=fsdp {fix}")
     if compute_dtype == "float16":

@@ -1,0 +1,49 @@
+"""The config keys whose values are a registry's names, read from the registries themselves.
+
+    check(cfg)          # ConfigError "model.attn_impl: expected one of auto, xla, ..., got 'x'"
+    CHOICES[key].names()  # what the config reference (train.config_doc) lists for the key
+
+train/config.py types these keys as `str`: it stays free of JAX, which the CLI and train.aot
+start only after reading the config (runtime.cpu_devices, the CUDA plugin), while the registries
+live beside the code that imports JAX (basp_jax.kernels, ...). So they are checked here, once JAX
+may be imported: by train.prepare and train.aot, before anything compiles or is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from basp_jax import kernels
+from basp_jax.sharding import PARAM_SHARDINGS
+from models.options import REMAT_POLICIES
+
+from .config import Config, ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    names: Callable[[], tuple[str, ...]]  # the values the key takes, in the registry's order
+    describe: Callable[[], str] | None = None  # each value with its note, for the reference
+
+
+CHOICES = {
+    "model.attn_impl": Choice(kernels.impl_names, kernels.describe),
+    # auto: train.planning's pick
+    "parallel.param_sharding": Choice(lambda: ("auto", *PARAM_SHARDINGS.names())),
+    "model.remat": Choice(lambda: (*REMAT_POLICIES, "auto")),  # auto: train.planning.memory_policy
+}
+
+
+def value(cfg: Config, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def check(cfg: Config) -> None:
+    """Every registry-backed key names a registered value (the message of train.config's
+    Literal keys, so every choice error reads alike)."""
+    for key, choice in CHOICES.items():
+        got, names = value(cfg, key), choice.names()
+        if got not in names:
+            raise ConfigError(f"{key}: expected one of {', '.join(names)}, got {got!r}")
