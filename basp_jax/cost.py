@@ -231,7 +231,7 @@ def min_inter_host_gradient_bytes(gradient_bytes: float, num_devices: int,
     `gradient_bytes` (a full copy per device) over `num_devices`: reduced inside each host first,
     every element then crosses hosts once, as one device's 1/devices_per_host shard in a
     bandwidth-optimal all-reduce over the hosts, 2 (hosts - 1) / hosts x the shard. Zero on one
-    host. What host parameter sharding compiles to (tests/test_host_sharding.py)."""
+    host. What host parameter sharding compiles to (tests/models/test_host_sharding.py)."""
     hosts = num_devices // devices_per_host
     if hosts <= 1:
         return 0.0

@@ -49,7 +49,7 @@ class Shapes:
         self.preset = "tiny" if smoke else "llama-3.2-1b"
         self.dtype = "float32" if smoke else "bfloat16"  # CPU computes bf16 in f32 anyway
         # relative error bound: bf16 kernels against the float32 reference (as
-        # tests/test_attention.py bounds the bf16 blockwise kernel), f32 ones on the CPU
+        # tests/basp_jax/test_attention.py bounds the bf16 blockwise kernel), f32 ones on the CPU
         self.tolerance = 1e-4 if smoke else 3e-2
 
 

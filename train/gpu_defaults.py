@@ -17,8 +17,8 @@ Sources, cited per flag below:
                recipe's XLA_FLAGS and XLA_PYTHON_CLIENT_MEM_FRACTION)
   [MT]         MaxText GPU recipes: docs/run_maxtext/run_maxtext_single_host_gpu.md and
                src/maxtext/configs/gpu/a3/*/*.sh (github.com/AI-Hypercomputer/maxtext, e591f30)
-Every flag exists in XLA of jax 0.10.2 (tests/test_gpu_defaults.py runs them against the installed
-jaxlib: XLA aborts the process on a flag it does not know).
+Every flag exists in XLA of jax 0.10.2 (tests/e2e/test_gpu_compile.py compiles with them against
+the installed jaxlib: XLA aborts the process on a flag it does not know).
 """
 
 from __future__ import annotations

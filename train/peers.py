@@ -29,7 +29,8 @@ _generation = 0  # watchdogs made by this process: keys of an earlier run() in i
 
 
 # What distributed_client() reads, and the client methods this project calls (tested against the
-# installed JAX by tests/test_peers.py, so a JAX release that changes them fails there, by name).
+# installed JAX by tests/train/test_peers_jax.py, so a JAX release that changes them fails there,
+# by name).
 PRIVATE_CLIENT = "jax._src.distributed.global_state.client"
 CLIENT_METHODS = ("key_value_set", "key_value_dir_get")
 

@@ -22,7 +22,7 @@ compile), it knows no SIGINT, and it needs jax.distributed, i.e. not in one proc
 on a step on CPU as on GPU (measured, 2 processes, jax 0.10.2), so once JAX lets a Python handler
 raise the notice, `should_stop` can ask it instead of the store. Until then train.runtime turns
 its service off (jax_enable_preemption_service), which would otherwise swallow SIGTERM from
-start-up until the step compiled (tests/test_train_multiprocess.py).
+start-up until the step compiled (tests/e2e/test_multiprocess.py).
 
 Outside the step loop (start-up, restoring, compiling the step) there is nothing to finish: with
 `exit_at_once_outside_the_loop()` (python train.py) a signal ends the process at once, with one

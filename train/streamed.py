@@ -83,7 +83,7 @@ def in_host_memory(shardings):
 def init_opt_state(tx, params, shardings):
     """tx.init(params) built a leaf at a time where `shardings` put it (host memory): the whole
     state is never on the device. Every leaf of make_optimizer's state starts at zero (Adam's
-    moments and the step counts; tests/test_train_streamed.py checks it against tx.init)."""
+    moments and the step counts; tests/train/test_streamed.py checks it against tx.init)."""
     abstract = jax.eval_shape(tx.init, params)
     return jax.tree.map(lambda a, s: jnp.zeros(a.shape, a.dtype, device=s), abstract, shardings)
 

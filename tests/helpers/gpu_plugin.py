@@ -1,4 +1,4 @@
-"""JAX's CUDA plugin for tests/test_gpu_compile.py (about 1.5 GB, one per jaxlib, so each fresh
+"""JAX's CUDA plugin for tests/e2e/test_gpu_compile.py (about 1.5 GB, one per jaxlib, so each fresh
 environment downloads it), installed early: a run that includes that file starts
 `python -m train.aot --install` in the background as it begins (tests/conftest.py), when the
 plugin is missing, so that the download overlaps the first tests instead of holding up a worker;
@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 PID_VAR = "BASP_TEST_PLUGIN_INSTALL_PID"  # the background install's process, for the workers
-GPU_TESTS = ROOT / "tests" / "test_gpu_compile.py"
+GPU_TESTS = ROOT / "tests" / "e2e" / "test_gpu_compile.py"
 # exit 0 when the plugin is there (in this environment or in train.aot's folder for it)
 PROBE = ("import importlib.util, os, sys; from train import aot; "
          "sys.exit(0 if importlib.util.find_spec('jax_cuda12_plugin') or "

@@ -1,0 +1,234 @@
+"""What the compiled attention communicates: all-to-alls inside each seq group, nothing else big."""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from basp_jax import Layout, activation_sharding, attention, comm, hlo, make_mesh
+
+B, S, HQ, HKV, D = 2, 64, 8, 2, 16
+
+
+def _attention_collectives(groups, packed):
+    layout = Layout.plan(num_devices=8, batch=B, seq_len=S, num_heads=HQ, num_kv_heads=HKV, groups=groups)
+    mesh = make_mesh(layout)
+    sharding = activation_sharding(mesh)
+    q = jax.ShapeDtypeStruct((B, S, HQ, D), jnp.float32, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((B, S, HKV, D), jnp.float32, sharding=sharding)
+    seg = jax.ShapeDtypeStruct((B, S), jnp.int32, sharding=sharding) if packed else None
+
+    def forward_and_backward(q, k, v, seg):
+        out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, mesh=mesh, segment_ids=seg, impl="xla"), q, k, v)
+        return out, vjp(out)
+
+    step = jax.jit(forward_and_backward)
+    return comm.compiled_collectives(step, q, kv, kv, seg)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_basp_all_to_alls_stay_inside_each_group(packed):
+    found = _attention_collectives(groups=2, packed=packed)
+    all_to_all = [c for c in found if c.kind == "all-to-all"]
+    assert all_to_all, "no all-to-all compiled"
+    for c in all_to_all:
+        assert set(c.groups) == {(0, 1, 2, 3), (4, 5, 6, 7)}, c
+    float_gathers = [c for c in found if c.kind == "all-gather" and c.dtype.startswith(("f", "bf"))]
+    assert not float_gathers, f"activations were all-gathered: {float_gathers}"
+    assert {c.kind for c in found} <= {"all-to-all", "all-gather"}, found
+    # Host-local by construction: with 4 devices per host, nothing crosses.
+    assert not any(comm.crosses_hosts(c, devices_per_host=4) for c in found)
+
+
+def test_ulysses_all_to_all_spans_all_eight_devices():
+    found = _attention_collectives(groups=1, packed=True)
+    all_to_all = [c for c in found if c.kind == "all-to-all"]
+    assert all_to_all
+    for c in all_to_all:
+        assert c.groups == (tuple(range(8)),), c
+        assert comm.crosses_hosts(c, devices_per_host=4)
+    assert not [c for c in found if c.kind == "all-gather" and c.dtype.startswith(("f", "bf"))]
+
+
+@pytest.mark.slow
+def test_all_to_all_bytes_per_device_match_the_closed_form():
+    """Forward: q, k, v, out each move B*S/N tokens x heads x D floats per device (kv replicated
+    to sp heads when HKV < sp); the backward pass moves the same four again."""
+    for groups in (1, 2):
+        sp = 8 // groups
+        hkv_sent = max(HKV, sp) if HKV % sp else HKV
+        per_token = (2 * HQ + 2 * hkv_sent) * D * 4  # q, out + k, v
+        expected = 2 * (B * S // 8) * per_token  # forward + backward
+        found = [c for c in _attention_collectives(groups, packed=False) if c.kind == "all-to-all"]
+        assert sum(c.bytes for c in found) == expected, (groups, [c.bytes for c in found])
+
+
+HLO_SAMPLES = """
+%a = f32[4,8]{1,0} all-to-all(f32[4,8]{1,0} %x), channel_id=1, replica_groups=mesh['group'=2,'seq'=4] {'seq'}, dimensions={0}
+%b = bf16[16]{0} all-reduce(bf16[16]{0} %y), replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add
+%c = f32[8]{0} reduce-scatter(f32[32]{0} %z), replica_groups=[2,4]<=[8], dimensions={0}
+%d = f32[8]{0} collective-permute(f32[8]{0} %z), source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+%e = (f32[2]{0}, f32[8]{0}) all-gather-start(f32[2]{0} %z), replica_groups={{0,1,2,3}}, dimensions={0}
+%f = f32[8]{0} all-reduce(f32[8]{0} %y), replica_groups=mesh['group'=2,'seq'=4] {'group'}, to_apply=%add
+%g = f32[8]{0} add(f32[8]{0} %y, f32[8]{0} %y)
+%h = (f32[8]{0}, f32[4]{0}) all-reduce(f32[8]{0} %y, f32[4]{0} %z), replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, to_apply=%add
+%i = f32[8]{0} all-reduce(f32[8]{0} %y), replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_2'}, to_apply=%add
+%j = f32[8]{0} all-to-all(f32[8]{0} %y), replica_groups=mesh['axis_0'=2,'axis_1'=4,'axis_2'=1], device_ids=([2,2,2]T(0,2,1)) {'axis_1':(2)2}, dimensions={0}
+"""
+
+
+def test_parser_understands_every_replica_group_printing():
+    a, b, c, d, e, f, h, i, j = comm.parse_collectives(HLO_SAMPLES)
+    # device_ids = iota(8).reshape(2,2,2).transpose(0,2,1) = [0,2,1,3,4,6,5,7] on a (2,4,1) mesh;
+    # axis_1 = 4 split as [pre 2, size 2, rest 1], the size-2 factor varying: within row
+    # [0, 2, 1, 3] that pairs (0, 2) and (1, 3).
+    assert j.groups == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert (h.bytes, h.groups) == (48, ((0, 1, 2, 3), (4, 5, 6, 7)))
+    assert i.groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert (a.kind, a.bytes, a.groups) == ("all-to-all", 128, ((0, 1, 2, 3), (4, 5, 6, 7)))
+    assert (b.kind, b.dtype, b.bytes) == ("all-reduce", "bf16", 32)
+    assert b.groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert (c.kind, c.bytes, c.groups) == ("reduce-scatter", 128, ((0, 1, 2, 3), (4, 5, 6, 7)))
+    assert (d.kind, d.groups) == ("collective-permute", ((0, 1), (1, 2), (2, 3), (3, 0)))
+    assert (e.kind, e.bytes, e.groups) == ("all-gather", 32, ((0, 1, 2, 3),))
+    assert f.groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert comm.crosses_hosts(f, 4) and not comm.crosses_hosts(a, 4)
+    assert comm.inter_host_wire_bytes(f, 4) == f.wire_bytes == 2 * 32 * 1 / 2
+    assert comm.inter_host_wire_bytes(a, 4) == 0
+
+
+def test_ring_hybrid_keeps_all_to_alls_in_runs_and_passes_kv_around_the_ring():
+    layout = Layout.plan(num_devices=8, batch=2, seq_len=64, num_heads=4, num_kv_heads=4, groups=1, ring=2)
+    mesh = make_mesh(layout)
+    sharding = activation_sharding(mesh)
+    q = jax.ShapeDtypeStruct((2, 64, 4, 16), jnp.float32, sharding=sharding)
+    step = jax.jit(lambda q, k, v: attention(q, k, v, mesh=mesh, layout=layout))
+    found = comm.compiled_collectives(step, q, q, q)
+    all_to_all = [c for c in found if c.kind == "all-to-all"]
+    permutes = [c for c in found if c.kind == "collective-permute"]
+    assert all_to_all and all(set(c.groups) == {(0, 1, 2, 3), (4, 5, 6, 7)} for c in all_to_all)
+    assert len(permutes) == 2  # k and v, one hop (ring - 1)
+    for c in permutes:
+        assert sorted(c.groups) == [(i, (i + 4) % 8) for i in range(8)]
+
+
+@pytest.mark.slow
+def test_embedding_gradient_is_not_reduced_one_mesh_axis_at_a_time():
+    """The token embedding's gradient (a scatter-add over tokens sharded on both mesh axes) must
+    be reduced over the whole mesh at once, never as a full [vocab, d] all-reduce across groups."""
+    from flax import nnx
+
+    import models
+    from basp_jax.sharding import ShardingRules
+    from train.step import build_model
+
+    config = models.ModelConfig.preset("tiny")
+    layout = Layout.plan(8, 2, 2048, config.num_heads, config.num_kv_heads, devices_per_host=4)
+    mesh = make_mesh(layout)
+    rules = ShardingRules("fsdp", mesh)
+    parts = build_model(lambda: models.Transformer(config, rngs=nnx.Rngs(0), mesh=mesh), rules,
+                        init_params=False)
+    params, shardings = parts.params, parts.shardings(rules)
+
+    def loss(params, tokens):
+        total, count = models.causal_lm_loss(parts.module(params)(tokens), tokens)
+        return total / count
+
+    grads = jax.jit(lambda p, t: jax.lax.with_sharding_constraint(jax.grad(loss)(p, t), shardings))
+    tokens = jax.ShapeDtypeStruct((2, 2048), jnp.int32, sharding=activation_sharding(mesh))
+    embedding_bytes = config.vocab_size * config.hidden_size * 4
+    cross_group_only = [
+        c for c in comm.compiled_collectives(grads, params, tokens)
+        if c.kind == "all-reduce" and c.bytes >= embedding_bytes and all(len({d % 4 for d in g}) == 1 for g in c.groups)
+    ]
+    assert not cross_group_only, cross_group_only
+
+
+def test_stored_gpu_hlo_is_read_with_async_pairs_tuples_and_loops():
+    text = (Path(__file__).parents[1] / "data" / "gpu_collectives.hlo").read_text()
+    found = comm.parse_collectives(text, 8)
+    by_kind = {}
+    for c in found:
+        by_kind.setdefault(c.kind, []).append(c)
+    # the start of each async pair counts once; the done is not a second collective
+    a2a = sorted(by_kind["all-to-all"], key=lambda c: c.executions)
+    assert [(c.bytes, c.executions) for c in a2a] == [(1 * 1024 * 8 * 128 * 2, 1),
+                                                     (4096 * 32 * 128 * 2, 32)]
+    assert a2a[0].groups == ((0, 1, 2, 3), (4, 5, 6, 7))
+    (gather,) = by_kind["all-gather"]  # two operands gathered in one op: the two results count
+    assert (gather.dtype, gather.bytes) == ("s32", 2 * 16384 * 4)
+    (scatter,) = by_kind["reduce-scatter"]  # counted as its full (operand) buffer
+    assert (scatter.bytes, scatter.group_size) == (32768 * 4096 * 4, 8)
+    (reduce,) = by_kind["all-reduce"]
+    assert (reduce.bytes, reduce.group_size) == (8, 8)
+    (permute,) = by_kind["collective-permute"]
+    assert permute.bytes == 4 and permute.groups[0] == (1, 0)
+    summary = comm.summarize(found, 4)
+    assert summary["all-to-all"]["count"] == 33
+    assert summary["all-to-all"]["inter_host_wire_bytes"] == 0
+    assert summary["reduce-scatter"]["inter_host_wire_bytes"] == pytest.approx(
+        scatter.wire_bytes * 4 / 7)
+    kernels = hlo.attention_kernels(text)
+    assert kernels[hlo.KERNEL_CUDNN]["targets"] == ["__cudnn$fmhaSoftmax"]
+    assert kernels[hlo.KERNEL_LOOP]["count"] == 1  # the while in the attention_kernel scope
+
+
+def test_a_combined_collective_of_several_dtypes_is_named_by_its_bulk():
+    """XLA's combiner (train.gpu_defaults' thresholds) can gather a layer's s32 positions with
+    its bf16 weights in one op: the weights' dtype names it, all bytes count."""
+    line = ("%g = ((s32[4]{0}, bf16[2,8]{1,0}), (s32[16]{0}, bf16[8,8]{1,0})) all-gather-start("
+            "s32[4]{0} %p, bf16[2,8]{1,0} %w), replica_groups={{0,1,2,3}}, dimensions={0}")
+    (c,) = comm.parse_collectives(line)
+    assert (c.kind, c.dtype, c.bytes) == ("all-gather", "bf16", 16 * 4 + 64 * 2)
+
+
+def test_an_all_reduce_start_counts_its_results_once_in_either_xla_printing():
+    """jax 0.10's XLA prints an async all-reduce start with its results only; newer ones (jax
+    >= 0.11) with (operands, results), the operands always a tuple: both read the same bytes."""
+    lines = [
+        "%a = bf16[2048]{0} all-reduce-start(bf16[2048]{0} %x), replica_groups={{0,4}}",
+        "%b = (f32[8]{0}, f32[4]{0}) all-reduce-start(f32[8]{0} %x, f32[4]{0} %y), "
+        "replica_groups={{0,4}}",
+        "%c = ((bf16[2048]{0}), bf16[2048]{0}) all-reduce-start(%x), channel_id=1, "
+        "replica_groups={{0,4}}, output_to_operand_aliasing={{1}: (0, {})}",
+        "%d = ((f32[8]{0}, f32[4]{0}), (f32[8]{0}, f32[4]{0})) all-reduce-start(%x, %y), "
+        "replica_groups={{0,4}}",
+    ]
+    a, b, c, d = comm.parse_collectives("\n".join(lines))
+    assert [x.bytes for x in (a, b, c, d)] == [4096, 48, 4096, 48]
+    assert (c.dtype, d.dtype) == ("bf16", "f32")
+
+
+def test_overlapped_collectives_sees_compute_between_start_and_done():
+    text = """
+ENTRY %main (p: bf16[8]) -> bf16[8] {
+  %p = bf16[8]{0} parameter(0)
+  %s1 = (bf16[8]{0}, bf16[8]{0}) all-to-all-start(bf16[8]{0} %p), replica_groups={{0,1}}
+  %d1 = bf16[8]{0} all-to-all-done((bf16[8]{0}, bf16[8]{0}) %s1)
+  %s2 = (bf16[8]{0}, bf16[32]{0}) all-gather-start(bf16[8]{0} %d1), replica_groups={{0,1,2,3}}
+  %f = bf16[8]{0} fusion(bf16[8]{0} %d1), kind=kLoop, calls=%fused
+  %d2 = bf16[32]{0} all-gather-done((bf16[8]{0}, bf16[32]{0}) %s2)
+  ROOT %r = bf16[8]{0} bitcast(bf16[8]{0} %f)
+}
+"""
+    assert hlo.overlapped_collectives(text) == {"all-to-all": {"pairs": 1, "overlapped": 0},
+                                                "all-gather": {"pairs": 1, "overlapped": 1}}
+
+
+def test_compile_report_rows_do_not_merge_group_sizes():
+    """train.aot's table, one row per (kind, dtype, group size). Two f32 all-reduces of the GPU
+    host-sharded step (issue #17): the loss's 8-byte sums over all 8 devices, and the embedding
+    gradient's 1/4 shard between the hosts. Merged, they printed as 250.5 MiB over 8 devices."""
+    from train.aot import collective_rows
+
+    text = """
+  %all-reduce-start.2 = f32[2]{0} all-reduce-start(%wrapped_concatenate), channel_id=204, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%region_29.32.clone
+  %all-reduce-start = f32[32064,2048]{1,0} all-reduce-start(%bitcast.311.0), channel_id=83, replica_groups=mesh['axis_0'=2,'axis_1'=4,'axis_2'=1] {'axis_0'}, use_global_device_ids=true, to_apply=%region_24.28.clone
+"""
+    found = comm.parse_collectives(text, 8)
+    assert {c.groups[0] for c in found} == {tuple(range(8)), (0, 4)}
+    rows = collective_rows(found, devices_per_host=4, num_layers=2, grad_accum=1)
+    assert [(r["dtype"], r["group_size"], r["bytes"]) for r in rows] == [
+        ("f32", 2, 32064 * 2048 * 4), ("f32", 8, 8)]
+    assert rows[0]["inter_host_wire_bytes"] == 32064 * 2048 * 4  # 2 (n-1)/n x the shard, n = 2

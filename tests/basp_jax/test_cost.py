@@ -1,0 +1,213 @@
+"""The topology cost model and the plan CLI."""
+
+import pytest
+
+from basp_jax import cost, plan
+from basp_jax.cost import HARDWARE, MODEL_SHAPES, predict
+
+
+def _layout(shape, groups, *, batch=2, seq_len=16384, hw=HARDWARE["a100-40gb"], **kwargs):
+    """The (groups, 8 // groups) layout of `shape` on 8 devices of `hw`."""
+    return cost.plan_layout(shape, num_devices=8, batch=batch, seq_len=seq_len, groups=groups,
+                            devices_per_host=hw.devices_per_host, **kwargs)
+
+
+def test_all_to_all_traffic_closed_form():
+    """Per device per layer: 2 passes x (2*Hq + 2*Hkv) x Dh x bytes x tokens x (sp-1)/sp."""
+    shape = MODEL_SHAPES["llama-3.1-8b"]
+    hw = HARDWARE["a100-40gb"]
+    tokens = 2 * 16384 / 8
+    for groups, sp, inter_share in [(1, 8, 4 / 7), (2, 4, 0.0)]:
+        p = predict(shape, _layout(shape, groups), "fsdp", hw=hw)
+        per_layer = 2 * tokens * (2 * 32 + 2 * 8) * 128 * 2 * (sp - 1) / sp
+        total = per_layer * shape.num_layers
+        assert p.all_to_all.intra + p.all_to_all.inter == pytest.approx(total)
+        assert p.all_to_all.inter == pytest.approx(total * inter_share)
+
+
+def test_hsdp_moves_only_a_shard_across_hosts():
+    shape = MODEL_SHAPES["llama-3.2-1b"]
+    hw = HARDWARE["a100-40gb"]
+    fsdp = predict(shape, _layout(shape, 2), "fsdp", hw=hw)
+    hsdp = predict(shape, _layout(shape, 2), "hsdp", hw=hw)
+    # HSDP: one all-reduce of the gradient shard (1/sp; bf16, as the layers computed it) between
+    # the 2 groups: 2 * 1/2 of it.
+    assert hsdp.params.inter == pytest.approx(shape.num_params * 2 / 4 * 2 * (2 - 1) / 2)
+    assert fsdp.params.inter > 3 * hsdp.params.inter
+    assert hsdp.memory_bytes > fsdp.memory_bytes  # state is sharded over 4 devices, not 8
+
+
+def test_planner_picks_the_papers_layout_in_the_papers_case():
+    preds = cost.plan_table(MODEL_SHAPES["llama-3.1-8b"], batch=2, seq_len=16384, num_devices=8,
+                            hw=HARDWARE["a100-40gb"])
+    best = preds[0].layout
+    assert (best.groups, best.sp) == (2, 4)
+    ulysses = next(p for p in preds if p.layout.groups == 1)
+    basp_fsdp = next(p for p in preds if p.name == "basp (2,4) fsdp")
+    assert basp_fsdp.all_to_all_s < ulysses.all_to_all_s / 3  # no inter-host all-to-all at all
+
+
+def test_host_sharding_sends_the_minimal_gradient_across_hosts_at_any_batch():
+    """Host sharding's inter-host bytes are the closed-form minimum for every seq group size;
+    HSDP reaches it only when a seq group fills a host (at B=8 it sends devices-per-host x)."""
+    shape, hw = MODEL_SHAPES["llama-3.2-1b"], HARDWARE["a100-40gb"]  # 4 devices per host
+    grads = shape.num_params * 2  # the bf16 gradient the bf16 layers produce
+    minimum = cost.min_inter_host_gradient_bytes(grads, 8, 4)
+    assert minimum == pytest.approx(grads / 4)  # 2 hosts: all-reduce of a quarter shard
+    assert cost.min_inter_host_gradient_bytes(grads, 8, 8) == 0
+    for groups in (1, 2, 4, 8):
+        host = cost.predict(shape, _layout(shape, groups, batch=8, seq_len=4096), "host", hw=hw)
+        assert host.params.inter == pytest.approx(minimum), groups
+    hsdp = cost.predict(shape, _layout(shape, 8, batch=8, seq_len=4096), "hsdp", hw=hw)
+    assert hsdp.params.inter == pytest.approx(4 * minimum)
+
+
+def test_candidates_respect_heads_and_padding():
+    shape = MODEL_SHAPES["qwen2.5-3b"]  # 16 heads
+    names = {cost.layout_name(*c) for c in cost.candidates(shape, batch=3, seq_len=4096,
+                                                            num_devices=8)}
+    assert names == {"ulysses (1,8) fsdp"}  # gcd(3, 8) = 1
+    padded = cost.candidates(shape, batch=3, seq_len=4096, num_devices=8, max_pad_rows=1)
+    assert (cost.plan_layout(shape, num_devices=8, batch=3, seq_len=4096, groups=4, pad_rows=1),
+            "hsdp") in padded
+    assert "basp (4,2) hsdp [+1 pad rows]" in {cost.layout_name(*c) for c in padded}
+
+
+def test_plan_cli_prints_a_table_and_a_pick(capsys):
+    assert plan.main(["--model", "llama-3.1-8b", "--seq", "16384", "--batch", "2", "--devices", "8",
+                      "--devices-per-host", "4", "--hardware", "a100-40gb"]) == 0
+    out = capsys.readouterr().out
+    assert "ulysses (1,8) fsdp" in out and "basp (2,4) host" in out
+    assert "pick: basp (2,4)" in out
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--seq", "0"], "--seq must be positive, got 0"),
+    (["--devices-per-host", "0"], "--devices-per-host must be positive, got 0"),  # was 1/0
+    (["--devices-per-host", "-4"], "--devices-per-host must be positive, got -4"),
+    (["--overlap", "7"], "--overlap is a share of the parameter collectives, in [0, 1]; got 7.0"),
+    (["--overlap", "nan"], "--overlap is a share"),
+    (["--max-pad-rows", "-3"], "--max-pad-rows must be >= 0"),
+    (["--memory-gb", "0"], "--memory-gb must be a positive number"),
+    (["--model", "gpt-9"], "argument --model: invalid choice: 'gpt-9'"),
+])
+def test_plan_cli_rejects_bad_flags_with_one_line(capsys, flags, fragment):
+    argv = ["--model", "llama-3.1-8b", "--seq", "4096", "--batch", "2", "--devices", "8", *flags]
+    with pytest.raises(SystemExit) as err:
+        plan.main(argv)
+    assert err.value.code == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1, out.err
+    assert out.err.startswith("error: plan: ") and fragment in out.err, out.err
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_SHAPES))
+def test_model_presets_are_built_on_the_cost_models_shapes(name):
+    """basp_jax may not import models: the presets of the paper's models take their shapes from
+    MODEL_SHAPES (written once), so the planner counts exactly the model's parameters."""
+    from models import ModelConfig
+
+    config = ModelConfig.preset(name)
+    assert config.shape == MODEL_SHAPES[name]
+    assert MODEL_SHAPES[name].num_params == config.num_params()
+
+
+def test_the_planner_and_the_trainers_mfu_count_the_same_flops():
+    """One FLOP formula (ModelShape.train_flops_per_token): the planner's compute time is the
+    trainer's per-token count (train.prepare.Run.flops_per_token) at the stated efficiency."""
+    from models import ModelConfig
+
+    shape = ModelConfig.preset("qwen3-8b").shape
+    hw = HARDWARE["a100-40gb"]
+    layout = cost.plan_layout(shape, num_devices=8, batch=2, seq_len=16384, groups=2)
+    p = predict(shape, layout, "fsdp", hw=hw, grad_accum=3)
+    tokens = 3 * 2 * 16384 / 8
+    assert p.compute_s == pytest.approx(
+        shape.train_flops_per_token(16384) * tokens / (hw.peak_flops * hw.efficiency), rel=1e-12)
+
+
+def test_auto_picks_the_papers_layout_in_the_papers_case():
+    """BASP (2,4) with groups inside hosts; host sharding (parameters sharded inside each host,
+    here the seq group, replicated across hosts) where it fits: not in an A100-40GB (the paper's
+    testbed), but in an A100-80GB."""
+    for gpu, sharding in (("a100-40gb", "fsdp"), ("a100-80gb", "host")):
+        layout, pred = cost.auto_layout(MODEL_SHAPES["llama-3.1-8b"], batch=2, seq_len=16384,
+                                        num_devices=8, hw=HARDWARE[gpu])
+        assert (layout.groups, layout.sp, layout.batch, layout.ring) == (2, 4, 2, 1)
+        assert layout.group_within_host and pred.param_sharding == sharding, gpu
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "batch,heads,kv_heads,per_host",
+    [(3, 8, 2, 4), (6, 8, 2, 4), (12, 8, 2, 4), (1, 28, 4, 8), (1, 4, 4, 8), (2, 4, 1, 4)],
+)
+def test_auto_finds_a_valid_exact_layout_beyond_the_paper(batch, heads, kv_heads, per_host):
+    """B not dividing N, 28 heads on 8 devices, fewer heads than devices: the chosen layout plans,
+    and attention under it equals the single-device reference."""
+    import jax
+    import numpy as np
+
+    from basp_jax import activation_sharding, attention, make_mesh
+    from tests.helpers.reference import reference_attention
+
+    shape = cost.ModelShape(2, 256, 512, heads, kv_heads, 16, 1000)
+    layout, pred = cost.auto_layout(shape, batch=batch, seq_len=64, num_devices=8,
+                                    hw=HARDWARE["a100-40gb"], devices_per_host=per_host)
+    assert layout.batch >= batch and layout.batch - batch == layout.pad_rows == pred.layout.pad_rows
+    assert layout.groups * layout.sp == 8
+    mesh = make_mesh(layout)
+    q = jax.random.normal(jax.random.PRNGKey(batch), (layout.batch, 64, heads, 16))
+    k = jax.random.normal(jax.random.PRNGKey(1), (layout.batch, 64, kv_heads, 16))
+    sharding = activation_sharding(mesh)
+    out = jax.jit(lambda q, k: attention(q, k, k, mesh=mesh, layout=layout, block_size=16))(
+        jax.device_put(q, sharding), jax.device_put(k, sharding))
+    np.testing.assert_allclose(out, reference_attention(q, k, k, causal=True), atol=5e-5, rtol=5e-5)
+
+
+def test_a_bfloat16_first_moment_saves_its_half_of_the_state():
+    shape = cost.MODEL_SHAPES["llama-3.1-8b"]
+    kw = dict(q_heads=32, kv_heads=8)
+    f32 = cost.memory_terms(shape, 4096, 8, **kw)
+    bf16 = cost.memory_terms(shape, 4096, 8, moment_bytes=2, **kw)
+    assert f32["state"] - bf16["state"] == shape.num_params * 2 / 8
+    assert {k: v for k, v in f32.items() if k != "state"} == \
+        {k: v for k, v in bf16.items() if k != "state"}
+
+
+def test_a_group_across_hosts_may_ring_between_them_instead():
+    """The issue's 64-GPU case (the 8B, B=2 x 1M): the planner used to run every all-to-all in
+    groups of 32 across 4 hosts. With the ring that keeps each all-to-all inside a host (ring 4
+    x 8), only the 8 kv heads' k/v hop between hosts: fewer inter-host bytes, ranked first."""
+    shape, hw = MODEL_SHAPES["llama-3.1-8b"], HARDWARE["h100-80gb"]
+    preds = cost.plan_table(shape, batch=2, seq_len=1 << 20, num_devices=64, hw=hw, zigzag=True)
+    best = preds[0]
+    assert (best.layout.groups, best.layout.sp, best.layout.ring) == (2, 32, 4), best.name
+    plain = next(p for p in preds if p.layout.groups == 2 and p.layout.ring == 1
+                 and p.param_sharding == best.param_sharding)
+    assert best.all_to_all.inter < plain.all_to_all.inter / 1.9
+    # in natural token order the ring's causal imbalance costs more than the bytes save
+    natural = cost.plan_table(shape, batch=2, seq_len=1 << 20, num_devices=64, hw=hw)
+    assert natural[0].layout.ring == 1
+
+
+def test_a_ring_is_not_planned_where_its_partial_outputs_do_not_fit():
+    """One 16M-token sequence on 32 H100s: the ring's attention working set (compiled: 242.9 GiB
+    per device) does not fit; Ulysses across the hosts does (62.2 GiB compiled) in the 90% of
+    the device the trainer and train.aot let JAX take (train.gpu_defaults)."""
+    import dataclasses
+
+    from basp_jax import gpus
+
+    shape = MODEL_SHAPES["llama-3.1-8b"]
+    hw = dataclasses.replace(HARDWARE["h100-80gb"],
+                             memory_bytes=0.9 * gpus.get("h100-80gb").memory_bytes)
+    layout, pred = cost.auto_layout(shape, batch=1, seq_len=1 << 24, num_devices=32, hw=hw,
+                                    remat="offload", tile_tokens=4096, moment_bytes=2,
+                                    zigzag=True)
+    assert (layout.sp, layout.ring) == (32, 1) and pred.memory_bytes <= hw.memory_bytes
+    ring = cost.plan_layout(shape, num_devices=32, batch=1, seq_len=1 << 24, groups=1,
+                            devices_per_host=8, ring=4, zigzag=True)
+    ringed = cost.predict(shape, ring, pred.param_sharding, hw=hw, remat="offload",
+                          tile_tokens=4096, moment_bytes=2)
+    assert ringed.memory_bytes > 2 * hw.memory_bytes

@@ -1,0 +1,66 @@
+"""scripts/gpu_check.sh (benchmarks/gpu_check.py) on the CPU: --cpu-smoke runs every section on
+tiny shapes, and says which GPU-only parts it skipped; without the flag and without a GPU it
+stops with one line instead of checking nothing."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    return {**env, "PYTHON": sys.executable}
+
+
+@pytest.mark.slow
+def test_the_script_runs_every_section_and_names_what_it_skipped(tmp_path):
+    out = tmp_path / "check.json"
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", str(out), "--cpu-smoke", "--steps", "2",
+                           "--repeats", "1"], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["mode"] == "cpu-smoke" and r["failed"] == []
+    env = r["environment"]
+    assert env["platform"] == "cpu" and env["versions"]["jax"] and env["python"]
+
+    kernels = r["kernels"]
+    assert sorted(kernels) == sorted(f"{k}, {p}" for k in ("xla", "cudnn", "pallas", "blockwise")
+                                     for p in ("packed", "unpacked"))
+    for name, row in kernels.items():
+        if name.startswith("cudnn"):  # skipped, visibly and with the reason
+            assert row == {"status": "skipped", "reason": "--cpu-smoke: impl='cudnn' needs a GPU "
+                                                          "but the mesh is on cpu; use 'auto'"}
+        else:
+            assert row["status"] == "ok", (name, row)
+            assert set(row["errors"]) == {"out", "dq", "dk", "dv"}
+            assert max(row["errors"].values()) <= row["tolerance"]
+    assert r["timing"]["cudnn"]["status"] == "skipped"
+    for impl in ("xla", "pallas", "blockwise"):
+        assert r["timing"][impl]["status"] == "ok" and r["timing"][impl]["median_s"] > 0
+
+    train = r["train"]
+    assert train["status"] == "ok" and len(train["losses"]) == 2 and train["step_s"] > 0
+    assert train["tokens_per_s"] > 0 and train["predicted_peak_bytes"] > 0
+    assert train["mfu"] is None  # no peak FLOP/s for a CPU
+    assert train["measured_peak_bytes"] is None
+    assert "CPU devices keep no memory statistics" in train["measured_peak_reason"]
+    # cuDNN: 2 checks and 1 timing; the memory statistics of the train steps
+    assert proc.stdout.count("skipped: --cpu-smoke") == 4
+    assert "0 failed, 3 skipped" in proc.stdout
+
+
+def test_without_a_gpu_and_without_the_flag_it_stops_with_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--out",
+                           str(tmp_path / "x.json")], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "no GPU visible to JAX" in lines[0] and "--cpu-smoke" in lines[0]
+    assert not (tmp_path / "x.json").exists()

@@ -1,0 +1,259 @@
+"""2 processes x 4 CPU devices (jax.distributed on localhost, gloo) train like 1 process x 8."""
+
+import json
+import re
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from train.loop import run
+
+from tests.helpers.trainer import cache_env, tiny_config, tiny_overrides
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.usefixtures("compile_cache")  # this run's (tests/conftest.py)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["basp", "ulysses"])
+def test_two_processes_match_one(tmp_path, mode):
+    """basp: each process holds whole rows (its group); ulysses: half of every row's sequence."""
+    reference = run(tiny_config(tmp_path / "single", "train.microbatch_size=2",
+                                "train.grad_accum=2", "eval.every=5"))
+
+    run_dir = tmp_path / "multi"
+    procs = _launch(
+        run_dir, "train.grad_accum=2", f"parallel.mode={mode}",
+        # a tight watchdog: no false alarm while compiling, exporting or finishing unevenly
+        "runtime.distributed.peer_timeout_s=5", f"checkpoint.export_hf={tmp_path / 'hf'}",
+        "eval.every=5",  # each process builds its own rows of the held-out batch
+    )
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=300))
+    finally:
+        _kill_leftovers(procs)
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    # process 0 logs; process 1 stays quiet
+    assert "done:" in outputs[0][0] and "done:" not in outputs[1][0]
+    expected = {"basp": "basp: 2 group(s) x sp=4", "ulysses": "ulysses: 1 group(s) x sp=8"}[mode]
+    assert f"layout: {expected} on 8 devices (2 host(s))" in outputs[0][1]
+    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [l["loss"] for l in lines]
+    np.testing.assert_allclose(losses, reference["losses"], rtol=2e-5)
+    single = (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()
+    single = [json.loads(line) for line in single]
+    assert lines[-1]["eval_loss"] == pytest.approx(single[-1]["eval_loss"], rel=2e-5)
+    assert (run_dir / "checkpoints" / "5").is_dir()
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))  # written by process 0
+
+
+def _launch(run_dir, *extra, per_process=((), ())) -> list[subprocess.Popen]:
+    """Processes 0 and 1 of a 2 x 4-device run (jax.distributed on localhost, gloo) with `extra`
+    overrides, and per_process[i] for process i alone."""
+    port = _free_port()
+    env = cache_env(dict(os.environ, JAX_PLATFORMS="cpu"))
+    env.pop("XLA_FLAGS", None)
+    procs = []
+    for pid in range(2):
+        args = tiny_overrides(
+            run_dir, "train.microbatch_size=2", "runtime.cpu_devices=4",
+            f"runtime.distributed.coordinator=127.0.0.1:{port}",
+            "runtime.distributed.num_processes=2", f"runtime.distributed.process_id={pid}",
+            *extra, *per_process[pid],
+        )
+        procs.append(subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ))
+    return procs
+
+
+def _wait_for_steps(procs, run_dir, steps: int, timeout: float = 240) -> None:
+    """Until metrics.jsonl holds `steps` lines (training is under way); fails if a process ends."""
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.02)
+
+
+def _kill_leftovers(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+# (victim, signal, the survivor's exit status, a fragment of its message)
+PEER_FAILURES = [
+    # the survivor's next collective fails at once (gloo: connection closed by peer); on a
+    # loaded machine its heartbeat watch may notice the silence first (either is the truth)
+    (1, signal.SIGKILL, 3, ("error: peer: a collective failed",
+                            "error: peer: process 1 of 2 has sent no heartbeat for 10 s")),
+    # a frozen peer sends nothing: train.peers notices the silence after peer_timeout_s
+    (1, signal.SIGSTOP, 3, "error: peer: process 1 of 2 has sent no heartbeat for 10 s"),
+    # the coordinator dies: JAX's own client aborts the survivor within a second (SIGABRT), with
+    # its message; it runs in a C++ thread, before any Python handler could speak
+    (0, signal.SIGKILL, -signal.SIGABRT, "This most likely indicates that another task died"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim, sig, status, fragment", PEER_FAILURES,
+                         ids=["kill-worker", "freeze-worker", "kill-coordinator"])
+def test_a_failed_peer_stops_the_other_process_with_a_clear_message(tmp_path, victim, sig, status,
+                                                                   fragment):
+    """Kill or freeze one process mid-training: the other exits non-zero with a message that says
+    what happened, within two minutes (not a hang)."""
+    run_dir = tmp_path / "run"
+    procs = _launch(run_dir, "train.steps=100000", "checkpoint.every=3",
+                    "runtime.distributed.peer_timeout_s=10")
+    try:
+        _wait_for_steps(procs, run_dir, 5)
+        procs[victim].send_signal(sig)
+        hit_at = time.monotonic()
+        survivor = procs[1 - victim]
+        _, err = survivor.communicate(timeout=120)
+        elapsed = time.monotonic() - hit_at
+    finally:
+        _kill_leftovers(procs)
+    assert survivor.returncode == status, err[-3000:]
+    # peer_timeout_s (10 s, for the frozen peer) + at most 5 s that process 0 waits to see a
+    # peer's end before leaving + slack for a loaded machine; well below the two-minute bound
+    assert elapsed < 30, elapsed
+    fragments = fragment if isinstance(fragment, tuple) else (fragment,)
+    assert any(f in err for f in fragments), err[-3000:]
+    if status == 3:  # our own message: one line, with what to do
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+        assert "Rerun the same command on every host to resume (the newest checkpoint is step" \
+            in errors[0], errors[0]
+    print(f"{sig.name} process {victim}: the other exited {survivor.returncode} after "
+          f"{elapsed:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_process_that_stops_on_bad_input_stops_the_other(tmp_path):
+    """Process 1 alone has a bad data path: it exits 2 with its own line; process 0, waiting for it
+    in a collective, exits 3 naming process 1 and its error (instead of waiting for ever)."""
+    np.arange(5000, dtype=np.uint16).__mod__(256).astype(np.uint16).tofile(tmp_path / "ok.bin")
+    procs = _launch(
+        tmp_path / "run", "data.source=tokens", "runtime.distributed.peer_timeout_s=10",
+        per_process=([f"data.path={tmp_path / 'ok.bin'}"],
+                     [f"data.path={tmp_path / 'missing.bin'}"]),
+    )
+    try:
+        errs = [p.communicate(timeout=180)[1] for p in procs]
+    finally:
+        _kill_leftovers(procs)
+    assert procs[1].returncode == 2, errs[1][-3000:]
+    assert errs[1].strip().splitlines() == [
+        f"error: data: token file '{tmp_path / 'missing.bin'}' does not exist"], errs[1][-3000:]
+    assert procs[0].returncode == 3, errs[0][-3000:]
+    lines = [line for line in errs[0].splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "error: peer: process 1 of 2 stopped with an error (DataError: " \
+        "token file" in lines[0], errs[0][-3000:]
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resumes(tmp_path):
+    """A scheduler's SIGTERM may reach one process only (or first): both finish the same step,
+    save it, exit 0; the same command again resumes there and ends with the reference losses."""
+    steps = 40
+    reference = run(tiny_config(tmp_path / "single", "train.microbatch_size=2",
+                                f"train.steps={steps}"))["losses"]
+    run_dir = tmp_path / "run"
+    args = (f"train.steps={steps}", "checkpoint.every=1000")
+    procs = _launch(run_dir, *args)
+    metrics = run_dir / "metrics.jsonl"
+    try:
+        _wait_for_steps(procs, run_dir, 3)
+        procs[1].send_signal(signal.SIGTERM)
+        outputs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        _kill_leftovers(procs)
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    match = re.search(r"received a stop signal on another process: finished step (\d+) and saved",
+                      outputs[0][1])
+    assert match, outputs[0][1][-3000:]
+    stopped = int(match.group(1))
+    assert 3 <= stopped < steps
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()
+                  if p.name.isdigit())[-1] == stopped
+
+    procs = _launch(run_dir, *args)
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    assert f"at step {stopped}" in outputs[0][1]
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    np.testing.assert_allclose(losses, reference, rtol=2e-5)
+
+
+# Start-up as python train.py does it (train.cli): signals end the process at once, then
+# runtime.configure joins the run; "joined" says jax.distributed.initialize has returned.
+_JOIN_THEN_WAIT = """
+import sys, time
+from train import runtime
+from train.stop import exit_at_once_outside_the_loop
+from tests.helpers.trainer import tiny_config
+exit_at_once_outside_the_loop()
+runtime.configure(tiny_config(*sys.argv[1:]))
+print("joined", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_after_joining_the_run_still_ends_the_process_at_once(tmp_path):
+    """jax.distributed.initialize must not take SIGTERM over: JAX's preemption service installs
+    a C-level handler that silently replaced ours (a SIGTERM while the step compiled was
+    swallowed, and the scheduler's SIGKILL came after its grace period)."""
+    port = _free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", _JOIN_THEN_WAIT, str(tmp_path / "run"), "runtime.cpu_devices=4",
+         f"runtime.distributed.coordinator=127.0.0.1:{port}",
+         "runtime.distributed.num_processes=2", f"runtime.distributed.process_id={pid}"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for pid in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "joined", p.communicate()[1][-3000:]
+        procs[1].send_signal(signal.SIGTERM)
+        try:
+            _, err = procs[1].communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail("SIGTERM after jax.distributed.initialize was swallowed: the process "
+                        "still runs 20 s later")
+    finally:
+        _kill_leftovers(procs)
+    assert procs[1].returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "error: interrupted: SIGTERM outside the training loop" in err, err[-3000:]
+
+
+def test_jax_heartbeat_is_a_backstop_behind_the_peer_watch():
+    from train.runtime import jax_heartbeat_timeout_s
+
+    assert jax_heartbeat_timeout_s(30.0) == 100  # JAX's default when ours is shorter
+    assert jax_heartbeat_timeout_s(0) == 100  # our watch off: JAX's as it is
+    assert jax_heartbeat_timeout_s(600.0) == 1200  # never before our one-line verdict

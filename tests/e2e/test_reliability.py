@@ -1,0 +1,187 @@
+"""What a run does to its run.dir and outputs when the world is hostile (issue #16): one owner per
+run.dir, exports that never destroy, a metrics.jsonl cut mid-line, a full disk, SIGINT while
+starting up. The bad values themselves are in tests/train/test_bad_input.py."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from train import cli
+from train.loop import run
+from tests.helpers.trainer import ROOT, tiny_config, tiny_overrides, train_cmd, train_env
+
+pytestmark = pytest.mark.usefixtures("compile_cache")  # this run's (tests/conftest.py)
+
+
+def _steps(run_dir) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _wait_for_steps(run_dir, n: int, proc, timeout: float = 180) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no {n} steps in {metrics} (exit status {proc.poll()})")
+
+
+@pytest.mark.slow
+def test_a_second_run_on_a_busy_run_dir_exits_2_naming_the_owner(tmp_path, capsys):
+    """Two runs started on one run.dir: the second one stops with one line naming the first one's
+    pid and host, before it reads or writes anything; the first keeps every metrics line."""
+    run_dir = tmp_path / "run"
+    args = tiny_overrides(run_dir, "train.steps=400", "checkpoint.every=1000")
+    first = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT,
+                             env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        _wait_for_steps(run_dir, 2, first)
+        capsys.readouterr()
+        status = cli.main(args)
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert status == 2 and len(lines) == 1, lines
+        assert lines[0].startswith(f"error: run.dir: {run_dir} is in use by pid {first.pid} on "
+                                   f"{socket.gethostname()} (started "), lines[0]
+        first.send_signal(signal.SIGTERM)
+        _, err = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 0, err[-2000:]
+    done = _steps(run_dir)
+    assert done == list(range(1, len(done) + 1))  # nothing replaced the file it appended to
+    assert not (run_dir / ".lock").exists()
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name]
+
+
+@pytest.mark.slow
+def test_stale_lock_export_and_a_metrics_line_without_newline(tmp_path, capsys):
+    """A lock file left by a dead owner does not block; a warm-up longer than the run is clamped
+    with a note; the export goes through a temporary directory (mode from the umask, marked as
+    this run's) and a later export of the same run replaces it; a metrics.jsonl whose last line
+    lost its newline (a crash mid-write) resumes without merging lines."""
+    run_dir, export = tmp_path / "run", tmp_path / "hf"
+    run_dir.mkdir()
+    (run_dir / ".lock").write_text(json.dumps({"pid": 2**22 + 7, "host": socket.gethostname(),
+                                               "started": "2026-01-01T00:00:00"}))
+    common = ("optimizer.warmup_steps=20", f"checkpoint.export_hf={export}")
+    run(tiny_config(run_dir, "train.steps=2", *common))
+    err = capsys.readouterr().err
+    assert ("note: optimizer.warmup_steps=20 is longer than the run; warming up over "
+            "train.steps=2 instead") in err
+    assert not (run_dir / ".lock").exists()
+    umask = os.umask(0)
+    os.umask(umask)
+    weights = export / "model.safetensors"
+    assert weights.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert export.stat().st_mode & 0o777 == 0o777 & ~umask
+    assert json.loads((export / ".basp-export.json").read_text()) == {"run_dir": str(run_dir)}
+    first_export = weights.read_bytes()
+
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_text(metrics.read_text().rstrip("\n"))
+    summary = run(tiny_config(run_dir, "train.steps=3", "checkpoint.allow_changed=train.steps",
+                              *common))
+    assert summary["start_step"] == 2
+    assert _steps(run_dir) == [1, 2, 3]
+    assert weights.read_bytes() != first_export  # step 3's weights replaced the earlier export
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]  # no temporary left
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_one_line_and_keeps_the_newest_checkpoint(tmp_path):
+    """run.dir on a 3 MB file system: a later checkpoint (about 1.2 MB each) does not fit. Exit 1
+    with one error line naming the path and the newest complete checkpoint (orbax's threads logged
+    ~160 lines of tracebacks); that checkpoint is whole, and once there is space the same command
+    resumes from it and finishes."""
+    small = tmp_path / "small"
+    small.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(small)],
+                           capture_output=True, text=True)
+    if mount.returncode:
+        pytest.skip(f"mounting a small tmpfs needs root (CI runs as root): {mount.stderr.strip()}")
+    try:
+        run_dir = small / "run"
+        command = tiny_overrides(run_dir, "train.steps=6", "checkpoint.every=2")
+        proc = train_cmd(*command)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr and "ERROR:absl" not in proc.stderr, proc.stderr[-3000:]
+        assert len(errors) == 1, errors
+        assert errors[0].startswith(f"error: disk: no space left on the device writing {run_dir}/"
+                                    "checkpoints"), errors[0]
+        # Which step is the newest depends on the checkpoint's size; the message must name it.
+        checkpoints = run_dir / "checkpoints"
+        complete = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+        assert complete and complete[-1] < 6, sorted(p.name for p in checkpoints.iterdir())
+        newest = complete[-1]
+        assert f"the newest complete checkpoint is step {newest} in {checkpoints};" in errors[0]
+        assert {"params", "opt_state", "meta"} <= {p.name for p in (checkpoints / str(newest)).iterdir()}
+
+        subprocess.run(["mount", "-o", "remount,size=64m", str(small)], check=True)
+        proc = train_cmd(*command)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert _steps(run_dir) == list(range(1, 7))
+        assert 6 in [int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()]
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+@pytest.mark.parametrize("delay", [1.0, 3.0])
+def test_sigint_during_start_up_exits_130_with_one_line(tmp_path, delay):
+    """Ctrl-C while Python imports JAX or the trainer plans the run (was: a KeyboardInterrupt
+    traceback, then a segfault in the interpreter's shutdown)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"),
+                             *tiny_overrides(run_dir, "train.steps=4")],
+                            cwd=ROOT, env=train_env(cache=False), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # no cache: compiling is start-up
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith(
+        ("layout:", "model:"))]
+    assert proc.returncode == 130, err[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: interrupted: SIGINT"), err[-2000:]
+    assert not (run_dir / "checkpoints").exists() or not any(
+        p.name.isdigit() for p in (run_dir / "checkpoints").iterdir())
+
+
+def test_sigterm_while_compiling_exits_at_once_with_one_line(tmp_path):
+    """SIGTERM while XLA compiles the train step (one long call into C++, during which Python
+    runs no signal handler): exit status 143 at once with one line, before the compile ends; no
+    step, no checkpoint (was: it compiled on, ran a step and checkpointed, which a preemption's
+    grace period shorter than a GPU compile ends in SIGKILL)."""
+    run_dir = tmp_path / "run"
+    env = dict(train_env(), JAX_LOG_COMPILES="1")  # logs when each compile starts
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"),
+                             *tiny_overrides(run_dir, "train.steps=2")],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        seen = []
+        for line in proc.stderr:  # the step's MLIR is made: XLA compiles it next
+            seen.append(line)
+            if "MLIR module conversion jit(train_step)" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        err = "".join(seen) + proc.stderr.read()
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith(
+        ("layout:", "model:", "mfu:", "WARNING:jax"))]
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: interrupted: SIGTERM outside the training loop"), err[-3000:]
+    assert "Finished XLA compilation of jit(train_step)" not in err
+    assert "compiled the train step" not in err
+    assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text()
+    assert not any(p.name.isdigit() for p in (run_dir / "checkpoints").iterdir())

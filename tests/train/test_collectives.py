@@ -1,0 +1,100 @@
+"""The compiled train step's collectives (basp_jax.comm), on an emulated 2-host x 4-device cluster.
+
+At a realistic activation/weight ratio (S=2048 against d=128) so XLA partitions like it would at
+scale: weights are gathered, activations stay sharded.
+"""
+
+import pytest
+
+from basp_jax import comm
+from train.loop import run
+
+from tests.helpers.trainer import tiny_config
+
+HOST = 4  # devices per emulated host
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compile_cache")]  # tests/conftest.py
+
+
+def _collectives(tmp_path, name, *extra):
+    cfg = tiny_config(tmp_path / name, "train.steps=1", "train.microbatch_size=2",
+                      "data.seq_len=2048", f"parallel.devices_per_host={HOST}", *extra)
+    return run(cfg)["collectives"]
+
+
+def _cross_group_only(c, sp):
+    """An all-reduce whose groups pair devices across seq groups only ({i, i+sp, ...})."""
+    return c.kind == "all-reduce" and bool(c.groups) and all(
+        len(g) > 1 and len({d % sp for d in g}) == 1 for g in c.groups
+    )
+
+
+def test_all_to_all_stays_inside_a_host_under_basp(tmp_path):
+    basp = _collectives(tmp_path, "basp")
+    ulysses = _collectives(tmp_path, "ulysses", "parallel.mode=ulysses")
+    a2a = [c for c in basp if c.kind == "all-to-all"]
+    assert a2a and not any(comm.crosses_hosts(c, HOST) for c in a2a)
+    attention = [c for c in ulysses if c.kind == "all-to-all" and c.group_size == 8]
+    assert attention and all(comm.crosses_hosts(c, HOST) for c in attention)
+
+
+def test_only_attention_all_to_alls_under_ulysses(tmp_path):
+    ulysses = _collectives(tmp_path, "ulysses", "parallel.mode=ulysses")
+    extra = [c for c in ulysses if c.kind == "all-to-all" and c.group_size != 8]
+    assert not extra, [(c.bytes, c.groups) for c in extra]
+
+
+def test_no_full_gradient_crosses_groups_alone(tmp_path):
+    collectives = _collectives(tmp_path, "fsdp", "parallel.param_sharding=fsdp")
+    big = [c for c in collectives if _cross_group_only(c, sp=4) and c.bytes > 16 * 1024]
+    assert not big, [(c.kind, c.bytes, c.groups[:2]) for c in big]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "hsdp"])
+def test_every_collective_has_device_groups(tmp_path, strategy):
+    collectives = _collectives(tmp_path, strategy, f"parallel.param_sharding={strategy}")
+    assert all(c.groups for c in collectives), [c.kind for c in collectives if not c.groups]
+
+
+def test_compiled_step_all_to_alls_equal_the_closed_form():
+    """The trainer's step for a small Llama shape: the attention all-to-alls are exactly the
+    closed form of basp_jax.cost (BENCHMARKS.md section 1), there are no others, and under HSDP no
+    parameter gather leaves a host. A change that adds a collective to the step fails here."""
+    import dataclasses
+
+    import models
+    from basp_jax import cost
+    from train.collectives import step_collectives
+
+    mcfg = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=2)
+    shape = mcfg.shape
+    for mode, strategy in [("ulysses", "fsdp"), ("basp", "fsdp"), ("basp", "hsdp")]:
+        layout, found = step_collectives(mcfg, mode=mode, strategy=strategy, batch=2, seq_len=2048)
+        a2a = [c for c in found if c.kind == "all-to-all"]
+        closed = cost.predict(shape, layout, strategy, hw=cost.HARDWARE["a100-40gb"], act_bytes=4)
+        assert len(a2a) == 8 * mcfg.num_layers, (mode, len(a2a))
+        assert sum(c.wire_bytes for c in a2a) == pytest.approx(closed.all_to_all.intra + closed.all_to_all.inter)
+        assert sum(comm.inter_host_wire_bytes(c, HOST) for c in a2a) == pytest.approx(closed.all_to_all.inter)
+        assert {c.kind for c in found} <= {"all-to-all", "all-gather", "all-reduce", "reduce-scatter"}
+        if strategy == "hsdp":
+            gathers = [c for c in found if c.kind == "all-gather"]
+            assert gathers and not any(comm.crosses_hosts(c, HOST) for c in gathers)
+
+
+@pytest.mark.parametrize("remat,scan_layers", [("full", False), ("dots", False), ("full", True)])
+def test_rematerialised_step_repeats_no_all_to_all(remat, scan_layers):
+    """Every remat policy keeps the all-to-all outputs (basp_jax.remat): the backward pass
+    recomputes none, so the step has exactly 8 per layer per microbatch (4 forward, 4 backward), as
+    without remat and as basp_jax.cost counts. Plain full remat had 12 (24 for these 2 layers).
+    With the layers under a scan the program holds one layer's 8, run once per layer."""
+    import dataclasses
+
+    import models
+    from train.collectives import step_collectives
+
+    mcfg = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=2)
+    _, found = step_collectives(mcfg, mode="basp", strategy="fsdp", batch=2, seq_len=2048,
+                                remat=remat, grad_accum=2, scan_layers=scan_layers)
+    per_program = 8 if scan_layers else 8 * mcfg.num_layers
+    assert sum(c.kind == "all-to-all" for c in found) == per_program

@@ -1,0 +1,165 @@
+"""python -m train.plot: figures from runs, the benchmark and the layout arithmetic; bad input is one
+line and exit status 2."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+from train import plot
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_run(run_dir: Path, records: list[dict], layout: str | None = None) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if layout is not None:
+        (run_dir / "collectives.json").write_text(json.dumps({"layout": layout, "per_kind": {}}))
+    return run_dir
+
+
+def record(step: int, loss: float, **extra) -> dict:
+    return {"step": step, "loss": loss, "grad_norm": 1.0 / step, "lr": 1e-3, "tokens_per_s": 1e4,
+            "step_time_s": 0.1, "mfu": None, "skipped": False, **extra}
+
+
+def assert_png(path: Path, min_width: int = 400, min_height: int = 200) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width = matplotlib.image.imread(path).shape[:2]
+    assert width >= min_width and height >= min_height, (width, height)
+
+
+def test_resumed_run_keeps_the_last_record_of_each_step(tmp_path):
+    # steps 1-3, then a resume from the step-1 checkpoint logs steps 2 and 3 again
+    run = write_run(tmp_path / "run", [record(1, 5.0), record(2, 4.0), record(3, 3.0),
+                                       record(2, 4.5), record(3, "nan", skipped=True)])
+    records = plot.read_metrics(run)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["loss"] for r in records] == [5.0, 4.5, "nan"]
+
+
+def test_losses_of_two_runs(tmp_path, capsys):
+    basp = write_run(tmp_path / "basp", [record(s, 6.0 / s) for s in range(1, 21)],
+                     layout="basp: 2 group(s) x sp=4 on 8 devices (2 host(s)); 1 row(s) per group")
+    ulysses = write_run(tmp_path / "ulysses", [record(s, 6.0 / s) for s in range(1, 21)])
+    out = tmp_path / "figs" / "losses.png"
+    argv = ["losses", str(basp), str(ulysses), "-o", str(out), "--metric", "loss",
+            "--metric", "grad_norm", "--metric", "mfu"]
+    # mfu is null throughout: nothing to draw is an error naming the run and the metric
+    assert plot.main(argv) == 2
+    assert "no values of 'mfu'" in capsys.readouterr().err
+    assert plot.main(argv[:-2]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {out}"
+    assert_png(out, min_height=400)  # two panels
+    assert plot.run_label(basp) == "basp (basp: 2 group(s) x sp=4)"
+    assert plot.run_label(ulysses) == "ulysses"
+
+
+def test_bench_figure_has_the_benchmark_figure_size(tmp_path, capsys):
+    out = tmp_path / "bench.png"
+    results = ROOT / "bench" / "emulated_b2" / "results.json"
+    assert plot.main(["bench", str(results), "-o", str(out)]) == 0
+    committed = matplotlib.image.imread(ROOT / "bench" / "emulated_b2" / "emulated_cluster.png")
+    assert matplotlib.image.imread(out).shape == committed.shape  # same figure size and dpi
+
+
+def test_layouts_figure(tmp_path, capsys):
+    out = tmp_path / "layouts.png"
+    assert plot.main(["layouts", "--devices", "16", "--devices-per-host", "8", "--batch", "4",
+                      "-o", str(out)]) == 0
+    assert_png(out, min_width=1000)
+
+
+def test_tilde_paths_are_expanded(tmp_path, monkeypatch, capsys):
+    """`-o ~/x.png` or `--out=~/x.png` (a shell expands neither in `--out=~/...` nor quoted)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert plot.main(["layouts", "--out=~/layouts.png"]) == 0
+    assert_png(tmp_path / "layouts.png", min_width=100)
+    assert not Path("~").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["no run dir", "empty metrics", "unknown metric", "not results",
+                                  "results not JSON", "bad layout", "not png", "missing -o",
+                                  "metrics not UTF-8", "results not UTF-8", "-o not writable",
+                                  "-o under a file", "-o is a directory"])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case):
+    run = write_run(tmp_path / "run", [record(1, 5.0)])
+    empty = write_run(tmp_path / "empty", [])
+    (tmp_path / "results.json").write_text('{"rate": null}')
+    (tmp_path / "broken.json").write_text("[{")
+    (tmp_path / "latin1.json").write_bytes(b"caf\xe9")
+    latin1 = tmp_path / "latin1"
+    latin1.mkdir()
+    (latin1 / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": "caf\xe9"}\n')
+    (tmp_path / "a_file").write_text("")
+    locked = tmp_path / "locked.png"
+    locked.mkdir()
+    locked.chmod(0o500)
+    out = str(tmp_path / "out.png")
+    argv = {
+        "no run dir": ["losses", str(tmp_path / "nowhere"), "-o", out],
+        "empty metrics": ["losses", str(run), str(empty), "-o", out],
+        "unknown metric": ["losses", str(run), "--metric", "perplexity", "-o", out],
+        "not results": ["bench", str(tmp_path / "results.json"), "-o", out],
+        "results not JSON": ["bench", str(tmp_path / "broken.json"), "-o", out],
+        "bad layout": ["layouts", "--devices", "8", "--devices-per-host", "3", "-o", out],
+        "not png": ["layouts", "-o", str(tmp_path / "layouts.pdf")],
+        "missing -o": ["layouts", "--devices", "8"],
+        "metrics not UTF-8": ["losses", str(latin1), "-o", out],
+        "results not UTF-8": ["bench", str(tmp_path / "latin1.json"), "-o", out],
+        "-o not writable": ["layouts", "-o", str(locked / "out.png")],
+        "-o under a file": ["layouts", "-o", str(tmp_path / "a_file" / "out.png")],
+        "-o is a directory": ["layouts", "-o", str(locked)],
+    }[case]
+    if case == "-o not writable" and os.access(locked, os.W_OK):
+        argv[-1] = "/proc/out.png"  # root writes into a read-only directory; not into /proc
+    try:
+        status = plot.main(argv)
+    except SystemExit as e:  # argparse errors exit from inside parse_args
+        status = e.code
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.startswith("error: plot: ") and err.count("\n") == 1, err
+    assert not os.path.exists(out) or case == "-o is a directory"
+
+
+@pytest.mark.slow
+def test_command_line(tmp_path):
+    out = tmp_path / "layouts.png"
+    ok = subprocess.run([sys.executable, "-m", "train.plot", "layouts", "-o", str(out)], cwd=ROOT,
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout == f"wrote {out}\n"
+    assert_png(out, min_width=1000)
+    bad = subprocess.run([sys.executable, "-m", "train.plot", "losses", str(tmp_path), "-o",
+                          str(tmp_path / "x.png")], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("error: plot: ") and bad.stderr.count("\n") == 1
+    assert "Traceback" not in bad.stderr
+
+
+def test_without_matplotlib_help_works_and_drawing_is_one_line(tmp_path):
+    """The [plot] extra is optional: without it `--help` still answers and a figure is refused
+    in one line that names the extra."""
+    import subprocess
+    import sys
+
+    from tests.helpers.trainer import ROOT, train_env
+
+    hide = "import sys; sys.modules['matplotlib'] = None; from train.plot import main; "
+    helped = subprocess.run([sys.executable, "-c", hide + "main(['--help'])"], cwd=ROOT,
+                            env=train_env(), capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and "losses" in helped.stdout, helped.stderr
+    drawn = subprocess.run([sys.executable, "-c", hide + "sys.exit(main(['layouts', '-o', "
+                            f"'{tmp_path}/x.png']))"], cwd=ROOT, env=train_env(),
+                           capture_output=True, text=True, timeout=60)
+    assert drawn.returncode == 2 and drawn.stderr == (
+        "error: plot: train.plot draws with matplotlib, which is not installed: "
+        "pip install -e '.[plot]'\n")
+    assert not (tmp_path / "x.png").exists()

@@ -1,0 +1,203 @@
+"""optimizer.offload=true (train.streamed): master weights and optimizer state in pinned host
+memory, the layers streamed through the device. Its loss and gradients equal a single-device
+reference on BASP (2, 4), Ulysses (1, 8) and a ring; its step equals the ordinary step; a
+non-finite step leaves the state as it was; it checkpoints and resumes; what it does not do is
+refused in one line.
+
+Tolerances (float32) as tests/train/test_long_context.py: the loss to 1e-6 relative, each gradient to
+2e-6 of its largest entry. The device memory it saves shows in the GPU program
+(tests/e2e/test_gpu_compile.py); on CPU the arrays carry the pinned_host memory kind.
+"""
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import models
+from tests.helpers.trainer import ROOT, tiny_config
+from train import program as prog
+from train import streamed
+from train.config import ConfigError
+from train.prepare import model_config
+from train.step import build_model, init_opt_state
+
+pytestmark = pytest.mark.usefixtures("compile_cache")  # programs compiled twice: read once
+
+LAYOUTS = {"basp (2,4)": ["parallel.mode=basp"], "ulysses (1,8)": ["parallel.mode=ulysses"],
+           "ring 2 x a2a 4": ["parallel.mode=ulysses", "parallel.ring=2",
+                              "parallel.zigzag=false"]}
+
+
+def _program(tmp_path, *extra, offload=True):
+    cfg = tiny_config(tmp_path / "run", "model.dtype=float32", "model.remat=auto",
+                      "optimizer.clip_norm=0.05", f"optimizer.offload={str(offload).lower()}",
+                      *extra)
+    mcfg = model_config(cfg)
+    plan = prog.plan_run(cfg, mcfg, jax.devices(), 4)
+    parts = build_model(prog.model_factory(cfg, mcfg, plan), plan.rules)
+    return cfg, mcfg, parts, prog.build_program(cfg, plan, parts)
+
+
+def _batch(program, seed=1):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 256, program.batch_shape)
+    targets = np.roll(tokens, -1, axis=-1)
+    targets[..., -1] = -100
+    return {k: jax.device_put(jnp.asarray(v, jnp.int32), program.batch_sharding)
+            for k, v in (("tokens", tokens), ("targets", targets))}
+
+
+def _reference(mcfg, params, tokens, targets):
+    """Loss and gradients of the mean loss on one device, no mesh, no rematerialisation."""
+    model = models.Transformer(mcfg, rngs=nnx.Rngs(0),
+                               options=models.RunOptions(dtype=jnp.float32))
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, jax.device_get(params))
+    nnx.update(model, state)
+
+    def mean_loss(m):
+        total, count = m.loss(tokens, targets)
+        return total / count
+
+    loss, grads = nnx.jit(nnx.value_and_grad(mean_loss))(model)
+    return float(loss), nnx.to_pure_dict(grads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_streamed_loss_and_gradients_equal_one_device(tmp_path, layout):
+    _, mcfg, parts, program = _program(tmp_path, *LAYOUTS[layout])
+    params = jax.device_put(parts.params, program.param_shardings)
+    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(params)} == {"pinned_host"}
+    batch = _batch(program)
+
+    def loss_and_grads(params, tokens, targets):
+        (total, count), grads, sumsq = streamed.streamed_loss_and_grads(
+            parts, params, tokens, targets, None, loss_fn=models.causal_lm_loss,
+            grad_dtype=jnp.float32)
+        return total / count, grads, sumsq
+
+    with jax.set_mesh(program.plan.mesh):
+        loss, grads, sumsq = jax.jit(loss_and_grads)(params, batch["tokens"][0],
+                                                     batch["targets"][0])
+    ref_loss, ref_grads = _reference(mcfg, params, np.asarray(batch["tokens"][0]),
+                                     np.asarray(batch["targets"][0]))
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-6)
+    flat, ref_flat = (dict(jax.tree_util.tree_flatten_with_path(t)[0]) for t in (grads, ref_grads))
+    assert flat.keys() == ref_flat.keys()
+    for path, ref in ref_flat.items():
+        ref = np.asarray(ref)
+        np.testing.assert_allclose(np.asarray(flat[path]), ref, rtol=0,
+                                   atol=2e-6 * np.abs(ref).max(), err_msg=str(path))
+    total = sum(float(np.sum(np.square(np.asarray(g)))) for g in ref_flat.values())
+    np.testing.assert_allclose(float(sumsq), total, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_streamed_step_equals_the_ordinary_step(tmp_path):
+    """Three steps (warm-up, then clipped updates with weight decay) from the same parameters:
+    the same metrics, parameters and optimizer state, which stay in host memory."""
+    runs = {}
+    for offload in (False, True):
+        _, _, parts, program = _program(tmp_path, offload=offload)
+        params = jax.device_put(parts.params, program.param_shardings)
+        if offload:
+            opt_state = streamed.init_opt_state(program.tx, params, program.opt_shardings)
+        else:
+            opt_state = init_opt_state(program.tx, params, program.opt_shardings)
+        initial = jax.device_get(opt_state)
+        metrics = []
+        for step in range(3):
+            params, opt_state, m = program.step_fn(params, opt_state, _batch(program, step),
+                                                   program.step_index(step))
+            metrics.append({k: float(v) for k, v in m.items()})
+        runs[offload] = metrics, jax.device_get((params, opt_state)), initial, params
+    (m0, state0, init0, _), (m1, state1, init1, params1) = runs[False], runs[True]
+    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(params1)} == {"pinned_host"}
+    jax.tree.map(np.testing.assert_array_equal, init1, init0)  # init_opt_state is tx.init's
+    assert [m["grad_norm"] > 0.05 for m in m1] == [True] * 3  # the clip acted
+    for a, b in zip(m0, m1):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_allclose(b[key], a[key], rtol=2e-6, err_msg=key)
+    for a, b in zip(jax.tree.leaves(state0), jax.tree.leaves(state1)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * max(np.abs(a).max(), 1e-30))
+
+
+def test_a_non_finite_streamed_step_keeps_the_state(tmp_path):
+    """A NaN in one layer's weight: the loss is NaN, so no weight, moment or count is written
+    (the state is written a layer at a time, so the check comes first)."""
+    _, _, parts, program = _program(tmp_path)
+    poisoned = jax.tree.map(np.array, jax.device_get(parts.params))
+    poisoned["layers"]["mlp"]["down_proj"]["kernel"][1, 0, 0] = np.nan
+    params = jax.device_put(poisoned, program.param_shardings)
+    opt_state = streamed.init_opt_state(program.tx, params, program.opt_shardings)
+    before = jax.device_get((params, opt_state))
+    for step in range(2):
+        params, opt_state, m = program.step_fn(params, opt_state, _batch(program),
+                                               program.step_index(step))
+        assert not bool(m["finite"])
+    after = jax.device_get((params, opt_state))
+    jax.tree.map(np.testing.assert_array_equal, after, before)
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_the_streamed_and_the_ordinary_step(tmp_path):
+    """The trainer end to end, both ways: 2 steps streamed then resumed to 4 ordinary, and 2
+    ordinary then resumed to 4 streamed (restored straight into host memory): the same losses
+    (the state keeps the ordinary step's layout, so a checkpoint moves between the two)."""
+    from train.loop import run
+
+    def losses(run_dir):
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["loss"] for line in lines]
+
+    common = ("model.dtype=float32", "model.remat=auto", "checkpoint.every=2",
+              "checkpoint.allow_changed=train.steps", "optimizer.min_lr_ratio=1.0")
+    for first, then in (("true", "false"), ("false", "true")):
+        run_dir = tmp_path / f"from_offload_{first}"
+        for steps, offload in ((2, first), (4, then)):
+            run(tiny_config(run_dir, *common, f"train.steps={steps}",
+                            f"optimizer.offload={offload}"))
+    a, b = losses(tmp_path / "from_offload_true"), losses(tmp_path / "from_offload_false")
+    assert len(a) == 4
+    np.testing.assert_allclose(a, b, rtol=2e-6)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["train.grad_accum=2"], "optimizer.offload=true runs one microbatch per step"),
+    (["model.scan_layers=false"], "streams the layers of a scanned stack"),
+    (["model.remat=full"], "set model.remat=offload (or auto), not 'full'"),
+    (["parallel.param_sharding=host", "parallel.devices_per_host=4"],
+     "host parameter sharding (per-host device copies) does not apply"),
+    (["model.dtype=float16"], "has no loss scaling for float16 compute"),
+])
+def test_offload_refuses_what_it_does_not_do(tmp_path, extra, message):
+    cfg = tiny_config(tmp_path / "run", "optimizer.offload=true", "model.remat=auto", *extra)
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
+        prog.plan_run(cfg, model_config(cfg), jax.devices(), 4)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides,cluster,offload", [
+    ([], (8, 4), False),  # the shipped 16K step on 2 x 4 A100-40GB: as it was
+    (["data.seq_len=524288", "train.microbatch_size=1", "parallel.hardware=h100-80gb"], (1, 1),
+     True),  # the 8B at 512K on one H100: only the streamed step fits
+    (["data.seq_len=524288", "train.microbatch_size=1", "parallel.hardware=h100-80gb",
+      "train.grad_accum=2"], (1, 1), False),  # it would fit streamed, but that runs 1 microbatch
+])
+def test_offload_auto_streams_only_where_nothing_else_fits(overrides, cluster, offload):
+    """optimizer.offload=auto (the shipped GPU configs') from the planner's estimates alone."""
+    from train.config import load_config
+    from train.planning import resolve_offload
+
+    cfg = load_config(str(ROOT / "configs/gpu/llama-3.1-8b_basp.yaml"), overrides)
+    assert cfg.optimizer.offload == "auto"
+    resolved = resolve_offload(cfg, model_config(cfg), *cluster)
+    assert resolved.optimizer.offload is offload
