@@ -417,8 +417,7 @@ def restore_model(run_dir: str, *, dtype: str | None = None):
     from basp_jax.sharding import abstract_arrays
 
     from .config import load_config
-    from .prepare import model_config
-    from .program import model_options
+    from .model_setup import model_config, model_options
 
     config_path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(config_path):

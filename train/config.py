@@ -27,10 +27,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from . import paths
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; the single-line message names the key and the fix."""
+from .errors import ConfigError  # noqa: F401 (train.config.ConfigError, as callers import it)
 
 
 # seeds key numpy's and JAX's generators: a non-negative 32-bit integer fits both everywhere

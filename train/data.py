@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import hashlib
 import json
 import os
 from typing import Callable
@@ -35,6 +34,7 @@ from typing import Callable
 import numpy as np
 
 from . import sources
+from .fingerprint import sample_sha256
 from .config import DataConfig
 
 
@@ -220,26 +220,8 @@ def _check_ids(stream: np.ndarray, vocab_size: int, name: str, chunk: int = 1 <<
 
 
 SIDECAR_FORMAT = "basp-jax tokens"  # written by train.tokenize next to the file, as FILE.json
-SAMPLE_BLOCKS, SAMPLE_BLOCK = 64, 4096  # sample_sha256 reads at most 256 KiB of a file
 # the sidecar's claims its seal covers: a hand-edited value no longer matches
 SIDECAR_CLAIMS = ("dtype", "tokens", "bytes", "max_id", "vocab_size", "eos_id")
-
-
-def sample_sha256(path: str, extra: bytes = b"") -> str:
-    """sha256 of `extra`, the file's size and SAMPLE_BLOCKS blocks spread evenly over it (the
-    whole file when it is smaller): a cheap fingerprint that a file rewritten or replaced under
-    the same name and size fails to match, unless the change misses every sampled block."""
-    size = os.path.getsize(path)
-    digest = hashlib.sha256(extra + b"%d\n" % size)
-    with open(path, "rb") as f:
-        if size <= SAMPLE_BLOCKS * SAMPLE_BLOCK:
-            digest.update(f.read())
-        else:  # first and last block included
-            stride = (size - SAMPLE_BLOCK) / (SAMPLE_BLOCKS - 1)
-            for i in range(SAMPLE_BLOCKS):
-                f.seek(int(i * stride))
-                digest.update(f.read(SAMPLE_BLOCK))
-    return digest.hexdigest()
 
 
 def sidecar_seal(path: str, meta: dict) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import typing
 from typing import Any
 
 import jax
@@ -22,38 +21,15 @@ from basp_jax import kernels as basp_kernels
 
 from . import choices, evaluate, planning, resume, runtime, streamed, writers
 from .checkpoint import Checkpointer, checkpoint_dir, complete_steps, inspect_latest
-from .config import Config, ConfigError, _coerce, replace, yaml_load
+from .config import Config, ConfigError, replace
 from .data import Pipeline
 from .lock import RunDirLock, check_free
 from .metrics import peak_flops
+from .model_setup import model_config, model_options
 from .outputs import check_output_paths
-from .program import (RunPlan, TrainProgram, abstract_state, build_program, model_factory,
-                      model_options, plan_run)
+from .program import RunPlan, TrainProgram, abstract_state, build_program, model_factory, plan_run
 from .step import (DTYPES, build_model, compute_dtype, from_module, init_opt_state,
                    loss_scaling, make_optimizer)
-
-
-def model_config(cfg: Config) -> "models.ModelConfig":
-    """The ModelConfig from a preset or an HF directory, with model.shape overrides applied."""
-    m = cfg.model
-    base = models.ModelConfig.preset(m.preset) if m.preset else models.ModelConfig.from_hf(m.hf_path)
-    if not m.shape:
-        return base
-    fields = {f.name: f for f in dataclasses.fields(base)}
-    hints = typing.get_type_hints(type(base))
-    changes = {}
-    for key, value in m.shape.items():
-        if key not in fields:
-            raise ConfigError(
-                f"unknown config key 'model.shape.{key}'; model fields: {', '.join(fields)}"
-            )
-        tp = hints[key]
-        if tp in (int, float, bool, str):
-            value = _coerce(f"model.shape.{key}", value, tp)
-        elif isinstance(value, str):
-            value = yaml_load(value)
-        changes[key] = value
-    return dataclasses.replace(base, **changes)
 
 
 def select_devices(cfg: Config) -> list:

@@ -23,6 +23,7 @@ from basp_jax import Layout, make_mesh
 from basp_jax.sharding import ShardingRules, abstract_arrays
 
 from . import planning, streamed
+from .model_setup import model_config, model_options
 from .config import Config
 from .step import (DTYPES, build_model, compute_dtype, loss_scaling, make_optimizer,
                    make_train_step, opt_state_shardings)
@@ -54,24 +55,6 @@ def plan_run(cfg: Config, mcfg, devices, devices_per_host: int) -> RunPlan:
     streamed.check_offload(cfg, strategy, compute_dtype(cfg.model.dtype, devices[0]))
     return RunPlan(layout, strategy, make_mesh(layout, devices), remat, tile,
                    cfg.optimizer.offload)
-
-
-def model_options(cfg: Config, plan: RunPlan | None = None, *,
-                  dtype: str | None = None) -> "models.RunOptions":
-    """How the configured model runs: on the plan's mesh and layout with its parameter sharding,
-    or on one device without a plan; dtype replaces model.dtype."""
-    m = cfg.model
-    device = plan.mesh.devices.flat[0] if plan is not None else jax.devices()[0]
-    # without a plan (one device, shapes only) model.remat=auto means no rematerialisation
-    fields = dict(dtype=DTYPES[compute_dtype(dtype or m.dtype, device)],
-                  param_dtype=DTYPES[m.param_dtype],
-                  attn_impl=m.attn_impl, remat="none" if m.remat == "auto" else m.remat,
-                  tile_tokens=m.tile_tokens, vocab_parallel=m.vocab_parallel,
-                  scan_layers=m.scan_layers)
-    if plan is not None:
-        fields.update(mesh=plan.mesh, layout=plan.layout, param_sharding=plan.strategy,
-                      remat=plan.remat, tile_tokens=plan.tile_tokens)
-    return models.RunOptions(**fields)
 
 
 def model_factory(cfg: Config, mcfg, plan: RunPlan) -> Callable[[], nnx.Module]:
@@ -156,7 +139,6 @@ def compile_program(cfg: Config, devices, devices_per_host: int, mcfg=None):
     """Compile the train step of `cfg` for `devices` from shapes alone (nothing is initialised,
     read or run): (compiled, run plan, model config, compile seconds). `mcfg` replaces the
     config's model (e.g. a preset with fewer layers)."""
-    from .prepare import model_config  # the trainer's reading of model.preset/hf_path/shape
 
     mcfg = model_config(cfg) if mcfg is None else mcfg
     run_plan = plan_run(cfg, mcfg, devices, devices_per_host)

@@ -25,6 +25,9 @@ import json
 import os
 from typing import Any
 
+from .errors import ConfigError
+from .fingerprint import sample_sha256
+
 FIXED, ON_PURPOSE = "fixed", "on purpose"
 
 # key (a prefix ending in "." covers every key under it) -> (policy, what the key decides)
@@ -71,8 +74,6 @@ def rule(key: str) -> tuple[str, str] | None:
 
 def check_allowed(names: list[str]) -> None:
     """checkpoint.allow_changed names only keys a resume may change on purpose (ConfigError)."""
-    from .config import ConfigError
-
     for name in names:
         found = rule(name)
         if found is None:
@@ -89,9 +90,7 @@ def check_allowed(names: list[str]) -> None:
 
 def file_identity(path: str) -> dict[str, Any]:
     """Size, modification time and a sampled sha256 of a file: a file replaced under the same
-    name is seen without reading all of it (train.data.sample_sha256)."""
-    from .data import sample_sha256
-
+    name is seen without reading all of it (train.fingerprint.sample_sha256)."""
     st = os.stat(path)
     return {"path": os.path.abspath(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
             "sample_sha256": sample_sha256(path)}
@@ -157,8 +156,6 @@ def differences(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any
 def check(old: dict[str, Any], new: dict[str, Any], allowed: list[str]) -> dict[str, tuple]:
     """The on-purpose changes a resume may go on with (key -> (old, new)); raises ConfigError
     for a fixed key that changed or an on-purpose one that allowed does not name."""
-    from .config import ConfigError
-
     changed = differences(old, new)
     fixed = {k: v for k, v in changed.items() if rule(k)[0] == FIXED}
     if fixed:

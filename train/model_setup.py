@@ -1,0 +1,59 @@
+"""The model a config describes, read the same way by the trainer, train.aot and the sampler's
+restore (train.checkpoint.restore_model): its architecture and how it runs.
+
+    mcfg = model_config(cfg)              # models.ModelConfig: preset or HF config + model.shape
+    options = model_options(cfg, plan)    # models.RunOptions: mesh, layout, kernel, remat, dtypes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import jax
+
+import models
+
+from .config import Config, ConfigError, _coerce, yaml_load
+from .step import DTYPES, compute_dtype
+
+
+def model_config(cfg: Config) -> "models.ModelConfig":
+    """The ModelConfig from a preset or an HF directory, with model.shape overrides applied."""
+    m = cfg.model
+    base = models.ModelConfig.preset(m.preset) if m.preset else models.ModelConfig.from_hf(m.hf_path)
+    if not m.shape:
+        return base
+    fields = {f.name: f for f in dataclasses.fields(base)}
+    hints = typing.get_type_hints(type(base))
+    changes = {}
+    for key, value in m.shape.items():
+        if key not in fields:
+            raise ConfigError(
+                f"unknown config key 'model.shape.{key}'; model fields: {', '.join(fields)}"
+            )
+        tp = hints[key]
+        if tp in (int, float, bool, str):
+            value = _coerce(f"model.shape.{key}", value, tp)
+        elif isinstance(value, str):
+            value = yaml_load(value)
+        changes[key] = value
+    return dataclasses.replace(base, **changes)
+
+
+def model_options(cfg: Config, plan=None, *,
+                  dtype: str | None = None) -> "models.RunOptions":
+    """How the configured model runs: on the plan's mesh and layout with its parameter sharding,
+    or on one device without a plan; dtype replaces model.dtype."""
+    m = cfg.model
+    device = plan.mesh.devices.flat[0] if plan is not None else jax.devices()[0]
+    # without a plan (one device, shapes only) model.remat=auto means no rematerialisation
+    fields = dict(dtype=DTYPES[compute_dtype(dtype or m.dtype, device)],
+                  param_dtype=DTYPES[m.param_dtype],
+                  attn_impl=m.attn_impl, remat="none" if m.remat == "auto" else m.remat,
+                  tile_tokens=m.tile_tokens, vocab_parallel=m.vocab_parallel,
+                  scan_layers=m.scan_layers)
+    if plan is not None:
+        fields.update(mesh=plan.mesh, layout=plan.layout, param_sharding=plan.strategy,
+                      remat=plan.remat, tile_tokens=plan.tile_tokens)
+    return models.RunOptions(**fields)
