@@ -22,7 +22,8 @@ from basp_jax import kernels as basp_kernels
 
 from . import choices, evaluate, planning, resume, runtime, streamed, writers
 from .checkpoint import Checkpointer, checkpoint_dir, complete_steps, inspect_latest
-from .config import Config, ConfigError, _coerce, replace, yaml_load
+from .config import Config, ConfigError, replace
+from .config_tree import coerce, yaml_load
 from .data import Pipeline
 from .lock import RunDirLock, check_free
 from .metrics import peak_flops
@@ -49,7 +50,7 @@ def model_config(cfg: Config) -> "models.ModelConfig":
             )
         tp = hints[key]
         if tp in (int, float, bool, str):
-            value = _coerce(f"model.shape.{key}", value, tp)
+            value = coerce(f"model.shape.{key}", value, tp)
         elif isinstance(value, str):
             value = yaml_load(value)
         changes[key] = value
