@@ -22,7 +22,7 @@ import tokenize
 import typing
 from pathlib import Path
 
-from . import config
+from . import config, config_tree
 from .choices import CHOICES
 from .config import Config
 
@@ -126,7 +126,7 @@ def rows(cls=Config, prefix: str = "", comments: dict | None = None) -> list[Row
         comment = comments.get((cls.__name__, field.name), "")
         required = comment.lower().startswith("required")
         meaning = comment[len("required"):].lstrip(":;, ") if required else comment
-        type_name = config._type_name(tp)
+        type_name = config_tree.type_name(tp)
         if required:  # null is only the "not set" marker of a required key
             type_name = type_name.removesuffix(" or null")
         if key in CHOICES:  # a `str` key that takes a registry's names: list them from it

@@ -14,7 +14,8 @@ import jax
 
 import models
 
-from .config import Config, ConfigError, _coerce, yaml_load
+from .config import Config, ConfigError
+from .config_tree import coerce, yaml_load
 from .step import DTYPES, compute_dtype
 
 
@@ -34,7 +35,7 @@ def model_config(cfg: Config) -> "models.ModelConfig":
             )
         tp = hints[key]
         if tp in (int, float, bool, str):
-            value = _coerce(f"model.shape.{key}", value, tp)
+            value = coerce(f"model.shape.{key}", value, tp)
         elif isinstance(value, str):
             value = yaml_load(value)
         changes[key] = value

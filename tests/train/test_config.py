@@ -249,13 +249,13 @@ def test_bad_includes_are_one_line_errors(tmp_path, text, others, fragment):
 def test_gpu_configs_state_only_what_differs_from_what_they_include():
     """configs/gpu: every config resolves through its include chain (to _base.yaml), and no key
     a file sets repeats the value it already has from the files it includes."""
-    from train.config import _load_tree, _read_yaml
+    from train.config_tree import load_tree, read_yaml
 
     paths = shipped_configs("gpu/*.yaml")
     assert len(paths) == 11  # five models x basp/ulysses, and the 8B's long-context config
     for path in paths:
-        own = _read_yaml(str(path))
-        included = _load_tree(str(path.parent / own.pop("include")))
+        own = read_yaml(str(path))
+        included = load_tree(str(path.parent / own.pop("include")))
         for section, values in own.items():
             for key, value in values.items():
                 assert included.get(section, {}).get(key, object()) != value, (path, section, key)
