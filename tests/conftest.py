@@ -1,9 +1,13 @@
 """Every test sees 8 emulated CPU devices; this must run before JAX initialises its backend."""
 import os
 
+from tests.helpers.flags import TEST_XLA_FLAGS  # noqa: E402 (imports nothing of JAX)
+
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += f" {TEST_XLA_FLAGS}"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

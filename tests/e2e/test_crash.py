@@ -21,6 +21,7 @@ import pytest
 
 from train.loop import run
 
+from tests.helpers.flags import TEST_XLA_FLAGS
 from tests.helpers.trainer import cache_env, tiny_config, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ ARGS = ("train.steps=12", "train.microbatch_size=2", "checkpoint.every=2", "chec
 
 def _env(**extra):
     env = cache_env(dict(os.environ, JAX_PLATFORMS="cpu", **extra))
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = TEST_XLA_FLAGS  # tests/helpers/flags.py; the device count is the run's
     return env
 
 

@@ -22,6 +22,7 @@ import pytest
 
 from basp_jax import comm, cost, gpus
 from tests.helpers import gpu_plugin
+from tests.helpers.flags import TEST_XLA_FLAGS
 
 ROOT = Path(__file__).resolve().parents[2]
 LINUX_X86 = platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
@@ -36,6 +37,10 @@ GiB = 2**30
 
 
 def _run(*args, timeout=1200, env=None):
+    """A subprocess without the tests' CPU-only compile flag (tests/helpers/flags.py): the GPU
+    programs compiled here are the ones a user gets."""
+    env = dict(os.environ if env is None else env)
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(TEST_XLA_FLAGS, "").strip()
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env)
 

@@ -15,6 +15,7 @@ import pytest
 
 from train.loop import run
 
+from tests.helpers.flags import TEST_XLA_FLAGS
 from tests.helpers.trainer import cache_env, tiny_config, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +69,7 @@ def _launch(run_dir, *extra, per_process=((), ())) -> list[subprocess.Popen]:
     overrides, and per_process[i] for process i alone."""
     port = _free_port()
     env = cache_env(dict(os.environ, JAX_PLATFORMS="cpu"))
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = TEST_XLA_FLAGS  # tests/helpers/flags.py; the device count is the run's
     procs = []
     for pid in range(2):
         args = tiny_overrides(
@@ -229,7 +230,7 @@ def test_sigterm_after_joining_the_run_still_ends_the_process_at_once(tmp_path):
     swallowed, and the scheduler's SIGKILL came after its grace period)."""
     port = _free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = TEST_XLA_FLAGS  # tests/helpers/flags.py; the device count is the run's
     procs = [subprocess.Popen(
         [sys.executable, "-c", _JOIN_THEN_WAIT, str(tmp_path / "run"), "runtime.cpu_devices=4",
          f"runtime.distributed.coordinator=127.0.0.1:{port}",

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers.flags import TEST_XLA_FLAGS
+
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 TINY_SHAPE = (
@@ -75,7 +77,7 @@ def train_env(cache: bool = True) -> dict:
     start-up to take as long as it does without one)."""
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = TEST_XLA_FLAGS  # not the device count: the trainer sets its own
     return cache_env(env) if cache else env
 
 

@@ -21,6 +21,7 @@ import pytest
 from train import cli
 from train.loop import run
 
+from tests.helpers.flags import TEST_XLA_FLAGS
 from tests.helpers.trainer import TINY_SHAPE, snapshot as _snapshot, tiny_config, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -345,7 +346,7 @@ def test_bad_input_from_a_shell(good_run, tmp_path, extra, fragment, damage, env
         damage(run_dir)
     before = _snapshot(run_dir)
     env = dict(os.environ, JAX_PLATFORMS="cpu", **environ)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = TEST_XLA_FLAGS  # tests/helpers/flags.py; the device count is the run's
     proc = subprocess.run(
         [sys.executable, str(ROOT / "train.py"),
          *tiny_overrides(run_dir, *BASE, *extra)],

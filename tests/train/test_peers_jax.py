@@ -12,6 +12,7 @@ import jax
 
 from train import peers
 
+from tests.helpers.flags import TEST_XLA_FLAGS
 from tests.helpers.trainer import ROOT
 
 
@@ -49,7 +50,7 @@ def test_the_private_client_exists_and_behaves_as_train_peers_assumes():
         print("ok", jax.__version__)
     """)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = TEST_XLA_FLAGS  # tests/helpers/flags.py; the device count is the run's
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "ok" in result.stdout, (
