@@ -19,6 +19,7 @@ import math
 
 from . import gpus
 from .layout import Layout, LayoutError, _divisors
+from .remat import REMAT_POLICIES
 from .sharding import PARAM_SHARDINGS
 
 
@@ -34,7 +35,7 @@ class Hardware:
     memory_bytes: float = 80e9  # what the planner may use per device
     efficiency: float = 0.4  # achieved fraction of peak for the model's FLOPs
     # Each GPU's share of its host: pinned memory the offload policies may fill, and its PCIe
-    # link's bytes/s per direction (basp_jax.remat, models.REMAT_POLICIES "offload*").
+    # link's bytes/s per direction (basp_jax.remat.REMAT_POLICIES "offload*").
     host_memory_bytes: float = 128e9
     host_bw: float = 25e9
 
@@ -335,18 +336,18 @@ def predict(
     q_heads, kv_heads = layout.exchanged_heads
     share = _remote_share(degree, dph)
     a2a = Traffic()
-    # forward, backward; "offload" keeps no exchange, so the backward pass repeats the forward's
-    for _ in range(3 if remat == "offload" else 2):
+    # forward, backward; a policy that keeps no exchange repeats the forward's in the backward
+    passes = 3 if REMAT_POLICIES.get(remat).repeats_exchanges else 2
+    for _ in range(passes):
         for heads in (q_heads, kv_heads, kv_heads, q_heads):
             buf = tokens_per_device * heads * shape.head_dim * act_bytes
             a2a = a2a + collective_traffic("all-to-all", buf, degree, share)
     if layout.ring > 1:
-        # k and v chunks hop ring - 1 times forward (again in the backward under "offload"),
-        # and their gradients hop back as many times.
+        # k and v chunks hop ring - 1 times forward (again in the backward when the exchanges
+        # are repeated), and their gradients hop back as many times.
         kv_chunk = tokens_per_device * kv_heads * shape.head_dim * act_bytes
         crossing = _ring_crossing_share(layout)
         hop = Traffic(kv_chunk * (1 - crossing), kv_chunk * crossing, 1)
-        passes = 3 if remat == "offload" else 2
         a2a = a2a + hop.scale(2 * passes * (layout.ring - 1))
     a2a = a2a.scale(shape.num_layers * grad_accum)
 
@@ -405,38 +406,28 @@ def predict(
                       compute_s + a2a_s + params_s + host_s, memory, host, host_s)
 
 
-# Values per token per layer that the backward pass keeps on the device, in units of the compute
-# dtype, by rematerialisation policy (models.REMAT_POLICIES). "full" and "dots" keep attention's
-# exchanged q, k, v and output (basp_jax.remat) and the layer input, "dots" every projection too;
-# the offload policies keep nothing on the device (it waits in host memory: _offloaded_per_token).
+def _tensor_widths(shape: ModelShape, q_heads: int, kv_heads: int) -> dict[str, float]:
+    """Values per token per layer of each tensor a remat policy may keep (basp_jax.remat.TENSORS),
+    in units of the compute dtype, with the exchanged (padded, replicated) heads."""
+    hd, hidden, inter = shape.head_dim, shape.hidden_size, shape.intermediate_size
+    return {"input": hidden,
+            "exchanged": (2 * q_heads + 2 * kv_heads) * hd,
+            "projections": (q_heads + 2 * kv_heads) * hd + 2 * hidden + 3 * inter,
+            "elementwise": 2 * hidden + 2 * inter}
+
+
 def _saved_per_token(shape: ModelShape, remat: str, q_heads: int, kv_heads: int) -> float:
-    exchanged = (2 * q_heads + 2 * kv_heads) * shape.head_dim
-    if remat in OFFLOAD_POLICIES:
-        return 0.0
-    if remat == "full":
-        return shape.hidden_size + exchanged
-    projections = (q_heads + 2 * kv_heads) * shape.head_dim + 2 * shape.hidden_size \
-        + 3 * shape.intermediate_size
-    if remat == "dots":
-        return shape.hidden_size + exchanged + projections
-    if remat == "none":  # also the norms' and SwiGLU's elementwise results
-        return 3 * shape.hidden_size + exchanged + projections + 2 * shape.intermediate_size
-    raise ValueError(f"unknown remat {remat!r}; use one of none, full, dots, "
-                     f"{', '.join(OFFLOAD_POLICIES)}")
-
-
-# The policies that park each layer's residuals in pinned host memory (basp_jax.remat).
-OFFLOAD_POLICIES = ("offload", "offload_exchanges")
+    """Values per token per layer the backward pass keeps on the device under a remat policy
+    (basp_jax.remat.REMAT_POLICIES: its `saves`; the offload policies keep nothing there)."""
+    widths = _tensor_widths(shape, q_heads, kv_heads)
+    return sum(widths[t] for t in REMAT_POLICIES.get(remat).saves)
 
 
 def _offloaded_per_token(shape: ModelShape, remat: str, q_heads: int, kv_heads: int) -> float:
-    """Values per token per layer in host memory: the layer input, and with
-    offload_exchanges attention's exchanged q, k, v and output."""
-    if remat == "offload":
-        return shape.hidden_size
-    if remat == "offload_exchanges":
-        return shape.hidden_size + (2 * q_heads + 2 * kv_heads) * shape.head_dim
-    return 0.0
+    """Values per token per layer in host memory (the policy's `offloads`): the layer input,
+    and with offload_exchanges attention's exchanged q, k, v and output."""
+    widths = _tensor_widths(shape, q_heads, kv_heads)
+    return sum(widths[t] for t in REMAT_POLICIES.get(remat).offloads)
 
 
 def host_memory_bytes(shape: ModelShape, tokens_per_device: float, *, q_heads: int,

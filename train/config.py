@@ -76,7 +76,7 @@ class ModelSection:
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     attn_impl: str = "auto"  # attention kernel (the choices: basp_jax.kernels.KERNELS)
-    remat: str = "none"
+    remat: str = "none"  # recompute in the backward pass (the choices: basp_jax.remat.REMAT_POLICIES)
     # each layer's norms, projections and MLP over chunks of at most this many tokens per device
     # (long sequences: no [tokens, intermediate] buffer of a whole shard); null: the whole shard
     tile_tokens: Optional[int] = None

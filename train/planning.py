@@ -18,6 +18,7 @@ import os
 
 from basp_jax import Layout
 from basp_jax import cost
+from basp_jax.remat import auto_policies
 from basp_jax.sharding import PARAM_SHARDINGS
 
 from .config import Config, ConfigError, replace
@@ -149,8 +150,9 @@ def device_memory(device) -> float | None:
     return available / jax.local_device_count()
 
 
-# model.remat=auto: the policies tried, and the chunk size tried when no untiled one fits
-AUTO_REMAT = ("full", "offload_exchanges", "offload")
+# model.remat=auto: the policies tried (basp_jax.remat.REMAT_POLICIES' `auto` order, the leanest
+# last), and the chunk size tried when no untiled one fits
+AUTO_REMAT = auto_policies()
 AUTO_TILE_TOKENS = 4096
 
 
