@@ -18,7 +18,7 @@ import dataclasses
 import math
 
 from . import gpus
-from .layout import Layout, LayoutError, _divisors
+from .layout import Layout, LayoutError, _divisors, auto_mode, mode_of
 from .remat import REMAT_POLICIES, RematPolicy
 from .sharding import PARAM_SHARDINGS
 
@@ -202,18 +202,18 @@ def collective_traffic(kind: str, buffer_bytes: float, group_size: int, remote_s
 
 def plan_layout(shape: ModelShape, *, num_devices: int, batch: int, seq_len: int, groups: int,
                 devices_per_host: int | None = None, ring: int = 1, pad_heads: bool = False,
-                pad_rows: int = 0, zigzag: bool = False) -> Layout:
+                pad_rows: int = 0, zigzag: bool = False, mode: str = "basp") -> Layout:
     """The validated Layout of `shape`'s heads for one (groups, sp) split: what the planner
     enumerates and predicts. devices_per_host defaults to one host."""
     per_host = num_devices if devices_per_host is None else min(devices_per_host, num_devices)
     return Layout.plan(num_devices, batch, seq_len, shape.num_heads, shape.num_kv_heads,
-                       devices_per_host=per_host, groups=groups, ring=ring, pad_heads=pad_heads,
-                       pad_rows=pad_rows, zigzag=zigzag)
+                       devices_per_host=per_host, mode=mode, groups=groups, ring=ring,
+                       pad_heads=pad_heads, pad_rows=pad_rows, zigzag=zigzag)
 
 
 def layout_name(layout: Layout, param_sharding: str) -> str:
     """e.g. 'basp (2,4) hsdp [ring 2, pad heads, +1 pad rows]', as the planner prints it."""
-    kind = "ulysses" if layout.groups == 1 else "basp"
+    kind = mode_of(layout.groups)
     extras = [f"ring {layout.ring}"] if layout.ring > 1 else []
     extras += ["pad heads"] if layout.pad_heads else []
     extras += [f"+{layout.pad_rows} pad rows"] if layout.pad_rows else []
@@ -575,11 +575,13 @@ def candidates(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
     out = []
     # each group count once, with the fewest pad rows that make the rows divisible by it (more
     # would only add masked work): one split per divisor, however large max_pad_rows is
-    splits = sorted((-batch % g, g) for g in _divisors(num_devices) if -batch % g <= max_pad_rows)
+    # (the group counts of the modes the planner may pick: basp_jax.layout.MODES)
+    splits = sorted((-batch % g, g) for g in _divisors(num_devices)
+                    if -batch % g <= max_pad_rows and auto_mode(g) is not None)
     for pad, g in splits:
         layouts = _ring_splits(shape, num_devices=num_devices, batch=batch, seq_len=seq_len,
                                groups=g, devices_per_host=devices_per_host, pad_rows=pad,
-                               zigzag=zigzag)
+                               zigzag=zigzag, mode=auto_mode(g))
         for layout in layouts:
             for sharding in _shardings(layout):
                 out.append((layout, sharding))

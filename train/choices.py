@@ -15,12 +15,14 @@ import dataclasses
 from typing import Callable
 
 from basp_jax import kernels
-from basp_jax.sharding import PARAM_SHARDINGS
+from basp_jax.layout import MODES
 from basp_jax.remat import REMAT_POLICIES
+from basp_jax.sharding import PARAM_SHARDINGS
 
 from .config import Config, ConfigError
 
 
+AUTO_MODE_DOC = "the planner's fastest predicted layout for parallel.hardware"
 AUTO_REMAT_DOC = ("the planner's fastest that fits parallel.hardware's device and host memory, "
                   "with model.tile_tokens=4096 where nothing untiled fits")
 
@@ -32,6 +34,9 @@ class Choice:
 
 
 CHOICES = {
+    # auto: train.planning.plan
+    "parallel.mode": Choice(lambda: (*MODES, "auto"),
+                            lambda: MODES.describe() + f", auto ({AUTO_MODE_DOC})"),
     "model.attn_impl": Choice(kernels.impl_names, kernels.describe),
     # auto: train.planning's pick
     "parallel.param_sharding": Choice(lambda: ("auto", *PARAM_SHARDINGS.names())),

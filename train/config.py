@@ -246,7 +246,8 @@ class OptimizerConfig:
 
 @dataclasses.dataclass
 class ParallelConfig:
-    mode: Optional[Literal["basp", "ulysses", "auto"]] = None  # required; auto: the planner picks
+    # required; how the devices split each microbatch (the choices: basp_jax.layout.MODES)
+    mode: Optional[str] = None
     groups: Optional[int] = None  # force a group count (basp); default gcd(microbatch, devices)
     devices_per_host: Optional[int] = None  # default: devices per process
     # auto: host (parameters sharded inside each host) where it fits in memory, else fsdp (the
@@ -259,7 +260,8 @@ class ParallelConfig:
     zigzag: bool = True  # with ring > 1: zig-zag token order, balancing the causal ring work
 
     def require(self) -> None:
-        _require("parallel.mode", self.mode, "basp, ulysses or auto")
+        _require("parallel.mode", self.mode, "auto or a layout mode (basp_jax.layout.MODES, "
+                 "listed in configs/README.md)")
 
     def validate(self) -> None:
         if self.mode == "auto" and (self.groups is not None or self.ring != 1 or self.pad_heads):
