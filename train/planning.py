@@ -21,6 +21,7 @@ from basp_jax import cost
 from basp_jax.remat import auto_policies
 from basp_jax.sharding import PARAM_SHARDINGS
 
+from . import dtypes
 from .config import Config, ConfigError, replace
 
 
@@ -43,9 +44,9 @@ def hardware(cfg: Config, devices_per_host: int) -> cost.Hardware:
 def state_bytes(cfg: Config) -> dict[str, int]:
     """Bytes per value of the master parameters and of Adam's first moment, for cost.predict
     and cost.memory_terms."""
-    master = 2 if cfg.model.param_dtype == "bfloat16" else 4
-    return {"master_bytes": master,
-            "moment_bytes": {"bfloat16": 2, "float32": 4}.get(cfg.optimizer.mu_dtype, master),
+    master = dtypes.nbytes(cfg.model.param_dtype)
+    mu = cfg.optimizer.mu_dtype
+    return {"master_bytes": master, "moment_bytes": master if mu is None else dtypes.nbytes(mu),
             "offload_state": cfg.optimizer.offload is True}
 
 
@@ -195,7 +196,7 @@ def _compute_dtype(cfg: Config) -> str:
 
 
 def _act_bytes(cfg: Config) -> int:
-    return 2 if _compute_dtype(cfg) in ("bfloat16", "float16") else 4
+    return dtypes.nbytes(_compute_dtype(cfg))
 
 
 def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,

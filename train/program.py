@@ -22,9 +22,9 @@ import models
 from basp_jax import Layout, make_mesh
 from basp_jax.sharding import ShardingRules, abstract_arrays
 
-from . import planning, streamed
+from . import dtypes, planning, streamed
 from .config import Config
-from .step import (DTYPES, build_model, compute_dtype, loss_scaling, make_optimizer,
+from .step import (build_model, compute_dtype, loss_scaling, make_optimizer,
                    make_train_step, opt_state_shardings)
 
 
@@ -63,8 +63,8 @@ def model_options(cfg: Config, plan: RunPlan | None = None, *,
     m = cfg.model
     device = plan.mesh.devices.flat[0] if plan is not None else jax.devices()[0]
     # without a plan (one device, shapes only) model.remat=auto means no rematerialisation
-    fields = dict(dtype=DTYPES[compute_dtype(dtype or m.dtype, device)],
-                  param_dtype=DTYPES[m.param_dtype],
+    fields = dict(dtype=dtypes.jnp_dtype(compute_dtype(dtype or m.dtype, device)),
+                  param_dtype=dtypes.jnp_dtype(m.param_dtype),
                   attn_impl=m.attn_impl, remat="none" if m.remat == "auto" else m.remat,
                   tile_tokens=m.tile_tokens, vocab_parallel=m.vocab_parallel,
                   scan_layers=m.scan_layers)
@@ -135,7 +135,8 @@ def build_program(cfg: Config, plan: RunPlan, parts) -> TrainProgram:
         step_fn, batch_sharding = streamed.make_streamed_train_step(
             parts, tx, schedule, plan.mesh, param_sh, opt_sh, loss_fn=models.causal_lm_loss,
             packed=cfg.data.pack, clip_norm=cfg.optimizer.clip_norm,
-            grad_dtype=DTYPES[compute_dtype(cfg.model.dtype, plan.mesh.devices.flat[0])])
+            grad_dtype=dtypes.jnp_dtype(
+                compute_dtype(cfg.model.dtype, plan.mesh.devices.flat[0])))
     else:
         step_fn, batch_sharding = make_train_step(
             parts, tx, schedule, plan.mesh, param_sh, opt_sh,
