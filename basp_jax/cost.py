@@ -18,7 +18,8 @@ import dataclasses
 import math
 
 from . import gpus
-from .layout import Layout, LayoutError, _divisors
+from .layout import Layout, LayoutError, _divisors, auto_mode, mode_of
+from .remat import REMAT_POLICIES, RematPolicy
 from .sharding import PARAM_SHARDINGS
 
 
@@ -34,7 +35,7 @@ class Hardware:
     memory_bytes: float = 80e9  # what the planner may use per device
     efficiency: float = 0.4  # achieved fraction of peak for the model's FLOPs
     # Each GPU's share of its host: pinned memory the offload policies may fill, and its PCIe
-    # link's bytes/s per direction (basp_jax.remat, models.REMAT_POLICIES "offload*").
+    # link's bytes/s per direction (basp_jax.remat.REMAT_POLICIES "offload*").
     host_memory_bytes: float = 128e9
     host_bw: float = 25e9
 
@@ -201,18 +202,18 @@ def collective_traffic(kind: str, buffer_bytes: float, group_size: int, remote_s
 
 def plan_layout(shape: ModelShape, *, num_devices: int, batch: int, seq_len: int, groups: int,
                 devices_per_host: int | None = None, ring: int = 1, pad_heads: bool = False,
-                pad_rows: int = 0, zigzag: bool = False) -> Layout:
+                pad_rows: int = 0, zigzag: bool = False, mode: str = "basp") -> Layout:
     """The validated Layout of `shape`'s heads for one (groups, sp) split: what the planner
     enumerates and predicts. devices_per_host defaults to one host."""
     per_host = num_devices if devices_per_host is None else min(devices_per_host, num_devices)
     return Layout.plan(num_devices, batch, seq_len, shape.num_heads, shape.num_kv_heads,
-                       devices_per_host=per_host, groups=groups, ring=ring, pad_heads=pad_heads,
-                       pad_rows=pad_rows, zigzag=zigzag)
+                       devices_per_host=per_host, mode=mode, groups=groups, ring=ring,
+                       pad_heads=pad_heads, pad_rows=pad_rows, zigzag=zigzag)
 
 
 def layout_name(layout: Layout, param_sharding: str) -> str:
     """e.g. 'basp (2,4) hsdp [ring 2, pad heads, +1 pad rows]', as the planner prints it."""
-    kind = "ulysses" if layout.groups == 1 else "basp"
+    kind = mode_of(layout.groups)
     extras = [f"ring {layout.ring}"] if layout.ring > 1 else []
     extras += ["pad heads"] if layout.pad_heads else []
     extras += [f"+{layout.pad_rows} pad rows"] if layout.pad_rows else []
@@ -325,40 +326,64 @@ def predict(
     device a layer at a time (train.streamed: remat is then "offload" whatever it says)."""
     if offload_state:
         remat = "offload"
-    g, sp, num_devices, seq_len = layout.groups, layout.sp, layout.num_devices, layout.seq_len
-    dph = layout.devices_per_host
-    tokens_per_device = layout.tokens_per_device
-
-    # Attention: q, k, v, out forward and their gradients backward, each [tokens, heads, Dh],
-    # exchanged among sp / ring devices; zero heads padded where that degree does not divide.
-    degree = layout.a2a
     q_heads, kv_heads = layout.exchanged_heads
-    share = _remote_share(degree, dph)
+    shard_group = shard_devices(layout, param_sharding)
+    a2a = _attention_traffic(shape, layout, REMAT_POLICIES.get(remat), act_bytes)
+    a2a = a2a.scale(shape.num_layers * grad_accum)
+    params = _param_traffic(shape, layout, param_sharding, grad_accum=grad_accum,
+                            act_bytes=act_bytes, param_bytes=param_bytes)
+    compute_s = _compute_seconds(shape, layout, hw, grad_accum)
+    a2a_s, params_s = a2a.time(hw), params.time(hw) * (1 - overlap)
+    memory = memory_bytes(shape, layout.tokens_per_device, shard_group, q_heads=q_heads,
+                          kv_heads=kv_heads, remat=remat, act_bytes=act_bytes,
+                          master_bytes=master_bytes, moment_bytes=moment_bytes,
+                          tile_tokens=tile_tokens, ring=layout.ring, zigzag=layout.zigzag,
+                          offload_state=offload_state)
+    host, host_s = _host_traffic(shape, layout, shard_group, hw, remat=remat,
+                                 act_bytes=act_bytes, grad_accum=grad_accum,
+                                 master_bytes=master_bytes, moment_bytes=moment_bytes,
+                                 offload_state=offload_state)
+    return Prediction(layout, param_sharding, a2a, params, compute_s, a2a_s, params_s,
+                      compute_s + a2a_s + params_s + host_s, memory, host, host_s)
+
+
+def _attention_traffic(shape: ModelShape, layout: Layout, policy: RematPolicy,
+                       act_bytes: int) -> Traffic:
+    """One layer's attention exchanges for one microbatch: q, k, v, out forward and their
+    gradients backward, each [tokens, heads, Dh], exchanged among sp / ring devices (zero heads
+    padded where that degree does not divide), plus the ring's k/v hops."""
+    degree, tokens = layout.a2a, layout.tokens_per_device
+    q_heads, kv_heads = layout.exchanged_heads
+    share = _remote_share(degree, layout.devices_per_host)
+    # forward, backward; a policy that keeps no exchange repeats the forward's in the backward
+    passes = 3 if policy.repeats_exchanges else 2
     a2a = Traffic()
-    # forward, backward; "offload" keeps no exchange, so the backward pass repeats the forward's
-    for _ in range(3 if remat == "offload" else 2):
+    for _ in range(passes):
         for heads in (q_heads, kv_heads, kv_heads, q_heads):
-            buf = tokens_per_device * heads * shape.head_dim * act_bytes
+            buf = tokens * heads * shape.head_dim * act_bytes
             a2a = a2a + collective_traffic("all-to-all", buf, degree, share)
     if layout.ring > 1:
-        # k and v chunks hop ring - 1 times forward (again in the backward under "offload"),
-        # and their gradients hop back as many times.
-        kv_chunk = tokens_per_device * kv_heads * shape.head_dim * act_bytes
+        # k and v chunks hop ring - 1 times forward (again in the backward when the exchanges
+        # are repeated), and their gradients hop back as many times.
+        kv_chunk = tokens * kv_heads * shape.head_dim * act_bytes
         crossing = _ring_crossing_share(layout)
         hop = Traffic(kv_chunk * (1 - crossing), kv_chunk * crossing, 1)
-        passes = 3 if remat == "offload" else 2
         a2a = a2a + hop.scale(2 * passes * (layout.ring - 1))
-    a2a = a2a.scale(shape.num_layers * grad_accum)
+    return a2a
 
-    # Parameters: gathered forward and backward (ZeRO-3), gradients reduce-scattered, per
-    # microbatch; HSDP adds one cross-group all-reduce of the local shard per step, host
-    # sharding one cross-host all-reduce of the host-local shard. The gradients leave in the
-    # dtype the layers computed them in (param_bytes: bf16 reduce-scatters under bf16 compute,
-    # as the compiled GPU programs show), not in the float32 of the master weights.
+
+def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, grad_accum: int,
+                   act_bytes: int, param_bytes: int) -> Traffic:
+    """Parameters per step: gathered forward and backward (ZeRO-3), gradients reduce-scattered,
+    per microbatch; HSDP adds one cross-group all-reduce of the local shard per step, host
+    sharding one cross-host all-reduce of the host-local shard. The gradients leave in the
+    dtype the layers computed them in (param_bytes: bf16 reduce-scatters under bf16 compute,
+    as the compiled GPU programs show), not in the float32 of the master weights."""
+    tokens_per_device = layout.tokens_per_device
     all_params = shape.num_params * param_bytes
     strategy = PARAM_SHARDINGS.get(param_sharding)
     shard_group = strategy.shard_devices(layout)
-    shard_share = 0.0 if strategy.per_host else _remote_share(shard_group, dph)
+    shard_share = 0.0 if strategy.per_host else _remote_share(shard_group, layout.devices_per_host)
     gathered = all_params
     if vocab_parallel(shape, param_sharding, shard_group, tokens_per_device):
         # models.vocab_parallel: the embedding and LM head stay where they are stored; the
@@ -377,66 +402,61 @@ def predict(
         collective_traffic("all-gather", gathered, shard_group, shard_share).scale(2)
         + collective_traffic("reduce-scatter", gathered, shard_group, shard_share)
     )
-    params = per_micro.scale(grad_accum) + _gradient_sync(strategy.sync, layout, all_params)
+    return per_micro.scale(grad_accum) + _gradient_sync(strategy.sync, layout, all_params)
 
-    attention_flops = shape.attention_flops_per_token(seq_len) * q_heads / shape.num_heads
+
+def _compute_seconds(shape: ModelShape, layout: Layout, hw: Hardware, grad_accum: int) -> float:
+    """The step's training FLOPs on one device (padded heads computed too) at hw's efficiency."""
+    q_heads, _ = layout.exchanged_heads
+    attention_flops = shape.attention_flops_per_token(layout.seq_len) * q_heads / shape.num_heads
     if layout.ring > 1 and not layout.zigzag:
         # Contiguous causal chunks: each ring step waits for the busiest rank (zig-zag order
         # gives every rank the same causal work).
         attention_flops *= 2 - 1 / layout.ring
-    flops = (shape.dense_flops_per_token() + attention_flops) * tokens_per_device * grad_accum
-    compute_s = flops / (hw.peak_flops * hw.efficiency)
-    a2a_s, params_s = a2a.time(hw), params.time(hw) * (1 - overlap)
+    flops = ((shape.dense_flops_per_token() + attention_flops) * layout.tokens_per_device
+             * grad_accum)
+    return flops / (hw.peak_flops * hw.efficiency)
 
-    memory = memory_bytes(shape, tokens_per_device, shard_group, q_heads=q_heads,
-                          kv_heads=kv_heads, remat=remat, act_bytes=act_bytes,
-                          master_bytes=master_bytes, moment_bytes=moment_bytes,
-                          tile_tokens=tile_tokens, ring=layout.ring, zigzag=layout.zigzag,
-                          offload_state=offload_state)
-    host = host_memory_bytes(shape, tokens_per_device, q_heads=q_heads, kv_heads=kv_heads,
-                             remat=remat, act_bytes=act_bytes) * grad_accum
+
+def _host_traffic(shape: ModelShape, layout: Layout, shard_group: int, hw: Hardware, *,
+                  remat: str, act_bytes: int, grad_accum: int, master_bytes: int,
+                  moment_bytes: int | None, offload_state: bool) -> tuple[float, float]:
+    """(pinned host bytes per device, seconds of copies to and from it per step): the offload
+    policy's residuals, and with offload_state the optimizer state streamed through."""
+    q_heads, kv_heads = layout.exchanged_heads
+    host = host_memory_bytes(shape, layout.tokens_per_device, q_heads=q_heads,
+                             kv_heads=kv_heads, remat=remat, act_bytes=act_bytes) * grad_accum
     host_s = 2 * host / hw.host_bw  # to the host forward, back backward (no overlap assumed)
     if offload_state:
         state = shape.num_params * state_bytes_per_param(master_bytes, moment_bytes) / shard_group
         host += state
         # master weights in forward and backward, then every state read and written by the update
         host_s += (2 * shape.num_params * master_bytes / shard_group + 2 * state) / hw.host_bw
-    return Prediction(layout, param_sharding, a2a, params, compute_s, a2a_s, params_s,
-                      compute_s + a2a_s + params_s + host_s, memory, host, host_s)
+    return host, host_s
 
 
-# Values per token per layer that the backward pass keeps on the device, in units of the compute
-# dtype, by rematerialisation policy (models.REMAT_POLICIES). "full" and "dots" keep attention's
-# exchanged q, k, v and output (basp_jax.remat) and the layer input, "dots" every projection too;
-# the offload policies keep nothing on the device (it waits in host memory: _offloaded_per_token).
+def _tensor_widths(shape: ModelShape, q_heads: int, kv_heads: int) -> dict[str, float]:
+    """Values per token per layer of each tensor a remat policy may keep (basp_jax.remat.TENSORS),
+    in units of the compute dtype, with the exchanged (padded, replicated) heads."""
+    hd, hidden, inter = shape.head_dim, shape.hidden_size, shape.intermediate_size
+    return {"input": hidden,
+            "exchanged": (2 * q_heads + 2 * kv_heads) * hd,
+            "projections": (q_heads + 2 * kv_heads) * hd + 2 * hidden + 3 * inter,
+            "elementwise": 2 * hidden + 2 * inter}
+
+
 def _saved_per_token(shape: ModelShape, remat: str, q_heads: int, kv_heads: int) -> float:
-    exchanged = (2 * q_heads + 2 * kv_heads) * shape.head_dim
-    if remat in OFFLOAD_POLICIES:
-        return 0.0
-    if remat == "full":
-        return shape.hidden_size + exchanged
-    projections = (q_heads + 2 * kv_heads) * shape.head_dim + 2 * shape.hidden_size \
-        + 3 * shape.intermediate_size
-    if remat == "dots":
-        return shape.hidden_size + exchanged + projections
-    if remat == "none":  # also the norms' and SwiGLU's elementwise results
-        return 3 * shape.hidden_size + exchanged + projections + 2 * shape.intermediate_size
-    raise ValueError(f"unknown remat {remat!r}; use one of none, full, dots, "
-                     f"{', '.join(OFFLOAD_POLICIES)}")
-
-
-# The policies that park each layer's residuals in pinned host memory (basp_jax.remat).
-OFFLOAD_POLICIES = ("offload", "offload_exchanges")
+    """Values per token per layer the backward pass keeps on the device under a remat policy
+    (basp_jax.remat.REMAT_POLICIES: its `saves`; the offload policies keep nothing there)."""
+    widths = _tensor_widths(shape, q_heads, kv_heads)
+    return sum(widths[t] for t in REMAT_POLICIES.get(remat).saves)
 
 
 def _offloaded_per_token(shape: ModelShape, remat: str, q_heads: int, kv_heads: int) -> float:
-    """Values per token per layer in host memory: the layer input, and with
-    offload_exchanges attention's exchanged q, k, v and output."""
-    if remat == "offload":
-        return shape.hidden_size
-    if remat == "offload_exchanges":
-        return shape.hidden_size + (2 * q_heads + 2 * kv_heads) * shape.head_dim
-    return 0.0
+    """Values per token per layer in host memory (the policy's `offloads`): the layer input,
+    and with offload_exchanges attention's exchanged q, k, v and output."""
+    widths = _tensor_widths(shape, q_heads, kv_heads)
+    return sum(widths[t] for t in REMAT_POLICIES.get(remat).offloads)
 
 
 def host_memory_bytes(shape: ModelShape, tokens_per_device: float, *, q_heads: int,
@@ -555,11 +575,13 @@ def candidates(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
     out = []
     # each group count once, with the fewest pad rows that make the rows divisible by it (more
     # would only add masked work): one split per divisor, however large max_pad_rows is
-    splits = sorted((-batch % g, g) for g in _divisors(num_devices) if -batch % g <= max_pad_rows)
+    # (the group counts of the modes the planner may pick: basp_jax.layout.MODES)
+    splits = sorted((-batch % g, g) for g in _divisors(num_devices)
+                    if -batch % g <= max_pad_rows and auto_mode(g) is not None)
     for pad, g in splits:
         layouts = _ring_splits(shape, num_devices=num_devices, batch=batch, seq_len=seq_len,
                                groups=g, devices_per_host=devices_per_host, pad_rows=pad,
-                               zigzag=zigzag)
+                               zigzag=zigzag, mode=auto_mode(g))
         for layout in layouts:
             for sharding in _shardings(layout):
                 out.append((layout, sharding))

@@ -94,8 +94,7 @@ def impl_names() -> tuple[str, ...]:
 
 def describe() -> str:
     """The choices as the config reference lists them: 'auto (...), xla, cudnn (GPU, ...), ...'."""
-    docs = [(AUTO, AUTO_DOC)] + [(name, k.doc) for name, k in KERNELS.items()]
-    return ", ".join(f"{name} ({doc})" if doc else name for name, doc in docs)
+    return KERNELS.describe((AUTO, AUTO_DOC))
 
 
 def _segment_mask(segment_ids: jax.Array | None) -> jax.Array | None:

@@ -21,7 +21,47 @@ import math
 
 import numpy as np
 
-MODES = ("basp", "ulysses")
+from .registry import Registry
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """A way to choose the split: `groups` fixes the group count (None: any that divides both the
+    batch and the devices, gcd(batch, devices) by default); auto: whether the planner
+    (basp_jax.cost, parallel.mode=auto) may plan layouts under it; doc: what the config reference
+    says of it."""
+
+    groups: int | None
+    doc: str
+    auto: bool = True
+
+    def allows(self, groups: int) -> bool:
+        return self.groups is None or groups == self.groups
+
+
+# Layout.plan's `mode`, parallel.mode (which adds "auto": the planner picks among the modes it may)
+MODES: Registry[Mode] = Registry("parallel mode")
+MODES.register("basp", Mode(None, "one group per sequence where the batch allows: groups = "
+                                  "gcd(microbatch, devices), each all-to-all inside its group"))
+MODES.register("ulysses", Mode(1, "one group: every all-to-all spans all devices"))
+
+
+def mode_of(groups: int) -> str:
+    """The mode a split into `groups` groups reads as: the one that fixes that count (1:
+    ulysses), else the first that takes any."""
+    fixed = [name for name, m in MODES.items() if m.groups == groups]
+    return fixed[0] if fixed else _free_mode()
+
+
+def auto_mode(groups: int) -> str | None:
+    """The mode the planner plans a split into `groups` groups under: the first it may pick
+    (Mode.auto) that allows the count; None: the planner does not try that split."""
+    return next((name for name, m in MODES.items() if m.auto and m.allows(groups)), None)
+
+
+def _free_mode() -> str:
+    """The first mode that takes any group count (basp)."""
+    return next(name for name, m in MODES.items() if m.groups is None)
 
 
 class LayoutError(ValueError):
@@ -92,19 +132,21 @@ def zigzag_order(seq_len: int, ring: int) -> np.ndarray:
 
 def _groups(num_devices: int, batch: int, devices_per_host: int, mode: str,
             groups: int | None) -> int:
-    """The group count Layout.plan takes: `groups` checked, or gcd(batch, devices) for basp and 1
-    for ulysses."""
+    """The group count Layout.plan takes: `groups` checked, or the mode's (MODES: gcd(batch,
+    devices) for basp, 1 for ulysses)."""
     if mode not in MODES:
-        raise LayoutError(f"unknown parallel mode {mode!r}; use one of {', '.join(MODES)}")
+        raise LayoutError(MODES.unknown(mode))
+    fixed = MODES.get(mode).groups
     if num_devices % devices_per_host:
         raise LayoutError(
             f"devices_per_host={devices_per_host} does not divide num_devices={num_devices}; "
             f"every host must hold the same number of devices (one of {_divisors(num_devices)})"
         )
     if groups is None:
-        return 1 if mode == "ulysses" else math.gcd(batch, num_devices)
-    if mode == "ulysses" and groups != 1:
-        raise LayoutError(f"mode='ulysses' means groups=1, got groups={groups}; use mode='basp'")
+        return math.gcd(batch, num_devices) if fixed is None else fixed
+    if fixed is not None and groups != fixed:
+        raise LayoutError(f"mode={mode!r} means groups={fixed}, got groups={groups}; use "
+                          f"mode={_free_mode()!r}")
     if num_devices % groups:
         raise LayoutError(
             f"groups={groups} does not divide num_devices={num_devices}; "

@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from .cost import HARDWARE, MODEL_SHAPES, Prediction, default_pad_rows, plan_table
+from .remat import REMAT_POLICIES
 
 GB = 1e9
 # The largest value of each integer flag: far beyond any real run, small enough that every
@@ -54,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-pad-rows", type=int, default=None,
                         help="masked rows the microbatch may be padded with to form more groups "
                              "(default: enough for the next batch size with more groups)")
-    parser.add_argument("--remat", default="full", choices=("full", "dots", "none"),
+    # the policies that keep everything on the device: the table has no host memory column
+    parser.add_argument("--remat", default="full",
+                        choices=[name for name, p in REMAT_POLICIES.items() if not p.offloads],
                         help="the rematerialisation policy, for the memory column (model.remat)")
     parser.add_argument("--overlap", type=float, default=0.0,
                         help="share of parameter collectives hidden behind compute (0..1)")

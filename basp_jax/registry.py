@@ -39,6 +39,12 @@ class Registry(Generic[T]):
         """The one-line error for a name that is not registered (callers raise their own type)."""
         return f"unknown {self.what} {name!r}; use one of {', '.join(self._entries)}"
 
+    def describe(self, *first: tuple[str, str]) -> str:
+        """The choices as the config reference lists them: 'name (doc), name, ...', the (name,
+        doc) pairs of `first` (e.g. "auto") before the entries (their `doc`, "" for none)."""
+        docs = [*first, *((name, getattr(e, "doc", "")) for name, e in self._entries.items())]
+        return ", ".join(f"{name} ({doc})" if doc else name for name, doc in docs)
+
     def names(self) -> tuple[str, ...]:
         return tuple(self._entries)
 

@@ -12,12 +12,22 @@ input (`name_layer_input`, the first thing its layer does with it; every later u
 tagged value) can move them to pinned host memory between the forward and the backward pass
 (`offload_layer_inputs`): the device then holds one layer's working set, the host
 num_layers x tokens x hidden values (and the exchanges too with `exchanges=True`).
+
+REMAT_POLICIES names every policy a model may run under (models.RunOptions.remat, the config's
+model.remat) with what basp_jax.cost needs of it: the per-token tensors each layer keeps on the
+device and in host memory (TENSORS), and whether the planner's model.remat=auto may choose it.
+A new policy is one entry here.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 from jax.ad_checkpoint import checkpoint_name
+
+from .registry import Registry
 
 EXCHANGE_NAME = "basp_exchange"
 LAYER_INPUT_NAME = "basp_layer_input"
@@ -54,3 +64,70 @@ def offload_layer_inputs(*, exchanges: bool):
     return jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=[], names_which_can_be_offloaded=names,
         offload_src="device", offload_dst=HOST_MEMORY)
+
+
+# The per-token tensors of one decoder layer that a policy may keep for the backward pass;
+# basp_jax.cost gives each its width (values per token, in the compute dtype):
+#   input        the layer's input (hidden)
+#   exchanged    attention's q, k, v and output in the head layout, the exchanges' results
+#   projections  the other projections' outputs: q, k, v before the exchange, the attention and
+#                MLP inputs and the MLP's three (the dots a "dots" policy saves)
+#   elementwise  the norms' and SwiGLU's elementwise results
+TENSORS = ("input", "exchanged", "projections", "elementwise")
+
+
+@dataclasses.dataclass(frozen=True)
+class RematPolicy:
+    """A rematerialisation policy: the jax.checkpoint policy (None: no rematerialisation, the
+    layer is not wrapped), which TENSORS each layer keeps on the device (`saves`) and in pinned
+    host memory (`offloads`), auto_rank: its place in the order model.remat=auto tries (None:
+    never chosen; the last is the leanest, the planner's fallback when nothing fits), and doc:
+    what the config reference says of it."""
+
+    policy: Any
+    saves: tuple[str, ...]
+    offloads: tuple[str, ...] = ()
+    auto_rank: int | None = None
+    doc: str = ""
+
+    def __post_init__(self):
+        for kind in (*self.saves, *self.offloads):
+            if kind not in TENSORS:
+                raise ValueError(f"unknown remat tensor {kind!r}; use one of {', '.join(TENSORS)}")
+
+    @property
+    def repeats_exchanges(self) -> bool:
+        """Whether the backward pass repeats the all-to-alls (12 per layer, not 8): when the
+        exchanges' results are kept neither on the device nor on the host."""
+        return "exchanged" not in self.saves + self.offloads
+
+
+# Every policy keeps the outputs of attention's exchanges (save_exchanges) or offloads them,
+# except "offload": the backward pass never repeats the all-to-alls BASP exists to cut unless
+# the policy says so. The price: per layer q, k, v in the head layout and the attention output.
+REMAT_POLICIES: Registry[RematPolicy] = Registry("remat policy")
+REMAT_POLICIES.register("none", RematPolicy(None, TENSORS, doc="keep everything"))
+REMAT_POLICIES.register("full", RematPolicy(
+    save_exchanges(), ("input", "exchanged"), auto_rank=0,
+    doc="recompute each layer, keeping its input and the all-to-alls' outputs on the device"))
+# Save the projections (dots without batch dims); recompute attention scores and elementwise ops.
+REMAT_POLICIES.register("dots", RematPolicy(
+    save_exchanges(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+    ("input", "exchanged", "projections"), doc="as full, keeping the projections too"))
+# Long sequences: each layer's input waits in pinned host memory for the backward pass, which
+# recomputes the layer from it (the device holds about one layer's activations). "offload"
+# repeats the layer's all-to-alls backward (12 per layer); "offload_exchanges" offloads their
+# outputs too (8 per layer, ~3.5x the host memory for Llama-3.1-8B).
+REMAT_POLICIES.register("offload", RematPolicy(
+    offload_layer_inputs(exchanges=False), (), ("input",), auto_rank=2,
+    doc="each layer's input in pinned host memory; the all-to-alls repeat backward"))
+REMAT_POLICIES.register("offload_exchanges", RematPolicy(
+    offload_layer_inputs(exchanges=True), (), ("input", "exchanged"), auto_rank=1,
+    doc="as offload, the all-to-alls' outputs offloaded too"))
+
+
+def auto_policies() -> tuple[str, ...]:
+    """The policies model.remat=auto tries, in its order (the leanest last)."""
+    ranked = sorted((p.auto_rank, name) for name, p in REMAT_POLICIES.items()
+                    if p.auto_rank is not None)
+    return tuple(name for _, name in ranked)

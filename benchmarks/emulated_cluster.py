@@ -215,13 +215,14 @@ def main() -> None:
                              "baseline")
     args = parser.parse_args()
     names = [name.strip() for name in args.setups.split(",")]
-    from basp_jax.sharding import PARAM_SHARDINGS  # (imports JAX: only once the flags are read)
+    from basp_jax.layout import MODES  # (imports JAX: only once the flags are read)
+    from basp_jax.sharding import PARAM_SHARDINGS
 
-    unknown = [name for name in names if parse_setup(name)[0] not in ("ulysses", "basp")
+    unknown = [name for name in names if parse_setup(name)[0] not in MODES
                or parse_setup(name)[2] not in PARAM_SHARDINGS]
     if unknown:
         parser.error(f"unknown setup(s) {', '.join(unknown)}; use MODE[@ringR]+SHARDING with MODE "
-                     f"ulysses or basp and SHARDING one of {', '.join(PARAM_SHARDINGS)}")
+                     f"one of {', '.join(MODES)} and SHARDING one of {', '.join(PARAM_SHARDINGS)}")
     require_root()
     rates = [None if r.strip().lower() == "none" else float(r) for r in args.rates.split(",")]
     out = Path(args.out)

@@ -14,7 +14,6 @@ import dataclasses
 import functools
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
@@ -22,28 +21,11 @@ import basp_jax
 from basp_jax import Layout
 from basp_jax import kernels as basp_kernels
 from basp_jax.mesh import layout_on
-from basp_jax.remat import offload_layer_inputs, save_exchanges
+from basp_jax.remat import REMAT_POLICIES
 from basp_jax.sharding import PARAM_SHARDINGS, ShardingRules
 
 from . import vocab_parallel
 from .config import ModelConfig, ModelError
-
-# Every policy also saves the outputs of attention's exchanges (basp_jax.remat.save_exchanges): the
-# backward pass never repeats the all-to-alls BASP exists to cut (8 per layer, as basp_jax.cost
-# counts, instead of 12). The price: per layer q, k, v in the head layout and the attention output.
-REMAT_POLICIES = {
-    "none": None,
-    "full": save_exchanges(),
-    # Save the projections (dots without batch dims); recompute attention scores and elementwise ops.
-    "dots": save_exchanges(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
-    # Long sequences: each layer's input waits in pinned host memory for the backward pass, which
-    # recomputes the layer from it (the device holds about one layer's activations). "offload"
-    # repeats the layer's all-to-alls backward (12 per layer); "offload_exchanges" offloads their
-    # outputs too (8 per layer, ~3.5x the host memory for Llama-3.1-8B).
-    "offload": offload_layer_inputs(exchanges=False),
-    "offload_exchanges": offload_layer_inputs(exchanges=True),
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
@@ -54,7 +36,7 @@ class RunOptions:
         plain split); with layout.zigzag, tokens come in layout.token_order.
     dtype / param_dtype: compute and storage dtypes.
     attn_impl: the attention kernel ("auto" or one of basp_jax.kernels.KERNELS).
-    remat: the rematerialisation policy (REMAT_POLICIES).
+    remat: the rematerialisation policy (basp_jax.remat.REMAT_POLICIES).
     tile_tokens: run each layer's token-local work (norms, projections, RoPE, MLP, residual
         adds) over chunks of at most this many tokens per device, each rematerialised
         (models.tiling): no [tokens, intermediate] or other per-token temporary of a whole shard
@@ -126,7 +108,8 @@ class RunOptions:
 
     @property
     def remat_policy(self):
-        return REMAT_POLICIES[self.remat]
+        """The jax.checkpoint policy (None: the layers are not rematerialised)."""
+        return REMAT_POLICIES.get(self.remat).policy
 
     def layout_for(self, config: ModelConfig, batch: int, seq_len: int) -> Layout | None:
         """The Layout that runs [batch, seq_len] tokens of `config` on the mesh (None without

@@ -151,7 +151,7 @@ class Transformer(nnx.Module):
         """Final normalised hidden states [B, S, hidden] in the compute dtype. (_table: the
         embedding's per-host copies when the loss shares them, models.layers.host_copies.)"""
         x, positions, segment_ids = self.embed_inputs(tokens, segment_ids, positions, _table)
-        remat = self.options.remat != "none"
+        remat = self.options.remat_policy is not None  # (remat="none": not wrapped)
         if self.options.scan_layers:
             graphdef, stacked = nnx.split(self.layers)
 

@@ -15,10 +15,16 @@ import dataclasses
 from typing import Callable
 
 from basp_jax import kernels
+from basp_jax.layout import MODES
+from basp_jax.remat import REMAT_POLICIES
 from basp_jax.sharding import PARAM_SHARDINGS
-from models.options import REMAT_POLICIES
 
 from .config import Config, ConfigError
+
+
+AUTO_MODE_DOC = "the planner's fastest predicted layout for parallel.hardware"
+AUTO_REMAT_DOC = ("the planner's fastest that fits parallel.hardware's device and host memory, "
+                  "with model.tile_tokens=4096 where nothing untiled fits")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,10 +34,15 @@ class Choice:
 
 
 CHOICES = {
+    # auto: train.planning.plan
+    "parallel.mode": Choice(lambda: (*MODES, "auto"),
+                            lambda: MODES.describe() + f", auto ({AUTO_MODE_DOC})"),
     "model.attn_impl": Choice(kernels.impl_names, kernels.describe),
     # auto: train.planning's pick
     "parallel.param_sharding": Choice(lambda: ("auto", *PARAM_SHARDINGS.names())),
-    "model.remat": Choice(lambda: (*REMAT_POLICIES, "auto")),  # auto: train.planning.memory_policy
+    # auto: train.planning.memory_policy
+    "model.remat": Choice(lambda: (*REMAT_POLICIES, "auto"),
+                          lambda: REMAT_POLICIES.describe() + f", auto ({AUTO_REMAT_DOC})"),
 }
 
 

@@ -19,8 +19,15 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from . import config_tree, paths
+from . import config_tree, dtypes, paths
 from .errors import ConfigError  # noqa: F401 (train.config.ConfigError, as callers import it)
+
+
+# dtype keys take train.dtypes' names: model.dtype and checkpoint.export_dtype any (model.dtype
+# also auto), model.param_dtype and optimizer.mu_dtype those that store parameters
+ComputeDtype = Literal[dtypes.COMPUTE]
+ComputeDtypeOrAuto = Literal[(*dtypes.COMPUTE, "auto")]
+StorageDtype = Literal[dtypes.STORAGE]
 
 
 # seeds key numpy's and JAX's generators: a non-negative 32-bit integer fits both everywhere
@@ -63,10 +70,10 @@ class ModelSection:
     shape: dict = dataclasses.field(default_factory=dict)  # ModelConfig field overrides
     # compute dtype (float16: with dynamic loss scaling); auto: bfloat16 on a GPU with bf16 tensor
     # cores (sm80 on), float16 on one with fp16 ones only (T4), else float32 (CPU)
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: ComputeDtypeOrAuto = "float32"
+    param_dtype: StorageDtype = "float32"
     attn_impl: str = "auto"  # attention kernel (the choices: basp_jax.kernels.KERNELS)
-    remat: str = "none"
+    remat: str = "none"  # recompute in the backward pass (the choices: basp_jax.remat.REMAT_POLICIES)
     # each layer's norms, projections and MLP over chunks of at most this many tokens per device
     # (long sequences: no [tokens, intermediate] buffer of a whole shard); null: the whole shard
     tile_tokens: Optional[int] = None
@@ -206,7 +213,7 @@ class OptimizerConfig:
     clip_norm: Optional[float] = 1.0  # global gradient norm clip; null disables
     # dtype of Adam's first moment: null keeps model.param_dtype; bfloat16 halves its memory
     # (second moment and master weights stay in param_dtype)
-    mu_dtype: Optional[Literal["float32", "bfloat16"]] = None
+    mu_dtype: Optional[StorageDtype] = None
     # master weights and optimizer state in pinned host memory, streamed through the device a
     # layer at a time (train.streamed): for a model whose state does not fit beside its
     # activations (an 8B model on one GPU); auto: only where the ordinary step's planned memory
@@ -236,7 +243,8 @@ class OptimizerConfig:
 
 @dataclasses.dataclass
 class ParallelConfig:
-    mode: Optional[Literal["basp", "ulysses", "auto"]] = None  # required; auto: the planner picks
+    # required; how the devices split each microbatch (the choices: basp_jax.layout.MODES)
+    mode: Optional[str] = None
     groups: Optional[int] = None  # force a group count (basp); default gcd(microbatch, devices)
     devices_per_host: Optional[int] = None  # default: devices per process
     # auto: host (parameters sharded inside each host) where it fits in memory, else fsdp (the
@@ -249,7 +257,8 @@ class ParallelConfig:
     zigzag: bool = True  # with ring > 1: zig-zag token order, balancing the causal ring work
 
     def require(self) -> None:
-        _require("parallel.mode", self.mode, "basp, ulysses or auto")
+        _require("parallel.mode", self.mode, "auto or a layout mode (basp_jax.layout.MODES, "
+                 "listed in configs/README.md)")
 
     def validate(self) -> None:
         if self.mode == "auto" and (self.groups is not None or self.ring != 1 or self.pad_heads):
@@ -275,7 +284,7 @@ class CheckpointConfig:
     resume: bool = True  # continue from the latest checkpoint in run.dir/checkpoints
     export_hf: Optional[str] = None  # write final weights as HF safetensors to this directory
     # the export's tensor dtype (null: the parameters', model.param_dtype)
-    export_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
+    export_dtype: Optional[ComputeDtype] = None
     # keys a resume may find changed on purpose (e.g. optimizer.lr,train.steps; model.shape.*
     # for all of model.shape), logged and recorded in metrics.jsonl; any other change of a key
     # that alters the run (train/resume.py RULES) is refused

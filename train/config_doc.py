@@ -35,12 +35,6 @@ COMMAND = "python -m train.config_doc --write configs/README.md"
 EXTRA_MEANINGS = {
     "run.seed": "initialisation and data order; 0 to 2**32 - 1",
     "model.param_dtype": "storage dtype of the parameters",
-    "model.remat": "recompute in the backward pass: none, full, dots (keep the projections), "
-                   "offload (each layer's input in pinned host memory; the all-to-alls repeat "
-                   "backward), offload_exchanges (the all-to-alls' outputs offloaded too); "
-                   "full and dots keep the all-to-all outputs on the device, so none is repeated; "
-                   "auto: the planner's fastest that fits parallel.hardware's device and host "
-                   "memory (with model.tile_tokens=4096 where nothing untiled fits)",
     "data.source": "synthetic (a learnable Markov chain, generated), tokens (a token id file), "
                    "text or jsonl (documents, tokenized with data.tokenizer)",
     "data.seq_len": "tokens per row",

@@ -16,7 +16,8 @@ import models
 
 from .config import Config, ConfigError
 from .config_tree import coerce, yaml_load
-from .step import DTYPES, compute_dtype
+from . import dtypes
+from .step import compute_dtype
 
 
 def model_config(cfg: Config) -> "models.ModelConfig":
@@ -49,8 +50,8 @@ def model_options(cfg: Config, plan=None, *,
     m = cfg.model
     device = plan.mesh.devices.flat[0] if plan is not None else jax.devices()[0]
     # without a plan (one device, shapes only) model.remat=auto means no rematerialisation
-    fields = dict(dtype=DTYPES[compute_dtype(dtype or m.dtype, device)],
-                  param_dtype=DTYPES[m.param_dtype],
+    fields = dict(dtype=dtypes.jnp_dtype(compute_dtype(dtype or m.dtype, device)),
+                  param_dtype=dtypes.jnp_dtype(m.param_dtype),
                   attn_impl=m.attn_impl, remat="none" if m.remat == "auto" else m.remat,
                   tile_tokens=m.tile_tokens, vocab_parallel=m.vocab_parallel,
                   scan_layers=m.scan_layers)

@@ -18,8 +18,10 @@ import os
 
 from basp_jax import Layout
 from basp_jax import cost
+from basp_jax.remat import auto_policies
 from basp_jax.sharding import PARAM_SHARDINGS
 
+from . import dtypes
 from .config import Config, ConfigError, replace
 
 
@@ -42,9 +44,9 @@ def hardware(cfg: Config, devices_per_host: int) -> cost.Hardware:
 def state_bytes(cfg: Config) -> dict[str, int]:
     """Bytes per value of the master parameters and of Adam's first moment, for cost.predict
     and cost.memory_terms."""
-    master = 2 if cfg.model.param_dtype == "bfloat16" else 4
-    return {"master_bytes": master,
-            "moment_bytes": {"bfloat16": 2, "float32": 4}.get(cfg.optimizer.mu_dtype, master),
+    master = dtypes.nbytes(cfg.model.param_dtype)
+    mu = cfg.optimizer.mu_dtype
+    return {"master_bytes": master, "moment_bytes": master if mu is None else dtypes.nbytes(mu),
             "offload_state": cfg.optimizer.offload is True}
 
 
@@ -149,8 +151,9 @@ def device_memory(device) -> float | None:
     return available / jax.local_device_count()
 
 
-# model.remat=auto: the policies tried, and the chunk size tried when no untiled one fits
-AUTO_REMAT = ("full", "offload_exchanges", "offload")
+# model.remat=auto: the policies tried (basp_jax.remat.REMAT_POLICIES' `auto` order, the leanest
+# last), and the chunk size tried when no untiled one fits
+AUTO_REMAT = auto_policies()
 AUTO_TILE_TOKENS = 4096
 
 
@@ -193,7 +196,7 @@ def _compute_dtype(cfg: Config) -> str:
 
 
 def _act_bytes(cfg: Config) -> int:
-    return 2 if _compute_dtype(cfg) in ("bfloat16", "float16") else 4
+    return dtypes.nbytes(_compute_dtype(cfg))
 
 
 def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,

@@ -19,7 +19,7 @@ import models
 from basp_jax import Layout
 from basp_jax import kernels as basp_kernels
 
-from . import choices, evaluate, planning, resume, runtime, streamed, writers
+from . import choices, dtypes, evaluate, planning, resume, runtime, streamed, writers
 from .checkpoint import Checkpointer, checkpoint_dir, complete_steps, inspect_latest
 from .config import Config, ConfigError, replace
 from .data import Pipeline
@@ -28,7 +28,7 @@ from .metrics import peak_flops
 from .model_setup import model_config, model_options
 from .outputs import check_output_paths
 from .program import RunPlan, TrainProgram, abstract_state, build_program, model_factory, plan_run
-from .step import (DTYPES, build_model, compute_dtype, from_module, init_opt_state,
+from .step import (build_model, compute_dtype, from_module, init_opt_state,
                    loss_scaling, make_optimizer)
 
 
@@ -79,7 +79,7 @@ def check_kernel(cfg: Config, device) -> None:
     or, in f16, a GPU (basp_jax.kernels); refused here, before anything compiles (the compiler's
     own error is a page of traceback)."""
     impl, platform = cfg.model.attn_impl, device.platform
-    dtype = DTYPES[compute_dtype(cfg.model.dtype, device)]
+    dtype = dtypes.jnp_dtype(compute_dtype(cfg.model.dtype, device))
     if platform != "gpu" and basp_kernels.kernel_unsupported(impl, "gpu", None) is None \
             and basp_kernels.kernel_unsupported(impl, platform, None):  # a GPU-only kernel
         runs = [f"auto ({impl} where it applies)"] + [

@@ -22,10 +22,10 @@ import models
 from basp_jax import Layout, make_mesh
 from basp_jax.sharding import ShardingRules, abstract_arrays
 
-from . import planning, streamed
+from . import dtypes, planning, streamed
 from .model_setup import model_config, model_options
 from .config import Config
-from .step import (DTYPES, build_model, compute_dtype, loss_scaling, make_optimizer,
+from .step import (build_model, compute_dtype, loss_scaling, make_optimizer,
                    make_train_step, opt_state_shardings)
 
 
@@ -118,7 +118,8 @@ def build_program(cfg: Config, plan: RunPlan, parts) -> TrainProgram:
         step_fn, batch_sharding = streamed.make_streamed_train_step(
             parts, tx, schedule, plan.mesh, param_sh, opt_sh, loss_fn=models.causal_lm_loss,
             packed=cfg.data.pack, clip_norm=cfg.optimizer.clip_norm,
-            grad_dtype=DTYPES[compute_dtype(cfg.model.dtype, plan.mesh.devices.flat[0])])
+            grad_dtype=dtypes.jnp_dtype(
+                compute_dtype(cfg.model.dtype, plan.mesh.devices.flat[0])))
     else:
         step_fn, batch_sharding = make_train_step(
             parts, tx, schedule, plan.mesh, param_sh, opt_sh,

@@ -32,7 +32,6 @@ from .config import OptimizerConfig
 
 BATCH_SPEC = activation_spec(None, "batch", "sequence")  # [accum, B, S]
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # fp16 tensor cores: Volta (sm70) and Turing (sm75, the T4) have them, bf16 ones come with sm80
 FP16_MIN_CC = (7, 0)
 

@@ -1,0 +1,42 @@
+"""The floating-point dtypes the config names, defined once; no JAX import (train/config.py reads
+this before JAX starts).
+
+    DTYPES["bfloat16"].bytes    # 2
+    COMPUTE                     # model.dtype (with "auto") and checkpoint.export_dtype
+    STORAGE                     # model.param_dtype and optimizer.mu_dtype: float32, bfloat16
+    jnp_dtype("bfloat16")       # jnp.bfloat16 (imports JAX)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Dtype:
+    """bytes: per value; storage: whether parameters and Adam's moments may be kept in it (float16
+    only computes, with dynamic loss scaling: its range is too narrow for the weights' updates)."""
+
+    bytes: int
+    storage: bool = True
+
+
+DTYPES = {
+    "float32": Dtype(4),
+    "bfloat16": Dtype(2),
+    "float16": Dtype(2, storage=False),
+}
+COMPUTE = tuple(DTYPES)
+STORAGE = tuple(name for name, d in DTYPES.items() if d.storage)
+
+
+def nbytes(name: str) -> int:
+    return DTYPES[name].bytes
+
+
+def jnp_dtype(name: str):
+    """The JAX dtype of a name of DTYPES (jnp.bfloat16, ...)."""
+    import jax.numpy as jnp
+
+    DTYPES[name]  # only the listed ones (a KeyError names it)
+    return getattr(jnp, name)
