@@ -202,7 +202,10 @@ def _excepthook(args) -> None:
     for tb in list(_watched):
         ours = args.thread in tb.threads or (tb.before is not None and
                                              args.thread not in tb.before)
-        if ours and isinstance(args.exc_value, OSError):
+        # After a disk error the writer is abandoned to its daemon threads; whatever they raise
+        # next (at exit its queue is closed under them) follows from that error, which the
+        # trainer has reported in one line: no traceback (CI once printed a half one at exit).
+        if ours and (isinstance(args.exc_value, OSError) or tb.error is not None):
             tb.error = tb.error or args.exc_value
             return
     _excepthook.previous(args)
