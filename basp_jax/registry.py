@@ -56,6 +56,3 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
