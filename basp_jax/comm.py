@@ -199,7 +199,7 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Col
         if kind == "reduce-scatter" and not operands:
             total *= n  # the result is one shard of the reduced buffer
         # XLA's combiners may merge arrays of several dtypes into one collective (with the GPU
-        # defaults of train.gpu_defaults, a layer's s32 positions ride with its bf16 weights):
+        # defaults of train.process.gpu_defaults, a layer's s32 positions ride with its bf16 weights):
         # it is named by the dtype that carries most of its bytes
         by_dtype: dict[str, int] = defaultdict(int)
         for dtype, b in sizes:

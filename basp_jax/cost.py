@@ -49,7 +49,7 @@ def _cluster(gpu: str, description: str, intra_bw: float, inter_bw: float,
                     host_memory_bytes=host_memory, host_bw=host_bw)
 
 
-# Named like the GPU targets of basp_jax.gpus (and python -m train.aot --target).
+# Named like the GPU targets of basp_jax.gpus (and python -m train.tools.aot --target).
 # Host memory per GPU: a DGX A100 has 1 TB for 8 GPUs, a DGX H100/H200 2 TB (the planner may
 # fill 90% of the share with pinned buffers); PCIe Gen4 x16 moves ~25 GB/s per direction, Gen5
 # ~50 GB/s (what a copy engine reaches, not the link's 32 / 64 GB/s).
@@ -140,18 +140,6 @@ class ModelShape:
     def train_flops_per_token(self, seq_len: int, causal: bool = True) -> float:
         """Training FLOPs per token: what the planner's compute time and the trainer's MFU use."""
         return self.dense_flops_per_token() + self.attention_flops_per_token(seq_len, causal)
-
-
-# Shapes of the paper's models (as in their Hugging Face config.json); models.PRESETS adds the
-# model-only fields (RoPE, norms' epsilon, token ids) to these, so each shape is written once.
-MODEL_SHAPES = {
-    "llama-3.2-1b": ModelShape(16, 2048, 8192, 32, 8, 64, 128256, tie_word_embeddings=True),
-    "llama-3.2-3b": ModelShape(28, 3072, 8192, 24, 8, 128, 128256, tie_word_embeddings=True),
-    "llama-3.1-8b": ModelShape(32, 4096, 14336, 32, 8, 128, 128256),
-    "qwen2.5-3b": ModelShape(36, 2048, 11008, 16, 2, 128, 151936, tie_word_embeddings=True,
-                             attention_bias=True),
-    "qwen3-8b": ModelShape(36, 4096, 12288, 32, 8, 128, 151936, qk_norm=True),
-}
 
 
 @dataclasses.dataclass(frozen=True)

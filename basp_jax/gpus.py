@@ -2,12 +2,12 @@
 
     gpus.GPUS["a100-40gb"].memory_bytes           # what the device reports as total memory
     gpus.target_config("h100-80gb")               # XLA's GpuTargetConfig text proto, for
-                                                  # compiling without a GPU (train.aot)
+                                                  # compiling without a GPU (train.tools.aot)
     gpus.usable_memory_bytes(gpus.GPUS["a100-40gb"])   # what JAX may take of it
     gpus.by_device_kind("NVIDIA H100 PCIe").peak_flops   # for MFU (None: not in the table)
     gpus.GPUS["t4-16gb"].bf16, gpus.GPUS["t4-16gb"].half_dtype   # False, "float16"
 
-The planner (basp_jax.cost), the compile-for-GPU command (train.aot) and the trainer's peak FLOP/s
+The planner (basp_jax.cost), the compile-for-GPU command (train.tools.aot) and the trainer's peak FLOP/s
 (MFU) read this table, so a GPU's memory and speed are written once. Every GPU has its exact
 device kind, compute capability and peak; the compile targets (TARGETS) also have what XLA needs
 to compile for them. Memory sizes are the totals the CUDA driver reports (a little less than the
@@ -45,7 +45,7 @@ class Gpu:
 
     @property
     def is_target(self) -> bool:
-        """Whether the table holds what compiling for it needs (train.aot, the planner)."""
+        """Whether the table holds what compiling for it needs (train.tools.aot, the planner)."""
         return self.sm_count is not None
 
     @property
@@ -110,7 +110,7 @@ GPUS = {
         Gpu("b200", "NVIDIA B200", 2250e12, (10, 0)),
     )
 }
-TARGETS = {name: g for name, g in GPUS.items() if g.is_target}  # what train.aot compiles for
+TARGETS = {name: g for name, g in GPUS.items() if g.is_target}  # what train.tools.aot compiles for
 _BY_KIND = {g.device_kind: g for g in GPUS.values()}
 
 # The CUDA runtime and cuDNN versions the compiled program assumes (XLA picks kernels by them).

@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import models  # noqa: E402
 from basp_jax import comm, cost  # noqa: E402
-from train.collectives import step_collectives  # noqa: E402
+from models.config import MODEL_SHAPES  # noqa: E402
+from train.tools.collectives import step_collectives  # noqa: E402
 
 DEVICES, PER_HOST = 8, 4
 MiB = 2**20
@@ -45,7 +46,7 @@ def row(name, batch, mode, strategy, layout, collectives, shape, seq_len) -> str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(cost.MODEL_SHAPES))
+    parser.add_argument("--models", default=",".join(MODEL_SHAPES))
     parser.add_argument("--batches", default="1,2,4,8")
     parser.add_argument("--seq-len", type=int, default=16384)
     parser.add_argument("--layers", type=int, default=2)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 from netns_cluster import Cluster, require_root  # noqa: E402
 
-from train.plot import bench_figure, rate_label  # noqa: E402  (one drawing for this and the CLI)
+from train.tools.plot import bench_figure, rate_label  # noqa: E402  (one drawing for this and the CLI)
 
 TRAIN_CONFIG = ROOT / "benchmarks" / "cluster_train.yaml"
 SETUPS = [("ulysses", "fsdp"), ("basp", "fsdp"), ("basp", "hsdp"), ("basp", "host"),

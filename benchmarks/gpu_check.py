@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     smoke = args.cpu_smoke
-    from train import gpu_defaults
+    from train.process import gpu_defaults
 
     if smoke:
         os.environ["JAX_PLATFORMS"] = "cpu"

@@ -1,4 +1,4 @@
-"""The shipped GPU configs compiled for a GPU cluster without a GPU (train.aot): memory per device,
+"""The shipped GPU configs compiled for a GPU cluster without a GPU (train.tools.aot): memory per device,
 attention kernel, collectives, compile time, for BASP and Ulysses with FSDP and HSDP parameters,
 next to the planner's memory formula (basp_jax.cost).
 
@@ -8,7 +8,7 @@ next to the planner's memory formula (basp_jax.cost).
                                                           # 16384 doubled until it does not
     python benchmarks/gpu_compile.py --out FILE.json --table   # the table again, from FILE.json
 
-Needs JAX's CUDA plugin (python -m train.aot --install). Each compile of an 8B step takes a
+Needs JAX's CUDA plugin (python -m train.tools.aot --install). Each compile of an 8B step takes a
 minute or two on 2 cores.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from train import aot  # noqa: E402
+from train.tools import aot  # noqa: E402
 
 MODELS = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-3b", "qwen3-8b")
 GiB, MiB = 2**30, 2**20

@@ -1,4 +1,4 @@
-"""The longest sequences: Llama-3.1-8B's train step compiled without a GPU (train.aot) for 1 to
+"""The longest sequences: Llama-3.1-8B's train step compiled without a GPU (train.tools.aot) for 1 to
 64 H100-80GB and 8 A100-40GB, with today's long-context settings (configs/gpu/llama-3.1-8b_long.yaml:
 offloaded layer inputs, tiled layers) beside the 16K config's (remat=full, nothing tiled): device
 and pinned host memory per GPU against what they may take, host copies per step, all-to-alls per
@@ -8,7 +8,7 @@ layer and between hosts, and the planner's step time.
     python benchmarks/long_context.py --out bench/long_context/results.json --table
     # --table: the compiled figures as recorded, the planner's recomputed with today's formulas
 
-Needs JAX's CUDA plugin (python -m train.aot --install); an 8B compile takes 0.5-2 minutes on
+Needs JAX's CUDA plugin (python -m train.tools.aot --install); an 8B compile takes 0.5-2 minutes on
 2 cores. What a deviceless compile cannot show: whether the copies to the host overlap compute,
 the real PCIe time, and the step time itself (the planner's is a prediction).
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from train import aot  # noqa: E402
+from train.tools import aot  # noqa: E402
 
 GiB = 2**30
 LONG = "configs/gpu/llama-3.1-8b_long.yaml"

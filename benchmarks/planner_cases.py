@@ -13,12 +13,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from basp_jax import cost  # noqa: E402
+from models.config import MODEL_SHAPES  # noqa: E402
 
 GB = 1e9
 OVERLAP = 1.0  # parameter collectives hidden behind compute (ZeRO-3 prefetch), for both sides
 SHAPES = {
-    "llama-3.1-8b (32/8 heads)": cost.MODEL_SHAPES["llama-3.1-8b"],
-    "qwen2.5-3b (16/2 heads)": cost.MODEL_SHAPES["qwen2.5-3b"],
+    "llama-3.1-8b (32/8 heads)": MODEL_SHAPES["llama-3.1-8b"],
+    "qwen2.5-3b (16/2 heads)": MODEL_SHAPES["qwen2.5-3b"],
     "qwen2.5-7b-like (28/4 heads)": cost.ModelShape(28, 3584, 18944, 28, 4, 128, 152064),
     "small (4/4 heads)": cost.ModelShape(12, 512, 2048, 4, 4, 128, 32000),
 }

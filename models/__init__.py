@@ -8,7 +8,7 @@
     models.sampler.generate(model, prompt_ids, max_new_tokens=32)     # KV-cached, one device
 """
 
-from .config import MODEL_TYPES, PRESETS, ModelConfig, ModelError
+from .config import MODEL_SHAPES, MODEL_TYPES, PRESETS, ModelConfig, ModelError
 from .hf import (
     check_pretrained,
     from_pretrained,
@@ -25,6 +25,7 @@ from .transformer import Transformer, abstract_model, build_sharded, init_model
 __all__ = [
     "MODEL_TYPES",
     "PRESETS",
+    "MODEL_SHAPES",
     "REMAT_POLICIES",
     "ModelConfig",
     "ModelError",

@@ -258,13 +258,26 @@ def _from_hf_dict(data: dict, source: str) -> ModelConfig:
         raise ModelError(f"{source}: {e}") from None
 
 
+# Shapes of the paper's models (as in their Hugging Face config.json): what the planner
+# (basp_jax.cost) is given for them; PRESETS adds the model-only fields (RoPE, norms' epsilon,
+# token ids) to these, so each shape is written once.
+MODEL_SHAPES = {
+    "llama-3.2-1b": cost.ModelShape(16, 2048, 8192, 32, 8, 64, 128256, tie_word_embeddings=True),
+    "llama-3.2-3b": cost.ModelShape(28, 3072, 8192, 24, 8, 128, 128256, tie_word_embeddings=True),
+    "llama-3.1-8b": cost.ModelShape(32, 4096, 14336, 32, 8, 128, 128256),
+    "qwen2.5-3b": cost.ModelShape(36, 2048, 11008, 16, 2, 128, 151936, tie_word_embeddings=True,
+                                  attention_bias=True),
+    "qwen3-8b": cost.ModelShape(36, 4096, 12288, 32, 8, 128, 151936, qk_norm=True),
+}
+
+
 def _llama3_rope(factor: float) -> dict:
     return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def _preset(shape: cost.ModelShape, **model_only) -> ModelConfig:
-    """A preset of one of basp_jax.cost.MODEL_SHAPES: its shape and the model-only fields."""
+    """A preset of one of MODEL_SHAPES: its shape and the model-only fields."""
     return ModelConfig(**dataclasses.asdict(shape), **model_only)
 
 
@@ -272,21 +285,21 @@ _LLAMA3 = dict(rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=1
                model_type="llama", bos_token_id=128000, eos_token_id=128001)
 
 # From the models' published config.json files: the paper's five models take their shapes from
-# basp_jax.cost.MODEL_SHAPES (which the planner reads), the others state theirs here.
+# MODEL_SHAPES (which the planner reads), the others state theirs here.
 PRESETS: dict[str, ModelConfig] = {
-    "llama-3.2-1b": _preset(cost.MODEL_SHAPES["llama-3.2-1b"], rope_scaling=_llama3_rope(32.0),
+    "llama-3.2-1b": _preset(MODEL_SHAPES["llama-3.2-1b"], rope_scaling=_llama3_rope(32.0),
                             **_LLAMA3),
-    "llama-3.2-3b": _preset(cost.MODEL_SHAPES["llama-3.2-3b"], rope_scaling=_llama3_rope(32.0),
+    "llama-3.2-3b": _preset(MODEL_SHAPES["llama-3.2-3b"], rope_scaling=_llama3_rope(32.0),
                             **_LLAMA3),
-    "llama-3.1-8b": _preset(cost.MODEL_SHAPES["llama-3.1-8b"], rope_scaling=_llama3_rope(8.0),
+    "llama-3.1-8b": _preset(MODEL_SHAPES["llama-3.1-8b"], rope_scaling=_llama3_rope(8.0),
                             **_LLAMA3),
     "qwen2.5-3b": _preset(
-        cost.MODEL_SHAPES["qwen2.5-3b"], rope_theta=1000000.0, rms_norm_eps=1e-6,
+        MODEL_SHAPES["qwen2.5-3b"], rope_theta=1000000.0, rms_norm_eps=1e-6,
         max_position_embeddings=32768, model_type="qwen2", bos_token_id=151643,
         eos_token_id=151643,
     ),
     "qwen3-8b": _preset(
-        cost.MODEL_SHAPES["qwen3-8b"], rope_theta=1000000.0, rms_norm_eps=1e-6,
+        MODEL_SHAPES["qwen3-8b"], rope_theta=1000000.0, rms_norm_eps=1e-6,
         max_position_embeddings=40960, model_type="qwen3", bos_token_id=151643,
         eos_token_id=151645,
     ),

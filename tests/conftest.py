@@ -103,7 +103,7 @@ SLOWEST_FIRST = [  # seconds of one pass on 2 busy cores (--junitxml, 2026-12-01
     "train/test_layouts.py",  # 166
     "models/test_host_sharding.py",  # 118
     "models/test_parallel.py",  # 102
-    "models/test_generate.py",  # 99
+    "train/test_generate.py",  # 99
     "train/test_long_context.py",  # 90
     "train/test_streamed.py",  # 79
     "models/test_hf.py",  # 72

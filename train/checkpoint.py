@@ -226,7 +226,7 @@ def _first_difference(found: dict, wanted: dict) -> str | None:
 
 
 # Pruned steps are first renamed into this folder of checkpoints/ (one atomic rename: a reader
-# such as models.generate sees a whole step or none, never one half deleted) and removed from there
+# such as train.tools.generate sees a whole step or none, never one half deleted) and removed from there
 # in the background. Not a step number, so no listing counts it.
 PRUNED = ".pruned"
 
@@ -286,7 +286,7 @@ class Checkpointer:
         self._start_purge()  # the steps the previous save pruned
         if self.saved and jax.process_index() == 0 and not os.path.isdir(self.directory):
             # orbax would make it anew and go on: the run's checkpoints would be gone unsaid
-            # (process 0 looks: the others may see another file system; train.peers stops them)
+            # (process 0 looks: the others may see another file system; train.process.peers stops them)
             self.failed = True
             raise save_failed(FileNotFoundError(f"{self.directory} does not exist"), self.directory)
         self.saved = True
@@ -356,7 +356,7 @@ class Checkpointer:
 PRUNE_RETRIES = 5  # a trainer prunes at most once per save: this many in one read is no race
 
 
-def _restore_newest_params(directory: str, target):
+def restore_newest_params(directory: str, target):
     """The parameters of the newest complete checkpoint in `directory`, read while a trainer may
     be saving and pruning there: a step pruned while it was read (renamed away at once, see
     PRUNED) is no error; the read starts again from the newest step then complete."""
@@ -404,36 +404,3 @@ def _quiet_abandoned_reads() -> None:
 
     hook.drops_abandoned_reads = True
     sys.unraisablehook = hook
-
-
-def restore_model(run_dir: str, *, dtype: str | None = None):
-    """(model on the first device, the run's Config): the Transformer that `run_dir/config.yaml`
-    describes, with the parameters of the newest complete checkpoint (for sampling:
-    models.sampler). dtype: the compute dtype (default: the run's model.dtype)."""
-    from flax import nnx
-
-    import models
-
-    from basp_jax.sharding import abstract_arrays
-
-    from .config import load_config
-    from .model_setup import model_config, model_options
-
-    config_path = os.path.join(run_dir, "config.yaml")
-    if not os.path.isfile(config_path):
-        raise CheckpointError(f"{run_dir!r} has no config.yaml: not a training run directory")
-    cfg = load_config(config_path)
-    directory = checkpoint_dir(run_dir)
-    if not complete_steps(directory):
-        raise CheckpointError(f"{directory} holds no complete checkpoint")
-    mcfg = model_config(cfg)
-    # on one device, whatever kernel the run trained with
-    options = models.RunOptions.of(model_options(cfg, dtype=dtype), attn_impl="auto")
-    model = models.abstract_model(mcfg, options=options)
-    abstract = nnx.state(model, nnx.Param)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = abstract_arrays(nnx.to_pure_dict(abstract), device)
-    params = _restore_newest_params(directory, target)
-    nnx.replace_by_pure_dict(abstract, params)
-    nnx.update(model, abstract)
-    return model, cfg

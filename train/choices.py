@@ -1,12 +1,12 @@
 """The config keys whose values are a registry's names, read from the registries themselves.
 
     check(cfg)          # ConfigError "model.attn_impl: expected one of auto, xla, ..., got 'x'"
-    CHOICES[key].names()  # what the config reference (train.config_doc) lists for the key
+    CHOICES[key].names()  # what the config reference (train.tools.config_doc) lists for the key
 
-train/config.py types these keys as `str`: it stays free of JAX, which the CLI and train.aot
+train/config.py types these keys as `str`: it stays free of JAX, which the CLI and train.tools.aot
 start only after reading the config (runtime.cpu_devices, the CUDA plugin), while the registries
 live beside the code that imports JAX (basp_jax.kernels, ...). So they are checked here, once JAX
-may be imported: by train.prepare and train.aot, before anything compiles or is written.
+may be imported: by train.prepare and train.tools.aot, before anything compiles or is written.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ StorageDtype = Literal[dtypes.STORAGE]
 # seeds key numpy's and JAX's generators: a non-negative 32-bit integer fits both everywhere
 MAX_SEED = 2**32 - 1
 
-# train.peers polls the peers every min(1 s, timeout / 4); shorter timeouts would fire on noise
+# train.process.peers polls the peers every min(1 s, timeout / 4); shorter timeouts would fire on noise
 MIN_PEER_TIMEOUT_S = 2.0
 MAX_PEER_TIMEOUT_S = 7 * 24 * 3600.0  # a week: no live peer is silent longer (0 turns it off)
 
@@ -272,7 +272,7 @@ class ParallelConfig:
             raise ConfigError(
                 f"parallel.devices_per_host must be positive, got {self.devices_per_host}")
         # groups and ring: Layout.plan's rules, asked by train.planning before anything compiles
-        # (not here: this module stays free of jax, which train.aot must start itself)
+        # (not here: this module stays free of jax, which train.tools.aot must start itself)
 
 
 @dataclasses.dataclass
@@ -451,7 +451,7 @@ class Config:
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
     # the config files load_config read (the one given, then its includes): not a config key (no
-    # annotation), read by train.outputs, which keeps the run's outputs off them
+    # annotation), read by train.process.outputs, which keeps the run's outputs off them
     sources = ()
 
     def validate(self) -> None:

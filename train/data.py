@@ -11,7 +11,7 @@ checkpoint's step is the whole iterator state). Sources:
     tokens      one long stream in a .bin (raw uint16/uint32) or .npy file, memory-mapped, or
                 several mixed by weight (data.mix); an epoch visits every window of seq_len + 1
                 tokens (consecutive windows share one token) once, in a seeded order. A .bin
-                written by `python -m train.tokenize` has a sidecar FILE.json that is checked
+                written by `python -m train.tools.tokenize` has a sidecar FILE.json that is checked
                 instead of scanning every id at start-up
     text/jsonl  documents (non-empty lines / the `text_key` field of each JSON line) tokenized with
                 a local tokenizer.json, joined with eos_id into one stream
@@ -131,7 +131,7 @@ def _load_token_file(path: str, dtype: str) -> np.ndarray:
     itemsize = np.dtype(dtype).itemsize
     if size == 0:  # (numpy cannot even map an empty file)
         raise DataError(f"token file {path!r} is empty; tokenize a corpus into it "
-                        "(python -m train.tokenize) or point data.path at another file")
+                        "(python -m train.tools.tokenize) or point data.path at another file")
     if size % itemsize:
         raise DataError(f"{path!r} has {size} bytes, not a multiple of {dtype} ({itemsize} bytes)")
     return np.memmap(path, dtype=dtype, mode="r")
@@ -139,7 +139,7 @@ def _load_token_file(path: str, dtype: str) -> np.ndarray:
 
 def parse_lines(path: str, source: str, first: int, lines, text_key: str) -> list[str]:
     """The documents of raw lines (bytes) numbered from `first`: non-empty lines (text) or their
-    JSON objects' `text_key` field (jsonl). Shared with train.tokenize, so both read alike."""
+    JSON objects' `text_key` field (jsonl). Shared with train.tools.tokenize, so both read alike."""
     docs = []
     for lineno, raw in enumerate(lines, first):  # decoded line by line, so an error names its line
         try:
@@ -219,20 +219,20 @@ def _check_ids(stream: np.ndarray, vocab_size: int, name: str, chunk: int = 1 <<
             )
 
 
-SIDECAR_FORMAT = "basp-jax tokens"  # written by train.tokenize next to the file, as FILE.json
+SIDECAR_FORMAT = "basp-jax tokens"  # written by train.tools.tokenize next to the file, as FILE.json
 # the sidecar's claims its seal covers: a hand-edited value no longer matches
 SIDECAR_CLAIMS = ("dtype", "tokens", "bytes", "max_id", "vocab_size", "eos_id")
 
 
 def sidecar_seal(path: str, meta: dict) -> str:
-    """What train.tokenize stores as the sidecar's sample_sha256: its claims and a sample of
+    """What train.tools.tokenize stores as the sidecar's sample_sha256: its claims and a sample of
     the token file, hashed together."""
     claims = json.dumps({k: meta.get(k) for k in SIDECAR_CLAIMS}, sort_keys=True)
     return sample_sha256(path, claims.encode())
 
 
 def checked_sidecar(path: str, cfg: DataConfig, vocab_size: int) -> dict | None:
-    """The sidecar train.tokenize wrote for token file `path` (None: it has none), after checking
+    """The sidecar train.tools.tokenize wrote for token file `path` (None: it has none), after checking
     it against the file (byte size) and the run (data.dtype, data.eos_id, the model's vocabulary).
     Its claims are trusted only when its seal (sample_sha256: the claims and a sample of the file)
     matches: then it replaces the scan of every id (_check_ids) and start-up reads 256 KiB of
@@ -242,7 +242,7 @@ def checked_sidecar(path: str, cfg: DataConfig, vocab_size: int) -> dict | None:
     if path.endswith(".npy") or not os.path.isfile(side):
         return None
     _check_file(path, "token file")
-    fix = "re-run python -m train.tokenize (or delete the sidecar to have the file scanned)"
+    fix = "re-run python -m train.tools.tokenize (or delete the sidecar to have the file scanned)"
     try:
         with open(side) as f:
             meta = json.load(f)

@@ -20,7 +20,7 @@ from basp_jax import comm
 from . import planning, resume
 from .checkpoint import complete_steps
 from .metrics import MetricsLogger
-from .outputs import export_hf, write_collectives
+from .process.outputs import export_hf, write_collectives
 from .prepare import Run
 
 

@@ -1,5 +1,5 @@
 """`run(config)`: prepare the run (train.prepare), then a short step loop with hooks (train.hooks):
-metrics, evaluation, profiling, checkpoints, the stop protocol (train.stop), the export."""
+metrics, evaluation, profiling, checkpoints, the stop protocol (train.process.stop), the export."""
 
 from __future__ import annotations
 
@@ -11,16 +11,17 @@ from typing import Any
 
 import jax
 
-from . import evaluate, profiling, runtime, writers
+from . import evaluate, profiling, writers
+from .process import runtime
 from .checkpoint import checkpoint_dir, complete_steps, storage_error
 from .config import Config
 from .hooks import NonFiniteError, StepReport, compile_step, export, log_start, save_checkpoint
-from .lock import RunDirLock
+from .process.lock import RunDirLock
 from .metrics import MetricsLogger
-from .outputs import write_config
-from .peers import PeerWatchdog
+from .process.outputs import write_config
+from .process.peers import PeerWatchdog
 from .prepare import Run, model_config, prepare, select_devices
-from .stop import StopRequest
+from .process.stop import StopRequest
 
 __all__ = ["run", "model_config", "select_devices", "NonFiniteError", "PeerFailure"]
 
@@ -30,7 +31,7 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
 
     stop_at ends the invocation after that many completed steps (with a checkpoint), as a
     preemption would; running again resumes from it. In a multi-process run a peer that dies ends
-    this process too (train.peers, exit status 3) instead of leaving it blocked in a collective.
+    this process too (train.process.peers, exit status 3) instead of leaving it blocked in a collective.
     """
     runtime.configure(cfg)
     directory = checkpoint_dir(cfg.run.dir)
@@ -64,7 +65,7 @@ LOST_PEER = re.compile(r"connection (closed|reset|refused)|closed by peer|socket
 
 
 class PeerFailure(RuntimeError):
-    """A multi-process run lost a peer (train.peers catches silent ones; this, failed collectives)."""
+    """A multi-process run lost a peer (train.process.peers catches silent ones; this, failed collectives)."""
 
 
 def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
@@ -129,7 +130,7 @@ def train_steps(run: Run, end: int, report: StepReport, profiler, stop: StopRequ
         done = step + 1
         if compiled is None:
             compiled, collectives = compile_step(run, log)
-            stop.take_over()  # until now a signal ended the process at once (train.stop)
+            stop.take_over()  # until now a signal ended the process at once (train.process.stop)
             # placed once, then the step returns the next one: a device_put per step
             # would be a cross-process check (assert_equal) in multi-process runs
             step_arr = run.program.step_index(step)

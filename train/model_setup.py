@@ -1,5 +1,5 @@
-"""The model a config describes, read the same way by the trainer, train.aot and the sampler's
-restore (train.checkpoint.restore_model): its architecture and how it runs.
+"""The model a config describes, read the same way by the trainer, train.tools.aot and the sampler's
+restore (train.tools.generate.restore_model): its architecture and how it runs.
 
     mcfg = model_config(cfg)              # models.ModelConfig: preset or HF config + model.shape
     options = model_options(cfg, plan)    # models.RunOptions: mesh, layout, kernel, remat, dtypes

@@ -6,7 +6,7 @@
 
 Every comparison is of resolved paths (os.path.realpath: symlinks followed, `..` removed), so a
 symlink or another spelling of a directory is seen for what it is. Nothing here imports JAX or
-the trainer: the config loader and train.tokenize use it before anything starts.
+the trainer: the config loader and train.tools.tokenize use it before anything starts.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[La
 def resolve_offload(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> Config:
     """cfg with optimizer.offload=auto decided: false where the ordinary step's planned device
     and host memory fit parallel.hardware (it moves no state over PCIe), else true where the
-    streamed step (train.streamed) applies and fits, else false (check_memory or train.aot then
+    streamed step (train.streamed) applies and fits, else false (check_memory or train.tools.aot then
     say it does not fit)."""
     if cfg.optimizer.offload != "auto":
         return cfg
@@ -163,7 +163,7 @@ def memory_policy(cfg: Config, mcfg, layout: Layout, strategy: str,
     model.remat=auto the fastest predicted (basp_jax.cost.predict) of AUTO_REMAT whose device
     memory fits parallel.hardware and whose offloaded residuals fit its host's share per GPU;
     untiled where one fits (model.tile_tokens, when set, is kept), else with AUTO_TILE_TOKENS.
-    Nothing fits: the leanest (offload, tiled), which check_memory or train.aot then refuse."""
+    Nothing fits: the leanest (offload, tiled), which check_memory or train.tools.aot then refuse."""
     if cfg.optimizer.offload is True:  # the streamed step keeps each layer's input on the host
         return "offload", cfg.model.tile_tokens or AUTO_TILE_TOKENS
     if cfg.model.remat != "auto":
@@ -185,7 +185,7 @@ def memory_policy(cfg: Config, mcfg, layout: Layout, strategy: str,
 
 
 def _compute_dtype(cfg: Config) -> str:
-    """model.dtype; "auto" unresolved (train.aot --plan) as parallel.hardware would compute."""
+    """model.dtype; "auto" unresolved (train.tools.aot --plan) as parallel.hardware would compute."""
     dtype = cfg.model.dtype
     if dtype == "auto":
         from basp_jax import gpus

@@ -1,7 +1,7 @@
 """`prepare(cfg, owner) -> Run`: every check, then the state built or restored, all before the train
 step compiles; run.dir is first written (its lock, then checkpoints/) once the checks have passed.
 
-    run = prepare(cfg, owner)   # owner: process 0's train.lock.RunDirLock, else None
+    run = prepare(cfg, owner)   # owner: process 0's train.process.lock.RunDirLock, else None
     run.params, run.opt_state, run.start, run.program, run.ckpt, run.data, ...
 """
 
@@ -19,14 +19,15 @@ import models
 from basp_jax import Layout
 from basp_jax import kernels as basp_kernels
 
-from . import choices, dtypes, evaluate, planning, resume, runtime, streamed, writers
+from . import choices, dtypes, evaluate, planning, resume, streamed, writers
+from .process import runtime
 from .checkpoint import Checkpointer, checkpoint_dir, complete_steps, inspect_latest
 from .config import Config, ConfigError, replace
 from .data import Pipeline
-from .lock import RunDirLock, check_free
+from .process.lock import RunDirLock, check_free
 from .metrics import peak_flops
 from .model_setup import model_config, model_options
-from .outputs import check_output_paths
+from .process.outputs import check_output_paths
 from .program import RunPlan, TrainProgram, abstract_state, build_program, model_factory, plan_run
 from .step import (build_model, compute_dtype, from_module, init_opt_state,
                    loss_scaling, make_optimizer)

@@ -1,5 +1,5 @@
 """The train step a config describes, built the same way for training (train.loop) and for
-compiling without running it (train.aot): layout, mesh, model, optimizer, shardings, step.
+compiling without running it (train.tools.aot): layout, mesh, model, optimizer, shardings, step.
 
     program = build_program(cfg, mcfg, devices, devices_per_host, parts)   # parts: the model
     compiled = program.lower(parts.params, opt_state).compile()            # or abstract ones

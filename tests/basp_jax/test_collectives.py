@@ -175,7 +175,7 @@ def test_stored_gpu_hlo_is_read_with_async_pairs_tuples_and_loops():
 
 
 def test_a_combined_collective_of_several_dtypes_is_named_by_its_bulk():
-    """XLA's combiner (train.gpu_defaults' thresholds) can gather a layer's s32 positions with
+    """XLA's combiner (train.process.gpu_defaults' thresholds) can gather a layer's s32 positions with
     its bf16 weights in one op: the weights' dtype names it, all bytes count."""
     line = ("%g = ((s32[4]{0}, bf16[2,8]{1,0}), (s32[16]{0}, bf16[8,8]{1,0})) all-gather-start("
             "s32[4]{0} %p, bf16[2,8]{1,0} %w), replica_groups={{0,1,2,3}}, dimensions={0}")
@@ -217,10 +217,10 @@ ENTRY %main (p: bf16[8]) -> bf16[8] {
 
 
 def test_compile_report_rows_do_not_merge_group_sizes():
-    """train.aot's table, one row per (kind, dtype, group size). Two f32 all-reduces of the GPU
+    """train.tools.aot's table, one row per (kind, dtype, group size). Two f32 all-reduces of the GPU
     host-sharded step (issue #17): the loss's 8-byte sums over all 8 devices, and the embedding
     gradient's 1/4 shard between the hosts. Merged, they printed as 250.5 MiB over 8 devices."""
-    from train.aot import collective_rows
+    from train.tools.aot import collective_rows
 
     text = """
   %all-reduce-start.2 = f32[2]{0} all-reduce-start(%wrapped_concatenate), channel_id=204, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%region_29.32.clone

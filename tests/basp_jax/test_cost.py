@@ -2,8 +2,10 @@
 
 import pytest
 
-from basp_jax import cost, plan
-from basp_jax.cost import HARDWARE, MODEL_SHAPES, predict
+from basp_jax import cost
+from train.tools import plan
+from basp_jax.cost import HARDWARE, predict
+from models.config import MODEL_SHAPES
 
 
 def _layout(shape, groups, *, batch=2, seq_len=16384, hw=HARDWARE["a100-40gb"], **kwargs):
@@ -166,7 +168,7 @@ def test_auto_finds_a_valid_exact_layout_beyond_the_paper(batch, heads, kv_heads
 
 
 def test_a_bfloat16_first_moment_saves_its_half_of_the_state():
-    shape = cost.MODEL_SHAPES["llama-3.1-8b"]
+    shape = MODEL_SHAPES["llama-3.1-8b"]
     kw = dict(q_heads=32, kv_heads=8)
     f32 = cost.memory_terms(shape, 4096, 8, **kw)
     bf16 = cost.memory_terms(shape, 4096, 8, moment_bytes=2, **kw)
@@ -194,7 +196,7 @@ def test_a_group_across_hosts_may_ring_between_them_instead():
 def test_a_ring_is_not_planned_where_its_partial_outputs_do_not_fit():
     """One 16M-token sequence on 32 H100s: the ring's attention working set (compiled: 242.9 GiB
     per device) does not fit; Ulysses across the hosts does (62.2 GiB compiled) in the 90% of
-    the device the trainer and train.aot let JAX take (train.gpu_defaults)."""
+    the device the trainer and train.tools.aot let JAX take (train.process.gpu_defaults)."""
     import dataclasses
 
     from basp_jax import gpus

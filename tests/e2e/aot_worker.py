@@ -2,7 +2,7 @@
 
     python tests/e2e/aot_worker.py OUT.json CONFIG[,key=value...] ...
 
-OUT.json: a list of train.aot reports (without the HLO), one per argument, in order.
+OUT.json: a list of train.tools.aot reports (without the HLO), one per argument, in order.
 """
 
 import argparse
@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from train import aot  # noqa: E402
+from train.tools import aot  # noqa: E402
 from train.config import load_config  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """The GPU program, seen without a GPU: the trainer's real step compiled for 2 hosts x 4
-A100-40GB (python -m train.aot), its memory, kernels and collectives.
+A100-40GB (python -m train.tools.aot), its memory, kernels and collectives.
 
-Compiling needs JAX's CUDA plugin: installed once per environment by `python -m train.aot
+Compiling needs JAX's CUDA plugin: installed once per environment by `python -m train.tools.aot
 --install` (the first test run does it). The compiles run in subprocesses, so this test process
 (and every CPU test) never loads the plugin.
 """
@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from basp_jax import comm, cost, gpus
+from models.config import MODEL_SHAPES
 from tests.helpers import gpu_plugin
 from tests.helpers.flags import TEST_XLA_FLAGS
 
@@ -51,7 +52,7 @@ def cuda_plugin():
     the install this run started in the background (tests/helpers/gpu_plugin.py) has ended."""
     gpu_plugin.wait_for_install()
     if _run("-c", gpu_plugin.PROBE).returncode:
-        done = _run("-m", "train.aot", "--install")
+        done = _run("-m", "train.tools.aot", "--install")
         assert done.returncode == 0, f"could not install the CUDA plugin:\n{done.stderr[-3000:]}"
 
 
@@ -59,7 +60,7 @@ def cuda_plugin():
 def basp_8b(cuda_plugin, tmp_path_factory):
     """docs/gpu.md's command for the paper's testbed: report, JSON and HLO of the shipped 8B config."""
     out = tmp_path_factory.mktemp("aot")
-    done = _run("-m", "train.aot", "--config", CONFIG_8B, "--target", "a100-40gb", "--hosts", "2",
+    done = _run("-m", "train.tools.aot", "--config", CONFIG_8B, "--target", "a100-40gb", "--hosts", "2",
                 "--gpus-per-host", "4", "--json", str(out / "r.json"), "--hlo", str(out / "s.hlo"))
     assert done.returncode == 0, done.stderr[-3000:]
     return {"stdout": done.stdout, "stderr": done.stderr,
@@ -72,7 +73,7 @@ def _twin(path: str) -> str:
 
 
 # The GPU defaults' overlap flags, switched off the way a user would (XLA_FLAGS wins over
-# train.gpu_defaults): the program the planner's memory formula (basp_jax.cost) was fitted to.
+# train.process.gpu_defaults): the program the planner's memory formula (basp_jax.cost) was fitted to.
 # With them on, the latency-hiding scheduler spends spare device memory on prefetching
 # collectives: +20% on a 4-layer Llama-3.2-1B step, +2.5 GiB (+11%) on the 8B one (basp_8b).
 NO_OVERLAP = " ".join(f"--{name}=false" for name in (
@@ -129,12 +130,12 @@ def test_the_command_prints_the_report_and_writes_json_and_hlo(basp_8b):
 
 
 def test_the_gpu_defaults_reach_the_compiler(basp_8b):
-    """train.aot compiles with the XLA flags a GPU run sets (train.gpu_defaults), and their effect
+    """train.tools.aot compiles with the XLA flags a GPU run sets (train.process.gpu_defaults), and their effect
     is in the program. Without them XLA puts most async dones right after their starts (a 4-layer
     Llama-3.2-1B step, same command: 3 of 31 pairs enclose compute) and loops once per layer."""
     import re
 
-    from train import gpu_defaults
+    from train.process import gpu_defaults
 
     r = basp_8b["report"]
     for name, value in gpu_defaults.XLA_FLAGS:
@@ -162,7 +163,7 @@ def test_basp_all_to_alls_stay_inside_hosts(basp_8b):
 def test_ulysses_inter_host_all_to_all_bytes_equal_the_closed_form(reports):
     r = reports["configs/gpu/llama-3.1-8b_ulysses.yaml"]
     assert (r["layout"]["groups"], r["layout"]["sp"]) == (1, 8)
-    shape = cost.MODEL_SHAPES["llama-3.1-8b"]
+    shape = MODEL_SHAPES["llama-3.1-8b"]
     hw = cost.HARDWARE["a100-40gb"]
     layout = cost.plan_layout(shape, num_devices=8, batch=2, seq_len=16384, groups=1,
                               devices_per_host=hw.devices_per_host)
@@ -176,7 +177,7 @@ def test_fsdp_gradients_leave_through_reduce_scatter_and_gathers_are_bf16(basp_8
     params = r["model"]["params"]
     # The embedding and the LM head (vocab-sharded: models.vocab_parallel) get their gradient
     # where it is stored, so nothing of theirs is reduce-scattered or gathered whole.
-    shape = cost.MODEL_SHAPES["llama-3.1-8b"]
+    shape = MODEL_SHAPES["llama-3.1-8b"]
     tables = 2 * shape.vocab_size * shape.hidden_size
     scattered = sum(c["bytes"] for c in _rows(r, "reduce-scatter"))
     assert 2 * (params - tables) <= scattered < 2 * params  # the layers', at least in bf16
@@ -229,7 +230,7 @@ def test_host_sharding_gradients_cross_hosts_once_as_shards_on_gpu(host_1b):
     projection's gradient are fp32): 0.84 x the all-fp32 closed form here. Under fp32 compute it
     is the all-fp32 closed form the CPU test checks (tests/models/test_host_sharding.py), plus the final
     norm's 8 KiB that XLA all-reduces whole."""
-    shape = dataclasses.replace(cost.MODEL_SHAPES["llama-3.2-1b"], num_layers=2)
+    shape = dataclasses.replace(MODEL_SHAPES["llama-3.2-1b"], num_layers=2)
     n, table = shape.num_params, shape.embedding_params
     assert host_1b["bfloat16"]["model"]["params"] == n
     minimum = functools.partial(cost.min_inter_host_gradient_bytes, num_devices=8,
@@ -290,14 +291,14 @@ def test_bad_input_is_one_line(cuda_plugin, tmp_path):
         (["--hlo", str(tmp_path / "none" / "s.hlo")], "is not a writable folder"),
     ]
     for extra, message in cases:
-        done = _run("-m", "train.aot", "--config", CONFIG_8B, *extra, timeout=300)
+        done = _run("-m", "train.tools.aot", "--config", CONFIG_8B, *extra, timeout=300)
         assert done.returncode == 2 and done.stdout == "", (extra, done.stdout, done.stderr)
         assert done.stderr.count("\n") == 1 and message in done.stderr, (extra, done.stderr)
     env = dict(os.environ, BASP_GPU_COMPILE_DIR=str(tmp_path / "none"))
     probe = _run("-c", "import importlib.util as u; print(bool(u.find_spec('jax_cuda12_plugin')))")
     if probe.stdout.strip() == "False":  # the plugin comes from the install folder: hide it
-        done = _run("-m", "train.aot", "--config", CONFIG_8B, env=env, timeout=300)
-        assert done.returncode == 2 and "python -m train.aot --install" in done.stderr
+        done = _run("-m", "train.tools.aot", "--config", CONFIG_8B, env=env, timeout=300)
+        assert done.returncode == 2 and "python -m train.tools.aot --install" in done.stderr
         assert done.stderr.count("\n") == 1
 
 
@@ -315,7 +316,7 @@ def test_plan_compiles_every_candidate_and_picks_one_that_fits(cuda_plugin, tmp_
     out = tmp_path / "plan.json"
     # a small model of the same head counts at 4K tokens: the candidates are those of the shipped
     # 16K config (6 compiles, seconds each)
-    done = _run("-m", "train.aot", "--config", "configs/gpu/llama-3.2-1b_basp.yaml",
+    done = _run("-m", "train.tools.aot", "--config", "configs/gpu/llama-3.2-1b_basp.yaml",
                 "model.shape={num_layers: 1, hidden_size: 512, intermediate_size: 1024, "
                 "head_dim: 16, vocab_size: 8192}", "data.seq_len=4096", "--plan", "--json",
                 str(out))
@@ -335,7 +336,7 @@ def test_plan_compiles_every_candidate_and_picks_one_that_fits(cuda_plugin, tmp_
         lay = row["report"]["layout"]
         assert row["name"].startswith(f"{lay['mode']} ({lay['groups']},{lay['sp']}) "
                                       f"{row['report']['param_sharding']}")
-    from train import aot
+    from train.tools import aot
 
     inter = {row["name"]: aot.inter_host_bytes(row["report"]) for row in rows}
     # (host sharding's gradient bytes against fsdp's: test_host_sharding_gradients_cross_...;
@@ -439,7 +440,7 @@ COLAB = "configs/colab.yaml"
 def colab_t4(cuda_plugin, tmp_path_factory):
     """The Colab config for a free Colab GPU, by docs/gpu.md's command (issue #26)."""
     out = tmp_path_factory.mktemp("aot") / "t4.json"
-    done = _run("-m", "train.aot", "--config", COLAB, "--target", "t4-16gb", "--hosts", "1",
+    done = _run("-m", "train.tools.aot", "--config", COLAB, "--target", "t4-16gb", "--hosts", "1",
                 "--gpus-per-host", "1", "--json", str(out))
     return {"done": done, "report": json.loads(out.read_text()) if out.exists() else None}
 
@@ -481,7 +482,7 @@ def test_the_colab_config_fits_l4_and_a100_with_cudnn_in_bf16(colab_others):
 
 
 def test_a_step_that_does_not_fit_a_t4_says_what_would_in_one_line(colab_others):
-    from train import aot
+    from train.tools import aot
 
     r = colab_others["t4-16gb x4"]
     assert not r["fits"] and r["would_fit"] == "data.seq_len=131072 or --hosts 2 (2 GPUs)"
@@ -498,7 +499,7 @@ def test_a_kernel_a_t4_cannot_run_is_one_line_before_compiling(cuda_plugin):
         (["model.attn_impl=xla", "model.dtype=bfloat16"], "does not compile for sm75"),
     ]
     for extra, message in cases:
-        done = _run("-m", "train.aot", "--config", COLAB, "--target", "t4-16gb", "--hosts", "1",
+        done = _run("-m", "train.tools.aot", "--config", COLAB, "--target", "t4-16gb", "--hosts", "1",
                     "--gpus-per-host", "1", *extra, timeout=300)
         assert done.returncode == 2 and done.stdout == "", (extra, done.stdout, done.stderr)
         assert done.stderr.count("\n") == 1 and message in done.stderr, (extra, done.stderr)

@@ -108,7 +108,7 @@ PEER_FAILURES = [
     # loaded machine its heartbeat watch may notice the silence first (either is the truth)
     (1, signal.SIGKILL, 3, ("error: peer: a collective failed",
                             "error: peer: process 1 of 2 has sent no heartbeat for 10 s")),
-    # a frozen peer sends nothing: train.peers notices the silence after peer_timeout_s
+    # a frozen peer sends nothing: train.process.peers notices the silence after peer_timeout_s
     (1, signal.SIGSTOP, 3, "error: peer: process 1 of 2 has sent no heartbeat for 10 s"),
     # the coordinator dies: JAX's own client aborts the survivor within a second (SIGABRT), with
     # its message; it runs in a C++ thread, before any Python handler could speak
@@ -209,12 +209,12 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resumes(tmp_p
     np.testing.assert_allclose(losses, reference, rtol=2e-5)
 
 
-# Start-up as python train.py does it (train.cli): signals end the process at once, then
+# Start-up as python train.py does it (train.process.cli): signals end the process at once, then
 # runtime.configure joins the run; "joined" says jax.distributed.initialize has returned.
 _JOIN_THEN_WAIT = """
 import sys, time
-from train import runtime
-from train.stop import exit_at_once_outside_the_loop
+from train.process import runtime
+from train.process.stop import exit_at_once_outside_the_loop
 from tests.helpers.trainer import tiny_config
 exit_at_once_outside_the_loop()
 runtime.configure(tiny_config(*sys.argv[1:]))
@@ -253,7 +253,7 @@ def test_sigterm_after_joining_the_run_still_ends_the_process_at_once(tmp_path):
 
 
 def test_jax_heartbeat_is_a_backstop_behind_the_peer_watch():
-    from train.runtime import jax_heartbeat_timeout_s
+    from train.process.runtime import jax_heartbeat_timeout_s
 
     assert jax_heartbeat_timeout_s(30.0) == 100  # JAX's default when ours is shorter
     assert jax_heartbeat_timeout_s(0) == 100  # our watch off: JAX's as it is

@@ -12,8 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from basp_jax import plan
-from train import config, plot
+from train.tools import plan
+from train import config
+from train.tools import plot
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -64,7 +65,7 @@ def test_every_relative_link_resolves():
 
 
 def test_plan_output_shown_is_what_the_planner_prints():
-    (cmd,) = [c for c in _commands("python -m basp_jax.plan") if "--model" in c]
+    (cmd,) = [c for c in _commands("python -m train.tools.plan") if "--model" in c]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert plan.main(cmd[3:]) == 0
@@ -91,18 +92,18 @@ def test_the_readme_python_example_runs(tmp_path):
 
 
 def test_plot_commands_parse():
-    commands = [c for c in _commands("python -m train.plot") if len(c) > 3]  # not prose naming it
+    commands = [c for c in _commands("python -m train.tools.plot") if len(c) > 3]  # not prose naming it
     assert {c[3] for c in commands} >= {"layouts", "bench", "losses"}
     for cmd in commands:
         plot._parser().parse_args(cmd[3:])  # exits (SystemExit) on an unknown flag
 
 
 def test_tokenize_and_generate_commands_parse():
-    from models import generate
-    from train import tokenize
+    from train.tools import generate
+    from train.tools import tokenize
 
-    for prefix, parser, count in (("python -m train.tokenize", tokenize._parser, 1),
-                                  ("python -m models.generate", generate._parser, 2)):
+    for prefix, parser, count in (("python -m train.tools.tokenize", tokenize._parser, 1),
+                                  ("python -m train.tools.generate", generate._parser, 2)):
         commands = [c for c in _commands(prefix) if len(c) > 3]  # not prose naming the module
         assert len(commands) == count, prefix
         for cmd in commands:

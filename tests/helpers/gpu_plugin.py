@@ -1,6 +1,6 @@
 """JAX's CUDA plugin for tests/e2e/test_gpu_compile.py (about 1.5 GB, one per jaxlib, so each fresh
 environment downloads it), installed early: a run that includes that file starts
-`python -m train.aot --install` in the background as it begins (tests/conftest.py), when the
+`python -m train.tools.aot --install` in the background as it begins (tests/conftest.py), when the
 plugin is missing, so that the download overlaps the first tests instead of holding up a worker;
 the file's cuda_plugin fixture waits for it, then checks, and installs itself if it did not work."""
 
@@ -16,8 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 PID_VAR = "BASP_TEST_PLUGIN_INSTALL_PID"  # the background install's process, for the workers
 GPU_TESTS = ROOT / "tests" / "e2e" / "test_gpu_compile.py"
-# exit 0 when the plugin is there (in this environment or in train.aot's folder for it)
-PROBE = ("import importlib.util, os, sys; from train import aot; "
+# exit 0 when the plugin is there (in this environment or in train.tools.aot's folder for it)
+PROBE = ("import importlib.util, os, sys; from train.tools import aot; "
          "sys.exit(0 if importlib.util.find_spec('jax_cuda12_plugin') or "
          "os.path.isdir(os.path.join(aot.plugin_dir(), 'jax_plugins')) else 1)")
 
@@ -34,7 +34,7 @@ def start_install(args: list[str], log_path: Path) -> subprocess.Popen | None:
     paths = [Path(str(a).split("::")[0]).resolve() for a in args] or [ROOT / "tests"]
     if not any(p == GPU_TESTS or p in GPU_TESTS.parents for p in paths):
         return None
-    command = f"{sys.executable} -c \"{PROBE}\" || {sys.executable} -m train.aot --install"
+    command = f"{sys.executable} -c \"{PROBE}\" || {sys.executable} -m train.tools.aot --install"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(["sh", "-c", command], cwd=ROOT, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

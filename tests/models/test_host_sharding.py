@@ -9,7 +9,7 @@ import pytest
 
 import models
 from basp_jax import comm, cost
-from train.collectives import step_collectives
+from train.tools.collectives import step_collectives
 from train.loop import run
 
 from tests.helpers.trainer import tiny_config

@@ -1,6 +1,6 @@
 """Every number a user gives is range-checked where it enters, and huge or deeply nested input is
-one line too (issue #24): train.py's config, python -m basp_jax.plan, train.plot, models.generate
-and train.tokenize exit 2 with exactly one line on stderr, at once, and write nothing.
+one line too (issue #24): train.py's config, python -m train.tools.plan, train.tools.plot, train.tools.generate
+and train.tools.tokenize exit 2 with exactly one line on stderr, at once, and write nothing.
 
 All in-process (each command's main), so the whole file runs in seconds; a case that would hang
 (the divisor search of a 1e11-device layout used to) fails by pytest's timeout of the CI run
@@ -12,9 +12,11 @@ import time
 import numpy as np
 import pytest
 
-from basp_jax import layout, plan
-from models import generate
-from train import cli, plot, tokenize
+from basp_jax import layout
+from train.tools import plan
+from train.tools import generate
+from train.process import cli
+from train.tools import plot, tokenize
 
 from tests.helpers.trainer import snapshot, tiny_overrides
 

@@ -65,7 +65,7 @@ def test_compiled_step_all_to_alls_equal_the_closed_form():
 
     import models
     from basp_jax import cost
-    from train.collectives import step_collectives
+    from train.tools.collectives import step_collectives
 
     mcfg = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=2)
     shape = mcfg.shape
@@ -91,7 +91,7 @@ def test_rematerialised_step_repeats_no_all_to_all(remat, scan_layers):
     import dataclasses
 
     import models
-    from train.collectives import step_collectives
+    from train.tools.collectives import step_collectives
 
     mcfg = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=2)
     _, found = step_collectives(mcfg, mode="basp", strategy="fsdp", batch=2, seq_len=2048,

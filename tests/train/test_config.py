@@ -78,7 +78,7 @@ def test_bad_values_one_line(tmp_path, override, fragment):
 ])
 def test_registry_choices_are_checked_with_one_line_naming_them(tmp_path, override, names):
     """Keys that take a registry's names are `str` in train/config.py (no JAX there) and
-    checked by train.choices, which train.prepare and train.aot run first."""
+    checked by train.choices, which train.prepare and train.tools.aot run first."""
     from train import choices
 
     cfg = load_config(None, tiny_overrides(tmp_path / "r", override))

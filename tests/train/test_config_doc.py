@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from train import config_doc
+from train.tools import config_doc
 from train.config import Config
 
 ROOT = Path(__file__).resolve().parents[2]

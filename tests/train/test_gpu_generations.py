@@ -1,12 +1,12 @@
 """What follows from a GPU's generation, checked without one: the compute dtype model.dtype=auto
-gives, the kernels the trainer and train.aot refuse before compiling, and train.aot's one-line
+gives, the kernels the trainer and train.tools.aot refuse before compiling, and train.tools.aot's one-line
 answers when XLA refuses or the step does not fit (the compiled cases: tests/e2e/test_gpu_compile.py).
 """
 
 import pytest
 
 from basp_jax import gpus
-from train import aot
+from train.tools import aot
 from train.config import ConfigError, load_config, replace
 from train.prepare import check_kernel, with_compute_dtype
 from train.step import compute_dtype

@@ -1,6 +1,6 @@
 """A GPU user's first run, checked on a CPU: the CUDA extras, the platform check of the GPU
-configs, and the GPU defaults (XLA flags, memory fraction, compilation cache) that train.runtime
-and train.aot share."""
+configs, and the GPU defaults (XLA flags, memory fraction, compilation cache) that train.process.runtime
+and train.tools.aot share."""
 
 import os
 import subprocess
@@ -12,7 +12,7 @@ import pytest
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 
-from train import cli, gpu_defaults, runtime
+from train.process import cli, gpu_defaults, runtime
 
 from tests.helpers.trainer import tiny_overrides
 
@@ -125,7 +125,7 @@ def test_every_default_flag_is_known_to_this_jaxlib():
 
 
 def test_the_compilation_cache_keeps_a_directory_the_user_chose(tmp_path):
-    code = ("from train import gpu_defaults; import jax; "
+    code = ("from train.process import gpu_defaults; import jax; "
             "print(*gpu_defaults.enable_compilation_cache(), jax.config.jax_compilation_cache_dir)")
     mine = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           env=_env(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp_path)))

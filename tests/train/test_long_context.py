@@ -91,7 +91,7 @@ def test_offload_policies_repeat_only_what_they_drop(remat, tile_tokens, per_lay
     """The trainer's step, 2 layers: "offload" keeps no exchange, so the backward pass repeats
     the forward's 4 all-to-alls (12 per layer); "offload_exchanges" keeps them (8, as "full");
     tiling adds none."""
-    from train.collectives import step_collectives
+    from train.tools.collectives import step_collectives
 
     mcfg = dataclasses.replace(CONFIG, num_layers=2)
     _, found = step_collectives(mcfg, mode="basp", strategy="fsdp", batch=2, seq_len=512,

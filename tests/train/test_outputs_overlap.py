@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train import cli
+from train.process import cli
 from train.loop import run
 
 from tests.helpers.trainer import (ROOT, enable_compile_cache, snapshot, tiny_config,
@@ -199,7 +199,7 @@ def test_tilde_is_the_home_directory(tmp_path, monkeypatch):
     assert cfg.sources == (f"{tmp_path}/c.yaml", f"{tmp_path}/base.yaml")
 
 
-# ------------------------------------------------------------------ train.tokenize -o
+# ------------------------------------------------------------------ train.tools.tokenize -o
 
 def _tokenizer(path: Path) -> str:
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -230,7 +230,7 @@ TOKENIZE_CASES = [
 
 @pytest.mark.parametrize("case", TOKENIZE_CASES, ids=[c[0] for c in TOKENIZE_CASES])
 def test_tokenize_never_writes_over_its_inputs(case, tmp_path, capsys):
-    from train.tokenize import main
+    from train.tools.tokenize import main
 
     name, source, output, fragment = case
     w = tmp_path
@@ -254,13 +254,13 @@ def test_tokenize_never_writes_over_its_inputs(case, tmp_path, capsys):
 
 def test_generate_reads_the_next_newest_step_when_the_one_it_reads_is_pruned(
         finished, tmp_path, capsys, monkeypatch):
-    """models.generate --run_dir while the trainer saves step 5 and prunes step 4 (keep=1) in the
+    """train.tools.generate --run_dir while the trainer saves step 5 and prunes step 4 (keep=1) in the
     middle of the read: the trainer renames a pruned step away in one step (never a half-deleted
     directory), so the reader sees it gone and reads step 5; no traceback, no false 'cannot be
     restored for this model'."""
     import orbax.checkpoint as ocp
 
-    from models import generate
+    from train.tools import generate
     from train.checkpoint import PRUNED
 
     run_dir = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""The private JAX API train.peers and train.stop rely on (jax.distributed's key-value client: no
+"""The private JAX API train.process.peers and train.process.stop rely on (jax.distributed's key-value client: no
 public accessor exists up to jax 0.11.1) still exists in the installed JAX and behaves as they
 assume. When a JAX release changes it, this fails saying what changed."""
 
@@ -10,7 +10,7 @@ import textwrap
 
 import jax
 
-from train import peers
+from train.process import peers
 
 from tests.helpers.flags import TEST_XLA_FLAGS
 from tests.helpers.trainer import ROOT
@@ -28,12 +28,12 @@ def test_the_private_client_exists_and_behaves_as_train_peers_assumes():
     script = textwrap.dedent(f"""
         import jax
         jax.distributed.initialize("127.0.0.1:{port}", num_processes=1, process_id=0)
-        from train import peers
+        from train.process import peers
         client = peers.distributed_client()
         assert client is not None, "distributed_client() is None after jax.distributed.initialize"
         missing = [m for m in peers.CLIENT_METHODS if not callable(getattr(client, m, None))]
         assert not missing, f"the client ({{type(client).__name__}}) lacks {{missing}}"
-        # train.stop: the first set of a key wins, a second set without overwrite fails
+        # train.process.stop: the first set of a key wins, a second set without overwrite fails
         client.key_value_set("t/1/after", "5")
         try:
             client.key_value_set("t/1/after", "6")
@@ -41,7 +41,7 @@ def test_the_private_client_exists_and_behaves_as_train_peers_assumes():
             assert "ALREADY_EXISTS" in str(e), f"a second set failed otherwise: {{e}}"
         else:
             raise AssertionError("a second set without allow_overwrite replaced the value")
-        # train.peers: overwrite, and a directory read lists (key, value) pairs below it
+        # train.process.peers: overwrite, and a directory read lists (key, value) pairs below it
         client.key_value_set("t/1/beat/0", "1", allow_overwrite=True)
         client.key_value_set("t/1/beat/0", "2", allow_overwrite=True)
         found = sorted(client.key_value_dir_get("t/1/"))
@@ -54,6 +54,6 @@ def test_the_private_client_exists_and_behaves_as_train_peers_assumes():
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "ok" in result.stdout, (
-        f"jax {jax.__version__} changed what train.peers.distributed_client reads "
-        f"({peers.PRIVATE_CLIENT}) or how that client behaves; update train/peers.py and "
-        f"train/stop.py:\n{result.stderr[-2000:]}")
+        f"jax {jax.__version__} changed what train.process.peers.distributed_client reads "
+        f"({peers.PRIVATE_CLIENT}) or how that client behaves; update train/process/peers.py and "
+        f"train/process/stop.py:\n{result.stderr[-2000:]}")

@@ -1,4 +1,4 @@
-"""python -m train.plot: figures from runs, the benchmark and the layout arithmetic; bad input is one
+"""python -m train.tools.plot: figures from runs, the benchmark and the layout arithmetic; bad input is one
 line and exit status 2."""
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from train import plot
+from train.tools import plot
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -132,12 +132,12 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case):
 @pytest.mark.slow
 def test_command_line(tmp_path):
     out = tmp_path / "layouts.png"
-    ok = subprocess.run([sys.executable, "-m", "train.plot", "layouts", "-o", str(out)], cwd=ROOT,
+    ok = subprocess.run([sys.executable, "-m", "train.tools.plot", "layouts", "-o", str(out)], cwd=ROOT,
                         capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout == f"wrote {out}\n"
     assert_png(out, min_width=1000)
-    bad = subprocess.run([sys.executable, "-m", "train.plot", "losses", str(tmp_path), "-o",
+    bad = subprocess.run([sys.executable, "-m", "train.tools.plot", "losses", str(tmp_path), "-o",
                           str(tmp_path / "x.png")], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2
     assert bad.stderr.startswith("error: plot: ") and bad.stderr.count("\n") == 1
@@ -152,7 +152,7 @@ def test_without_matplotlib_help_works_and_drawing_is_one_line(tmp_path):
 
     from tests.helpers.trainer import ROOT, train_env
 
-    hide = "import sys; sys.modules['matplotlib'] = None; from train.plot import main; "
+    hide = "import sys; sys.modules['matplotlib'] = None; from train.tools.plot import main; "
     helped = subprocess.run([sys.executable, "-c", hide + "main(['--help'])"], cwd=ROOT,
                             env=train_env(), capture_output=True, text=True, timeout=60)
     assert helped.returncode == 0 and "losses" in helped.stdout, helped.stderr
@@ -160,6 +160,6 @@ def test_without_matplotlib_help_works_and_drawing_is_one_line(tmp_path):
                             f"'{tmp_path}/x.png']))"], cwd=ROOT, env=train_env(),
                            capture_output=True, text=True, timeout=60)
     assert drawn.returncode == 2 and drawn.stderr == (
-        "error: plot: train.plot draws with matplotlib, which is not installed: "
+        "error: plot: train.tools.plot draws with matplotlib, which is not installed: "
         "pip install -e '.[plot]'\n")
     assert not (tmp_path / "x.png").exists()

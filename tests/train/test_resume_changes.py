@@ -17,7 +17,8 @@ import jax
 import numpy as np
 import pytest
 
-from train import cli, resume
+from train import resume
+from train.process import cli
 from train.config import ConfigError
 from train.loop import run
 
@@ -209,10 +210,10 @@ def test_allowed_changes_go_on_are_logged_and_recorded(good_run, data_dir, tmp_p
 
 @pytest.fixture(scope="module")
 def tokenized(tmp_path_factory):
-    """t.bin and its sealed sidecar, from train.tokenize with a word tokenizer of 12 ids."""
+    """t.bin and its sealed sidecar, from train.tools.tokenize with a word tokenizer of 12 ids."""
     from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
 
-    from train.tokenize import tokenize
+    from train.tools.tokenize import tokenize
 
     d = tmp_path_factory.mktemp("tokenized")
     words = ["<eos>", "[UNK]"] + [f"w{i}" for i in range(10)]

@@ -1,4 +1,4 @@
-"""train.stop: every process stops after the same step, agreed through the key-value store
+"""train.process.stop: every process stops after the same step, agreed through the key-value store
 without a per-step collective. Two processes are simulated against one in-memory store, in the
 order the trainer's collectives allow; the real store's semantics are checked in
 test_peers_jax.py."""
@@ -7,11 +7,11 @@ import signal
 
 import pytest
 
-from train.stop import LEAD, StopRequest
+from train.process.stop import LEAD, StopRequest
 
 
 class Store:
-    """The two calls train.stop makes, with the coordination service's semantics: a set without
+    """The two calls train.process.stop makes, with the coordination service's semantics: a set without
     allow_overwrite fails on an existing key; a directory read lists the keys below it."""
 
     def __init__(self):
@@ -30,12 +30,12 @@ class Store:
 
 def _pair():
     """StopRequests of processes 0 and 1 of one run (made in the same order on both)."""
-    import train.stop
+    import train.process.stop
 
     store = Store()
-    generation = train.stop._generation
+    generation = train.process.stop._generation
     a = StopRequest(client=store)
-    train.stop._generation = generation  # process 1 makes its first StopRequest too
+    train.process.stop._generation = generation  # process 1 makes its first StopRequest too
     b = StopRequest(client=store)
     assert a.key == b.key
     return store, a, b

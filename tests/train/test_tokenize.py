@@ -1,4 +1,4 @@
-"""python -m train.tokenize: the same stream (and losses) as tokenizing the text at start-up, in
+"""python -m train.tools.tokenize: the same stream (and losses) as tokenizing the text at start-up, in
 order across chunks, files and worker processes; a checked sidecar instead of a scan; outputs
 never overwritten unasked; one-line errors."""
 
@@ -12,7 +12,7 @@ import pytest
 from train.config import DataConfig
 from train.data import DataError, Pipeline
 from train.loop import run
-from train.tokenize import main, tokenize
+from train.tools.tokenize import main, tokenize
 
 from tests.helpers.trainer import enable_compile_cache, tiny_config
 

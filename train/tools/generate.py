@@ -1,8 +1,8 @@
 """See what a model writes: sample a continuation of a prompt, on one device.
 
-    python -m models.generate --hf_path DIR --prompt "Once upon a time" [--max-new-tokens 64]
+    python -m train.tools.generate --hf_path DIR --prompt "Once upon a time" [--max-new-tokens 64]
         [--temperature 0.8 --top-p 0.95 --seed 0]
-    python -m models.generate --run_dir runs/NAME --prompt-ids 1,2,3   # a run's newest checkpoint
+    python -m train.tools.generate --run_dir runs/NAME --prompt-ids 1,2,3   # a run's newest checkpoint
 
 --hf_path reads a local Hugging Face directory (config.json, safetensors, tokenizer.json);
 --run_dir the newest complete checkpoint in RUN/checkpoints, with the model RUN/config.yaml
@@ -31,7 +31,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m models.generate",
+    p = _Parser(prog="python -m train.tools.generate",
                                 description="Sample a continuation of a prompt (KV cache, one "
                                             "device).")
     src = p.add_mutually_exclusive_group(required=True)
@@ -62,7 +62,7 @@ TEMPERATURE_RANGE = (1e-3, 1e3)
 def check_numbers(args) -> None:
     """Every number of the command line in its range, before a model is loaded: one line
     (ModelError) naming the flag and what would work. NaN fails every comparison below."""
-    from .config import ModelError
+    from models.config import ModelError
 
     low, high = TEMPERATURE_RANGE
     if not (args.temperature == 0 or low <= args.temperature <= high):
@@ -83,7 +83,7 @@ def check_numbers(args) -> None:
 
 
 def _prompt_ids(text: str) -> list[int]:
-    from .config import ModelError
+    from models.config import ModelError
 
     try:
         ids = [int(t) for t in text.replace(",", " ").split()]
@@ -99,8 +99,8 @@ def _prompt_ids(text: str) -> list[int]:
 def _tokenizer(path: str | None):
     if path is None:
         return None
-    from .config import ModelError
-    from .tokenizer import load_tokenizer
+    from models.config import ModelError
+    from models.tokenizer import load_tokenizer
 
     return load_tokenizer(path, ModelError)
 
@@ -115,7 +115,7 @@ def load_model(args):
     """(model on one device, tokenizer path or None, default eos ids)."""
     import jax.numpy as jnp
 
-    from . import hf
+    from models import hf
 
     if args.hf_path:
         dtype = getattr(jnp, args.dtype or "float32")
@@ -123,10 +123,6 @@ def load_model(args):
         local = os.path.join(args.hf_path, "tokenizer.json")
         return (model, local if os.path.isfile(local) else None,
                 _eos_ids(model.config.eos_token_id))
-    # A run's checkpoint: the trainer's config and checkpoint readers (this command sits on top of
-    # both layers, as train.py does; the models library itself never imports train).
-    from train.checkpoint import restore_model
-
     model, cfg = restore_model(args.run_dir, dtype=args.dtype)
     tokenizer = cfg.data.tokenizer
     if tokenizer is None and cfg.model.hf_path:
@@ -136,9 +132,43 @@ def load_model(args):
     return model, tokenizer, eos
 
 
+def restore_model(run_dir: str, *, dtype: str | None = None):
+    """(model on the first device, the run's Config): the Transformer that `run_dir/config.yaml`
+    describes, with the parameters of the newest complete checkpoint (for sampling:
+    models.sampler). dtype: the compute dtype (default: the run's model.dtype)."""
+    import jax
+    from flax import nnx
+
+    import models
+    from basp_jax.sharding import abstract_arrays
+    from train import checkpoint
+    from train.config import load_config
+    from train.model_setup import model_config, model_options
+
+    config_path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(config_path):
+        raise checkpoint.CheckpointError(
+            f"{run_dir!r} has no config.yaml: not a training run directory")
+    cfg = load_config(config_path)
+    directory = checkpoint.checkpoint_dir(run_dir)
+    if not checkpoint.complete_steps(directory):
+        raise checkpoint.CheckpointError(f"{directory} holds no complete checkpoint")
+    mcfg = model_config(cfg)
+    # on one device, whatever kernel the run trained with
+    options = models.RunOptions.of(model_options(cfg, dtype=dtype), attn_impl="auto")
+    model = models.abstract_model(mcfg, options=options)
+    abstract = nnx.state(model, nnx.Param)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = abstract_arrays(nnx.to_pure_dict(abstract), device)
+    params = checkpoint.restore_newest_params(directory, target)
+    nnx.replace_by_pure_dict(abstract, params)
+    nnx.update(model, abstract)
+    return model, cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from .config import ModelError
+    from models.config import ModelError
 
     errors: tuple[type, ...] = (ModelError,)
     if args.run_dir:
@@ -164,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "tokenizer or --prompt-ids") from None
         else:
             prompt = _prompt_ids(args.prompt_ids)
-        from .sampler import generate
+        from models.sampler import generate
 
         new = generate(model, prompt, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed,

@@ -1,6 +1,6 @@
 """Plan a layout from the command line: predicted communication and step time of every candidate.
 
-    python -m basp_jax.plan --model llama-3.1-8b --seq 16384 --batch 2 --devices 8 \
+    python -m train.tools.plan --model llama-3.1-8b --seq 16384 --batch 2 --devices 8 \
         --devices-per-host 4 --hardware a100-40gb
 """
 
@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cost import HARDWARE, MODEL_SHAPES, Prediction, default_pad_rows, plan_table
-from .remat import REMAT_POLICIES
+from basp_jax.cost import HARDWARE, Prediction, default_pad_rows, plan_table
+from models.config import MODEL_SHAPES
+from basp_jax.remat import REMAT_POLICIES
 
 GB = 1e9
 # The largest value of each integer flag: far beyond any real run, small enough that every
@@ -43,7 +44,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m basp_jax.plan", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="python -m train.tools.plan", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, choices=sorted(MODEL_SHAPES))
     parser.add_argument("--seq", type=int, required=True, help="tokens per sequence")
     parser.add_argument("--batch", type=int, required=True, help="microbatch size (sequences)")

@@ -11,8 +11,8 @@ import jax
 
 from basp_jax import Layout, comm
 
-from .config import from_dict
-from .program import compile_program
+from ..config import from_dict
+from ..program import compile_program
 
 
 def step_collectives(mcfg, *, mode: str, strategy: str, batch: int, seq_len: int,

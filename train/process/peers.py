@@ -51,7 +51,7 @@ def distributed_client():
     client = getattr(getattr(distributed, "global_state", None), "client", None)
     if client is None:
         raise RuntimeError(f"jax.distributed is initialized but {PRIVATE_CLIENT} is missing in "
-                           f"jax {jax.__version__}; train.peers.distributed_client needs updating")
+                           f"jax {jax.__version__}; train.process.peers.distributed_client needs updating")
     return client
 
 

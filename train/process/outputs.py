@@ -11,9 +11,9 @@ import tempfile
 import models
 from basp_jax import Layout, comm
 
-from . import hf_export, paths
-from .config import INPUT_PATHS, Config, ConfigError, from_dict, to_yaml
-from .config_tree import yaml_load
+from .. import hf_export, paths
+from ..config import INPUT_PATHS, Config, ConfigError, from_dict, to_yaml
+from ..config_tree import yaml_load
 
 # files the trainer writes in run.dir, and what each must be when it exists already
 RUN_DIR_FILES = ("config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "collectives.json")

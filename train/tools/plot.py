@@ -1,8 +1,8 @@
 """Figures as PNG files: training curves of runs, the emulated-cluster benchmark, the two layouts.
 
-    python -m train.plot losses RUN_DIR [RUN_DIR ...] -o losses.png [--metric loss --metric grad_norm]
-    python -m train.plot bench bench/emulated_b2/results.json -o bench.png
-    python -m train.plot layouts --devices 8 --devices-per-host 4 --batch 2 -o layouts.png
+    python -m train.tools.plot losses RUN_DIR [RUN_DIR ...] -o losses.png [--metric loss --metric grad_norm]
+    python -m train.tools.plot bench bench/emulated_b2/results.json -o bench.png
+    python -m train.tools.plot layouts --devices 8 --devices-per-host 4 --batch 2 -o layouts.png
 
 Each command prints the path it wrote. Bad input (no metrics.jsonl, an empty one, an unknown metric,
 an impossible layout) is one line on stderr and exit status 2.
@@ -26,7 +26,7 @@ else:
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyBboxPatch, Rectangle
 
-NO_MATPLOTLIB = "train.plot draws with matplotlib, which is not installed: pip install -e '.[plot]'"
+NO_MATPLOTLIB = "train.tools.plot draws with matplotlib, which is not installed: pip install -e '.[plot]'"
 
 METRICS = ("loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu")
 METRIC_LABELS = {"loss": "loss (nats/token)", "grad_norm": "gradient norm", "lr": "learning rate",
@@ -267,7 +267,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m train.plot", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="python -m train.tools.plot", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     losses = sub.add_parser("losses", help="curves from each run's metrics.jsonl")
     losses.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", type=os.path.expanduser)

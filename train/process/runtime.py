@@ -11,7 +11,7 @@
                      scripts/slurm_train.sbatch does), or each process gets one GPU.
                      runtime.platform: gpu stops with one line (ConfigError) when JAX has no GPU,
                      naming the pip extra to install; cpu keeps JAX off the GPUs. Where a GPU
-                     run is expected (and JAX is not imported yet), train.gpu_defaults fills in
+                     run is expected (and JAX is not imported yet), train.process.gpu_defaults fills in
                      XLA flags, the memory fraction and a compilation cache the user has not
                      set, and says so on stdout.
 """
@@ -25,7 +25,7 @@ import re
 import sys
 
 from . import gpu_defaults
-from .config import Config, ConfigError
+from ..config import Config, ConfigError
 
 CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")
 NVIDIA_DRIVER_VERSION = "/proc/driver/nvidia/version"
@@ -75,8 +75,8 @@ def configure(cfg: Config) -> None:
         process_id = dist.process_id if dist.process_id is not None \
             else _env_int("JAX_PROCESS_ID", minimum=0)
         # JAX's preemption service installs a C-level SIGTERM handler of its own in initialize,
-        # silently replacing train.stop's (measured, jax 0.10.2 and 0.12): a SIGTERM while the
-        # step compiles would then be swallowed, and it knows no SIGINT. train.stop agrees on
+        # silently replacing train.process.stop's (measured, jax 0.10.2 and 0.12): a SIGTERM while the
+        # step compiles would then be swallowed, and it knows no SIGINT. train.process.stop agrees on
         # the stop step itself (see there why JAX's reached_preemption_sync_point cannot).
         jax.config.update("jax_enable_preemption_service", False)
         try:
@@ -107,7 +107,7 @@ def configure(cfg: Config) -> None:
 
 def jax_heartbeat_timeout_s(peer_timeout_s: float) -> int:
     """JAX's own heartbeat (its coordination service aborts every process, with a C++ stack
-    trace, once a peer has missed it this long): a backstop behind train.peers' watch, which says
+    trace, once a peer has missed it this long): a backstop behind train.process.peers' watch, which says
     the same in one line after peer_timeout_s. Twice our timeout, never under JAX's default of
     100 s (a peer_timeout_s of 0 turns our watch off and leaves JAX's as it is)."""
     return max(JAX_DEFAULT_HEARTBEAT_S, math.ceil(2 * peer_timeout_s))

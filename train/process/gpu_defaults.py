@@ -1,12 +1,12 @@
 """What a GPU run sets unless the user already has: XLA flags that overlap communication with
 compute, the share of GPU memory JAX takes, and a persistent compilation cache.
 
-    added, kept = apply_env(os.environ)   # before JAX starts its backends (train.runtime, train.aot)
+    added, kept = apply_env(os.environ)   # before JAX starts its backends (train.process.runtime, train.tools.aot)
     cache = enable_compilation_cache()   # any time before the first compile
     print(describe(added, kept, *cache))  # the start-up line
 
-One list, read by the trainer (train.runtime) and the compile-for-GPU command (train.aot), so the
-program train.aot reports is the program a run compiles. A flag or variable the user set (in
+One list, read by the trainer (train.process.runtime) and the compile-for-GPU command (train.tools.aot), so the
+program train.tools.aot reports is the program a run compiles. A flag or variable the user set (in
 XLA_FLAGS or the environment) always wins, whatever its value.
 
 Sources, cited per flag below:

@@ -20,7 +20,7 @@ CheckpointManager.reached_preemption calls): its notifier is a C-level SIGTERM h
 jax.distributed.initialize installs over Python's (so no Python handler, and no exit during a
 compile), it knows no SIGINT, and it needs jax.distributed, i.e. not in one process. It does agree
 on a step on CPU as on GPU (measured, 2 processes, jax 0.10.2), so once JAX lets a Python handler
-raise the notice, `should_stop` can ask it instead of the store. Until then train.runtime turns
+raise the notice, `should_stop` can ask it instead of the store. Until then train.process.runtime turns
 its service off (jax_enable_preemption_service), which would otherwise swallow SIGTERM from
 start-up until the step compiled (tests/e2e/test_multiprocess.py).
 
@@ -88,7 +88,7 @@ class StopRequest:
                 self.agreed_step = int(found[self.key])
         if self.agreed_step is not None and self.agreed_step < step:
             raise RuntimeError(f"processes were asked to stop after step {self.agreed_step} but "
-                               f"this one learned of it at step {step}; train.stop's ordering "
+                               f"this one learned of it at step {step}; train.process.stop's ordering "
                                "assumption failed")
         self.stopped = self.agreed_step == step
         return self.stopped

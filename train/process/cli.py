@@ -5,9 +5,9 @@ is checkpointed); 2 with one line on stderr for a config, layout, model, data, c
 resource error, or a run.dir another run owns (no traceback), detected before anything compiles or
 is written to run.dir; 1 when training stops on a non-finite loss (train.on_nonfinite=stop), a
 full disk or a checkpoint save that failed; 3 when a peer process of a multi-process run fails
-(train.peers; when the coordinator process dies, JAX aborts the others itself: SIGABRT); 128 +
+(train.process.peers; when the coordinator process dies, JAX aborts the others itself: SIGABRT); 128 +
 the signal (130 for SIGINT) with one line when SIGINT/SIGTERM arrives outside the training loop
-(start-up, compilation: at once, also in the middle of XLA's compile; train.stop).
+(start-up, compilation: at once, also in the middle of XLA's compile; train.process.stop).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 import sys
 import traceback
 
-from .config import ConfigError, load_config
+from ..config import ConfigError, load_config
 
 USAGE = "python train.py --config configs/NAME.yaml [key.sub=value ...]"
 
@@ -43,7 +43,7 @@ def _fail(kind: str, err: Exception) -> int:
 def install_signal_handlers() -> None:
     """From the first instruction of `python train.py`: SIGINT/SIGTERM end the process at once
     with one line, also in the middle of a compile, until the training loop takes them over
-    (train.stop)."""
+    (train.process.stop)."""
     from .stop import exit_at_once_outside_the_loop
 
     exit_at_once_outside_the_loop()
@@ -123,12 +123,12 @@ def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
     from basp_jax import LayoutError
     from models import ModelError
 
-    from .checkpoint import CheckpointError, SaveFailed, StorageError
-    from .data import DataError
+    from ..checkpoint import CheckpointError, SaveFailed, StorageError
+    from ..data import DataError
     from .lock import RunDirInUse
-    from .loop import NonFiniteError, PeerFailure, run
+    from ..loop import NonFiniteError, PeerFailure, run
     from .peers import PEER_FAILURE_STATUS
-    from .planning import ResourceError
+    from ..planning import ResourceError
 
     # each error that ends the run with one line: its label and the exit status
     one_line = ((ConfigError, "config", 2), (LayoutError, "layout", 2), (ModelError, "model", 2),

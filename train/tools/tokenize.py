@@ -1,6 +1,6 @@
 """Tokenize a corpus once into the token file `data.source=tokens` reads, with a checked sidecar.
 
-    python -m train.tokenize INPUT --tokenizer tokenizer.json -o train.bin
+    python -m train.tools.tokenize INPUT --tokenizer tokenizer.json -o train.bin
         [--text-key text] [--eos-id N] [--workers K] [--overwrite]
 
 INPUT is a .txt file (one document per non-empty line), a .jsonl file (one JSON object per line,
@@ -34,8 +34,8 @@ import sys
 
 import numpy as np
 
-from . import paths
-from .data import DataError, parse_lines, sidecar_seal
+from .. import paths
+from ..data import DataError, parse_lines, sidecar_seal
 
 FORMAT = "basp-jax tokens"
 SIDECAR_SUFFIX = ".json"
@@ -285,7 +285,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(
-        prog="python -m train.tokenize",
+        prog="python -m train.tools.tokenize",
         description="Tokenize a .txt/.jsonl file or a directory of them into a token file "
                     "(uint16/uint32) with a sidecar the trainer checks (data.source=tokens).")
     p.add_argument("input", help=".txt (a document per line), .jsonl, or a directory of them")

@@ -1,7 +1,7 @@
 """The config reference, generated from the dataclasses in train/config.py so it is written once.
 
-    python -m train.config_doc                            # print the Markdown table
-    python -m train.config_doc --write configs/README.md  # replace the table between the markers
+    python -m train.tools.config_doc                            # print the Markdown table
+    python -m train.tools.config_doc --write configs/README.md  # replace the table between the markers
 
 Every field of Config's sections appears, recursively, with its type and default from the
 dataclass and its meaning from the `# comment` on its line in train/config.py (or the comment lines
@@ -22,13 +22,13 @@ import tokenize
 import typing
 from pathlib import Path
 
-from . import config, config_tree
-from .choices import CHOICES
-from .config import Config
+from .. import config, config_tree
+from ..choices import CHOICES
+from ..config import Config
 
 START = "<!-- config-reference:start -->"
 END = "<!-- config-reference:end -->"
-COMMAND = "python -m train.config_doc --write configs/README.md"
+COMMAND = "python -m train.tools.config_doc --write configs/README.md"
 
 # Meanings of fields whose line in train/config.py has no comment (or only "required").
 # A test fails when an entry here shadows a comment, so each meaning is still written once.
@@ -155,7 +155,7 @@ def check(table_rows: list[Row]) -> None:
     for key in EXTRA_MEANINGS:
         if key not in uncommented:
             raise DocError(
-                f"train/config_doc.py EXTRA_MEANINGS[{key!r}]: the field now has a comment in "
+                f"train/tools/config_doc.py EXTRA_MEANINGS[{key!r}]: the field now has a comment in "
                 f"train/config.py (or no longer exists); delete the entry"
             )
 
@@ -188,7 +188,7 @@ def replace_reference(text: str, block: str, name: str = "the file") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.config_doc",
+    parser = argparse.ArgumentParser(prog="python -m train.tools.config_doc",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--write", metavar="MARKDOWN",
                         help=f"replace the table between {START} and {END} in this file")

@@ -1,7 +1,7 @@
 """A short tour (seconds) on 8 emulated CPU devices: the two layouts, where their all-to-alls go,
 and a check of the parallel attention's forward pass against a single-device computation.
 
-    python -m basp_jax.demo
+    python -m train.tools.demo
 """
 
 import os

@@ -1,4 +1,4 @@
-"""KV-cached sampling (models.sampler, python -m models.generate) against transformers' greedy
+"""KV-cached sampling (models.sampler, python -m train.tools.generate) against transformers' greedy
 generate on the tiny random models, the cache path against the full forward, and a run's
 checkpoint through the same command."""
 
@@ -94,8 +94,8 @@ def _word_tokenizer(path):
 
 
 def _main(capsys, *args):
-    """python -m models.generate ARGS in-process (shares compiled programs): (status, out, err)."""
-    from models.generate import main
+    """python -m train.tools.generate ARGS in-process (shares compiled programs): (status, out, err)."""
+    from train.tools.generate import main
 
     status = main(list(args))
     out, err = capsys.readouterr()
@@ -108,7 +108,7 @@ def test_cli_from_hf_dir_text_and_ids(tmp_path, capsys):
     expected = _hf_greedy(torch_model, PROMPT, 6)
     capsys.readouterr()  # transformers' progress bars
     done = subprocess.run(
-        [sys.executable, "-m", "models.generate", "--hf_path", str(tmp_path), "--prompt-ids",
+        [sys.executable, "-m", "train.tools.generate", "--hf_path", str(tmp_path), "--prompt-ids",
          ",".join(map(str, PROMPT)), "--max-new-tokens", "6"],
         cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -1,10 +1,10 @@
 """Compile a config's real train step for a GPU cluster on any machine (no GPU needed) and report
 what the GPUs would run: memory per device, attention kernels, collectives, compile time.
 
-    python -m train.aot --config configs/gpu/llama-3.1-8b_basp.yaml --target a100-40gb \\
+    python -m train.tools.aot --config configs/gpu/llama-3.1-8b_basp.yaml --target a100-40gb \\
         --hosts 2 --gpus-per-host 4 [key.sub=value ...] [--json OUT.json] [--hlo OUT.hlo]
-    python -m train.aot --config ... --plan   # every candidate layout compiled, ranked
-    python -m train.aot --install      # once: the CUDA compiler plugin (about 1.5 GB)
+    python -m train.tools.aot --config ... --plan   # every candidate layout compiled, ranked
+    python -m train.tools.aot --install      # once: the CUDA compiler plugin (about 1.5 GB)
 
 The step is built by the trainer's own code (train.program: layout, model, optimizer, shardings)
 from shapes alone: no weights, no data and nothing under run.dir are read or written. XLA compiles
@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 
-USAGE = ("python -m train.aot --config CONFIG.yaml --target GPU --hosts N --gpus-per-host M "
+USAGE = ("python -m train.tools.aot --config CONFIG.yaml --target GPU --hosts N --gpus-per-host M "
          "[key.sub=value ...] [--json OUT.json] [--hlo OUT.hlo]")
 CUDNN_REQUIREMENT = "nvidia-cudnn-cu12>=9.8,<10"
 GiB = 2**30
@@ -128,13 +128,13 @@ def install_plugin() -> str:
 
 def use_plugin() -> None:
     """Make the CUDA plugin importable and keep JAX on the CPU (must run before `import jax`).
-    The XLA flags and memory fraction a GPU run of the trainer sets (train.gpu_defaults) are set
+    The XLA flags and memory fraction a GPU run of the trainer sets (train.process.gpu_defaults) are set
     here too, so the program compiled is the one a run would compile."""
     os.environ["JAX_PLATFORMS"] = "cpu"  # compile for the GPU topology; run nothing on a GPU
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no CUDA driver is needed
     if "jax" in sys.modules:
-        raise RuntimeError("train.aot.use_plugin() must run before jax is imported")
-    from . import gpu_defaults
+        raise RuntimeError("train.tools.aot.use_plugin() must run before jax is imported")
+    from ..process import gpu_defaults
 
     gpu_defaults.apply_env(os.environ)
     if not _plugin_installed_here():
@@ -148,7 +148,7 @@ def _add_plugin_folder() -> None:
     if not os.path.isdir(os.path.join(folder, "jax_plugins")):
         raise AotError(
             f"JAX's CUDA plugin is not installed (looked in this environment and {folder}); run "
-            f"`python -m train.aot --install` once (jax-cuda12-plugin/pjrt=={_jaxlib_version()} "
+            f"`python -m train.tools.aot --install` once (jax-cuda12-plugin/pjrt=={_jaxlib_version()} "
             "and cuDNN, about 1.5 GB), or pip install \"jax[cuda12]\"")
     sys.path.insert(0, folder)
 
@@ -206,8 +206,8 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False)
 
     from basp_jax import comm, hlo
 
-    from .planning import host_memory_estimate, memory_estimate
-    from .program import compile_program
+    from ..planning import host_memory_estimate, memory_estimate
+    from ..program import compile_program
 
     compiled, run_plan, mcfg, compile_s = compile_program(cfg, devices, devices_per_host)
     text = compiled.as_text()
@@ -335,7 +335,7 @@ def format_report(r: dict) -> str:
     overlap = r["overlapped_collectives"]
     pairs = sum(v["pairs"] for v in overlap.values())
     lines.append(f"async collectives overlapping compute: {sum(v['overlapped'] for v in overlap.values())}"
-                 f" of {pairs} in the program text (XLA flags: train.gpu_defaults and XLA_FLAGS)")
+                 f" of {pairs} in the program text (XLA flags: train.process.gpu_defaults and XLA_FLAGS)")
     lines += ["", "collectives per step, bytes per device:",
               f"  {'kind':<20}{'dtype':<7}{'group':>6}{'count':>7}{'/layer':>8}{'MiB':>11}"
               f"{'wire MiB':>11}{'inter-host MiB':>16}"]
@@ -358,8 +358,8 @@ def report(cfg, target: str, hosts: int, gpus_per_host: int, *, want_hlo: bool =
     from basp_jax import LayoutError, cost, gpus
     from models import ModelError
 
-    from .config import ConfigError, replace
-    from .prepare import check_kernel, with_compute_dtype
+    from ..config import ConfigError, replace
+    from ..prepare import check_kernel, with_compute_dtype
 
     gpu = gpus.get(target)
     devices = gpu_devices(target, hosts, gpus_per_host)
@@ -367,8 +367,8 @@ def report(cfg, target: str, hosts: int, gpus_per_host: int, *, want_hlo: bool =
     check_kernel(cfg, devices[0])  # a kernel this GPU cannot run: one line, before compiling
     # the planner's choices (mode=auto, param_sharding=auto, remat=auto) for the target's memory
     cfg = replace(cfg, f"parallel.hardware={target}")
-    from .planning import resolve_offload
-    from .prepare import model_config
+    from ..planning import resolve_offload
+    from ..prepare import model_config
 
     try:
         cfg = resolve_offload(cfg, model_config(cfg), hosts * gpus_per_host, gpus_per_host)
@@ -404,9 +404,9 @@ def would_fit(cfg, r: dict, num_devices: int, devices_per_host: int) -> str:
     this length, by the planner's formula scaled to what this compile measured (the formula is
     within 15% of compiled programs; the scale takes this one's error out). A suggestion, not a
     compiled result."""
-    from .config import replace
-    from .planning import memory_estimate, memory_policy, plan
-    from .prepare import model_config
+    from ..config import replace
+    from ..planning import memory_estimate, memory_policy, plan
+    from ..prepare import model_config
 
     mcfg = model_config(cfg)
     scale = r["peak_bytes_per_device"] / r["formula_memory_bytes"]
@@ -456,9 +456,9 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
     several hosts the candidates include host parameter sharding beside fsdp and hsdp."""
     from basp_jax import cost
 
-    from .config import replace
-    from .prepare import model_config
-    from .planning import memory_policy, resolve_offload, state_bytes
+    from ..config import replace
+    from ..prepare import model_config
+    from ..planning import memory_policy, resolve_offload, state_bytes
 
     devices = hosts * gpus_per_host
     cfg = replace(cfg, f"parallel.hardware={target}")
@@ -511,7 +511,7 @@ def format_plan(rows: list[dict]) -> str:
 # ---------------------------------------------------------------------------- command line
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m train.aot", usage=USAGE,
+    p = argparse.ArgumentParser(prog="python -m train.tools.aot", usage=USAGE,
                                 description=__doc__.splitlines()[0])
     p.add_argument("--config", help="YAML config (configs/gpu/*.yaml)")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, as for train.py")
@@ -568,7 +568,7 @@ def _write(path: str, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)
-    from .config import ConfigError, load_config
+    from ..config import ConfigError, load_config
 
     try:
         if args.install:
@@ -588,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         from basp_jax import LayoutError
         from models import ModelError
 
-        from . import choices
+        from .. import choices
 
         choices.check(cfg)  # (after use_plugin: the registries import JAX)
         try:
