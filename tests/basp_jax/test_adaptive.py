@@ -286,13 +286,13 @@ def _tiny():
                                intermediate_size=128, head_dim=8)
 
 
-def _built(layout):
-    """(graphdef, params, rest) of the tiny model initialised onto the layout's mesh (fsdp)."""
+def _built(layout, param_sharding="fsdp"):
+    """(graphdef, params, rest) of the tiny model initialised onto the layout's mesh."""
     import models
     from flax import nnx
 
     model = models.init_model(_tiny(), seed=0, mesh=make_mesh(layout), layout=layout,
-                              param_sharding="fsdp", attn_impl="xla")
+                              param_sharding=param_sharding, attn_impl="xla")
     return nnx.split(model, nnx.Param, ...)
 
 
@@ -319,6 +319,19 @@ def _shardings(params):
 
 def _batch(packed):
     return [jnp.asarray(x) for x in (packed.tokens, packed.targets, packed.segment_ids)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("param_sharding", ["fsdp", "host", "hsdp"])
+def test_model_parameters_sit_alike_on_every_layout(param_sharding):
+    """Every parameter of the tiny model initialised for each layout of the set is placed
+    equivalently (same devices, same slices) under fsdp and host; under hsdp it is not (which
+    is why layout_set refuses it)."""
+    layouts = _set()
+    placed = [jax.tree.leaves(_built(lay, param_sharding)[1]) for lay in layouts]
+    same = [all(a.sharding.is_equivalent_to(b.sharding, a.ndim) for a, b in zip(placed[0], other))
+            for other in placed[1:]]
+    assert all(same) if adaptive.shares_placement(param_sharding) else not any(same), same
 
 
 @pytest.fixture(scope="module")
