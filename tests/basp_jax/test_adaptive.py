@@ -227,6 +227,13 @@ def test_repacked_static_pipeline_rows_keep_every_prediction(tmp_path):
         if packed.index == 0:
             np.testing.assert_array_equal(packed.tokens, rows["tokens"])
     assert 1 in chosen and len(chosen) > 1, chosen
+    # resume: a new pipeline (a resumed run's) repacks step t into the same layout and rows
+    again = Pipeline(DataConfig(source="tokens", path=str(path), seq_len=S, pack=True, eos_id=0),
+                     vocab_size=65536, grad_accum=1, microbatch=1, seed=0).rows(11, np.arange(1))
+    repacked = adaptive.pack_rows(again["tokens"], again["targets"], again["segment_ids"], layouts)
+    assert repacked.index == packed.index
+    for name, x in packed.arrays().items():
+        np.testing.assert_array_equal(repacked.arrays()[name], x)
 
 
 def test_zigzag_rows_are_read_and_written_in_token_order():
