@@ -1,4 +1,4 @@
-"""Adaptive layouts: per step, the layout with the most groups whose rows hold that step's documents.
+"""Adaptive layouts: per step, the layout with the most groups whose rows hold the step's documents.
 
 A static BASP run fixes B rows of S tokens on B groups of N/B devices. A step whose documents all
 fit in S/k tokens can run k*B rows of S/k tokens on k*B groups of N/(kB) devices instead: the same
@@ -137,10 +137,10 @@ def relabel(tree, shardings):
     def one(x, target):
         target = getattr(target, "sharding", target)
         if not x.sharding.is_equivalent_to(target, x.ndim):
-            raise LayoutError(f"an array of shape {tuple(x.shape)} is placed {getattr(x.sharding, 'spec', x.sharding)} "
-                              f"here and {getattr(target, 'spec', target)} in the other layout: "
-                              f"switching would move it; use a param_sharding that "
-                              f"shares_placement")
+            here, there = (getattr(s, "spec", s) for s in (x.sharding, target))
+            raise LayoutError(f"an array of shape {tuple(x.shape)} is placed {here} here and "
+                              f"{there} in the other layout: switching would move it; use a "
+                              f"param_sharding that shares_placement")
         return jax.device_put(x, target)
 
     return jax.tree.map(one, tree, shardings)

@@ -419,3 +419,28 @@ def test_switching_layouts_moves_no_parameter(on_the_set):
     x = jax.device_put(jnp.zeros((8, 4)), NamedSharding(meshes[0], P("seq")))
     with pytest.raises(LayoutError, match="switching would move it"):
         adaptive.relabel(x, NamedSharding(meshes[1], P("seq")))
+
+
+@pytest.mark.slow
+def test_a_ring_static_layout_and_its_sibling_give_the_same_loss_and_gradients():
+    """host_rings: the static (1, 8) layout runs a zig-zag ring of 2 over the hosts; the same
+    documents on (2, 4) (no ring, natural order) give its loss and gradients, the parameters
+    relabelled from the ring layout's placement."""
+    layouts = adaptive.layout_set(N, 1, S, HEADS, KV, HOST, host_rings=True, zigzag=True)
+    assert (layouts[0].ring, layouts[0].zigzag) == (2, True) and layouts[1].ring == 1
+    docs = _documents([w + 1 for w in SET_WIDTHS], vocab=_tiny().vocab_size)
+    pieces = adaptive.pieces_of_documents(docs, S)
+    params_a, results = None, []
+    for i, lay in enumerate(layouts[:2]):
+        graphdef, params, rest = _built(lay)
+        params_a = params if params_a is None else params_a
+        shardings = _shardings(params)
+        (total, count), grads = _step(graphdef, rest, shardings)(
+            adaptive.relabel(params_a, shardings), *_batch(adaptive.pack(pieces, lay, i)))
+        results.append((float(total), float(count), jax.tree.leaves(grads)))
+    (total_a, count_a, grads_a), (total_b, count_b, grads_b) = results
+    assert count_a == count_b == sum(SET_WIDTHS)
+    np.testing.assert_allclose(total_b, total_a, rtol=1e-6)
+    for a, b in zip(grads_a, grads_b):
+        np.testing.assert_allclose(np.asarray(b) / count_b, np.asarray(a) / count_a, atol=1e-6,
+                                   rtol=1e-4)
