@@ -246,7 +246,7 @@ def step_config(shapes: Shapes, steps: int, run_dir: str, seq: int | None = None
 
 
 def train_steps(shapes: Shapes, steps: int, on_gpu: bool) -> dict:
-    """Compile the trainer's step (train.program) for one device and run it `steps` times on a
+    """Compile the trainer's step (train.state) for one device and run it `steps` times on a
     fixed random batch; nothing is written anywhere."""
     import jax
     import numpy as np
@@ -254,7 +254,7 @@ def train_steps(shapes: Shapes, steps: int, on_gpu: bool) -> dict:
     from train import planning
     from train.loop import model_config, select_devices
     from train.metrics import peak_flops
-    from train.program import build_program, model_factory, plan_run
+    from train.state import build_program, model_factory, plan_run
     from train.step import build_model, init_opt_state
 
     run_dir = os.path.join(tempfile.gettempdir(), "gpu-check-run")  # required; never written

@@ -48,7 +48,7 @@ def worker(args) -> None:
 
     import jax
 
-    from train import program
+    from train import state as program
     from train.process import cli
 
     dispatches, ends, waits = [], {}, []

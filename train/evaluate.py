@@ -1,7 +1,7 @@
 """Held-out evaluation: loss and perplexity of the current parameters on the same batches each time.
 
     data = eval_data(cfg, vocab_size, pad_rows, seq_order)   # None when eval.every == 0
-    evaluator = Evaluator(cfg, program, parts, data)          # program: train.program.TrainProgram
+    evaluator = Evaluator(cfg, program, parts, data)          # program: train.state.TrainProgram
     if evaluator.due(step):
         record.update(evaluator.run(params))                  # eval_loss, eval_perplexity, ...
     # a loop that reads step k's metrics after dispatching step k+1: pending = start(params)

@@ -43,7 +43,7 @@ def compile_step(run: Run, log: Callable[[str], None]) -> tuple[Any, list]:
     """The compiled train step for the run's state, checked against device memory, and its
     collectives (logged, and written to collectives.json)."""
     t = time.perf_counter()
-    compiled = run.program.lower(run.params, run.opt_state).compile()
+    compiled = run.state.program.lower(run.state.params, run.state.opt_state).compile()
     planning.check_compiled_memory(run.cfg, compiled, run.devices)
     try:  # a diagnostic: an HLO printing the parser does not know never stops a run
         collectives = comm.parse_collectives(compiled.as_text(), len(run.devices))
@@ -60,13 +60,14 @@ def save_checkpoint(run: Run, step: int, force: bool) -> None:
     """The state after `step` (1-based), with what a resume checks and reads."""
     meta = {"step": step, "data_step": step, "seed": run.cfg.run.seed,
             "layout": run.layout.describe(), "resume": run.record}
-    run.ckpt.save(step, run.params, run.opt_state, meta, force=force)
+    run.state.ckpt.save(step, run.state.params, run.state.opt_state, meta, force=force)
 
 
 def export(run: Run, log: Callable[[str], None]) -> None:
     """checkpoint.export_hf: the final weights as a Hugging Face directory."""
     export_dir = os.path.realpath(run.cfg.checkpoint.export_hf)
-    export_hf(run.parts.module(run.params), export_dir, run.run_dir, run.is_writer, run.cfg)
+    state = run.state
+    export_hf(state.parts.module(state.params), export_dir, run.run_dir, run.is_writer, run.cfg)
     log(f"exported Hugging Face weights to {export_dir}")
 
 
@@ -81,7 +82,7 @@ def log_start(run: Run, logger: MetricsLogger) -> None:
            else "") + f"; data: {run.data.name}"
     )
     if run.latest is not None:
-        logger.message(f"resumed from {run.ckpt.directory} at step {run.start}")
+        logger.message(f"resumed from {run.state.ckpt.directory} at step {run.state.start}")
     if run.changes:
         logger.message(f"resumed with changes ({resume.ALLOW_KEY}): "
                        f"{resume.describe(run.changes)}")
@@ -156,7 +157,7 @@ class StepReport:
         if loss_scale is not None:
             message += f" and the float16 loss scale {loss_scale:g} is halved"
         if self.run.cfg.train.on_nonfinite == "stop":
-            ckpt = self.run.ckpt
+            ckpt = self.run.state.ckpt
             ckpt.wait()  # an async save of an earlier step completes first
             saved = complete_steps(ckpt.directory)
             where = (f"the last checkpoint (step {saved[-1]}) holds finite state"
@@ -171,17 +172,18 @@ class StepReport:
         run, losses = self.run, self.losses
         if run.is_writer:
             print(self.done_line(wall), flush=True)
-        return {"steps": run.start + len(losses), "start_step": run.start, "losses": losses,
-                "wall_s": wall, "params": run.params, "layout": run.layout,
+        start = run.state.start
+        return {"steps": start + len(losses), "start_step": start, "losses": losses,
+                "wall_s": wall, "params": run.state.params, "layout": run.layout,
                 "collectives": collectives}
 
     def done_line(self, wall: float) -> str:
         run, losses, steps = self.run, self.losses, self.run.cfg.train.steps
         if not losses:
-            return f"done: {run.run_dir} already holds step {run.start} of {steps}"
+            return f"done: {run.run_dir} already holds step {run.state.start} of {steps}"
         steady = self.step_times[1:] or self.step_times
         mean_tps = run.tokens_per_step / (sum(steady) / len(steady))
         mfu = f", mfu {self.mfu(mean_tps):.1%}" if run.peak else ""
-        return (f"done: steps {run.start + 1}-{run.start + len(losses)} of {steps} in "
+        return (f"done: steps {run.state.start + 1}-{run.state.start + len(losses)} of {steps} in "
                 f"{wall:.1f}s, loss {losses[0]:.4f} -> {losses[-1]:.4f}, {mean_tps:,.0f} "
                 f"tokens/s{mfu}; outputs in {run.run_dir}")

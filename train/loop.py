@@ -31,7 +31,8 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
 
     stop_at ends the invocation after that many completed steps (with a checkpoint), as a
     preemption would; running again resumes from it. In a multi-process run a peer that dies ends
-    this process too (train.process.peers, exit status 3) instead of leaving it blocked in a collective.
+    this process too (train.process.peers, exit status 3) instead of leaving it blocked in a
+    collective.
     """
     runtime.configure(cfg)
     directory = checkpoint_dir(cfg.run.dir)
@@ -65,7 +66,8 @@ LOST_PEER = re.compile(r"connection (closed|reset|refused)|closed by peer|socket
 
 
 class PeerFailure(RuntimeError):
-    """A multi-process run lost a peer (train.process.peers catches silent ones; this, failed collectives)."""
+    """A multi-process run lost a peer (train.process.peers catches silent ones; this, failed
+    collectives)."""
 
 
 def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
@@ -81,27 +83,27 @@ def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
 def _run_owned(cfg: Config, stop_at: int | None, owner: RunDirLock | None) -> dict[str, Any]:
     run = prepare(cfg, owner)  # every check, then the state: nothing compiled or written before
     end = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
-    idle = run.start >= end  # nothing to train: run.dir is left as it is
+    idle = run.state.start >= end  # nothing to train: run.dir is left as it is
     # ---- the checks passed and the state is in place: only now is run.dir written
     if run.is_writer and not idle:
         write_config(cfg, run.run_dir)
     logger = MetricsLogger(run.run_dir, cfg.metrics, total_steps=cfg.train.steps,
-                           start_step=run.start, is_writer=run.is_writer, files=not idle)
+                           start_step=run.state.start, is_writer=run.is_writer, files=not idle)
     log_start(run, logger)
     wall0 = time.perf_counter()
     stop = StopRequest()
     writer = None
     profiler = profiling.Profiler(cfg, run.run_dir, is_writer=run.is_writer, log=logger.message)
-    evaluator = evaluate.Evaluator(cfg, run.program, run.parts, run.eval_data)
+    evaluator = evaluate.Evaluator(cfg, run.state.program, run.state.parts, run.eval_data)
     try:
-        writer = writers.Writers(cfg, run.run_dir, start_step=run.start,
+        writer = writers.Writers(cfg, run.run_dir, start_step=run.state.start,
                                  is_writer=run.is_writer and not idle, devices=run.devices)
         report = StepReport(run, logger, writer, evaluator)
         with stop:  # to the end: a signal while saving or exporting waits for them
             with jax.set_mesh(run.plan.mesh):
                 collectives = train_steps(run, end, report, profiler, stop)
             stop.take_over()  # (done after the compile; here when no step ran)
-            run.ckpt.wait()
+            run.state.ckpt.wait()
             if cfg.checkpoint.export_hf and not stop.stopped:
                 export(run, logger.message)
     finally:
@@ -109,38 +111,40 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: RunDirLock | None) -> di
         profiler.close()
         if writer is not None:
             writer.close()
-        run.ckpt.close()
+        run.state.ckpt.close()
         logger.close()
     return report.summary(time.perf_counter() - wall0, collectives)
 
 
 def train_steps(run: Run, end: int, report: StepReport, profiler, stop: StopRequest) -> list:
-    """Steps run.start .. end - 1, advancing run.params and run.opt_state; returns the compiled
+    """Steps run.state.start .. end - 1, advancing its params and opt_state; returns the compiled
     step's collectives (none when no step ran). Step k's metrics are read after step k + 1 is
     dispatched, so the host's work overlaps the devices' (except before a save or a stop)."""
-    cfg, ckpt, data, sharding = run.cfg, run.ckpt, run.data, run.program.batch_sharding
+    state = run.state
+    cfg, ckpt, data, sharding = run.cfg, state.ckpt, run.data, state.program.batch_sharding
     evaluator, log = report.evaluator, report.logger.message
     # each call hands over a batch built in the background and starts the next one's
-    batch = data.global_batch(run.start, sharding, prefetch=run.start + 1 < end) \
-        if run.start < end else None
+    batch = data.global_batch(state.start, sharding, prefetch=state.start + 1 < end) \
+        if state.start < end else None
     compiled, collectives, step_arr = None, [], None
     pending = None  # (step, metrics, evaluation) read after the next dispatch
     last_end = None  # when the previous step was seen to end
-    for step in range(run.start, end):
+    for step in range(state.start, end):
         done = step + 1
         if compiled is None:
             compiled, collectives = compile_step(run, log)
             stop.take_over()  # until now a signal ended the process at once (train.process.stop)
             # placed once, then the step returns the next one: a device_put per step
             # would be a cross-process check (assert_equal) in multi-process runs
-            step_arr = run.program.step_index(step)
+            step_arr = state.program.step_index(step)
             last_end = time.perf_counter()
         profiler.before_step(done)
-        run.params, run.opt_state, metrics = compiled(run.params, run.opt_state, batch, step_arr)
+        state.params, state.opt_state, metrics = compiled(state.params, state.opt_state, batch,
+                                                          step_arr)
         step_arr = metrics.pop("next_step")
-        profiler.after_step(done, (run.params, run.opt_state))
+        profiler.after_step(done, (state.params, state.opt_state))
         # dispatched before the next step, which takes (donates) these parameters
-        evaluation = evaluator.start(run.params) if evaluator.due(done) else None
+        evaluation = evaluator.start(state.params) if evaluator.due(done) else None
         if pending is not None:  # read step k's metrics while step k+1 runs
             last_end = report.finish(*pending, last_end)
             pending = None

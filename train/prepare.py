@@ -1,8 +1,9 @@
-"""`prepare(cfg, owner) -> Run`: every check, then the state built or restored, all before the train
-step compiles; run.dir is first written (its lock, then checkpoints/) once the checks have passed.
+"""`prepare(cfg, owner) -> Run`: every check, then the state built or restored (train.state), all
+before the train step compiles; run.dir is first written (its lock, then checkpoints/) once the
+checks have passed.
 
     run = prepare(cfg, owner)   # owner: process 0's train.process.lock.RunDirLock, else None
-    run.params, run.opt_state, run.start, run.program, run.ckpt, run.data, ...
+    run.state.params, run.state.opt_state, run.state.start, run.state.program, run.data, ...
 """
 
 from __future__ import annotations
@@ -12,25 +13,23 @@ import os
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
 import models
 from basp_jax import Layout
 from basp_jax import kernels as basp_kernels
 
-from . import choices, dtypes, evaluate, planning, resume, streamed, writers
+from . import choices, dtypes, evaluate, planning, resume, writers
 from .process import runtime
-from .checkpoint import Checkpointer, checkpoint_dir, complete_steps, inspect_latest
+from .checkpoint import checkpoint_dir, complete_steps, inspect_latest
 from .config import Config, ConfigError, replace
 from .data import Pipeline
 from .process.lock import RunDirLock, check_free
 from .metrics import peak_flops
 from .model_setup import model_config, model_options
 from .process.outputs import check_output_paths
-from .program import RunPlan, TrainProgram, abstract_state, build_program, model_factory, plan_run
-from .step import (build_model, compute_dtype, from_module, init_opt_state,
-                   loss_scaling, make_optimizer)
+from .state import RunPlan, TrainState, build_state, plan_run
+from .step import compute_dtype, loss_scaling, make_optimizer
 
 
 def select_devices(cfg: Config) -> list:
@@ -96,19 +95,6 @@ def check_kernel(cfg: Config, device) -> None:
                           f" (model.dtype={cfg.model.dtype})")
 
 
-def check_finite_weights(params, source: str) -> None:
-    """Every loaded weight is finite (a NaN in the pretrained weights would make every step
-    non-finite and skipped). Checked on the host, shard by shard: nothing compiles."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        for shard in leaf.addressable_shards:
-            data = np.asarray(shard.data)
-            if jax.numpy.issubdtype(data.dtype, jax.numpy.inexact) and not np.isfinite(data).all():
-                name = ".".join(str(getattr(k, "key", k)) for k in path)
-                raise models.ModelError(
-                    f"{source}: weight {name} holds NaN or Inf values; the checkpoint is damaged "
-                    "(re-download or re-export it)")
-
-
 @dataclasses.dataclass
 class Run:
     """One invocation of the trainer: what the checks found, then the state the loop advances."""
@@ -126,13 +112,7 @@ class Run:
     latest: int | None  # the checkpoint step to resume from (None: a fresh start)
     record: dict  # what each checkpoint's meta records of the config (train.resume)
     changes: dict  # key -> (checkpoint's value, this config's): allowed changes on resume
-    # filled by build_state
-    parts: Any = None  # train.step.ModelParts
-    program: TrainProgram | None = None
-    ckpt: Checkpointer | None = None
-    start: int = 0  # the first step this invocation runs (0-based)
-    params: Any = None  # the current parameters and optimizer state (the step donates them)
-    opt_state: Any = None
+    state: TrainState | None = None  # filled by prepare (train.state.build_state)
 
     @property
     def layout(self) -> Layout:
@@ -152,7 +132,8 @@ def prepare(cfg: Config, owner: RunDirLock | None) -> Run:
     """The checked run with its state in place; a checkpoint that fails to restore (damaged array
     data, which no metadata shows) still stops here, before the train step compiles."""
     run = check(cfg, is_writer=owner is not None)
-    build_state(run, owner)
+    run.state = build_state(cfg, run.mcfg, run.plan, run_dir=run.run_dir, latest=run.latest,
+                            owner=owner)
     return run
 
 
@@ -218,44 +199,3 @@ def check_resume(cfg: Config, mcfg, run_dir: str, record: dict) -> tuple[int | N
     # a checkpoint of an earlier version records only its seed
     before = meta.get("resume") or {"run.seed": meta.get("seed", cfg.run.seed)}
     return latest, resume.check(before, record, cfg.checkpoint.allow_changed)
-
-
-def build_state(run: Run, owner: RunDirLock | None) -> None:
-    """The model and train step (not yet compiled), then run.dir's lock and checkpointer, then the
-    parameters and optimizer state: restored from run.latest, else initialised or loaded."""
-    cfg, plan = run.cfg, run.plan
-    try:
-        if run.latest is None and cfg.model.hf_path and cfg.model.load_weights:
-            run.parts = _pretrained_parts(cfg, plan)
-        else:
-            run.parts = build_model(model_factory(cfg, run.mcfg, plan), plan.rules,
-                                    init_params=run.latest is None)
-        run.program = build_program(cfg, plan, run.parts)
-        if owner is not None:
-            owner.__enter__()  # the first write: run.dir (if new) and its lock
-        run.ckpt = Checkpointer(run.run_dir, cfg.checkpoint, cfg.train.steps)  # makes checkpoints/
-        if run.latest is not None:
-            params, opt_state, meta = run.ckpt.restore(run.latest,
-                                                       *abstract_state(run.program, run.parts))
-            run.parts.params = params
-            run.start = int(meta["data_step"])
-        elif plan.offload_state:  # straight into host memory, a leaf at a time
-            run.parts.params = jax.device_put(run.parts.params, run.program.param_shardings)
-            opt_state = streamed.init_opt_state(run.program.tx, run.parts.params,
-                                                run.program.opt_shardings)
-        else:
-            opt_state = init_opt_state(run.program.tx, run.parts.params, run.program.opt_shardings)
-        run.params, run.opt_state = run.parts.params, opt_state
-    except BaseException:
-        if run.ckpt is not None:
-            run.ckpt.close()  # its threads
-        raise
-
-
-def _pretrained_parts(cfg: Config, plan: RunPlan):
-    """model.hf_path's weights, placed by the run's strategy and checked to be finite."""
-    module = models.from_pretrained(cfg.model.hf_path, options=model_options(cfg, plan))
-    parts = from_module(module, plan.rules)
-    del module
-    check_finite_weights(parts.params, cfg.model.hf_path)
-    return parts

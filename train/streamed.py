@@ -76,7 +76,7 @@ def check_offload(cfg: Config, strategy: str, compute_dtype: str) -> None:
 
 def in_host_memory(shardings):
     """The same shardings in pinned host memory (the caller leaves scalars such as step counts
-    on the device: train.program.build_program)."""
+    on the device: train.state.build_program)."""
     return jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), shardings)
 
 

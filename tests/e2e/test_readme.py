@@ -69,7 +69,7 @@ def test_plan_output_shown_is_what_the_planner_prints():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert plan.main(cmd[3:]) == 0
-    block = TEXT.split(" ".join(cmd[:3]), 1)[1].split("```")[1]
+    block = TEXT.split(" ".join(cmd[:4]), 1)[1].split("```")[1]  # the command with --model
     shown = [line.rstrip() for line in block.splitlines() if line.strip()]
     printed = [line.rstrip() for line in out.getvalue().splitlines()]
     assert len(shown) >= 4 and any(line.startswith("pick:") for line in shown)

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from train import program
+from train import state as program
 from train.loop import run
 from train.step import LossScale, LossScaleState, loss_scaling, make_optimizer
 from tests.helpers.trainer import tiny_config

@@ -180,7 +180,7 @@ def test_named_scopes_reach_the_train_step_hlo(tmp_path):
     the compiled program keeps as op_name metadata and a profiler trace shows."""
     import re
 
-    from train.program import abstract_state, build_model, build_program, model_factory, plan_run
+    from train.state import abstract_state, build_model, build_program, model_factory, plan_run
 
     cfg = tiny_config(tmp_path / "r")
     mcfg = model_config(cfg)

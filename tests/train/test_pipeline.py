@@ -8,7 +8,7 @@ import os
 import jax
 import pytest
 
-from train import metrics as metrics_module, program
+from train import metrics as metrics_module, state as program
 from train.loop import model_config, run
 
 from tests.helpers.trainer import tiny_config

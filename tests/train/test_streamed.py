@@ -20,7 +20,7 @@ from flax import nnx
 
 import models
 from tests.helpers.trainer import ROOT, tiny_config
-from train import program as prog
+from train import state as prog
 from train import streamed
 from train.config import ConfigError
 from train.prepare import model_config

@@ -6,7 +6,7 @@ what the GPUs would run: memory per device, attention kernels, collectives, comp
     python -m train.tools.aot --config ... --plan   # every candidate layout compiled, ranked
     python -m train.tools.aot --install      # once: the CUDA compiler plugin (about 1.5 GB)
 
-The step is built by the trainer's own code (train.program: layout, model, optimizer, shardings)
+The step is built by the trainer's own code (train.state: layout, model, optimizer, shardings)
 from shapes alone: no weights, no data and nothing under run.dir are read or written. XLA compiles
 it through JAX's CUDA plugin for a deviceless topology of `hosts x gpus-per-host` GPUs described by
 basp_jax.gpus. The plugin is either installed in this environment (jax[cuda12] on a GPU host) or
@@ -207,7 +207,7 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False)
     from basp_jax import comm, hlo
 
     from ..planning import host_memory_estimate, memory_estimate
-    from ..program import compile_program
+    from ..state import compile_program
 
     compiled, run_plan, mcfg, compile_s = compile_program(cfg, devices, devices_per_host)
     text = compiled.as_text()

@@ -1,8 +1,11 @@
-"""The train step a config describes, built the same way for training (train.loop) and for
-compiling without running it (train.tools.aot): layout, mesh, model, optimizer, shardings, step.
+"""The state a config describes, built one way for training (train.loop, through train.prepare)
+and for compiling without running it (train.tools.aot): the run plan (layout, mesh, strategy,
+memory policy), the model, the optimizer, the shardings, the train step, and the parameters
+and optimizer state (restored, loaded, initialised, or abstract).
 
-    program = build_program(cfg, mcfg, devices, devices_per_host, parts)   # parts: the model
-    compiled = program.lower(parts.params, opt_state).compile()            # or abstract ones
+    plan = plan_run(cfg, mcfg, devices, devices_per_host)
+    state = build_state(cfg, mcfg, plan, run_dir=..., latest=None, owner=lock)  # or abstract=True
+    compiled = state.program.lower(state.params, state.opt_state).compile()
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from basp_jax import Layout, make_mesh
 from basp_jax.sharding import ShardingRules, abstract_arrays
 
 from . import dtypes, planning, streamed
+from .checkpoint import Checkpointer
 from .model_setup import model_config, model_options
 from .config import Config
-from .step import (build_model, compute_dtype, loss_scaling, make_optimizer,
-                   make_train_step, opt_state_shardings)
+from .step import (build_model, compute_dtype, from_module, init_opt_state, loss_scaling,
+                   make_optimizer, make_train_step, opt_state_shardings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,9 +147,83 @@ def compile_program(cfg: Config, devices, devices_per_host: int, mcfg=None):
 
     mcfg = model_config(cfg) if mcfg is None else mcfg
     run_plan = plan_run(cfg, mcfg, devices, devices_per_host)
-    parts = build_model(model_factory(cfg, mcfg, run_plan), run_plan.rules, init_params=False)
-    program = build_program(cfg, run_plan, parts)
-    params, opt_state = abstract_state(program, parts)
+    state = build_state(cfg, mcfg, run_plan, abstract=True)
     t0 = time.perf_counter()
-    compiled = program.lower(params, opt_state).compile()
+    compiled = state.program.lower(state.params, state.opt_state).compile()
     return compiled, run_plan, mcfg, time.perf_counter() - t0
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What the loop advances: the model, its compiled-to-be step, the checkpointer, and the
+    parameters and optimizer state at step `start` (the step donates them; the loop replaces
+    them after each step)."""
+
+    parts: Any  # train.step.ModelParts
+    program: TrainProgram
+    ckpt: Checkpointer | None  # None for an abstract state (nothing is written)
+    start: int  # the first step this invocation runs (0-based)
+    params: Any
+    opt_state: Any
+
+
+def build_state(cfg: Config, mcfg, plan: RunPlan, *, run_dir: str | None = None,
+                latest: int | None = None, owner=None, abstract: bool = False) -> TrainState:
+    """The one state builder, for training and for compiling without running (train.tools.aot,
+    compile_program): the model and train step (not yet compiled), then (unless `abstract`)
+    run.dir's lock (`owner`, a train.process.lock.RunDirLock of process 0) and checkpointer,
+    then the parameters and optimizer state: restored from checkpoint step `latest`, else loaded
+    (model.hf_path) or initialised. abstract: ShapeDtypeStructs with shardings, nothing read,
+    initialised or written."""
+    if abstract:
+        parts = build_model(model_factory(cfg, mcfg, plan), plan.rules, init_params=False)
+        program = build_program(cfg, plan, parts)
+        return TrainState(parts, program, None, 0, *abstract_state(program, parts))
+    ckpt = None
+    try:
+        if latest is None and cfg.model.hf_path and cfg.model.load_weights:
+            parts = _pretrained_parts(cfg, plan)
+        else:
+            parts = build_model(model_factory(cfg, mcfg, plan), plan.rules,
+                                init_params=latest is None)
+        program = build_program(cfg, plan, parts)
+        if owner is not None:
+            owner.__enter__()  # the first write: run.dir (if new) and its lock
+        ckpt = Checkpointer(run_dir, cfg.checkpoint, cfg.train.steps)  # makes checkpoints/
+        start = 0
+        if latest is not None:
+            params, opt_state, meta = ckpt.restore(latest, *abstract_state(program, parts))
+            parts.params = params
+            start = int(meta["data_step"])
+        elif plan.offload_state:  # straight into host memory, a leaf at a time
+            parts.params = jax.device_put(parts.params, program.param_shardings)
+            opt_state = streamed.init_opt_state(program.tx, parts.params, program.opt_shardings)
+        else:
+            opt_state = init_opt_state(program.tx, parts.params, program.opt_shardings)
+        return TrainState(parts, program, ckpt, start, parts.params, opt_state)
+    except BaseException:
+        if ckpt is not None:
+            ckpt.close()  # its threads
+        raise
+
+
+def _pretrained_parts(cfg: Config, plan: RunPlan):
+    """model.hf_path's weights, placed by the run's strategy and checked to be finite."""
+    module = models.from_pretrained(cfg.model.hf_path, options=model_options(cfg, plan))
+    parts = from_module(module, plan.rules)
+    del module
+    check_finite_weights(parts.params, cfg.model.hf_path)
+    return parts
+
+
+def check_finite_weights(params, source: str) -> None:
+    """Every loaded weight is finite (a NaN in the pretrained weights would make every step
+    non-finite and skipped). Checked on the host, shard by shard: nothing compiles."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        for shard in leaf.addressable_shards:
+            data = np.asarray(shard.data)
+            if jax.numpy.issubdtype(data.dtype, jax.numpy.inexact) and not np.isfinite(data).all():
+                name = ".".join(str(getattr(k, "key", k)) for k in path)
+                raise models.ModelError(
+                    f"{source}: weight {name} holds NaN or Inf values; the checkpoint is damaged "
+                    "(re-download or re-export it)")
