@@ -22,16 +22,17 @@ from basp_jax import Layout
 from basp_jax import kernels as basp_kernels
 from basp_jax.mesh import layout_on
 from basp_jax.remat import REMAT_POLICIES
-from basp_jax.sharding import PARAM_SHARDINGS, ShardingRules
+from basp_jax import vocab
+from basp_jax.sharding import DEFAULT_STRATEGY, PARAM_SHARDINGS, ShardingRules
 
-from . import vocab_parallel
 from .config import ModelConfig, ModelError
+
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
     """Where and how a model computes.
 
-    mesh: a ('group', 'seq') mesh (basp_jax.make_mesh), or None for one device.
+    mesh: a basp_jax.make_mesh mesh (axes basp_jax.AXES), or None for one device.
     layout: the Layout the mesh was made from, for its ring and token order (None: the mesh's
         plain split); with layout.zigzag, tokens come in layout.token_order.
     dtype / param_dtype: compute and storage dtypes.
@@ -39,16 +40,18 @@ class RunOptions:
     remat: the rematerialisation policy (basp_jax.remat.REMAT_POLICIES).
     tile_tokens: run each layer's token-local work (norms, projections, RoPE, MLP, residual
         adds) over chunks of at most this many tokens per device, each rematerialised
-        (models.tiling): no [tokens, intermediate] or other per-token temporary of a whole shard
-        exists, only attention's inputs and output (None: the whole shard at once).
+        (models.tiling, basp_jax.tiling): no [tokens, intermediate] or other per-token
+        temporary of a whole shard exists, only attention's inputs and output (None: the whole
+        shard at once).
     vocab_parallel: when an embedding / LM head stored split on its vocabulary is used where it
-        is stored, moving the tokens' rows (models.vocab_parallel): "auto" where that moves
+        is stored, moving the tokens' rows (basp_jax.vocab): "auto" where that moves
         fewer bytes than gathering the table (short sequences), "always", "never".
     scan_layers: the layers as one stacked Block under lax.scan (else a Python list).
     param_sharding: how parameters are stored on the mesh (basp_jax.sharding.PARAM_SHARDINGS; a
-        per-host one such as 'host' needs the layout, for its devices_per_host); `rules` places them. The embedding and LM
-        head are used where they are stored when it splits the vocabulary; under 'host' their
-        gradient is summed inside each host before it crosses hosts.
+        per-host one needs the layout, for its devices_per_host); `rules` places them. The
+        embedding and LM head are used where they are stored when it splits the vocabulary;
+        under a per-host one their gradient is summed inside each host before it crosses hosts
+        (basp_jax.vocab).
     """
 
     mesh: Mesh | None = None
@@ -60,7 +63,7 @@ class RunOptions:
     tile_tokens: int | None = None
     vocab_parallel: str = "auto"
     scan_layers: bool = True
-    param_sharding: str = "fsdp"
+    param_sharding: str = DEFAULT_STRATEGY
 
     def __post_init__(self):
         if self.remat not in REMAT_POLICIES:
@@ -69,9 +72,9 @@ class RunOptions:
         if self.tile_tokens is not None and self.tile_tokens < 1:
             raise ModelError(f"tile_tokens must be a positive number of tokens or None, got "
                              f"{self.tile_tokens}")
-        if self.vocab_parallel not in vocab_parallel.MODES:
+        if self.vocab_parallel not in vocab.MODES:
             raise ModelError(f"unknown vocab_parallel {self.vocab_parallel!r}; use one of "
-                             f"{', '.join(vocab_parallel.MODES)}")
+                             f"{', '.join(vocab.MODES)}")
         if self.attn_impl not in basp_kernels.impl_names():
             raise ModelError(f"unknown attn_impl {self.attn_impl!r}; use one of "
                              f"{', '.join(basp_kernels.impl_names())}")
