@@ -11,7 +11,6 @@ build it once. Every field is checked here, before anything compiles.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax.numpy as jnp
@@ -26,6 +25,9 @@ from basp_jax import vocab
 from basp_jax.sharding import DEFAULT_STRATEGY, PARAM_SHARDINGS, ShardingRules
 
 from .config import ModelConfig, ModelError
+
+# the fields the ShardingRules are made of (RunOptions.of builds them anew when one changes)
+_RULES_FIELDS = ("mesh", "layout", "param_sharding")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,9 @@ class RunOptions:
         embedding and LM head are used where they are stored when it splits the vocabulary;
         under a per-host one their gradient is summed inside each host before it crosses hosts
         (basp_jax.vocab).
+    rules: where parameters and activations live on the mesh (basp_jax.sharding.ShardingRules,
+        None without a mesh): built from mesh, param_sharding and the layout's
+        devices_per_host when not given; a run's trainer passes its own, so the run has one.
     """
 
     mesh: Mesh | None = None
@@ -64,6 +69,7 @@ class RunOptions:
     vocab_parallel: str = "auto"
     scan_layers: bool = True
     param_sharding: str = DEFAULT_STRATEGY
+    rules: ShardingRules | None = None
 
     def __post_init__(self):
         if self.remat not in REMAT_POLICIES:
@@ -92,21 +98,30 @@ class RunOptions:
                 and self.layout is None:
             raise ModelError(f"param_sharding={self.param_sharding!r} needs the layout the mesh "
                              "was made from (its devices_per_host): pass layout=layout")
+        self._check_rules()
 
-    @functools.cached_property
-    def rules(self) -> ShardingRules | None:
-        """Where parameters and activations live on the mesh (None without one); one object per
-        options, so the embedding, the head and the loss share it (and its host mesh)."""
+    def _check_rules(self):
+        """Build the rules when not given (once per options: the embedding, the head and the
+        loss share them, and their host mesh); refuse given ones that place elsewhere."""
         if self.mesh is None:
-            return None
-        per_host = None if self.layout is None else self.layout.devices_per_host
-        return ShardingRules(self.param_sharding, self.mesh, per_host)
+            want = None
+        else:
+            per_host = None if self.layout is None else self.layout.devices_per_host
+            want = ShardingRules(self.param_sharding, self.mesh, per_host)
+        if self.rules is None:
+            object.__setattr__(self, "rules", want)
+        elif self.rules != want:
+            raise ModelError(f"the rules given ({self.rules.strategy!r} on their mesh) disagree "
+                             f"with mesh, layout and param_sharding={self.param_sharding!r}; "
+                             "pass rules=None to build them")
 
     @classmethod
     def of(cls, options: "RunOptions | None" = None, **fields) -> "RunOptions":
         """`options` (default: RunOptions()) with some fields replaced: the one conversion of
         the builders' keyword arguments."""
         base = cls() if options is None else options
+        if any(name in fields for name in _RULES_FIELDS) and "rules" not in fields:
+            fields["rules"] = None  # built anew for the new placement
         return dataclasses.replace(base, **fields) if fields else base
 
     @property
