@@ -118,8 +118,8 @@ def _shard_index(axes: tuple[str, ...]) -> jax.Array:
     return index
 
 
-def parallel_lookup(table: jax.Array, flat_tokens: jax.Array, *, mesh: Mesh, axes: tuple[str, ...],
-           dtype) -> jax.Array:
+def parallel_lookup(table: jax.Array, flat_tokens: jax.Array, *, mesh: Mesh,
+                    axes: tuple[str, ...], dtype) -> jax.Array:
     """table [vocab, embed] (sharded over `axes` on vocab), flat_tokens [T] sharded over the whole
     mesh (group-major) -> rows [T, embed] in `dtype`, sharded like the tokens."""
 
@@ -154,10 +154,10 @@ def parallel_lookup(table: jax.Array, flat_tokens: jax.Array, *, mesh: Mesh, axe
 
 
 def parallel_loss(hidden: jax.Array, targets: jax.Array, weight: jax.Array, *, mesh: Mesh,
-            axes: tuple[str, ...], vocab_dim: int, dtype, chunk_tokens: int):
-    """The next-token cross-entropy (as cross_entropy) of hidden @ weight, as (sum, count) float32, with weight's vocabulary
-    sharded over `axes`: weight [embed, vocab] (vocab_dim=1, an LM head) or [vocab, embed]
-    (vocab_dim=0, tied to the embedding). hidden [B, S, D] and targets [B, S] are sharded
+                  axes: tuple[str, ...], vocab_dim: int, dtype, chunk_tokens: int):
+    """The next-token cross-entropy of hidden @ weight (targets < 0 not counted), as (sum,
+    count) float32, with weight's vocabulary sharded over `axes`: weight [embed, vocab]
+    (vocab_dim=1, an LM head) or [vocab, embed] (vocab_dim=0, tied to the embedding). hidden [B, S, D] and targets [B, S] are sharded
     P('group', 'seq'). A chunk takes at most chunk_tokens of each device's tokens, as
     chunked_lm_loss: gathered over the shards, its float32 logits are as large
     (chunk_tokens x shards tokens x vocab / shards); the scan rematerialises them backward."""
@@ -244,14 +244,14 @@ def chunked_lm_loss(hidden: jax.Array, targets: jax.Array, project: Callable, we
     (sum, count), but no [tokens, vocab] logits of the whole batch ever exist.
 
     hidden [B, S, D] (sharded P('group', 'seq', None) with `mesh`); project(h [..., D], weight) ->
-    logits [..., V] float32; loss_fn(logits, targets) -> (sum, count) must add up over tokens (as a
-    next-token cross-entropy does). The chunks are slices of every device's own tokens (chunk_tokens per
-    device at most), so nothing moves between devices; a scan visits them with each chunk's
+    logits [..., V] float32; loss_fn(logits, targets) -> (sum, count) must add up over tokens
+    (as a next-token cross-entropy does). The chunks are slices of every device's own tokens
+    (chunk_tokens per device at most), so nothing moves between devices; a scan visits them with each chunk's
     projection and loss rematerialised, so the backward pass too holds one chunk's logits at a time.
 
     With a mesh, every device runs the loop over its own chunks with a whole copy of `weight`
     (_per_device_chunks): the weight's gradient is summed over the mesh once, after the loop.
-    With `host_mesh` (host parameter sharding), `weight` is host_copies of the
+    With `host_mesh` (a per-host strategy's placement), `weight` is host_copies of the
     projection: each host's devices run the loop with their host's copy (_per_host_chunks), so
     the copy is gathered inside the host once and its gradient crosses hosts once.
     """
