@@ -22,7 +22,6 @@ from jax.sharding import NamedSharding
 import basp_jax
 from basp_jax.remat import name_layer_input
 from basp_jax.sharding import ShardingRules, abstract_arrays, activation_spec
-
 from basp_jax.vocab import LOSS_CHUNK_TOKENS, Table
 
 from . import tiling
@@ -109,8 +108,8 @@ class Transformer(nnx.Module):
     (default: 0..S-1, or restarting at each new segment) are optional. How it runs is one
     models.RunOptions (`options=`, or its fields as keywords: `mesh=mesh, remat="full"`). With a
     mesh, B must be divisible by the layout's groups and S by its sp; logits come back sharded
-    as activations (basp_jax.ACTIVATION_SPEC). The options' layout (the one the mesh was made from)
-    adds a ring and its token order: with layout.zigzag, tokens come in layout.token_order and so
+    as activations (basp_jax.ACTIVATION_SPEC). The options' layout (the one the mesh was made
+    from) adds a ring and its token order: with layout.zigzag, tokens come in layout.token_order and so
     do default positions.
     """
 
