@@ -51,7 +51,7 @@ class Strategy:
     per_host: placed on the ('host', 'local') mesh (host_mesh), so it needs devices_per_host;
         its gathers never leave a host.
     vocab_parallel: the embedding and LM head can be used where they are stored (split on the
-        vocabulary over the compute mesh's axes: models.vocab_parallel).
+        vocabulary over the compute mesh's axes: basp_jax.vocab).
     sync: the gradient reduction per step beyond the shard group's, as basp_jax.cost prices
         it: "groups" (the 1/sp shard all-reduced across groups), "hosts" (each element crosses
         hosts once), None.
@@ -92,12 +92,13 @@ PARAM_SHARDINGS.register("host", Strategy(
     sync="hosts", applies=_several_hosts, auto_rank=0,
     streamed=False))  # its per-host device copies of the weights are what streaming avoids
 PARAM_SHARDINGS.register("replicated", Strategy((), lambda layout: 1))
+DEFAULT_STRATEGY = "fsdp"  # parameters' placement unless told otherwise (models.RunOptions)
 SPLIT = "split"  # in RULES: split over the strategy's parameter axes
 
 # The one table. One axis of each parameter is split: the major axis of each matrix (a gather or
 # scatter along a minor one makes XLA transpose the whole stacked parameter first: 0.9 GiB per
 # MLP matrix of an 8B model) and the vocabulary wherever it is, so the embedding and the LM head
-# are used where they are stored (models.vocab_parallel). Activations: rows over groups, the
+# are used where they are stored (basp_jax.vocab). Activations: rows over groups, the
 # sequence over the devices of a group; an axis not named here (hidden, heads) is whole.
 RULES: dict[str, str | None] = {
     # parameters
@@ -192,6 +193,11 @@ class ShardingRules:
     @property
     def entry(self) -> Strategy:
         return PARAM_SHARDINGS.get(self.strategy)  # (a ValueError naming the choices)
+
+    @property
+    def per_host(self) -> bool:
+        """Whether parameters live on the ('host', 'local') mesh, one copy per host."""
+        return self.entry.per_host
 
     @functools.cached_property
     def placement(self) -> Mesh:

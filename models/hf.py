@@ -164,8 +164,8 @@ def from_pretrained(path: str, *, options: RunOptions | None = None,
     How it runs is a models.RunOptions (`options=`, or its fields as keywords: mesh, dtype,
     param_dtype, attn_impl, remat, layout, scan_layers, param_sharding). Here param_dtype, the
     storage dtype, defaults to dtype, the compute dtype. With a mesh, parameters are sharded by
-    `param_sharding` ('fsdp' | 'hsdp' | 'replicated') and the model computes on the mesh; its
-    logits come back sharded P('group', 'seq', None).
+    `param_sharding` (basp_jax.sharding.PARAM_SHARDINGS) and the model computes on the mesh; its
+    logits come back sharded as activations (basp_jax.ACTIVATION_SPEC).
     """
     if option_fields.get("param_dtype") is None:
         option_fields.pop("param_dtype", None)

@@ -8,21 +8,20 @@ Attribute names follow Hugging Face's so the checkpoint mapping is mechanical (s
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 import basp_jax
 from basp_jax import kernels as basp_kernels
 from basp_jax.hlo import ATTENTION_SCOPE
-from basp_jax.sharding import HOST, LOCAL, TOKENS, ShardingRules, activation_spec
+from basp_jax.sharding import ShardingRules, activation_spec
+from basp_jax.vocab import Table
 
-from . import vocab_parallel
 from .config import ModelConfig
 from .options import RunOptions
 
@@ -72,53 +71,11 @@ class Linear(nnx.Module):
         return y
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def cotangent_sharding(x: jax.Array, sharding: NamedSharding) -> jax.Array:
-    """The identity, whose cotangent is constrained to `sharding` (where a sum must happen)."""
-    return x
-
-
-def _cotangent_sharding_fwd(x, sharding):
-    return x, None
-
-
-def _cotangent_sharding_bwd(sharding, _, g):
-    return (jax.lax.with_sharding_constraint(g, sharding),)
-
-
-cotangent_sharding.defvjp(_cotangent_sharding_fwd, _cotangent_sharding_bwd)
-
-
-def host_copies(w: nnx.Param, rules: ShardingRules) -> jax.Array:
-    """[hosts, *w.shape]: one copy of a host-sharded parameter per host (no data moves). Host h's
-    tokens use copy h; every use's cotangent is summed into the host's shards (the constraint),
-    and the broadcast's transpose sums the hosts' shards once: 1/(devices per host) of the
-    gradient crosses hosts, however many uses and loop iterations contributed."""
-    spec = rules.spec(axis_names(w), w.shape)  # the parameter's own placement
-    hosts = rules.placement.shape[HOST]
-    copies = jnp.broadcast_to(w[...], (hosts, *w.shape))
-    return cotangent_sharding(copies, NamedSharding(rules.placement, P(HOST, *spec)))
-
-
-def host_major(x: jax.Array, mesh: Mesh, host_mesh: Mesh) -> jax.Array:
-    """[B, S, ...] sharded P('group', 'seq') -> [hosts, B*S/hosts, ...]: row h holds exactly the
-    tokens of host h's devices, in device order (a relabelling: nothing moves)."""
-    b, s, rest = x.shape[0], x.shape[1], x.shape[2:]
-    g, sp = mesh.shape["group"], mesh.shape["seq"]
-    x = x.reshape(g, b // g, sp, s // sp, *rest)
-    x = jnp.moveaxis(x, 2, 1).reshape(host_mesh.shape[HOST], -1, *rest)
-    spec = P(HOST, LOCAL, *([None] * len(rest)))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(host_mesh, spec))
-
-
 class Embed(nnx.Module):
     """Token embedding table [vocab, embed]; `attend` reuses it as the output projection (tied).
 
-    `rules` (basp_jax.sharding.ShardingRules, with a mesh) says where the table is stored: split
-    on the vocabulary (fsdp, hsdp), the lookup moves tokens, not the table
-    (models.vocab_parallel); split inside hosts (host), the lookup's gradient reduces
-    hierarchically: summed inside each host into the host's shards, then one all-reduce of each
-    shard across hosts.
+    `rules` (basp_jax.sharding.ShardingRules, with a mesh) says where the table is stored and so
+    how the lookup runs: `table`, a basp_jax.vocab.Table, asks the parameter strategy.
     """
 
     def __init__(self, vocab: int, features: int, *, rngs: nnx.Rngs, dtype, param_dtype,
@@ -129,58 +86,14 @@ class Embed(nnx.Module):
             ("vocab", "embed"),
         )
         self.dtype = dtype
-        self.rules = rules
-        self.mesh = None if rules is None else rules.mesh
-        self.host_mesh = rules.placement if rules is not None and rules.entry.per_host else None
-        # the mesh axes of a vocabulary-sharded table (models.vocab_parallel), else None
-        self.vocab_axes = vocab_parallel.vocab_axes(axis_names(self.weight), self.weight.shape,
-                                                    rules)
-        self.vocab_parallel_mode, self.tied = vocab_parallel_mode, tied
-
-    def active_vocab_axes(self, num_tokens: int) -> tuple[str, ...] | None:
-        """vocab_axes when the lookup of num_tokens tokens moves rows, not the table."""
-        return vocab_parallel.active_axes(self.vocab_axes, self.mesh, num_tokens,
-                                          self.weight.shape[0], tied=self.tied,
-                                          mode=self.vocab_parallel_mode)
+        self.table = Table(axis_names(self.weight), self.weight.shape, rules,
+                           mode=vocab_parallel_mode, tied=tied)
 
     def __call__(self, tokens: jax.Array, copies: jax.Array | None = None) -> jax.Array:
-        if self.mesh is None:
-            return jnp.take(self.weight[...], tokens, axis=0).astype(self.dtype)
-        # Gather over the tokens flattened to one axis sharded over the whole mesh: the gradient
-        # (a scatter-add) is then reduced over both mesh axes at once. Over [B, S] sharded
-        # P('group', 'seq') XLA reduces it one axis at a time, and the cross-group step carries
-        # the whole [vocab, embed] gradient. The flat order is (group, seq, row, position), so
-        # each device's slice of the flat axis is exactly the tokens it already holds: no moves.
-        b, s = tokens.shape
-        g, sp = self.mesh.shape["group"], self.mesh.shape["seq"]
-        flat = tokens.reshape(g, b // g, sp, s // sp).transpose(0, 2, 1, 3).reshape(-1)
-        flat = jax.lax.with_sharding_constraint(
-            flat, NamedSharding(self.mesh, activation_spec(TOKENS)))
-        axes = self.active_vocab_axes(b * s)
-        if axes is not None:
-            out = vocab_parallel.lookup(self.weight[...], flat, mesh=self.mesh, axes=axes,
-                                        dtype=self.dtype)
-        elif self.host_mesh is None:
-            out = jnp.take(self.weight[...], flat, axis=0)
-        else:
-            out = self._lookup_per_host(flat, copies)
-        out = out.reshape(g, sp, b // g, s // sp, -1).transpose(0, 2, 1, 3, 4).reshape(b, s, -1)
-        return constrain(out, self.mesh).astype(self.dtype)
-
-    def _lookup_per_host(self, flat: jax.Array, copies: jax.Array | None) -> jax.Array:
-        """The lookup from one copy of the table per host. Over the whole mesh XLA sums the
-        gradient (a scatter-add) with one all-reduce over every device, each device sending the
-        full table's gradient across hosts; here the copies' cotangents are first summed inside
-        each host into its parameter shards (the constraint), and the broadcast's transpose then
-        adds the hosts' shards: 1/(devices per host) of the table crosses hosts."""
-        hosts = self.host_mesh.shape[HOST]
-        if copies is None:
-            copies = host_copies(self.weight, self.rules)
-        # The flat token order is host-major (basp_jax.mesh), so row h holds host h's tokens.
-        tokens = jax.lax.with_sharding_constraint(
-            flat.reshape(hosts, -1), NamedSharding(self.host_mesh, P(HOST, LOCAL)))
-        out = jax.vmap(lambda table, t: jnp.take(table, t, axis=0))(copies, tokens)
-        return out.reshape(flat.shape[0], -1)
+        """The rows [B, S, embed] of tokens [B, S]; copies: the table as Table.use gave it to a
+        tied head, so both uses share it (default: the weight's own)."""
+        table = self.table.use(self.weight[...]) if copies is None else copies
+        return self.table.lookup(table, tokens, dtype=self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Logits [..., vocab] in float32 from hidden states [..., embed]."""

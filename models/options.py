@@ -11,7 +11,6 @@ build it once. Every field is checked here, before anything compiles.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax.numpy as jnp
@@ -22,16 +21,20 @@ from basp_jax import Layout
 from basp_jax import kernels as basp_kernels
 from basp_jax.mesh import layout_on
 from basp_jax.remat import REMAT_POLICIES
-from basp_jax.sharding import PARAM_SHARDINGS, ShardingRules
+from basp_jax import vocab
+from basp_jax.sharding import DEFAULT_STRATEGY, PARAM_SHARDINGS, ShardingRules
 
-from . import vocab_parallel
 from .config import ModelConfig, ModelError
+
+# the fields the ShardingRules are made of (RunOptions.of builds them anew when one changes)
+_RULES_FIELDS = ("mesh", "layout", "param_sharding")
+
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
     """Where and how a model computes.
 
-    mesh: a ('group', 'seq') mesh (basp_jax.make_mesh), or None for one device.
+    mesh: a basp_jax.make_mesh mesh (axes basp_jax.AXES), or None for one device.
     layout: the Layout the mesh was made from, for its ring and token order (None: the mesh's
         plain split); with layout.zigzag, tokens come in layout.token_order.
     dtype / param_dtype: compute and storage dtypes.
@@ -39,16 +42,21 @@ class RunOptions:
     remat: the rematerialisation policy (basp_jax.remat.REMAT_POLICIES).
     tile_tokens: run each layer's token-local work (norms, projections, RoPE, MLP, residual
         adds) over chunks of at most this many tokens per device, each rematerialised
-        (models.tiling): no [tokens, intermediate] or other per-token temporary of a whole shard
-        exists, only attention's inputs and output (None: the whole shard at once).
+        (models.tiling, basp_jax.tiling): no [tokens, intermediate] or other per-token
+        temporary of a whole shard exists, only attention's inputs and output (None: the whole
+        shard at once).
     vocab_parallel: when an embedding / LM head stored split on its vocabulary is used where it
-        is stored, moving the tokens' rows (models.vocab_parallel): "auto" where that moves
+        is stored, moving the tokens' rows (basp_jax.vocab): "auto" where that moves
         fewer bytes than gathering the table (short sequences), "always", "never".
     scan_layers: the layers as one stacked Block under lax.scan (else a Python list).
     param_sharding: how parameters are stored on the mesh (basp_jax.sharding.PARAM_SHARDINGS; a
-        per-host one such as 'host' needs the layout, for its devices_per_host); `rules` places them. The embedding and LM
-        head are used where they are stored when it splits the vocabulary; under 'host' their
-        gradient is summed inside each host before it crosses hosts.
+        per-host one needs the layout, for its devices_per_host); `rules` places them. The
+        embedding and LM head are used where they are stored when it splits the vocabulary;
+        under a per-host one their gradient is summed inside each host before it crosses hosts
+        (basp_jax.vocab).
+    rules: where parameters and activations live on the mesh (basp_jax.sharding.ShardingRules,
+        None without a mesh): built from mesh, param_sharding and the layout's
+        devices_per_host when not given; a run's trainer passes its own, so the run has one.
     """
 
     mesh: Mesh | None = None
@@ -60,7 +68,8 @@ class RunOptions:
     tile_tokens: int | None = None
     vocab_parallel: str = "auto"
     scan_layers: bool = True
-    param_sharding: str = "fsdp"
+    param_sharding: str = DEFAULT_STRATEGY
+    rules: ShardingRules | None = None
 
     def __post_init__(self):
         if self.remat not in REMAT_POLICIES:
@@ -69,9 +78,9 @@ class RunOptions:
         if self.tile_tokens is not None and self.tile_tokens < 1:
             raise ModelError(f"tile_tokens must be a positive number of tokens or None, got "
                              f"{self.tile_tokens}")
-        if self.vocab_parallel not in vocab_parallel.MODES:
+        if self.vocab_parallel not in vocab.MODES:
             raise ModelError(f"unknown vocab_parallel {self.vocab_parallel!r}; use one of "
-                             f"{', '.join(vocab_parallel.MODES)}")
+                             f"{', '.join(vocab.MODES)}")
         if self.attn_impl not in basp_kernels.impl_names():
             raise ModelError(f"unknown attn_impl {self.attn_impl!r}; use one of "
                              f"{', '.join(basp_kernels.impl_names())}")
@@ -89,21 +98,30 @@ class RunOptions:
                 and self.layout is None:
             raise ModelError(f"param_sharding={self.param_sharding!r} needs the layout the mesh "
                              "was made from (its devices_per_host): pass layout=layout")
+        self._check_rules()
 
-    @functools.cached_property
-    def rules(self) -> ShardingRules | None:
-        """Where parameters and activations live on the mesh (None without one); one object per
-        options, so the embedding, the head and the loss share it (and its host mesh)."""
+    def _check_rules(self):
+        """Build the rules when not given (once per options: the embedding, the head and the
+        loss share them, and their host mesh); refuse given ones that place elsewhere."""
         if self.mesh is None:
-            return None
-        per_host = None if self.layout is None else self.layout.devices_per_host
-        return ShardingRules(self.param_sharding, self.mesh, per_host)
+            want = None
+        else:
+            per_host = None if self.layout is None else self.layout.devices_per_host
+            want = ShardingRules(self.param_sharding, self.mesh, per_host)
+        if self.rules is None:
+            object.__setattr__(self, "rules", want)
+        elif self.rules != want:
+            raise ModelError(f"the rules given ({self.rules.strategy!r} on their mesh) disagree "
+                             f"with mesh, layout and param_sharding={self.param_sharding!r}; "
+                             "pass rules=None to build them")
 
     @classmethod
     def of(cls, options: "RunOptions | None" = None, **fields) -> "RunOptions":
         """`options` (default: RunOptions()) with some fields replaced: the one conversion of
         the builders' keyword arguments."""
         base = cls() if options is None else options
+        if any(name in fields for name in _RULES_FIELDS) and "rules" not in fields:
+            fields["rules"] = None  # built anew for the new placement
         return dataclasses.replace(base, **fields) if fields else base
 
     @property

@@ -3,8 +3,10 @@
 One implementation for Llama 3 and Qwen 2/2.5/3; the config's switches pick the family's details.
 The N layers are one Block of stacked parameters run under lax.scan (scan_layers=True, the
 default: the program holds one layer, so compile time does not grow with depth), or a list.
-With a mesh, activations are constrained to P('group', 'seq', None) and attention runs through
-basp_jax.attention (all-to-all over 'seq'); without one, everything runs on one device.
+With a mesh, activations are placed by their logical axes ('batch', 'sequence':
+basp_jax.sharding.activation_spec), attention runs through basp_jax.attention and the embedding
+and loss through basp_jax.vocab (which ask the run's ShardingRules how); without one, everything
+runs on one device.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ from jax.sharding import NamedSharding
 import basp_jax
 from basp_jax.remat import name_layer_input
 from basp_jax.sharding import ShardingRules, abstract_arrays, activation_spec
+from basp_jax.vocab import LOSS_CHUNK_TOKENS, Table
 
-from . import tiling, vocab_parallel
+from . import tiling
 from .config import ModelConfig, ModelError
-from .layers import (MLP, Attention, Embed, Linear, RMSNorm, axis_names, constrain, host_copies,
-                     param_names)
-from .loss import LOSS_CHUNK_TOKENS, causal_lm_loss, chunked_lm_loss
+from .layers import MLP, Attention, Embed, Linear, RMSNorm, axis_names, constrain, param_names
+from .loss import causal_lm_loss
 from .options import RunOptions
 
 
@@ -105,9 +107,9 @@ class Transformer(nnx.Module):
     segment_ids [B, S] (packed documents; tokens attend within their segment) and positions [B, S]
     (default: 0..S-1, or restarting at each new segment) are optional. How it runs is one
     models.RunOptions (`options=`, or its fields as keywords: `mesh=mesh, remat="full"`). With a
-    mesh, B must be divisible by the mesh's 'group' size and S by its 'seq' size; logits come
-    back sharded P('group', 'seq', None). The options' layout (the one the mesh was made from)
-    adds a ring and its token order: with layout.zigzag, tokens come in layout.token_order and so
+    mesh, B must be divisible by the layout's groups and S by its sp; logits come back sharded
+    as activations (basp_jax.ACTIVATION_SPEC). The options' layout (the one the mesh was made
+    from) adds a ring and its token order: with layout.zigzag, tokens come in layout.token_order and so
     do default positions.
     """
 
@@ -135,21 +137,21 @@ class Transformer(nnx.Module):
                                     for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, ("norm",), eps=config.rms_norm_eps, dtype=dtype,
                             param_dtype=param_dtype)
+        # the head as the strategy places it (basp_jax.vocab.Table): the loss asks it how to run
         if config.tie_word_embeddings:
             self.lm_head = None
-            self.head_vocab_axes = self.embed_tokens.vocab_axes
+            self.head_table = self.embed_tokens.table
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, ("embed", "vocab"),
                                   use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
                                   init_std=std)
-            # the loss then moves tokens, not the head (models.vocab_parallel)
             kernel = self.lm_head.kernel
-            self.head_vocab_axes = vocab_parallel.vocab_axes(axis_names(kernel), kernel.shape,
-                                                             options.rules)
+            self.head_table = Table(axis_names(kernel), kernel.shape, options.rules,
+                                    mode=options.vocab_parallel)
 
     def hidden_states(self, tokens, segment_ids=None, positions=None, _table=None):
         """Final normalised hidden states [B, S, hidden] in the compute dtype. (_table: the
-        embedding's per-host copies when the loss shares them, models.layers.host_copies.)"""
+        embedding as the tied head's loss uses it, basp_jax.vocab.Table.use, so both share it.)"""
         x, positions, segment_ids = self.embed_inputs(tokens, segment_ids, positions, _table)
         remat = self.options.remat_policy is not None  # (remat="none": not wrapped)
         if self.options.scan_layers:
@@ -250,19 +252,17 @@ class Transformer(nnx.Module):
     def loss(self, tokens, targets, segment_ids=None, positions=None, *,
              loss_fn=causal_lm_loss, chunk_tokens: int = LOSS_CHUNK_TOKENS):
         """loss_fn(self(tokens, ...), targets) -> (sum, count), with the logits computed and
-        differentiated chunk_tokens tokens per device at a time (models.loss.chunked_lm_loss):
+        differentiated chunk_tokens tokens per device at a time (basp_jax.vocab.Table.loss):
         no [tokens, vocab] float32 buffer of the whole batch exists, forward or backward."""
         weight, table = self._head_weight()
         hidden = self.hidden_states(tokens, segment_ids, positions, _table=table)
         return self._loss_of_hidden(hidden, targets, weight, loss_fn, chunk_tokens)
 
     def _head_weight(self):
-        """(the weight the loss projects with, the embedding's per-host copies when the lookup
-        shares them (tied, host sharding) else None)."""
+        """(the weight the loss projects with, as the head's Table uses it; the same for the
+        embedding's lookup when tied, else None)."""
         param = self.embed_tokens.weight if self.lm_head is None else self.lm_head.kernel
-        if self.embed_tokens.host_mesh is None:
-            return param[...], None
-        weight = host_copies(param, self.options.rules)  # tied: one set for lookup and projection
+        weight = self.head_table.use(param[...])  # tied: one set for lookup and projection
         return weight, weight if self.lm_head is None else None
 
     def loss_of_last_layer(self, x, targets, *, loss_fn=causal_lm_loss,
@@ -273,20 +273,12 @@ class Transformer(nnx.Module):
         return self._loss_of_hidden(self.norm(x), targets, weight, loss_fn, chunk_tokens)
 
     def _loss_of_hidden(self, hidden, targets, weight, loss_fn, chunk_tokens):
-        host_mesh = self.embed_tokens.host_mesh
         project = _project_tied if self.lm_head is None else _project_untied
         with jax.named_scope("loss"):
-            axes = None if self.mesh is None else vocab_parallel.active_axes(
-                self.head_vocab_axes, self.mesh, targets.size, self.config.vocab_size,
-                tied=self.lm_head is None, mode=self.options.vocab_parallel)
-            if axes is not None and loss_fn is causal_lm_loss:
-                return vocab_parallel.lm_loss(
-                    hidden, targets, weight, mesh=self.mesh, axes=axes,
-                    vocab_dim=0 if self.lm_head is None else 1, dtype=self.dtype,
-                    chunk_tokens=chunk_tokens)
-            project = functools.partial(project, dtype=self.dtype)
-            return chunked_lm_loss(hidden, targets, project, weight, loss_fn, mesh=self.mesh,
-                                   chunk_tokens=chunk_tokens, host_mesh=host_mesh)
+            return self.head_table.loss(
+                hidden, targets, weight, functools.partial(project, dtype=self.dtype), loss_fn,
+                dtype=self.dtype, chunk_tokens=chunk_tokens,
+                plain_cross_entropy=loss_fn is causal_lm_loss)
 
 
 def _project_tied(x, weight, *, dtype):  # weight [vocab, embed], as Embed.attend
@@ -301,7 +293,7 @@ def _project_untied(x, weight, *, dtype):  # weight [embed, vocab], as Transform
 
 def _compiled_call(model: Transformer, tokens, segment_ids, positions):
     # Token arrays placed and the logits' sharding stated: jit cannot name a sharding it infers
-    # when the parameters live on the host mesh (basp_jax.sharding.host_mesh), a second mesh
+    # when the parameters live on a per-host mesh (basp_jax.sharding.host_mesh), a second mesh
     # over the same devices.
     graphdef, state = nnx.split(model)
     rows = basp_jax.activation_sharding(model.mesh)

@@ -57,5 +57,6 @@ def model_options(cfg: Config, plan=None, *,
                   scan_layers=m.scan_layers)
     if plan is not None:
         fields.update(mesh=plan.mesh, layout=plan.layout, param_sharding=plan.strategy,
+                      rules=plan.rules,  # the run's one ShardingRules: the trainer's are the model's
                       remat=plan.remat, tile_tokens=plan.tile_tokens)
     return models.RunOptions(**fields)

@@ -30,7 +30,7 @@ def _specs(config, rules):
 def test_llama_8b_splits_each_matrix_on_its_major_axis_and_the_tables_on_the_vocabulary():
     """Llama-3.1-8B's parameters by their own axis names over 8 devices: the MLP's [4096, 14336]
     on 4096 (a minor split made XLA copy each stacked matrix transposed, 0.9 GiB), the tables on
-    the vocabulary (models.vocab_parallel needs it), the layer stack never."""
+    the vocabulary (basp_jax.vocab needs it), the layer stack never."""
     specs = _specs(models.ModelConfig.preset("llama-3.1-8b"), ShardingRules("fsdp", _mesh()))
     assert specs == {
         "embed_tokens.weight": P(FSDP, None),                  # [128256, 4096]

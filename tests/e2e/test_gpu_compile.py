@@ -175,7 +175,7 @@ def test_ulysses_inter_host_all_to_all_bytes_equal_the_closed_form(reports):
 def test_fsdp_gradients_leave_through_reduce_scatter_and_gathers_are_bf16(basp_8b):
     r = basp_8b["report"]
     params = r["model"]["params"]
-    # The embedding and the LM head (vocab-sharded: models.vocab_parallel) get their gradient
+    # The embedding and the LM head (vocab-sharded: basp_jax.vocab) get their gradient
     # where it is stored, so nothing of theirs is reduce-scattered or gathered whole.
     shape = MODEL_SHAPES["llama-3.1-8b"]
     tables = 2 * shape.vocab_size * shape.hidden_size

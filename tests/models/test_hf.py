@@ -101,7 +101,7 @@ def test_host_sharded_load_keeps_every_parameter_inside_a_host(checkpoints, toke
     layout = basp_jax.Layout.plan(8, BATCH, SEQ, 8, 2, devices_per_host=4)
     model = models.from_pretrained(directory, mesh=basp_jax.make_mesh(layout), layout=layout,
                                    param_sharding="host")
-    assert model.embed_tokens.host_mesh is not None
+    assert model.embed_tokens.table.per_host
     for param in (model.embed_tokens.weight, model.layers.mlp.down_proj.kernel):
         sharding = param[...].sharding
         assert sharding.mesh.axis_names == ("host", "local")

@@ -1,5 +1,6 @@
-"""The chunked cross-entropy (models.loss.chunked_lm_loss, Transformer.loss) against the whole
-[tokens, vocab] computation: the same loss and gradients, a fraction of the temporaries."""
+"""The model's chunked cross-entropy (Transformer.loss, through basp_jax.vocab.Table.loss) against
+the whole [tokens, vocab] computation: the same loss and gradients; the vocabulary-split tables
+used where they are stored."""
 
 import dataclasses
 
@@ -11,48 +12,8 @@ from flax import nnx
 
 import basp_jax
 import models
-from models.loss import chunked_lm_loss
 
 pytestmark = pytest.mark.slow  # every test here takes seconds
-
-
-def _project_untied(h, w):
-    return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
-
-
-def _project_tied(h, w):
-    return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
-
-
-def _inputs(tokens, dim, vocab, tied, masked, seed=0):
-    kh, kw, kt = jax.random.split(jax.random.PRNGKey(seed), 3)
-    hidden = jax.random.normal(kh, (2, tokens, dim), jnp.float32)
-    weight = 0.5 * jax.random.normal(kw, (vocab, dim) if tied else (dim, vocab), jnp.float32)
-    targets = jax.random.randint(kt, (2, tokens), 0, vocab)
-    if masked:
-        targets = targets.at[0, :5].set(-100).at[1, 7:19].set(-1)
-    return hidden, weight, targets
-
-
-@pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("masked", [False, True])
-def test_chunked_loss_and_gradients_equal_the_whole_computation(tied, masked):
-    hidden, weight, targets = _inputs(48, 16, 96, tied, masked)
-    project = _project_tied if tied else _project_untied
-
-    def whole(h, w):
-        return models.causal_lm_loss(project(h, w), targets)
-
-    def chunked(h, w):  # 2 rows x 8 positions per chunk: 6 chunks
-        return chunked_lm_loss(h, targets, project, w, chunk_tokens=16)
-
-    (want, want_n), want_g = jax.value_and_grad(whole, argnums=(0, 1), has_aux=True)(hidden, weight)
-    (got, got_n), got_g = jax.value_and_grad(chunked, argnums=(0, 1), has_aux=True)(hidden, weight)
-    assert float(got_n) == float(want_n) == (96 - 17 if masked else 96)
-    np.testing.assert_allclose(got, want, rtol=1e-6)
-    for name, g, w in zip(["d_hidden", "d_weight"], got_g, want_g):
-        scale = float(jnp.abs(w).max())
-        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6 * scale, err_msg=name)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -83,30 +44,12 @@ def test_model_loss_on_mesh_equals_loss_of_logits(tied):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
 
 
-def test_chunked_loss_temporaries_fall():
-    """Compiled memory (CPU): the whole computation holds [tokens, vocab] float32 logits and
-    their gradient; chunked, only one chunk's worth (2 x 2048 tokens, vocab 4096: 64 MiB per
-    buffer against 2 MiB per 128-token chunk)."""
-    hidden, weight, targets = _inputs(2048, 32, 4096, tied=False, masked=False)
-
-    def temporaries(fn):
-        grad = jax.jit(jax.grad(lambda h, w: fn(h, w)[0], argnums=(0, 1)))
-        return grad.lower(hidden, weight).compile().memory_analysis().temp_size_in_bytes
-
-    whole = temporaries(lambda h, w: models.causal_lm_loss(_project_untied(h, w), targets))
-    chunked = temporaries(lambda h, w: chunked_lm_loss(h, targets, _project_untied, w,
-                                                       chunk_tokens=128))
-    logits_bytes = 2 * 2048 * 4096 * 4
-    assert whole >= logits_bytes, whole
-    assert chunked < logits_bytes / 8, (chunked, whole)
-
-
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("strategy", ["fsdp", "hsdp"])
 def test_vocab_sharded_lookup_and_loss_equal_the_gathering_ones_and_move_no_table(tied, strategy):
-    """models.vocab_parallel (the embedding and the head stored sharded on the vocabulary under
+    """basp_jax.vocab (the embedding and the head stored sharded on the vocabulary under
     fsdp/hsdp): loss and every parameter gradient equal the same model computed by gathering the
-    tables (vocab_axes switched off), on the (2, 4) mesh; and no collective of the compiled step
+    tables (vocab_parallel "never"), on the (2, 4) mesh; and no collective of the compiled step
     carries a whole [vocab, hidden] table, where the gathering program does."""
     from basp_jax import comm
 
@@ -117,12 +60,13 @@ def test_vocab_sharded_lookup_and_loss_equal_the_gathering_ones_and_move_no_tabl
     model = models.init_model(config, mesh=basp_jax.make_mesh(layout), seed=2,
                               param_sharding=strategy)
     want_axes = ("group", "seq") if strategy == "fsdp" else ("seq",)
-    assert model.embed_tokens.vocab_axes == model.head_vocab_axes == want_axes
+    assert model.embed_tokens.table.vocab_axes == model.head_table.vocab_axes == want_axes
     tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 64), 0, config.vocab_size)
     targets = jnp.roll(tokens, -1, axis=1).at[:, -1].set(-100).at[1, 10:20].set(-100)
     graphdef, params = nnx.split(model, nnx.Param)
     gathering = nnx.clone(model)
-    gathering.embed_tokens.vocab_axes = gathering.head_vocab_axes = None
+    gathering.embed_tokens.table = dataclasses.replace(gathering.embed_tokens.table, mode="never")
+    gathering.head_table = dataclasses.replace(gathering.head_table, mode="never")
     graphdef_gathering = nnx.graphdef(gathering)
 
     def loss(params, graphdef):
@@ -161,7 +105,7 @@ def test_a_replicated_heads_gradient_is_reduced_once_not_once_per_chunk(strategy
                                   groups=groups)
     model = models.init_model(config, mesh=basp_jax.make_mesh(layout), seed=2,
                               param_sharding=strategy)
-    assert model.head_vocab_axes is None
+    assert model.head_table.vocab_axes is None
     tokens = jax.random.randint(jax.random.PRNGKey(3), (groups, 256), 0, config.vocab_size)
     targets = jnp.roll(tokens, -1, axis=1).at[:, -1].set(-100)
     graphdef, params = nnx.split(model, nnx.Param)

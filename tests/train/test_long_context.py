@@ -1,5 +1,5 @@
 """Long sequences: the offload remat policies (basp_jax.remat) and the tiled layer
-(models.tiling) give the single device's loss and gradients on every layout, and repeat exactly
+(models.tiling, basp_jax.tiling) give the single device's loss and gradients on every layout, and repeat exactly
 the all-to-alls they should (12 per layer for "offload", 8 for the others).
 
 Tolerance (float32): the loss to 1e-6 relative; every parameter's gradient to 2e-6 of its largest
@@ -17,7 +17,6 @@ from flax import nnx
 
 import basp_jax
 import models
-from models import tiling
 
 BATCH, SEQ = 2, 64
 CONFIG = dataclasses.replace(models.ModelConfig.preset("tiny"), num_heads=8, num_kv_heads=2,
@@ -77,13 +76,6 @@ def test_tiling_on_one_device_matches_the_whole_shard(reference):
         assert np.abs(grads[key] - g).max() <= 2e-6 * np.abs(g).max(), key
 
 
-def test_chunk_len_is_the_largest_divisor_that_fits():
-    assert tiling.chunk_len(524288, 1, 4096) == 4096
-    assert tiling.chunk_len(96, 2, 64) == 32  # 2 rows x 32 <= 64; 48 would not fit
-    assert tiling.chunk_len(97, 1, 64) == 1  # a prime: one token at a time
-    assert tiling.chunk_len(12, 1, 1000) == 12
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("remat,tile_tokens,per_layer", [
     ("offload", None, 12), ("offload_exchanges", None, 8), ("offload", 256, 12)])
@@ -98,37 +90,6 @@ def test_offload_policies_repeat_only_what_they_drop(remat, tile_tokens, per_lay
                                 remat=remat, tile_tokens=tile_tokens)
     a2a = sum(c.executions for c in found if c.kind == "all-to-all")
     assert a2a == per_layer * mcfg.num_layers, (remat, a2a)
-
-
-def test_vocab_parallel_lookup_in_chunks_equals_the_whole(monkeypatch):
-    """At long sequences the vocabulary-parallel lookup gathers its rows in chunks (rows of 32
-    shards x 512K tokens would be 256 GiB): the same rows and table gradient as in one piece."""
-    import jax
-
-    from models import vocab_parallel
-
-    layout = basp_jax.Layout.plan(8, BATCH, SEQ, CONFIG.num_heads, CONFIG.num_kv_heads, groups=2)
-    mesh = basp_jax.make_mesh(layout)
-    rng = np.random.default_rng(3)
-    table = jnp.asarray(rng.normal(size=(64, 16)), jnp.float32)
-    tokens = jnp.asarray(rng.integers(0, 64, (8 * 32,)), jnp.int32)
-    cotangent = jnp.asarray(rng.normal(size=(8 * 32, 16)), jnp.float32)
-
-    def rows_and_grad():
-        def f(t):
-            rows = vocab_parallel.lookup(t, tokens, mesh=mesh, axes=("group", "seq"),
-                                         dtype=jnp.float32)
-            return jnp.sum(rows * cotangent), rows
-        (_, rows), grad = jax.jit(jax.value_and_grad(f, has_aux=True))(table)
-        return np.asarray(rows), np.asarray(grad)
-
-    whole = rows_and_grad()
-    monkeypatch.setattr(vocab_parallel, "LOOKUP_WHOLE_BYTES", 0)
-    monkeypatch.setattr(vocab_parallel, "LOOKUP_CHUNK_BYTES", 8 * 16 * 4 * 4)  # 4 tokens a chunk
-    chunked = rows_and_grad()
-    np.testing.assert_array_equal(whole[0], np.asarray(table)[np.asarray(tokens)])
-    np.testing.assert_allclose(chunked[0], whole[0], rtol=0, atol=0)
-    np.testing.assert_allclose(chunked[1], whole[1], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("overrides,want", [

@@ -1,0 +1,461 @@
+"""Vocabulary tables on the mesh: the embedding lookup of a [vocab, embed] table and the chunked
+LM loss of a head, placed as a parameter strategy (basp_jax.sharding.ShardingRules) says.
+
+Model-agnostic: a model describes each table once (Table: its logical axis names, shape, the
+run's ShardingRules) and calls Table.lookup and Table.loss; which path runs is the strategy's
+answer, never the model's:
+
+- the vocabulary split over mesh axes (fsdp, hsdp: Strategy.vocab_parallel): the table is used
+  where it is stored (parallel_lookup, parallel_loss, below);
+- one copy per host (a per-host strategy, Strategy.per_host: host_copies): the lookup's and the
+  loss's gradients are summed inside each host, then cross hosts once as 1/(devices per host)
+  shards (_lookup_per_host, _per_host_chunks);
+- otherwise the table is gathered and every device loops over its own tokens
+  (chunked_lm_loss, _per_device_chunks).
+
+The split vocabulary, in detail:
+Under FSDP/HSDP the embedding table [vocab, embed] and the LM head [embed, vocab] are stored
+sharded on their vocabulary dimension (basp_jax.sharding picks the largest divisible one). Used
+as plain arrays, XLA gathers the whole table on every device (1 GB in bf16 for a 128K vocabulary
+at 4,096 wide) and builds its whole float32 gradient before reduce-scattering it (2 GB, more for
+every live copy). Here the tokens move instead of the table, as in Megatron-LM's vocab-parallel
+embedding and cross-entropy:
+
+- lookup: gather the token ids (int32, tiny) over the sharded axes, look each one up in the
+  local slice of the table (zero where another device holds it) and reduce-scatter the rows
+  back to the devices that own the tokens. Backward: an all-gather of the rows' cotangent and a
+  scatter-add into the local slice. The table's gradient never exists whole.
+- loss: per chunk of tokens, gather the hidden states over the sharded axes and compute every
+  gathered token's logits for this device's slice of the vocabulary; the log-sum-exp and the
+  target's logit are summed over the slices (all-reduces of one float per token). Each device
+  then adds up the losses of its own tokens. The head's gradient stays local, the hidden
+  states' cotangent is reduce-scattered back to their owners.
+
+Works inside any jit over the ('group', 'seq') mesh; `vocab_axes` names the mesh axes the
+vocabulary dimension is sharded over (the parameter strategy's axes, see `vocab_axes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from . import cost
+from .mesh import GROUP, SEQ
+from .sharding import ACTIVATION_SPEC, HOST, LOCAL, TOKENS, ShardingRules, activation_spec
+from .tiling import chunk_len, token_chunks
+
+FLAT = activation_spec(TOKENS)  # a flat token axis over the whole mesh, group-major
+
+
+# Tokens per device whose logits exist at once in chunked_lm_loss (and parallel_loss):
+# 128 x a 128K vocabulary in float32 is 64 MiB per buffer, against 2.1 GB for 4,096 tokens. At
+# 1,024 the 8B step at 16K held 1.5 GiB of chunk buffers, at 256 0.06 GiB more than at 128
+# (compiled GPU program); more, smaller chunks cost no FLOPs, only more (small) collectives.
+LOSS_CHUNK_TOKENS = 128
+
+
+def vocab_axes(names: tuple[str, ...], shape: tuple[int, ...],
+               rules: ShardingRules | None) -> tuple[str, ...] | None:
+    """The mesh axes the 'vocab' axis of a parameter (axis `names`, `shape`) is stored split
+    over, or None when the vocabulary is not what is split (then the plain, gathering
+    computation applies): no mesh, replicated, host sharding (its own per-host path), or a
+    vocabulary no axis size divides."""
+    if rules is None or not rules.entry.vocab_parallel:
+        return None
+    spec = tuple(rules.spec(names, shape))
+    spec = spec + (None,) * (len(shape) - len(spec))
+    vocab_dim = names.index("vocab")
+    axes = spec[vocab_dim]
+    if axes is None or any(s is not None for i, s in enumerate(spec) if i != vocab_dim):
+        return None
+    return axes if isinstance(axes, tuple) else (axes,)
+
+
+# parallel_lookup gathers its rows (shards x tokens x embed, float32 per device) in one
+# piece up to LOOKUP_WHOLE_BYTES, where XLA fuses the lookup into the reduce-scatter (the 8B step
+# at 8 shards x 512K tokens: 64 GiB of rows, 66.8 GiB peak; in 1 GiB chunks: 71.7), and in
+# chunks of LOOKUP_CHUNK_BYTES beyond (32 shards x 512K: 135.4 GiB whole, 62.2 in 1 GiB chunks).
+LOOKUP_WHOLE_BYTES = 2**36
+LOOKUP_CHUNK_BYTES = 2**30
+
+# when a table split on its vocabulary is used where it is stored (Table.mode)
+MODES = ("auto", "always", "never")
+
+
+def active_axes(axes: tuple[str, ...] | None, mesh: Mesh, num_tokens: int, vocab_size: int, *,
+                tied: bool, mode: str) -> tuple[str, ...] | None:
+    """`axes` when the vocabulary-parallel path should run for `num_tokens` tokens of the whole
+    mesh, else None (gather the table instead). "auto": basp_jax.cost.prefer_vocab_parallel
+    (where it moves fewer bytes, up to ~2/3 x vocab tokens per shard group tied, and at long
+    sequences, where the gathering path's float32 rows and tables would cost the most memory)."""
+    if axes is None or mode == "never":
+        return None
+    if mode == "always":
+        return axes
+    shard_group = _shard_count(mesh, axes)
+    per_device = num_tokens / mesh.size
+    return axes if cost.prefer_vocab_parallel(per_device, shard_group, vocab_size, tied) else None
+
+
+def _shard_count(mesh: Mesh, axes: tuple[str, ...]) -> int:
+    """How many devices the vocabulary is split over."""
+    return math.prod(mesh.shape[name] for name in axes)
+
+
+def _shard_index(axes: tuple[str, ...]) -> jax.Array:
+    """This device's position along `axes` (row-major, as all_gather over `axes` orders it)."""
+    index = 0
+    for name in axes:
+        index = index * lax.axis_size(name) + lax.axis_index(name)
+    return index
+
+
+def parallel_lookup(table: jax.Array, flat_tokens: jax.Array, *, mesh: Mesh,
+                    axes: tuple[str, ...], dtype) -> jax.Array:
+    """table [vocab, embed] (sharded over `axes` on vocab), flat_tokens [T] sharded over the whole
+    mesh (group-major) -> rows [T, embed] in `dtype`, sharded like the tokens."""
+
+    shards = _shard_count(mesh, axes)
+    local_tokens = flat_tokens.shape[0] // mesh.size
+    row_bytes = shards * table.shape[1] * 4
+    c = local_tokens
+    if local_tokens * row_bytes > LOOKUP_WHOLE_BYTES:  # chunks of the device's tokens
+        c = chunk_len(local_tokens, 1, max(1, LOOKUP_CHUNK_BYTES // row_bytes))
+
+    def chunk(table, tokens):
+        rows = table.shape[0]
+        first = _shard_index(axes) * rows
+        every = lax.all_gather(tokens, axes, tiled=True)
+        here = (every >= first) & (every < first + rows)
+        # Looked up in the stored dtype and cast after, so the gradient adds up in float32.
+        found = jnp.take(table, jnp.clip(every - first, 0, rows - 1), axis=0)
+        found = jnp.where(here[:, None], found, 0).astype(dtype)
+        return lax.psum_scatter(found, axes, scatter_dimension=0, tiled=True)  # one row is not 0
+
+    def local(table, tokens):
+        if c == local_tokens:
+            return chunk(table, tokens)
+        # rematerialised: kept for the backward pass, each chunk's [rows, embed] mask of which
+        # rows this shard holds would be stacked over the chunks (64 GiB at 32 shards, 512K)
+        remat_chunk = jax.checkpoint(chunk)
+        out = lax.map(lambda t: remat_chunk(table, t), tokens.reshape(-1, c))
+        return out.reshape(local_tokens, -1)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(axes, None), FLAT),
+                         out_specs=activation_spec(TOKENS, None))(table, flat_tokens)
+
+
+def parallel_loss(hidden: jax.Array, targets: jax.Array, weight: jax.Array, *, mesh: Mesh,
+                  axes: tuple[str, ...], vocab_dim: int, dtype, chunk_tokens: int):
+    """The next-token cross-entropy of hidden @ weight (targets < 0 not counted), as (sum,
+    count) float32, with weight's vocabulary sharded over `axes`: weight [embed, vocab]
+    (vocab_dim=1, an LM head) or [vocab, embed] (vocab_dim=0, tied to the embedding). hidden [B, S, D] and targets [B, S] are sharded
+    P('group', 'seq'). A chunk takes at most chunk_tokens of each device's tokens, as
+    chunked_lm_loss: gathered over the shards, its float32 logits are as large
+    (chunk_tokens x shards tokens x vocab / shards); the scan rematerialises them backward."""
+    b, s, d = hidden.shape
+    groups, sp = mesh.shape[GROUP], mesh.shape[SEQ]
+    local_len, rows = s // sp, b // groups
+    c = chunk_len(local_len, rows, chunk_tokens)
+    hs, ts = token_chunks(hidden, targets, sp, c)
+    spec = activation_spec(None, "batch", "sequence")  # [chunk, B, S]
+    w_spec = P(axes, None) if vocab_dim == 0 else P(None, axes)
+    contract = "td,vd->tv" if vocab_dim == 0 else "td,dv->tv"
+
+    def chunk_loss(h, t, w):
+        mine = t.size
+        h = lax.all_gather(h.reshape(mine, d), axes, tiled=True)
+        t_all = lax.all_gather(t.reshape(mine), axes, tiled=True)
+        logits = jnp.einsum(contract, h.astype(dtype), w.astype(dtype),
+                            preferred_element_type=jnp.float32)
+        width = logits.shape[1]
+        first = _shard_index(axes) * width
+        top = lax.pmax(lax.stop_gradient(logits.max(axis=1)), axes)  # cancels in the gradient
+        log_z = top + jnp.log(lax.psum(jnp.exp(logits - top[:, None]).sum(axis=1), axes))
+        here = (t_all >= first) & (t_all < first + width)
+        picked = jnp.take_along_axis(logits, jnp.clip(t_all - first, 0, width - 1)[:, None], 1)
+        target_logit = lax.psum(jnp.where(here, picked[:, 0], 0.0), axes)
+        losses = jnp.where(t_all >= 0, log_z - target_logit, 0.0)
+        own = lax.dynamic_slice_in_dim(losses, _shard_index(axes) * mine, mine)
+        return own.sum(), (t >= 0).sum(dtype=jnp.float32)
+
+    chunk_loss = jax.checkpoint(chunk_loss)
+
+    def local(hs, ts, w):
+        _, (totals, counts) = lax.scan(lambda _, xs: (None, chunk_loss(*xs, w)), None, (hs, ts))
+        return totals.sum()[None], counts.sum()[None]
+
+    total, count = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, w_spec),
+                                 out_specs=(FLAT, FLAT))(hs, ts, weight)
+    return total.sum(), count.sum()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def cotangent_sharding(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """The identity, whose cotangent is constrained to `sharding` (where a sum must happen)."""
+    return x
+
+
+def _cotangent_sharding_fwd(x, sharding):
+    return x, None
+
+
+def _cotangent_sharding_bwd(sharding, _, g):
+    return (jax.lax.with_sharding_constraint(g, sharding),)
+
+
+cotangent_sharding.defvjp(_cotangent_sharding_fwd, _cotangent_sharding_bwd)
+
+
+def host_copies(w: jax.Array, names: tuple[str, ...], rules: ShardingRules) -> jax.Array:
+    """[hosts, *w.shape]: one copy of a host-sharded parameter per host (no data moves). Host h's
+    tokens use copy h; every use's cotangent is summed into the host's shards (the constraint),
+    and the broadcast's transpose sums the hosts' shards once: 1/(devices per host) of the
+    gradient crosses hosts, however many uses and loop iterations contributed."""
+    spec = rules.spec(names, w.shape)  # the parameter's own placement (axis `names`)
+    hosts = rules.placement.shape[HOST]
+    copies = jnp.broadcast_to(w, (hosts, *w.shape))
+    return cotangent_sharding(copies, NamedSharding(rules.placement, P(HOST, *spec)))
+
+
+def host_major(x: jax.Array, mesh: Mesh, host_mesh: Mesh) -> jax.Array:
+    """[B, S, ...] sharded P('group', 'seq') -> [hosts, B*S/hosts, ...]: row h holds exactly the
+    tokens of host h's devices, in device order (a relabelling: nothing moves)."""
+    b, s, rest = x.shape[0], x.shape[1], x.shape[2:]
+    g, sp = mesh.shape[GROUP], mesh.shape[SEQ]
+    x = x.reshape(g, b // g, sp, s // sp, *rest)
+    x = jnp.moveaxis(x, 2, 1).reshape(host_mesh.shape[HOST], -1, *rest)
+    spec = P(HOST, LOCAL, *([None] * len(rest)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(host_mesh, spec))
+
+
+def chunked_lm_loss(hidden: jax.Array, targets: jax.Array, project: Callable, weight: jax.Array,
+                    loss_fn: Callable, *, mesh: Mesh | None = None,
+                    chunk_tokens: int = LOSS_CHUNK_TOKENS, host_mesh: Mesh | None = None):
+    """loss_fn(project(hidden, weight), targets) computed over chunks of tokens: the same
+    (sum, count), but no [tokens, vocab] logits of the whole batch ever exist.
+
+    hidden [B, S, D] (sharded P('group', 'seq', None) with `mesh`); project(h [..., D], weight) ->
+    logits [..., V] float32; loss_fn(logits, targets) -> (sum, count) must add up over tokens
+    (as a next-token cross-entropy does). The chunks are slices of every device's own tokens
+    (chunk_tokens per device at most), so nothing moves between devices; a scan visits them with each chunk's
+    projection and loss rematerialised, so the backward pass too holds one chunk's logits at a time.
+
+    With a mesh, every device runs the loop over its own chunks with a whole copy of `weight`
+    (_per_device_chunks): the weight's gradient is summed over the mesh once, after the loop.
+    With `host_mesh` (a per-host strategy's placement), `weight` is host_copies of the
+    projection: each host's devices run the loop with their host's copy (_per_host_chunks), so
+    the copy is gathered inside the host once and its gradient crosses hosts once.
+    """
+    b, s, d = hidden.shape
+    if targets.shape != (b, s):
+        raise ValueError(f"hidden {hidden.shape} and targets {targets.shape} disagree on [batch, seq]")
+    groups, sp = (1, 1) if mesh is None else (mesh.shape[GROUP], mesh.shape[SEQ])
+    local = s // sp
+    c = chunk_len(local, b // groups, chunk_tokens)
+    if host_mesh is not None:
+        return _per_host_chunks(hidden, targets, project, weight, loss_fn, mesh, host_mesh,
+                                (b // groups) * c)
+    if mesh is not None:
+        return _per_device_chunks(hidden, targets, project, weight, loss_fn, mesh, c)
+    hs, ts = token_chunks(hidden, targets, sp, c)  # one device
+
+    def per_chunk(h, t, w):
+        return loss_fn(project(h, w), t)
+
+    zero = jnp.zeros((), jnp.float32)
+    return _sum_chunks(jax.checkpoint(per_chunk), weight, hs, ts, zero)
+
+
+def _sum_chunks(chunk_loss, weight, hs, ts, zero):
+    """(sum, count) of chunk_loss(h, t, weight) over the chunks [n, ...] of hs and ts, by a scan."""
+    def body(carry, xs):
+        total, count = chunk_loss(*xs, weight)
+        return (carry[0] + total, carry[1] + count), None
+
+    (total, count), _ = jax.lax.scan(body, (zero, zero), (hs, ts))
+    return total, count
+
+
+def _per_device_chunks(hidden, targets, project, weight, loss_fn, mesh: Mesh, c: int):
+    """chunked_lm_loss on a mesh: one shard_map in which each device scans its own tokens' chunks
+    with a whole copy of `weight` (gathered once if it is stored sharded). Made device-varying
+    before the loop, the copy's cotangent accumulates on the device and its transpose sums it
+    over the mesh once; differentiated through a scan over a replicated weight, XLA would
+    all-reduce the whole [vocab, hidden] gradient once per chunk (the emulated cluster's B=8 step
+    under hsdp: 16.5 instead of 9.0 MiB across hosts per device; a 128K x 2048 fp32 head at 4K
+    tokens per device: 32 chunks of 1 GB per step)."""
+    axes = tuple(mesh.axis_names)
+    loop = _device_loop(project, loss_fn, c, axes)
+
+    def local(h, t, w):
+        return loop(h, t, jax.lax.pcast(w, axes, to="varying"))
+
+    tokens = ACTIVATION_SPEC
+    return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, P()),
+                         out_specs=(P(), P()))(hidden, targets, weight)
+
+
+def _device_loop(project, loss_fn, c: int, axes: tuple[str, ...]):
+    """The body both shard_maps run: (sum, count) of this device's tokens h, t in chunks of c,
+    with its device-varying copy w of the weight, summed over `axes` once after the scan."""
+    @jax.checkpoint
+    def chunk_loss(h, t, w):
+        return loss_fn(project(h, w), t)
+
+    def loop(h, t, w):
+        hs, ts = token_chunks(h, t, 1, c)
+        zero = jax.lax.pcast(jnp.zeros((), jnp.float32), axes, to="varying")
+        total, count = _sum_chunks(chunk_loss, w, hs, ts, zero)
+        return jax.lax.psum(total, axes), jax.lax.psum(count, axes)
+
+    return loop
+
+
+def _per_host_chunks(hidden, targets, project, copies, loss_fn, mesh: Mesh, host_mesh: Mesh,
+                     c: int):
+    """chunked_lm_loss under host parameter sharding: the tokens relabelled host-major (nothing
+    moves) and one shard_map on the host mesh in which each device scans its own tokens' chunks
+    of c tokens with its host's whole copy of the weight (host_copies), gathered
+    inside the host once. The copy's cotangent is summed inside the host once, after the loop,
+    and the copies' across hosts once (host_copies' transpose). Scanned in the global view
+    instead, XLA gathered the copy inside the host for every chunk and reduce-scattered its f32
+    gradient per chunk (a 128K x 4096 head at 256K tokens: 188 GiB per device per step)."""
+    hidden = host_major(hidden, mesh, host_mesh)  # [hosts, tokens per host, D]
+    targets = host_major(targets, mesh, host_mesh)
+    loop = _device_loop(project, loss_fn, c, tuple(host_mesh.axis_names))
+
+    def local(h, t, w):  # h [1, tokens per device, D], w [1, ...] its host's copy
+        return loop(h, t, jax.lax.pcast(w[0], (LOCAL,), to="varying"))  # varying over hosts
+
+    tokens = P(HOST, LOCAL)
+    # the step traces under the layout's mesh: the host mesh (same devices) for this part
+    with jax.sharding.use_abstract_mesh(host_mesh.abstract_mesh):
+        return jax.shard_map(local, mesh=host_mesh, in_specs=(tokens, tokens, P(HOST)),
+                             out_specs=(P(), P()))(hidden, targets, copies)
+
+
+def _flat_tokens(tokens: jax.Array, mesh: Mesh) -> jax.Array:
+    """[B, S] sharded P('group', 'seq') -> [B*S] over the whole mesh, group-major (a relabelling).
+
+    Gathered over the tokens flattened to one axis sharded over the whole mesh, the lookup's
+    gradient (a scatter-add) is reduced over both mesh axes at once. Over [B, S] sharded
+    P('group', 'seq') XLA reduces it one axis at a time, and the cross-group step carries the
+    whole [vocab, embed] gradient. The flat order is (group, seq, row, position), so each
+    device's slice of the flat axis is exactly the tokens it already holds: no moves."""
+    b, s = tokens.shape
+    g, sp = mesh.shape[GROUP], mesh.shape[SEQ]
+    flat = tokens.reshape(g, b // g, sp, s // sp).transpose(0, 2, 1, 3).reshape(-1)
+    return jax.lax.with_sharding_constraint(flat, NamedSharding(mesh, FLAT))
+
+
+def _unflatten(rows: jax.Array, mesh: Mesh, b: int, s: int) -> jax.Array:
+    """_flat_tokens' inverse for rows [B*S, E] -> [B, S, E] sharded P('group', 'seq')."""
+    g, sp = mesh.shape[GROUP], mesh.shape[SEQ]
+    out = rows.reshape(g, sp, b // g, s // sp, -1).transpose(0, 2, 1, 3, 4).reshape(b, s, -1)
+    return jax.lax.with_sharding_constraint(
+        out, NamedSharding(mesh, activation_spec("batch", "sequence", None)))
+
+
+def _lookup_per_host(copies: jax.Array, flat: jax.Array, host_mesh: Mesh) -> jax.Array:
+    """The lookup from one copy of the table per host. Over the whole mesh XLA sums the
+    gradient (a scatter-add) with one all-reduce over every device, each device sending the
+    full table's gradient across hosts; here the copies' cotangents are first summed inside
+    each host into its parameter shards (host_copies' constraint), and the broadcast's transpose
+    then adds the hosts' shards: 1/(devices per host) of the table crosses hosts."""
+    hosts = host_mesh.shape[HOST]
+    # The flat token order is host-major (basp_jax.mesh), so row h holds host h's tokens.
+    tokens = jax.lax.with_sharding_constraint(
+        flat.reshape(hosts, -1), NamedSharding(host_mesh, P(HOST, LOCAL)))
+    out = jax.vmap(lambda table, t: jnp.take(table, t, axis=0))(copies, tokens)
+    return out.reshape(flat.shape[0], -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """One vocabulary table of a model as `rules` places it: a parameter whose logical axis
+    `names` (basp_jax.sharding.RULES) hold 'vocab', of `shape`: [vocab, embed] for an
+    embedding (also the head when tied), [embed, vocab] for an LM head. rules=None: one device.
+
+    The model asks the table, the table asks the strategy (rules.entry): whether the vocabulary
+    is what is split (vocab_axes: the table is then used where it is stored, parallel_lookup and
+    parallel_loss), or the strategy is per host (use: one copy per host, host_copies), or
+    neither (the table is gathered). mode: one of MODES, when a vocabulary-split table is used
+    where it is stored; tied: the embedding is also the head (active_axes' byte count).
+    """
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    rules: ShardingRules | None = None
+    mode: str = "auto"
+    tied: bool = False
+
+    @functools.cached_property
+    def vocab_axes(self) -> tuple[str, ...] | None:
+        """The mesh axes the vocabulary is stored split over (vocab_axes), else None."""
+        return vocab_axes(self.names, self.shape, self.rules)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.shape[self.names.index("vocab")]
+
+    @property
+    def per_host(self) -> bool:
+        """Whether the strategy keeps one copy of the table per host (use, host_copies)."""
+        return self.rules is not None and self.rules.per_host
+
+    def active_axes(self, num_tokens: int) -> tuple[str, ...] | None:
+        """vocab_axes when the table's use by num_tokens tokens moves rows, not the table."""
+        if self.rules is None:
+            return None
+        return active_axes(self.vocab_axes, self.rules.mesh, num_tokens, self.vocab_size,
+                           tied=self.tied, mode=self.mode)
+
+    def use(self, value: jax.Array) -> jax.Array:
+        """The table's value as lookup and loss take it: one copy per host (host_copies) under a
+        per-host strategy, else the array itself. Pass the same result to both uses of a tied
+        table, so its gradient crosses hosts once."""
+        return host_copies(value, self.names, self.rules) if self.per_host else value
+
+    def lookup(self, table: jax.Array, tokens: jax.Array, *, dtype) -> jax.Array:
+        """The rows [B, S, embed] in `dtype` of tokens [B, S] (sharded P('group', 'seq') with a
+        mesh) from `table` (use's result; the table must be [vocab, embed])."""
+        if self.rules is None:
+            return jnp.take(table, tokens, axis=0).astype(dtype)
+        mesh = self.rules.mesh
+        b, s = tokens.shape
+        flat = _flat_tokens(tokens, mesh)
+        axes = self.active_axes(b * s)
+        if axes is not None:
+            out = parallel_lookup(table, flat, mesh=mesh, axes=axes, dtype=dtype)
+        elif self.per_host:
+            out = _lookup_per_host(table, flat, self.rules.placement)
+        else:
+            out = jnp.take(table, flat, axis=0)
+        return _unflatten(out, mesh, b, s).astype(dtype)
+
+    def loss(self, hidden: jax.Array, targets: jax.Array, weight: jax.Array, project: Callable,
+             loss_fn: Callable, *, dtype, chunk_tokens: int = LOSS_CHUNK_TOKENS,
+             plain_cross_entropy: bool = False):
+        """loss_fn(project(hidden, weight), targets) -> (sum, count) over chunks of
+        chunk_tokens tokens per device (chunked_lm_loss), weight being use's result of this
+        table (the head). plain_cross_entropy: loss_fn is the plain next-token cross-entropy
+        (targets < 0 not counted), which parallel_loss computes where the vocabulary is split;
+        any other loss_fn runs on gathered chunks of logits."""
+        mesh = None if self.rules is None else self.rules.mesh
+        axes = None if mesh is None else self.active_axes(targets.size)
+        if axes is not None and plain_cross_entropy:
+            return parallel_loss(hidden, targets, weight, mesh=mesh, axes=axes,
+                                 vocab_dim=self.names.index("vocab"), dtype=dtype,
+                                 chunk_tokens=chunk_tokens)
+        host = self.rules.placement if self.per_host else None
+        return chunked_lm_loss(hidden, targets, project, weight, loss_fn, mesh=mesh,
+                               chunk_tokens=chunk_tokens, host_mesh=host)
