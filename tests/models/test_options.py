@@ -37,11 +37,11 @@ def test_given_rules_are_the_options_own_and_must_agree():
 
 
 def test_the_trainer_and_the_model_share_one_rules_object(tmp_path):
-    from train import program
+    from train import state
     from train.model_setup import model_config, model_options
 
     from tests.helpers.trainer import tiny_config
 
     cfg = tiny_config(tmp_path / "run")
-    plan = program.plan_run(cfg, model_config(cfg), jax.devices(), 4)
+    plan = state.plan_run(cfg, model_config(cfg), jax.devices(), 4)
     assert model_options(cfg, plan).rules is plan.rules
