@@ -267,7 +267,7 @@ GATHER_MAX_TOKENS_PER_DEVICE = 65536
 
 def prefer_vocab_parallel(tokens_per_device: float, shard_group: int, vocab_size: int,
                           tied: bool) -> bool:
-    """Whether the embedding and loss should move the tokens' rows (models.vocab_parallel)
+    """Whether the embedding and loss should move the tokens' rows (basp_jax.vocab)
     rather than gather the vocabulary tables: where that sends fewer bytes, or where the
     gathering path's memory would grow too large (GATHER_MAX_TOKENS_PER_DEVICE). Rows: ~12 x
     tokens x hidden bytes over the shard group (the embedding's rows and cotangent, the loss's
@@ -281,7 +281,7 @@ def prefer_vocab_parallel(tokens_per_device: float, shard_group: int, vocab_size
 
 def vocab_parallel(shape: ModelShape, param_sharding: str, shard_group: int,
                    tokens_per_device: float | None = None) -> bool:
-    """Whether the embedding and LM head are used where they are stored (models.vocab_parallel):
+    """Whether the embedding and LM head are used where they are stored (basp_jax.vocab):
     parameters of a strategy that allows it (fsdp, hsdp) split on the vocabulary
     (basp_jax.sharding.RULES splits it wherever the shard group divides it), at token counts
     where it is preferred (prefer_vocab_parallel; None: any count)."""
@@ -374,7 +374,7 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
     shard_share = 0.0 if strategy.per_host else _remote_share(shard_group, layout.devices_per_host)
     gathered = all_params
     if vocab_parallel(shape, param_sharding, shard_group, tokens_per_device):
-        # models.vocab_parallel: the embedding and LM head stay where they are stored; the
+        # basp_jax.vocab: the embedding and LM head stay where they are stored; the
         # tokens' rows move instead. Embedding: its rows reduce-scattered forward, their
         # cotangent gathered backward; loss: the hidden states gathered forward and again when
         # rematerialised, their f32 cotangent reduce-scattered.

@@ -206,7 +206,7 @@ def make_micro_loss(parts: ModelParts, loss_fn: Callable) -> Callable:
 
     def micro_loss(params, tokens, targets, segment_ids):
         model = nnx.merge(graphdef, with_values(abs_params, params), with_values(abs_rest, rest))
-        # The logits exist a chunk of tokens at a time (models.loss.chunked_lm_loss).
+        # The logits exist a chunk of tokens at a time (basp_jax.vocab.chunked_lm_loss).
         return model.loss(tokens, targets, segment_ids, loss_fn=loss_fn)
 
     return micro_loss
