@@ -388,3 +388,39 @@ def predicted_gain(shape, layouts: Sequence[Layout], steps: Sequence[Sequence[in
     chosen = tuple(choose_layout(lengths, layouts) for lengths in steps)
     adaptive = float(np.mean([step_s[i] for i in chosen]))
     return Gain(step_s[0], adaptive, chosen, step_s)
+
+
+# Named document-length distributions (tokens per document, eos included) for predictions and
+# benchmarks: "longtail" is lognormal(mu=6.5, sigma=1.2) + 2 (median ~670 tokens, a few percent
+# beyond 8K), "full" documents that each fill a whole row (the control: nothing to adapt to).
+DISTRIBUTIONS: dict[str, tuple[float, float] | None] = {"longtail": (6.5, 1.2), "full": None}
+
+
+def sample_steps(distribution: str, count: int, *, rows: int, seq_len: int,
+                 seed: int = 0) -> list[list[int]]:
+    """`count` steps of document lengths drawn from DISTRIBUTIONS[distribution], each filling
+    `rows` rows of seq_len predictions as a packing pipeline does: documents are added to a row
+    while they fit (L - 1 predictions each); the first that does not ends the row (it is not
+    kept) and a document longer than a whole row is cut to one (seq_len + 1 tokens). Seeded:
+    the same arguments give the same steps."""
+    if distribution not in DISTRIBUTIONS:
+        raise ValueError(f"unknown document distribution {distribution!r}; use one of "
+                         f"{', '.join(DISTRIBUTIONS)}")
+    params = DISTRIBUTIONS[distribution]
+    rng = np.random.default_rng(seed)
+    steps = []
+    for _ in range(count):
+        step = []
+        for _ in range(rows):
+            if params is None:
+                step.append(seq_len + 1)
+                continue
+            used = 0
+            while True:
+                n = int(min(rng.lognormal(*params) + 2, seq_len + 1))
+                if used + n - 1 > seq_len:  # (an empty row takes any: n - 1 <= seq_len)
+                    break
+                step.append(n)
+                used += n - 1
+        steps.append(step)
+    return steps

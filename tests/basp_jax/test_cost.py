@@ -1,8 +1,10 @@
 """The topology cost model and the plan CLI."""
 
+import re
+
 import pytest
 
-from basp_jax import cost
+from basp_jax import adaptive, cost
 from train.tools import plan
 from basp_jax.cost import HARDWARE, predict
 from models.config import MODEL_SHAPES
@@ -83,6 +85,37 @@ def test_plan_cli_prints_a_table_and_a_pick(capsys):
     assert "pick: basp (2,4)" in out
 
 
+def _adaptive_line(capsys, docs: str, batch: int) -> str:
+    assert plan.main(["--model", "llama-3.1-8b", "--seq", "16384", "--batch", str(batch),
+                      "--devices", "8", "--devices-per-host", "4", "--docs", docs]) == 0
+    (line,) = [s for s in capsys.readouterr().out.splitlines() if s.startswith("adaptive over")]
+    return line
+
+
+def test_plan_cli_predicts_the_adaptive_choice_for_a_document_distribution(capsys):
+    """--docs: a long tail runs more groups on most steps and is predicted faster than the
+    static layout it expands; documents that fill the context keep the static layout, 1.00x."""
+    for batch in (1, 2):
+        tail = _adaptive_line(capsys, "longtail", batch)
+        gain = float(re.search(r"\(([0-9.]+)x\)", tail).group(1))
+        assert gain > 1.0, tail
+        assert re.search(r"layouts run: .*8x1 [1-9]", tail), tail  # some steps on 8 groups
+    full = _adaptive_line(capsys, "full", 1)
+    assert "(1.00x)" in full and full.endswith("layouts run: 1x8 100%"), full
+
+
+def test_sampled_steps_fill_their_rows_and_are_seeded():
+    steps = adaptive.sample_steps("longtail", 50, rows=2, seq_len=4096, seed=3)
+    assert steps == adaptive.sample_steps("longtail", 50, rows=2, seq_len=4096, seed=3)
+    for step in steps:
+        assert all(2 <= n <= 4097 for n in step)
+        assert sum(n - 1 for n in step) <= 2 * 4096  # two rows' predictions at most
+    assert len({len(s) for s in steps}) > 1  # lengths vary
+    assert adaptive.sample_steps("full", 3, rows=2, seq_len=64) == [[65, 65]] * 3
+    with pytest.raises(ValueError, match="unknown document distribution 'zipf'"):
+        adaptive.sample_steps("zipf", 1, rows=1, seq_len=64)
+
+
 @pytest.mark.parametrize("flags, fragment", [
     (["--seq", "0"], "--seq must be positive, got 0"),
     (["--devices-per-host", "0"], "--devices-per-host must be positive, got 0"),  # was 1/0
@@ -92,6 +125,7 @@ def test_plan_cli_prints_a_table_and_a_pick(capsys):
     (["--max-pad-rows", "-3"], "--max-pad-rows must be >= 0"),
     (["--memory-gb", "0"], "--memory-gb must be a positive number"),
     (["--model", "gpt-9"], "argument --model: invalid choice: 'gpt-9'"),
+    (["--docs", "zipf"], "argument --docs: invalid choice: 'zipf'"),
 ])
 def test_plan_cli_rejects_bad_flags_with_one_line(capsys, flags, fragment):
     argv = ["--model", "llama-3.1-8b", "--seq", "4096", "--batch", "2", "--devices", "8", *flags]

@@ -65,7 +65,13 @@ def test_every_relative_link_resolves():
 
 
 def test_plan_output_shown_is_what_the_planner_prints():
-    (cmd,) = [c for c in _commands("python -m train.tools.plan") if "--model" in c]
+    commands = [c for c in _commands("python -m train.tools.plan") if "--model" in c]
+    for with_docs in [c for c in commands if "--docs" in c]:  # docs/adaptive.md's, no output shown
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert plan.main(with_docs[3:]) == 0
+        assert "\nadaptive over " in out.getvalue(), with_docs
+    (cmd,) = [c for c in commands if "--docs" not in c]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert plan.main(cmd[3:]) == 0

@@ -1,7 +1,11 @@
 """Plan a layout from the command line: predicted communication and step time of every candidate.
 
     python -m train.tools.plan --model llama-3.1-8b --seq 16384 --batch 2 --devices 8 \
-        --devices-per-host 4 --hardware a100-40gb
+        --devices-per-host 4 --hardware a100-40gb [--docs longtail]
+
+--docs adds the adaptive choice (basp_jax.adaptive): per step, the layout with the most groups
+whose rows hold that step's documents, drawn from a named length distribution; its predicted
+step time is the mean over sampled steps, against the static layout it expands.
 """
 
 from __future__ import annotations
@@ -9,9 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from basp_jax import adaptive
 from basp_jax.cost import HARDWARE, Prediction, default_pad_rows, plan_table
-from models.config import MODEL_SHAPES
 from basp_jax.remat import REMAT_POLICIES
+from models.config import MODEL_SHAPES
 
 GB = 1e9
 # The largest value of each integer flag: far beyond any real run, small enough that every
@@ -19,6 +24,7 @@ GB = 1e9
 LIMITS = {"seq": 1 << 32, "batch": 1 << 20, "devices": 1 << 20, "grad_accum": 1 << 20,
           "devices_per_host": 1 << 20}
 MAX_MEMORY_GB = 1e6
+SAMPLED_STEPS = 256  # --docs: steps drawn (seeded) for the adaptive choice's mean step time
 
 
 def format_plan(preds: list[Prediction], memory_limit: float) -> str:
@@ -65,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-zigzag", dest="zigzag", action="store_false",
                         help="rings in natural token order (the trainer's parallel.zigzag=false): "
                              "each ring step then waits for its busiest device")
+    parser.add_argument("--docs", choices=sorted(adaptive.DISTRIBUTIONS), default=None,
+                        help="also predict the adaptive choice for documents of this length "
+                             "distribution (longtail: lognormal(6.5, 1.2); full: each fills a row)")
     args = parser.parse_args(argv)
     for name, most in LIMITS.items():
         value = getattr(args, name)
@@ -115,7 +124,29 @@ def main(argv: list[str] | None = None) -> int:
     if ulysses is not None and best is not ulysses:
         line += f" ({ulysses.step_s / best.step_s:.2f}x vs {ulysses.name})"
     print(line)
+    if args.docs is not None:
+        print(adaptive_line(shape, preds, args, hw))
     return 0
+
+
+def adaptive_line(shape, preds: list[Prediction], args, hw) -> str:
+    """The adaptive choice over the best static layout whose parameters stay put when it
+    switches (basp_jax.adaptive.shares_placement; no pad rows): its predicted mean step time
+    for --docs, and how often each layout of its set would run."""
+    base = next((p for p in preds if adaptive.shares_placement(p.param_sharding)
+                 and not p.layout.pad_rows), None)
+    if base is None:
+        return "adaptive: no candidate keeps its parameters in place across layouts (fsdp/host)"
+    layouts = adaptive.expand(base.layout, param_sharding=base.param_sharding)
+    steps = adaptive.sample_steps(args.docs, SAMPLED_STEPS, rows=base.layout.batch,
+                                  seq_len=base.layout.seq_len)
+    gain = adaptive.predicted_gain(shape, layouts, steps, hw=hw, param_sharding=base.param_sharding,
+                                   grad_accum=args.grad_accum, remat=args.remat,
+                                   overlap=args.overlap)
+    shares = ", ".join(f"{lay.groups}x{lay.sp} {gain.share(i):.0%}"
+                       for i, lay in enumerate(layouts) if gain.share(i))
+    return (f"adaptive over {base.name} (--docs {args.docs}, {SAMPLED_STEPS} sampled steps): "
+            f"predicted {gain.adaptive_s:.3f} s/step ({gain.gain:.2f}x); layouts run: {shares}")
 
 
 if __name__ == "__main__":
