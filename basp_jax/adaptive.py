@@ -66,7 +66,7 @@ def check_param_sharding(param_sharding: str) -> None:
             f"layouts would move every parameter; adaptive layouts need one of {', '.join(ok)}")
 
 
-def _host_ring(sp: int, devices_per_host: int) -> int:
+def host_ring(sp: int, devices_per_host: int) -> int:
     """The ring that keeps each all-to-all inside one host when a seq group spans hosts (1 when
     it does not, or when the hosts do not tile the group)."""
     if sp <= devices_per_host or sp % devices_per_host:
@@ -93,13 +93,13 @@ def expand(base: Layout, *, param_sharding: str = "fsdp", host_rings: bool = Fal
                           f"pad_rows={base.pad_rows}; use a batch the groups divide")
     zigzag = zigzag or base.zigzag
     if host_rings:
-        base = base.replan(ring=_host_ring(base.sp, base.devices_per_host), zigzag=zigzag)
+        base = base.replan(ring=host_ring(base.sp, base.devices_per_host), zigzag=zigzag)
     found, k = [base], 2
     while base.groups * k <= base.num_devices:
         groups = base.groups * k
         if base.num_devices % groups == 0 and base.seq_len % k == 0:
             sp = base.num_devices // groups
-            ring = _host_ring(sp, base.devices_per_host) if host_rings else 1
+            ring = host_ring(sp, base.devices_per_host) if host_rings else 1
             try:
                 found.append(base.replan(batch=base.batch * k, seq_len=base.seq_len // k,
                                          groups=groups, mode=mode_of(groups), ring=ring,
@@ -133,7 +133,9 @@ def relabel(tree, shardings):
     Why it is needed at all: jit accepts the other mesh's arrays as inputs (it compiles the same
     program: the placements are equivalent), but names the shardings of outputs it infers on the
     first argument's mesh, and an activation split over 'group' of another group count cannot
-    be named there (jax's IndivisibleError); relabelled, the step's own mesh is the only one."""
+    be named there (jax's IndivisibleError); relabelled, the step's own mesh is the only one.
+    Not jax.device_put: for an array that spans processes it runs an identity program, a copy
+    of every parameter (jax._src.dispatch._different_device_order_reshard)."""
     def one(x, target):
         target = getattr(target, "sharding", target)
         if not x.sharding.is_equivalent_to(target, x.ndim):
@@ -141,7 +143,10 @@ def relabel(tree, shardings):
             raise LayoutError(f"an array of shape {tuple(x.shape)} is placed {here} here and "
                               f"{there} in the other layout: switching would move it; use a "
                               f"param_sharding that shares_placement")
-        return jax.device_put(x, target)
+        # The same per-device buffers under the new name: no copy, no program, no communication,
+        # also where jax.device_put would run an identity program (arrays spanning processes).
+        return jax.make_array_from_single_device_arrays(
+            x.shape, target, [shard.data for shard in x.addressable_shards])
 
     return jax.tree.map(one, tree, shardings)
 
@@ -348,6 +353,31 @@ def pack_rows(tokens: np.ndarray, targets: np.ndarray, segment_ids: np.ndarray,
     return fill_rows(pieces, bins, layouts[index], index)
 
 
+def pack_microbatches(tokens: np.ndarray, targets: np.ndarray, segment_ids: np.ndarray,
+                      layouts: Sequence[Layout]) -> PackedStep:
+    """A step of grad_accum microbatches (train.data's rows [accum, B, S] in natural token
+    order) repacked for one layout of the set, the same for every microbatch (one compiled step
+    takes them all): the layout with the most groups into whose rows first-fit decreasing packs
+    every microbatch's pieces; the static rows themselves (in layouts[0]'s token order) when only
+    the static layout does. Arrays [accum, rows, S'] int32; a pure function of the rows, so a
+    resumed run (same seed and step) chooses and packs the same way."""
+    tokens, targets, segment_ids = (np.asarray(x) for x in (tokens, targets, segment_ids))
+    pieces = [pieces_of_rows(*micro) for micro in zip(tokens, targets, segment_ids)]
+    widths = [[p.width for p in micro] for micro in pieces]
+    for i in sorted(range(1, len(layouts)), key=lambda i: -layouts[i].groups):
+        layout = layouts[i]
+        bins = [first_fit_decreasing(w, layout.batch, layout.seq_len) for w in widths]
+        if all(b is not None for b in bins):
+            rows = [fill_rows(micro, b, layout, i) for micro, b in zip(pieces, bins)]
+            return PackedStep(i, layout, *(np.stack([getattr(r, name) for r in rows])
+                                           for name in ("tokens", "targets", "segment_ids")))
+    base, order = layouts[0], layouts[0].token_order
+    arrays = [np.asarray(x, np.int32) for x in (tokens, targets, segment_ids)]
+    if order is not None:
+        arrays = [x[..., order] for x in arrays]
+    return PackedStep(0, base, *arrays)
+
+
 # ------------------------------------------------------------------------------ predicted gain
 
 @dataclasses.dataclass(frozen=True)
@@ -396,31 +426,32 @@ def predicted_gain(shape, layouts: Sequence[Layout], steps: Sequence[Sequence[in
 DISTRIBUTIONS: dict[str, tuple[float, float] | None] = {"longtail": (6.5, 1.2), "full": None}
 
 
-def sample_steps(distribution: str, count: int, *, rows: int, seq_len: int,
-                 seed: int = 0) -> list[list[int]]:
-    """`count` steps of document lengths drawn from DISTRIBUTIONS[distribution], each filling
-    `rows` rows of seq_len predictions as a packing pipeline does: documents are added to a row
-    while they fit (L - 1 predictions each); the first that does not ends the row (it is not
-    kept) and a document longer than a whole row is cut to one (seq_len + 1 tokens). Seeded:
-    the same arguments give the same steps."""
+def row_documents(rng: np.random.Generator, distribution: str, length: int) -> list[int]:
+    """The lengths (tokens, eos included) of the documents of one packed row of `length` tokens
+    (seq_len + 1: a row's inputs and its last target), drawn from DISTRIBUTIONS[distribution]
+    as a packing pipeline fills a row: documents are added while they fit; the first that does
+    not ends the row (it is not kept; the rest is padding) and a document longer than the row
+    is cut to it. One document of `length` tokens under "full"."""
     if distribution not in DISTRIBUTIONS:
         raise ValueError(f"unknown document distribution {distribution!r}; use one of "
                          f"{', '.join(DISTRIBUTIONS)}")
     params = DISTRIBUTIONS[distribution]
+    if params is None:
+        return [length]
+    lengths, used = [], 0
+    while True:
+        n = int(min(rng.lognormal(*params) + 2, length))
+        if used + n > length:  # (an empty row takes any: n <= length)
+            return lengths
+        lengths.append(n)
+        used += n
+
+
+def sample_steps(distribution: str, count: int, *, rows: int, seq_len: int,
+                 seed: int = 0) -> list[list[int]]:
+    """`count` steps of document lengths, each filling `rows` rows of seq_len + 1 tokens as the
+    trainer's synthetic documents (train.data, data.documents) do: row_documents per row.
+    Seeded: the same arguments give the same steps."""
     rng = np.random.default_rng(seed)
-    steps = []
-    for _ in range(count):
-        step = []
-        for _ in range(rows):
-            if params is None:
-                step.append(seq_len + 1)
-                continue
-            used = 0
-            while True:
-                n = int(min(rng.lognormal(*params) + 2, seq_len + 1))
-                if used + n - 1 > seq_len:  # (an empty row takes any: n - 1 <= seq_len)
-                    break
-                step.append(n)
-                used += n - 1
-        steps.append(step)
-    return steps
+    return [[n for _ in range(rows) for n in row_documents(rng, distribution, seq_len + 1)]
+            for _ in range(count)]

@@ -12,6 +12,15 @@ inter-node network. At each link rate it runs
 and writes a JSON of everything, a markdown table and a PNG plot into --out.
 
     sudo python benchmarks/emulated_cluster.py --rates none,400,160,80 --out bench/cluster
+
+--docs longtail|full trains on synthetic documents whose lengths follow that distribution
+(basp_jax.adaptive.DISTRIBUTIONS, data.documents) and adds the adaptive layouts
+(parallel.mode=adaptive, setup "adaptive+SHARDING") to the setups: each step on the layout with
+the most groups whose rows hold its documents. Layouts change from step to step there, so the
+table compares mean step times (tokens per second) and lists the layouts each run took:
+
+    sudo python benchmarks/emulated_cluster.py --docs longtail --batch 1 --seq-len 4096 \
+        --rates 80 --out bench/adaptive_b1
 """
 
 from __future__ import annotations
@@ -81,6 +90,12 @@ def time_all_to_alls(cluster: Cluster, args, run_index: int) -> dict:
     return {row["mode"]: row["a2a_s"] for row in rows}
 
 
+# the layouts a setup may name: Layout modes and the trainer's adaptive choice
+SETUP_MODES = ("ulysses", "basp", "adaptive")
+DOC_SETUPS = {1: "ulysses+host,ulysses@ring2+host,adaptive+host,adaptive@ring2+host",
+              2: "ulysses+host,basp+host,basp+hsdp,adaptive+host"}  # --docs defaults by --batch
+
+
 def parse_setup(name: str) -> tuple[str, int, str]:
     """'ulysses+fsdp' -> ('ulysses', 1, 'fsdp'); 'ulysses@ring2+host' -> ('ulysses', 2, 'host'):
     the mode, its ring split (parallel.ring) and the parameter sharding."""
@@ -101,6 +116,7 @@ def train_steps(cluster: Cluster, args, run_index: int, setup: str, run_dir: Pat
         f"model.shape.num_kv_heads={args.kv_heads or args.heads}",
         f"model.shape.head_dim={args.hidden // args.heads}",
         "model.scan_layers=false",  # unrolled: collectives.json then counts every layer's traffic
+        *(["data.pack=true", f"data.documents={args.docs}"] if args.docs else []),
         f"runtime.distributed.coordinator={_port(run_index)}", "runtime.distributed.num_processes=2",
     ]
 
@@ -111,8 +127,10 @@ def train_steps(cluster: Cluster, args, run_index: int, setup: str, run_dir: Pat
     _launch(cluster, argv, timeout=args.timeout)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r["step_time_s"] for r in records[args.warmup:]]
-    result = {"step_s": statistics.median(timed), "step_times": timed,
-              "losses": [r["loss"] for r in records]}
+    result = {"step_s": statistics.median(timed), "mean_step_s": statistics.mean(timed),
+              "step_times": timed, "losses": [r["loss"] for r in records]}
+    if "layout" in records[0]:  # adaptive: the layout of every step (warm-up ones included)
+        result["layouts"] = [r["layout"] for r in records]
     comm_file = run_dir / "collectives.json"
     if comm_file.exists():
         result["collectives"] = json.loads(comm_file.read_text())
@@ -130,6 +148,8 @@ def planner_view(args, name: str, rate: float | None) -> dict:
     from basp_jax import Layout, cost
 
     mode, ring, sharding = parse_setup(name)
+    if mode == "adaptive":
+        return None  # its layouts change per step; the planner's --docs line predicts it
     mcfg = dataclasses.replace(
         models.ModelConfig.preset("tiny"), num_layers=args.layers, hidden_size=args.hidden,
         intermediate_size=4 * args.hidden, num_heads=args.heads,
@@ -142,6 +162,34 @@ def planner_view(args, name: str, rate: float | None) -> dict:
     pred = cost.predict(mcfg.shape, layout, sharding, hw=hw, act_bytes=4, param_bytes=4)  # float32
     inter = pred.all_to_all.inter + pred.params.inter
     return {"inter_host_bytes": inter, "inter_host_s": inter / link}
+
+
+def docs_report(results: list[dict]) -> list[str]:
+    """--docs: every setup's mean step time against the baseline (the first setup) and against
+    the fastest static one, and the layouts the adaptive runs took."""
+    setups = list(results[0]["train"])
+    lines = ["", f"Documents: {results[0]['docs']} ({results[0]['distribution']}); mean step time "
+             "over the timed steps (layouts change per step); all setups train on the same "
+             "documents:", "",
+             "| link | setup | mean step (s) | median step (s) | vs first setup | vs fastest static "
+             "| layouts run (all steps) | losses equal to the first |", "|---" * 8 + "|"]
+    for r in results:
+        runs = r["train"]
+        base = runs[setups[0]]
+        static = [n for n in setups if parse_setup(n)[0] != "adaptive"]
+        best = min(static, key=lambda n: runs[n]["mean_step_s"])
+        for name in setups:
+            x = runs[name]
+            layouts = x.get("layouts")
+            shares = ", ".join(f"{k} {layouts.count(k)}" for k in sorted(set(layouts),
+                                                                         key=layouts.index)) \
+                if layouts else "static"
+            same = max(abs(a - b) for a, b in zip(base["losses"], x["losses"])) < 1e-4
+            lines.append(f"| {rate_label(r['rate'])} | {name} | {x['mean_step_s']:.2f} "
+                         f"| {x['step_s']:.2f} | {base['mean_step_s'] / x['mean_step_s']:.2f}x "
+                         f"| {runs[best]['mean_step_s'] / x['mean_step_s']:.2f}x ({best}) "
+                         f"| {shares} | {'yes' if same else 'NO'} |")
+    return lines
 
 
 def write_report(results: list[dict], out: Path) -> str:
@@ -189,6 +237,8 @@ def write_report(results: list[dict], out: Path) -> str:
             lines.append(f"| {rate_label(r['rate'])} | {name} | {r['train'][name]['step_s']:.2f} "
                          f"| {view['inter_host_bytes'] / 2**20:.2f} | {view['inter_host_s']:.2f} "
                          f"| {measured.index(name) + 1} | {predicted.index(name) + 1} |")
+    if results[0].get("docs"):
+        lines += docs_report(results)
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     return table
@@ -209,20 +259,30 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--out", default="bench/emulated_cluster")
-    parser.add_argument("--setups", default=",".join(f"{m}+{s}" for m, s in SETUPS),
+    parser.add_argument("--setups", default=None,
                         help="comma-separated mode+sharding to time (mode@ringR+sharding: "
-                             "parallel.ring=R, e.g. ulysses@ring2+host); the first is the "
-                             "baseline")
+                             "parallel.ring=R, e.g. ulysses@ring2+host; mode adaptive: "
+                             "parallel.mode=adaptive); the first is the baseline. Default: "
+                             f"{','.join(f'{m}+{s}' for m, s in SETUPS)}; with --docs, by "
+                             f"--batch: {DOC_SETUPS}")
+    parser.add_argument("--docs", choices=("longtail", "full"), default=None,
+                        help="train on synthetic documents of this length distribution "
+                             "(data.documents; basp_jax.adaptive.DISTRIBUTIONS)")
     args = parser.parse_args()
+    if args.setups is None:
+        args.setups = DOC_SETUPS.get(args.batch, DOC_SETUPS[2]) if args.docs else \
+            ",".join(f"{m}+{s}" for m, s in SETUPS)
     names = [name.strip() for name in args.setups.split(",")]
-    from basp_jax.layout import MODES  # (imports JAX: only once the flags are read)
-    from basp_jax.sharding import PARAM_SHARDINGS
+    from basp_jax.sharding import PARAM_SHARDINGS  # (imports JAX: only once the flags are read)
 
-    unknown = [name for name in names if parse_setup(name)[0] not in MODES
+    unknown = [name for name in names if parse_setup(name)[0] not in SETUP_MODES
                or parse_setup(name)[2] not in PARAM_SHARDINGS]
     if unknown:
         parser.error(f"unknown setup(s) {', '.join(unknown)}; use MODE[@ringR]+SHARDING with MODE "
-                     f"one of {', '.join(MODES)} and SHARDING one of {', '.join(PARAM_SHARDINGS)}")
+                     f"one of {', '.join(SETUP_MODES)} and SHARDING one of "
+                     f"{', '.join(PARAM_SHARDINGS)}")
+    if any(parse_setup(n)[0] == "adaptive" for n in names) and not args.docs:
+        parser.error("an adaptive setup needs documents to repack: add --docs longtail or full")
     require_root()
     rates = [None if r.strip().lower() == "none" else float(r) for r in args.rates.split(",")]
     out = Path(args.out)
@@ -232,15 +292,26 @@ def main() -> None:
         run_index = 0
         for rate in rates:
             cluster.set_rate(rate)
-            entry = {"rate": rate, "batch": args.batch, "a2a": time_all_to_alls(cluster, args, run_index),
-                     "train": {}, "planner": {name: planner_view(args, name, rate) for name in names}}
+            entry = {"rate": rate, "batch": args.batch, "seq_len": args.seq_len,
+                     "a2a": time_all_to_alls(cluster, args, run_index), "train": {},
+                     "planner": {name: view for name in names
+                                 if (view := planner_view(args, name, rate)) is not None}}
+            if args.docs:
+                from basp_jax.adaptive import DISTRIBUTIONS
+
+                params = DISTRIBUTIONS[args.docs]
+                entry["docs"] = args.docs
+                entry["distribution"] = ("one document of seq_len + 1 tokens per row"
+                                         if params is None else
+                                         f"lognormal(mu={params[0]}, sigma={params[1]}) + 2 "
+                                         "tokens per document, packed into rows in draw order")
             run_index += 1
             for name in names:
                 run_dir = Path(tmp) / f"{rate}-{name}"
                 entry["train"][name] = train_steps(cluster, args, run_index, name, run_dir)
                 run_index += 1
-                print(f"{rate_label(rate)} {name}: {entry['train'][name]['step_s']:.2f} s/step",
-                      flush=True)
+                print(f"{rate_label(rate)} {name}: {entry['train'][name]['step_s']:.2f} s/step "
+                      f"(mean {entry['train'][name]['mean_step_s']:.2f})", flush=True)
             results.append(entry)
             (out / "results.json").write_text(json.dumps(results, indent=1))
     print(write_report(results, out))

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Callable
 
 from basp_jax import kernels
+from basp_jax.adaptive import DISTRIBUTIONS
 from basp_jax.layout import MODES
 from basp_jax.remat import REMAT_POLICIES
 from basp_jax.sharding import PARAM_SHARDINGS
@@ -23,6 +24,8 @@ from .config import Config, ConfigError
 
 
 AUTO_MODE_DOC = "the planner's fastest predicted layout for parallel.hardware"
+ADAPTIVE_MODE_DOC = ("per step, the layout with the most groups whose rows hold the step's "
+                     "documents (basp_jax.adaptive; data.pack=true)")
 AUTO_REMAT_DOC = ("the planner's fastest that fits parallel.hardware's device and host memory, "
                   "with model.tile_tokens=4096 where nothing untiled fits")
 
@@ -31,18 +34,22 @@ AUTO_REMAT_DOC = ("the planner's fastest that fits parallel.hardware's device an
 class Choice:
     names: Callable[[], tuple[str, ...]]  # the values the key takes, in the registry's order
     describe: Callable[[], str] | None = None  # each value with its note, for the reference
+    optional: bool = False  # null is a value too (the key is off)
 
 
 CHOICES = {
     # auto: train.planning.plan
-    "parallel.mode": Choice(lambda: (*MODES, "auto"),
-                            lambda: MODES.describe() + f", auto ({AUTO_MODE_DOC})"),
+    # auto: train.planning.plan; adaptive: train.planning.adaptive_set
+    "parallel.mode": Choice(lambda: (*MODES, "auto", "adaptive"),
+                            lambda: MODES.describe() + f", auto ({AUTO_MODE_DOC}), "
+                            f"adaptive ({ADAPTIVE_MODE_DOC})"),
     "model.attn_impl": Choice(kernels.impl_names, kernels.describe),
     # auto: train.planning's pick
     "parallel.param_sharding": Choice(lambda: ("auto", *PARAM_SHARDINGS.names())),
     # auto: train.planning.memory_policy
     "model.remat": Choice(lambda: (*REMAT_POLICIES, "auto"),
                           lambda: REMAT_POLICIES.describe() + f", auto ({AUTO_REMAT_DOC})"),
+    "data.documents": Choice(lambda: tuple(DISTRIBUTIONS), optional=True),
 }
 
 
@@ -56,5 +63,7 @@ def check(cfg: Config) -> None:
     Literal keys, so every choice error reads alike)."""
     for key, choice in CHOICES.items():
         got, names = value(cfg, key), choice.names()
+        if got is None and choice.optional:
+            continue
         if got not in names:
             raise ConfigError(f"{key}: expected one of {', '.join(names)}, got {got!r}")

@@ -115,6 +115,9 @@ class DataConfig:
     # attending only within itself; false: windows of the stream
     pack: bool = False
     branching: int = 4  # synthetic: successors per token of the Markov chain (probabilities halve)
+    # synthetic with pack=true: rows of documents whose lengths follow a named distribution
+    # (basp_jax.adaptive.DISTRIBUTIONS: longtail, full), each a walk of the Markov chain
+    documents: Optional[str] = None
     # tokens: several token files mixed by weight, {path: weight} (instead of data.path)
     mix: dict = dataclasses.field(default_factory=dict)
 
@@ -158,9 +161,14 @@ class DataConfig:
                                   "that separates documents")
         if self.pack and self.source != "synthetic" and self.eos_id is None:
             raise ConfigError("data.pack=true needs data.eos_id: documents end at that token")
-        if self.pack and self.source == "synthetic":
+        if self.pack and self.source == "synthetic" and self.documents is None:
             raise ConfigError(
-                "data.pack=true needs documents; synthetic data is one stream (pack=false)")
+                "data.pack=true needs documents; synthetic data is one stream unless "
+                "data.documents names a length distribution (longtail or full)")
+        if self.documents is not None and not (self.source == "synthetic" and self.pack):
+            raise ConfigError(
+                f"data.documents={self.documents} draws synthetic documents; it needs "
+                "data.source=synthetic and data.pack=true (a corpus's documents are its own)")
         if self.branching <= 0:
             raise ConfigError(f"data.branching must be a positive integer, got {self.branching}")
         if self.eos_id is not None and self.eos_id < 0:
@@ -477,6 +485,16 @@ class Config:
                 "batch may hold (it is built at once and kept on the devices); lower eval.batches")
         self.profile.validate(self.train.steps)
         self.runtime.distributed.validate()
+        if self.parallel.mode == "adaptive":
+            if not self.data.pack:
+                raise ConfigError(
+                    "parallel.mode=adaptive repacks each step's documents into the layout with "
+                    "the most groups that holds them; it needs data.pack=true (windows of one "
+                    "stream have no documents to repack)")
+            if self.optimizer.offload is True:
+                raise ConfigError(
+                    "parallel.mode=adaptive does not run the streamed step (optimizer.offload="
+                    "true); set optimizer.offload=false or use parallel.mode=basp")
 
 
 def load_config(path: Optional[str], overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -43,6 +43,7 @@ class DataError(ValueError):
 
 
 HELD_OUT = 0xE7A1  # the extra key of held-out synthetic rows (Pipeline(held_out=True))
+DOCUMENTS = 0xD0C5  # the extra key of a synthetic row's document lengths (data.documents)
 
 
 def _rng(*keys: int) -> np.random.Generator:
@@ -52,7 +53,9 @@ def _rng(*keys: int) -> np.random.Generator:
 class MarkovSource:
     """Rows walked on a fixed random Markov chain; each token has `branching` likely successors."""
 
-    def __init__(self, vocab_size: int, branching: int, seed: int, held_out: bool = False):
+    def __init__(self, vocab_size: int, branching: int, seed: int, held_out: bool = False,
+                 documents: str | None = None):
+        self.doc_lengths = documents  # a basp_jax.adaptive.DISTRIBUTIONS name: rows of documents
         branching = min(branching, vocab_size)
         table_rng = _rng(seed, 0x5EED)
         self.table = np.stack(
@@ -78,6 +81,24 @@ class MarkovSource:
                 tok = self.table[tok, choice[j - 1]]
                 out[i, j] = tok
         return out
+
+    def document_rows(self, step: int, row_ids: np.ndarray, length: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, segment ids) [len(row_ids), length]: each row walked as `rows` walks it,
+        cut into documents whose lengths (keyed (seed, step, row)) follow self.doc_lengths as a
+        packing pipeline fills a row (basp_jax.adaptive.row_documents); segment ids number
+        them, -1 the padding after the last (token 0), as train.sources.Packed's rows."""
+        from basp_jax.adaptive import row_documents
+
+        raw = self.rows(step, row_ids, length)
+        seg = np.full(raw.shape, -1, np.int64)
+        for i, r in enumerate(row_ids):
+            lengths = row_documents(_rng(self.seed, step, r, DOCUMENTS, *self.tag),
+                                    self.doc_lengths, length)
+            ends = np.cumsum(lengths)
+            seg[i, :ends[-1]] = np.repeat(np.arange(len(lengths)), lengths)
+        raw[seg < 0] = 0
+        return raw, seg
 
 
 class StreamSource:
@@ -305,8 +326,9 @@ class Pipeline:
         self.held_out = held_out
         self.epochs = None  # global row index -> (source, row): train.sources
         if cfg.source == "synthetic":
-            self.source = MarkovSource(vocab_size, cfg.branching, seed, held_out)
-            self.name = f"synthetic Markov chain (branching {cfg.branching})"
+            self.source = MarkovSource(vocab_size, cfg.branching, seed, held_out, cfg.documents)
+            self.name = f"synthetic Markov chain (branching {cfg.branching})" + (
+                f", {cfg.documents} documents" if cfg.documents else "")
         else:
             paths = [cfg.path] if held_out or not cfg.mix else list(cfg.mix)
             streams, names = [], []
@@ -361,7 +383,9 @@ class Pipeline:
         """tokens, targets (-1: no loss) and segment_ids [len(row_ids), seq_len] int32."""
         row_ids = np.asarray(row_ids)
         seg = None
-        if self.epochs is None:
+        if isinstance(self.source, MarkovSource) and self.source.doc_lengths:
+            raw, seg = self.source.document_rows(step, row_ids, self.seq_len + 1)
+        elif self.epochs is None:
             raw = self.source.rows(step, row_ids, self.seq_len + 1)  # ids checked at start-up
         else:
             drawn = [self.sources[k].row(i) for k, i in

@@ -39,21 +39,56 @@ def describe_collectives(collectives, devices_per_host: int) -> str:
     return ", ".join(parts) or "none"
 
 
-def compile_step(run: Run, log: Callable[[str], None]) -> tuple[Any, list]:
-    """The compiled train step for the run's state, checked against device memory, and its
-    collectives (logged, and written to collectives.json)."""
-    t = time.perf_counter()
-    compiled = run.state.program.lower(run.state.params, run.state.opt_state).compile()
-    planning.check_compiled_memory(run.cfg, compiled, run.devices)
-    try:  # a diagnostic: an HLO printing the parser does not know never stops a run
-        collectives = comm.parse_collectives(compiled.as_text(), len(run.devices))
-        described = describe_collectives(collectives, run.layout.devices_per_host)
-    except Exception as e:  # noqa: BLE001
-        collectives, described = [], f"(not parsed: {type(e).__name__}: {e})"
+def compile_step(run: Run, log: Callable[[str], None]) -> tuple[list, list]:
+    """The compiled train step of each layout the run may take (run.state.programs: one unless
+    parallel.mode=adaptive), checked against device memory, and each one's collectives (logged,
+    and written to collectives.json: the static layout's, with the others' under "layouts")."""
+    state, per_host = run.state, run.layout.devices_per_host
+    compiled, collectives, lines, t0 = [], [], [], time.perf_counter()
+    for i, program in enumerate(state.programs):
+        t = time.perf_counter()
+        if i == 0:
+            lowered = program.lower(state.params, state.opt_state)
+        else:  # placed like the static layout's: shapes on this layout's mesh (adaptive.relabel)
+            lowered = program.lower(*abstract_state(program, state.params, state.opt_state))
+        compiled.append(lowered.compile())
+        planning.check_compiled_memory(run.cfg, compiled[-1], run.devices)
+        try:  # a diagnostic: an HLO printing the parser does not know never stops a run
+            found = comm.parse_collectives(compiled[-1].as_text(), len(run.devices))
+            described = describe_collectives(found, per_host)
+        except Exception as e:  # noqa: BLE001
+            found, described = [], f"(not parsed: {type(e).__name__}: {e})"
+        collectives.append(found)
+        seconds = time.perf_counter() - t
+        if len(state.programs) == 1:
+            lines.append(f"compiled the train step in {seconds:.1f}s; per step: " + described)
+        else:
+            lines.append(f"compiled the step of layout {layout_name(program.plan.layout)} in "
+                         f"{seconds:.1f}s; per step: " + described)
+    if len(state.programs) > 1:
+        lines.insert(0, f"adaptive layouts: compiled {len(compiled)} steps in "
+                        f"{time.perf_counter() - t0:.1f}s")
     if run.is_writer:
-        write_collectives(run.run_dir, collectives, run.layout)
-    log(f"compiled the train step in {time.perf_counter() - t:.1f}s; per step: " + described)
+        write_collectives(run.run_dir, collectives[0], run.layout,
+                          others=[(p.plan.layout, c) for p, c in
+                                  zip(state.programs[1:], collectives[1:])])
+    for line in lines:
+        log(line)
     return compiled, collectives
+
+
+def layout_name(layout) -> str:
+    """(groups, sp) as metrics.jsonl and the logs name a layout: "2x4", "1x8/ring2"."""
+    return f"{layout.groups}x{layout.sp}" + (f"/ring{layout.ring}" if layout.ring > 1 else "")
+
+
+def abstract_state(program, params, opt_state):
+    """ShapeDtypeStructs of params and opt_state as `program` takes them (its shardings)."""
+    def shaped(x, sharding):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return (jax.tree.map(shaped, params, program.param_shardings),
+            jax.tree.map(shaped, opt_state, program.opt_shardings))
 
 
 def save_checkpoint(run: Run, step: int, force: bool) -> None:
@@ -75,6 +110,10 @@ def log_start(run: Run, logger: MetricsLogger) -> None:
     """The layout, the model, where the run resumes and what mfu is measured against."""
     cfg = run.cfg
     logger.message(f"layout: {run.layout.describe()}")
+    if run.plan.adaptive:
+        logger.message("adaptive layouts (groups x sp): " + ", ".join(
+            layout_name(p.layout) for p in run.plan.adaptive) + "; each step runs the one with "
+            "the most groups whose rows hold its documents")
     logger.message(
         f"model: {run.mcfg.model_type} {run.mcfg.num_params() / 1e6:.2f}M params, "
         f"{run.plan.strategy} parameters"
@@ -101,6 +140,20 @@ class StepReport:
         self.run, self.logger, self.writer, self.evaluator = run, logger, writer, evaluator
         self.losses: list[float] = []
         self.step_times: list[float] = []
+        self.layouts: list[dict] = []  # adaptive: what metrics.jsonl records of each layout
+        self.layout_steps: dict[str, int] = {}  # adaptive: steps run on each layout (by name)
+
+    def describe_layouts(self, programs, collectives) -> None:
+        """Adaptive runs: each layout's name and its step's all-to-all bytes per device (total and
+        between hosts, from its compiled program), recorded with every step run on it."""
+        if len(programs) == 1:
+            return
+        per_host = self.run.layout.devices_per_host
+        for program, found in zip(programs, collectives):
+            a2a = comm.summarize(found, per_host).get("all-to-all", {})
+            self.layouts.append({"layout": layout_name(program.plan.layout),
+                                 "a2a_bytes": int(a2a.get("bytes", 0)),
+                                 "a2a_inter_host_bytes": int(a2a.get("inter_host_wire_bytes", 0))})
 
     def mfu(self, tokens_per_s: float) -> float | None:
         run = self.run
@@ -130,6 +183,10 @@ class StepReport:
             "loss_tokens": int(metrics["tokens"]),  # targets that count (not masked)
             "mfu": self.mfu(tps),
         }
+        if "layout" in metrics:  # adaptive: the layout this step ran and its all-to-all bytes
+            record.update(self.layouts[int(metrics["layout"])])
+            name = record["layout"]
+            self.layout_steps[name] = self.layout_steps.get(name, 0) + 1
         if "loss_scale" in metrics:  # float16: the scale this step's loss was multiplied by
             record["loss_scale"] = float(metrics["loss_scale"])
         finite = bool(metrics["finite"])
@@ -184,6 +241,10 @@ class StepReport:
         steady = self.step_times[1:] or self.step_times
         mean_tps = run.tokens_per_step / (sum(steady) / len(steady))
         mfu = f", mfu {self.mfu(mean_tps):.1%}" if run.peak else ""
+        shares = ""
+        if self.layout_steps:
+            shares = "; layouts " + ", ".join(f"{name} {n / len(losses):.0%}"
+                                              for name, n in self.layout_steps.items())
         return (f"done: steps {run.state.start + 1}-{run.state.start + len(losses)} of {steps} in "
                 f"{wall:.1f}s, loss {losses[0]:.4f} -> {losses[-1]:.4f}, {mean_tps:,.0f} "
-                f"tokens/s{mfu}; outputs in {run.run_dir}")
+                f"tokens/s{mfu}{shares}; outputs in {run.run_dir}")

@@ -11,7 +11,10 @@ from typing import Any
 
 import jax
 
+from basp_jax.adaptive import relabel
+
 from . import evaluate, profiling, writers
+from .batches import AdaptiveBatches, for_run
 from .process import runtime
 from .checkpoint import checkpoint_dir, complete_steps, storage_error
 from .config import Config
@@ -118,29 +121,57 @@ def _run_owned(cfg: Config, stop_at: int | None, owner: RunDirLock | None) -> di
 
 def train_steps(run: Run, end: int, report: StepReport, profiler, stop: StopRequest) -> list:
     """Steps run.state.start .. end - 1, advancing its params and opt_state; returns the compiled
-    step's collectives (none when no step ran). Step k's metrics are read after step k + 1 is
-    dispatched, so the host's work overlaps the devices' (except before a save or a stop)."""
+    (static layout's) step's collectives (none when no step ran). Step k's metrics are read after
+    step k + 1 is dispatched, so the host's work overlaps the devices' (except before a save or
+    a stop). Under parallel.mode=adaptive each step runs the program of the layout its batch was
+    packed for (train.batches); between steps the parameters and optimizer state are placed as
+    the static layout's program takes them, so evaluation, checkpoints and the export see one
+    placement, and a switch only relabels them (basp_jax.adaptive.relabel: nothing is copied)."""
     state = run.state
-    cfg, ckpt, data, sharding = run.cfg, state.ckpt, run.data, state.program.batch_sharding
+    cfg, ckpt = run.cfg, state.ckpt
     evaluator, log = report.evaluator, report.logger.message
+    batches = for_run(run.data, state.programs)
+    try:
+        return _steps(run, end, report, profiler, stop, batches, evaluator, log, cfg, ckpt)
+    finally:
+        if isinstance(batches, AdaptiveBatches):
+            batches.close()
+
+
+def _steps(run, end, report, profiler, stop, batches, evaluator, log, cfg, ckpt) -> list:
+    state = run.state
     # each call hands over a batch built in the background and starts the next one's
-    batch = data.global_batch(state.start, sharding, prefetch=state.start + 1 < end) \
-        if state.start < end else None
-    compiled, collectives, step_arr = None, [], None
+    index, batch = batches.get(state.start, prefetch=state.start + 1 < end) \
+        if state.start < end else (0, None)
+    compiled, collectives, step_arr = None, [[]], None
     pending = None  # (step, metrics, evaluation) read after the next dispatch
     last_end = None  # when the previous step was seen to end
     for step in range(state.start, end):
         done = step + 1
         if compiled is None:
             compiled, collectives = compile_step(run, log)
+            report.describe_layouts(state.programs, collectives)
             stop.take_over()  # until now a signal ended the process at once (train.process.stop)
             # placed once, then the step returns the next one: a device_put per step
             # would be a cross-process check (assert_equal) in multi-process runs
             step_arr = state.program.step_index(step)
             last_end = time.perf_counter()
         profiler.before_step(done)
-        state.params, state.opt_state, metrics = compiled(state.params, state.opt_state, batch,
-                                                          step_arr)
+        if index:  # another layout of the adaptive set: its mesh's names for the same placement
+            program = state.programs[index]
+            params, opt_state, metrics = compiled[index](
+                relabel(state.params, program.param_shardings),
+                relabel(state.opt_state, program.opt_shardings), batch,
+                relabel(step_arr, program.abstract_step_index()))
+            base = state.program
+            state.params = relabel(params, base.param_shardings)
+            state.opt_state = relabel(opt_state, base.opt_shardings)
+            metrics["next_step"] = relabel(metrics["next_step"], base.abstract_step_index())
+        else:
+            state.params, state.opt_state, metrics = compiled[0](state.params, state.opt_state,
+                                                                 batch, step_arr)
+        if len(state.programs) > 1:
+            metrics["layout"] = index  # (a host int: report.finish names the layout)
         step_arr = metrics.pop("next_step")
         profiler.after_step(done, (state.params, state.opt_state))
         # dispatched before the next step, which takes (donates) these parameters
@@ -150,7 +181,7 @@ def train_steps(run: Run, end: int, report: StepReport, profiler, stop: StopRequ
             pending = None
         last = done == end
         if not last:  # build the next batch while the device runs this step
-            batch = data.global_batch(done, sharding, prefetch=done + 1 < end)
+            index, batch = batches.get(done, prefetch=done + 1 < end)
         stopping = stop.agree_at_end() if last else stop.should_stop(done)
         force = stopping or (last and (cfg.checkpoint.save_final or done < cfg.train.steps))
         if not (last or force or ckpt.due(done)):
@@ -165,4 +196,4 @@ def train_steps(run: Run, end: int, report: StepReport, profiler, stop: StopRequ
             log(f"received {stop.requested or 'a stop signal on another process'}: finished step "
                 f"{done} and saved a checkpoint; run the same command again to resume")
             break
-    return collectives
+    return collectives[0]

@@ -3,6 +3,8 @@
     parallel.mode = basp | ulysses   the layout Layout.plan gives (groups = gcd(B, N) for basp)
     parallel.mode = auto             the planner's fastest predicted layout for parallel.hardware:
                                      groups, ring split, head padding and masked pad rows
+    parallel.mode = adaptive         basp's layout and its adaptive siblings (adaptive_set): each
+                                     step runs the one with the most groups that holds its documents
     parallel.param_sharding = auto   on several hosts: host (shards inside each host, the least
                                      inter-host traffic) where the planner says it fits in memory,
                                      else hsdp where that fits, else fsdp; on one host: hsdp or fsdp
@@ -16,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from basp_jax import Layout
-from basp_jax import cost
+from basp_jax import Layout, LayoutError
+from basp_jax import adaptive, cost
 from basp_jax.remat import auto_policies
 from basp_jax.sharding import PARAM_SHARDINGS
 
@@ -76,20 +78,46 @@ def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[La
     layout = Layout.plan(
         num_devices=num_devices, batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len,
         num_heads=mcfg.num_heads, num_kv_heads=mcfg.num_kv_heads, devices_per_host=devices_per_host,
-        mode=p.mode, groups=p.groups, pad_heads=p.pad_heads, ring=p.ring, zigzag=p.zigzag,
+        mode="basp" if p.mode == "adaptive" else p.mode, groups=p.groups, pad_heads=p.pad_heads,
+        ring=p.ring, zigzag=p.zigzag,
     )
     if p.param_sharding != "auto":
         return layout, p.param_sharding
     # Fewest inter-host bytes first (auto_rank); each later choice shards over more devices, and
-    # the last (fsdp) is taken whether or not it fits (check_memory says so).
+    # the last (fsdp) is taken whether or not it fits (check_memory says so). Adaptive layouts
+    # take only a placement every layout of the set shares (not hsdp).
     choices = [name for _, name in sorted(
         (s.auto_rank, name) for name, s in PARAM_SHARDINGS.items()
         if s.auto_rank is not None and s.applies(layout)
-        and (s.streamed or cfg.optimizer.offload is not True))]
+        and (s.streamed or cfg.optimizer.offload is not True)
+        and (p.mode != "adaptive" or adaptive.shares_placement(name)))]
     for strategy in choices[:-1]:
         if cost.predict(shape, layout, strategy, **common).memory_bytes <= hw.memory_bytes:
             return layout, strategy
     return layout, choices[-1]
+
+
+def adaptive_set(cfg: Config, layout: Layout, strategy: str) -> tuple[Layout, ...]:
+    """parallel.mode=adaptive: the static layout (first) and its siblings of more groups over the
+    same devices (basp_jax.adaptive.expand), with a ring where a group spans hosts when
+    parallel.ring asks for one; () for any other mode. A one-line ConfigError for a parameter
+    sharding that would move between layouts, pad rows, or a ring that is not the hosts'."""
+    p = cfg.parallel
+    if p.mode != "adaptive":
+        return ()
+    host_ring = adaptive.host_ring(layout.sp, layout.devices_per_host)
+    if p.ring not in (1, host_ring):
+        raise ConfigError(
+            f"parallel.mode=adaptive runs a ring only to keep each all-to-all inside a host: "
+            f"parallel.ring={p.ring}, but the static layout's group of sp={layout.sp} spans "
+            f"{host_ring} host(s); set parallel.ring={host_ring} or 1")
+    try:
+        layouts = adaptive.expand(layout, param_sharding=strategy, host_rings=p.ring > 1,
+                                  zigzag=p.zigzag and p.ring > 1)
+    except LayoutError as err:
+        raise ConfigError(f"parallel.mode=adaptive: {err}") from None
+    assert layouts[0] == layout, (layouts[0], layout)  # the static layout stays the run's
+    return layouts
 
 
 def resolve_offload(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> Config:
@@ -99,6 +127,8 @@ def resolve_offload(cfg: Config, mcfg, num_devices: int, devices_per_host: int) 
     say it does not fit)."""
     if cfg.optimizer.offload != "auto":
         return cfg
+    if cfg.parallel.mode == "adaptive":  # (the streamed step has no adaptive layouts)
+        return replace(cfg, "optimizer.offload=false")
     from .streamed import check_offload
 
     ordinary = replace(cfg, "optimizer.offload=false")

@@ -158,9 +158,11 @@ def check(cfg: Config, *, is_writer: bool) -> Run:
     planning.check_memory(cfg, mcfg, plan.layout, plan.strategy, devices,  # before any row
                           remat=plan.remat, tile_tokens=plan.tile_tokens)
     layout = plan.layout  # the rows it pads and the token order it wants
+    # (adaptive layouts repack rows in natural order and put them in each layout's own order)
     data = Pipeline(cfg.data, vocab_size=mcfg.vocab_size, grad_accum=cfg.train.grad_accum,
                     microbatch=cfg.train.microbatch_size, seed=cfg.run.seed,
-                    pad_rows=layout.pad_rows, seq_order=layout.token_order)
+                    pad_rows=layout.pad_rows,
+                    seq_order=None if plan.adaptive else layout.token_order)
     eval_data = evaluate.eval_data(cfg, mcfg.vocab_size, seq_order=layout.token_order,
                                    pad_rows=layout.pad_rows)
     record = resume.record(cfg, dataclasses.asdict(mcfg))

@@ -44,6 +44,9 @@ class RunPlan:
     remat: str = "none"  # the rematerialisation policy (model.remat, auto resolved)
     tile_tokens: int | None = None  # model.tile_tokens (auto resolved)
     offload_state: bool = False  # optimizer.offload (auto resolved): the streamed step
+    # parallel.mode=adaptive: one plan per layout of the set (train.planning.adaptive_set), the
+    # first this plan's own layout; each on its mesh over the same devices. () when static
+    adaptive: tuple["RunPlan", ...] = ()
 
     @functools.cached_property
     def rules(self) -> ShardingRules:
@@ -57,8 +60,14 @@ def plan_run(cfg: Config, mcfg, devices, devices_per_host: int) -> RunPlan:
     layout, strategy = planning.plan(cfg, mcfg, len(devices), devices_per_host)
     remat, tile = planning.memory_policy(cfg, mcfg, layout, strategy, devices_per_host)
     streamed.check_offload(cfg, strategy, compute_dtype(cfg.model.dtype, devices[0]))
-    return RunPlan(layout, strategy, make_mesh(layout, devices), remat, tile,
+    plan = RunPlan(layout, strategy, make_mesh(layout, devices), remat, tile,
                    cfg.optimizer.offload)
+    layouts = planning.adaptive_set(cfg, layout, strategy)
+    if not layouts:
+        return plan
+    plans = (plan,) + tuple(dataclasses.replace(plan, layout=other, mesh=make_mesh(other, devices))
+                            for other in layouts[1:])
+    return dataclasses.replace(plan, adaptive=plans)
 
 
 def model_factory(cfg: Config, mcfg, plan: RunPlan) -> Callable[[], nnx.Module]:
@@ -129,9 +138,22 @@ def build_program(cfg: Config, plan: RunPlan, parts) -> TrainProgram:
             parts, tx, schedule, plan.mesh, param_sh, opt_sh,
             loss_fn=models.causal_lm_loss, packed=cfg.data.pack, loss_scale=loss_scale,
         )
-    shape = (cfg.train.grad_accum, plan.layout.batch, cfg.data.seq_len)
+    shape = (cfg.train.grad_accum, plan.layout.batch, plan.layout.seq_len)
     return TrainProgram(plan, step_fn, tx, schedule, param_sh, abs_opt, opt_sh, batch_sharding,
                         shape, cfg.data.pack)
+
+
+def layout_programs(cfg: Config, mcfg, plan: RunPlan, program: TrainProgram
+                    ) -> tuple[TrainProgram, ...]:
+    """The train step of every layout the run may take: (program,) for a static run; under
+    parallel.mode=adaptive one per plan.adaptive, program first. Each has its own model (the
+    layout is part of it) on its own mesh, built from shapes: the parameters are program's,
+    relabelled (basp_jax.adaptive.relabel) at each switch, never copied."""
+    others = tuple(
+        build_program(cfg, sub, build_model(model_factory(cfg, mcfg, sub), sub.rules,
+                                            init_params=False))
+        for sub in plan.adaptive[1:])
+    return (program,) + others
 
 
 def abstract_state(program: TrainProgram, parts):
@@ -165,6 +187,8 @@ class TrainState:
     start: int  # the first step this invocation runs (0-based)
     params: Any
     opt_state: Any
+    # the step of each layout the run may take (layout_programs): (program,) unless adaptive
+    programs: tuple[TrainProgram, ...] = ()
 
 
 def build_state(cfg: Config, mcfg, plan: RunPlan, *, run_dir: str | None = None,
@@ -178,7 +202,8 @@ def build_state(cfg: Config, mcfg, plan: RunPlan, *, run_dir: str | None = None,
     if abstract:
         parts = build_model(model_factory(cfg, mcfg, plan), plan.rules, init_params=False)
         program = build_program(cfg, plan, parts)
-        return TrainState(parts, program, None, 0, *abstract_state(program, parts))
+        return TrainState(parts, program, None, 0, *abstract_state(program, parts),
+                          layout_programs(cfg, mcfg, plan, program))
     ckpt = None
     try:
         if latest is None and cfg.model.hf_path and cfg.model.load_weights:
@@ -200,7 +225,8 @@ def build_state(cfg: Config, mcfg, plan: RunPlan, *, run_dir: str | None = None,
             opt_state = streamed.init_opt_state(program.tx, parts.params, program.opt_shardings)
         else:
             opt_state = init_opt_state(program.tx, parts.params, program.opt_shardings)
-        return TrainState(parts, program, ckpt, start, parts.params, opt_state)
+        return TrainState(parts, program, ckpt, start, parts.params, opt_state,
+                          layout_programs(cfg, mcfg, plan, program))
     except BaseException:
         if ckpt is not None:
             ckpt.close()  # its threads

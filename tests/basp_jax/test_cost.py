@@ -109,7 +109,7 @@ def test_sampled_steps_fill_their_rows_and_are_seeded():
     assert steps == adaptive.sample_steps("longtail", 50, rows=2, seq_len=4096, seed=3)
     for step in steps:
         assert all(2 <= n <= 4097 for n in step)
-        assert sum(n - 1 for n in step) <= 2 * 4096  # two rows' predictions at most
+        assert sum(step) <= 2 * 4097  # two rows of seq_len + 1 tokens at most
     assert len({len(s) for s in steps}) > 1  # lengths vary
     assert adaptive.sample_steps("full", 3, rows=2, seq_len=64) == [[65, 65]] * 3
     with pytest.raises(ValueError, match="unknown document distribution 'zipf'"):

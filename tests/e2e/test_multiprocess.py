@@ -16,7 +16,7 @@ import pytest
 from train.loop import run
 
 from tests.helpers.flags import TEST_XLA_FLAGS
-from tests.helpers.trainer import cache_env, tiny_config, tiny_overrides
+from tests.helpers.trainer import adaptive_documents, cache_env, tiny_config, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("compile_cache")  # this run's (tests/conftest.py)
@@ -62,6 +62,31 @@ def test_two_processes_match_one(tmp_path, mode):
     assert lines[-1]["eval_loss"] == pytest.approx(single[-1]["eval_loss"], rel=2e-5)
     assert (run_dir / "checkpoints" / "5").is_dir()
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))  # written by process 0
+
+
+@pytest.mark.slow
+def test_two_processes_take_the_adaptive_layouts_of_one(tmp_path):
+    """parallel.mode=adaptive on 2 processes: each builds the whole step's rows and packs them
+    the same way, so both run the same layout's program every step; the layouts and losses are
+    a single process's, a checkpoint is written and evaluation runs on the static layout."""
+    data = adaptive_documents(tmp_path, "parallel.mode=adaptive", "eval.every=3",
+                              f"eval.path={tmp_path / 'docs.bin'}")
+    reference = run(tiny_config(tmp_path / "single", *data))
+    run_dir = tmp_path / "multi"
+    procs = _launch(run_dir, *data, "checkpoint.every=3", "runtime.distributed.peer_timeout_s=30")
+    try:
+        outputs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        _kill_leftovers(procs)
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    single = [json.loads(l) for l in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
+    assert [l["layout"] for l in lines] == [l["layout"] for l in single]
+    assert len({l["layout"] for l in lines}) > 1
+    np.testing.assert_allclose([l["loss"] for l in lines], reference["losses"], rtol=2e-5)
+    assert lines[-1]["eval_loss"] == pytest.approx(single[-1]["eval_loss"], rel=2e-5)
+    assert (run_dir / "checkpoints" / "3").is_dir()
 
 
 def _launch(run_dir, *extra, per_process=((), ())) -> list[subprocess.Popen]:

@@ -102,6 +102,19 @@ def snapshot(*dirs) -> dict:
     return out
 
 
+def adaptive_documents(folder, *extra: str, steps: int = 6) -> list[str]:
+    """Overrides that train on a token file of documents of 6-40 tokens (packed_stream, written
+    to folder/docs.bin once), one row of 64 tokens per microbatch on 2 x 4 devices under host
+    parameter sharding: a static layout of (1,8) across both hosts, whose steps mostly fit more
+    groups (parallel.mode=adaptive)."""
+    path = Path(folder) / "docs.bin"
+    if not path.exists():
+        packed_stream(path)
+    return ["data.source=tokens", f"data.path={path}", "data.pack=true", "data.eos_id=0",
+            "train.microbatch_size=1", f"train.steps={steps}", "parallel.devices_per_host=4",
+            "parallel.param_sharding=host", *extra]
+
+
 def packed_stream(path, vocab=256, seed=0):
     """Documents of random lengths from a small Markov-like generator, separated by eos=0."""
     import numpy as np

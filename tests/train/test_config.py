@@ -71,7 +71,7 @@ def test_bad_values_one_line(tmp_path, override, fragment):
 
 
 @pytest.mark.parametrize("override, names", [
-    ("parallel.mode=ring", "basp, ulysses, auto"),
+    ("parallel.mode=ring", "basp, ulysses, auto, adaptive"),
     ("model.attn_impl=flash", "auto, xla, cudnn, pallas, blockwise"),
     ("parallel.param_sharding=zero", "auto, fsdp, hsdp, host, replicated"),
     ("model.remat=some", "none, full, dots, offload, offload_exchanges, auto"),

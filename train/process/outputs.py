@@ -203,10 +203,17 @@ def write_config(cfg: Config, run_dir: str) -> None:
           f"parallel.mode={cfg.parallel.mode})", flush=True)
 
 
-def write_collectives(run_dir: str, collectives, layout: Layout) -> None:
+def write_collectives(run_dir: str, collectives, layout: Layout, others=()) -> None:
     """{run.dir}/collectives.json: per kind, count and bytes per device (total, on the wire,
-    between hosts) of one compiled train step, for benchmarks."""
-    table = comm.summarize(collectives, layout.devices_per_host)
+    between hosts) of one compiled train step, for benchmarks; `others`, (layout, collectives)
+    of the other layouts of an adaptive run, under "layouts"."""
+    def entry(layout, collectives):
+        return {"layout": layout.describe(), "groups": layout.groups, "sp": layout.sp,
+                "ring": layout.ring,
+                "per_kind": comm.summarize(collectives, layout.devices_per_host)}
+
+    record = {**entry(layout, collectives), "devices_per_host": layout.devices_per_host}
+    if others:
+        record["layouts"] = [entry(layout, collectives)] + [entry(*o) for o in others]
     with open(os.path.join(run_dir, "collectives.json"), "w") as f:
-        json.dump({"layout": layout.describe(), "devices_per_host": layout.devices_per_host,
-                   "per_kind": table}, f, indent=1)
+        json.dump(record, f, indent=1)

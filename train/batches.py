@@ -1,0 +1,86 @@
+"""The batch of each step and the layout it runs on: (index into the run's programs, arrays).
+
+    batches = for_run(run.data, run.state.programs)
+    index, batch = batches.get(step, prefetch=True)   # batch on programs[index].batch_sharding
+
+A static run has one program and takes train.data.Pipeline's batches as they are (index 0).
+Under parallel.mode=adaptive every process builds all the step's rows (Pipeline.rows), repacks
+them with basp_jax.adaptive.pack_microbatches into the layout with the most groups that holds
+them, and keeps the part its devices hold: every process then picks the same layout, because
+the choice is a pure function of the step's rows, and a resumed run repeats it. Building rows a
+process does not hold costs host time only (B * grad_accum rows a step); the next step's batch
+is built on a background thread while a step runs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import jax
+import numpy as np
+
+from basp_jax import adaptive
+
+from .data import Pipeline
+
+
+class StaticBatches:
+    """The pipeline's batches on the one program's sharding."""
+
+    def __init__(self, data: Pipeline, sharding):
+        self.data, self.sharding = data, sharding
+
+    def get(self, step: int, prefetch: bool = False) -> tuple[int, dict]:
+        return 0, self.data.global_batch(step, self.sharding, prefetch=prefetch)
+
+
+class AdaptiveBatches:
+    """Each step's rows repacked for the layout with the most groups that holds them."""
+
+    def __init__(self, data: Pipeline, programs):
+        if data.pad_rows or data.seq_order is not None:  # (prepare builds it without either)
+            raise ValueError("adaptive batches repack natural-order rows without pad rows")
+        self.data = data
+        self.layouts = [p.plan.layout for p in programs]
+        self.shardings = [p.batch_sharding for p in programs]
+        self._ahead = None  # (step, future) of the batch built in the background
+        self._pool = None
+
+    def get(self, step: int, prefetch: bool = False) -> tuple[int, dict]:
+        ahead, self._ahead = self._ahead, None
+        out = ahead[1].result() if ahead and ahead[0] == step else self.build(step)
+        if prefetch:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, "basp-adaptive")
+            self._ahead = (step + 1, self._pool.submit(self.build, step + 1))
+        return out
+
+    def packed(self, step: int) -> adaptive.PackedStep:
+        """The step's rows, all of them, packed for its layout (numpy, [accum, rows, S'])."""
+        data = self.data
+        rows = data.rows(step, np.arange(data.num_rows))
+        shape = (data.accum, data.batch, data.seq_len)
+        return adaptive.pack_microbatches(
+            *(rows[name].reshape(shape) for name in ("tokens", "targets", "segment_ids")),
+            self.layouts)
+
+    def build(self, step: int) -> tuple[int, dict]:
+        packed = self.packed(step)
+        sharding = self.shardings[packed.index]
+        return packed.index, {
+            name: jax.make_array_from_callback(x.shape, sharding, lambda index, x=x: x[index])
+            for name, x in packed.arrays().items()}
+
+    def close(self) -> None:
+        """Ends the prefetch thread (a batch being built is dropped) and the pipeline's."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool, self._ahead = None, None
+        self.data.close()
+
+
+def for_run(data: Pipeline, programs) -> StaticBatches | AdaptiveBatches:
+    """The batches of a run with these programs (train.state.layout_programs)."""
+    if len(programs) == 1:
+        return StaticBatches(data, programs[0].batch_sharding)
+    return AdaptiveBatches(data, programs)
