@@ -111,6 +111,7 @@ SLOWEST_FIRST = [  # seconds of one pass on 2 busy cores (--junitxml, 2026-12-01
     "e2e/test_quickstart_notebook.py",  # 65
     "e2e/test_gpu_check.py",  # 65
     "train/test_nonfinite.py",  # 53
+    "train/test_adaptive_trainer.py",  # ~55 (one core, 2026-12-02)
     "basp_jax/test_adaptive.py",  # ~50 (one core, 2026-12-01)
     "train/test_bad_input.py",  # 50
     "train/test_cli.py",  # 49

@@ -162,17 +162,20 @@ def abstract_state(program: TrainProgram, parts):
             abstract_arrays(program.abstract_opt_state, program.opt_shardings))
 
 
-def compile_program(cfg: Config, devices, devices_per_host: int, mcfg=None):
+def compile_program(cfg: Config, devices, devices_per_host: int, mcfg=None, *,
+                    layout_index: int = 0):
     """Compile the train step of `cfg` for `devices` from shapes alone (nothing is initialised,
     read or run): (compiled, run plan, model config, compile seconds). `mcfg` replaces the
-    config's model (e.g. a preset with fewer layers)."""
+    config's model (e.g. a preset with fewer layers); under parallel.mode=adaptive,
+    `layout_index` picks the layout of the set (the plan returned is that layout's)."""
 
     mcfg = model_config(cfg) if mcfg is None else mcfg
     run_plan = plan_run(cfg, mcfg, devices, devices_per_host)
     state = build_state(cfg, mcfg, run_plan, abstract=True)
+    program = state.programs[layout_index]
     t0 = time.perf_counter()
-    compiled = state.program.lower(state.params, state.opt_state).compile()
-    return compiled, run_plan, mcfg, time.perf_counter() - t0
+    compiled = program.lower(*abstract_state(program, state.parts)).compile()
+    return compiled, program.plan, mcfg, time.perf_counter() - t0
 
 
 @dataclasses.dataclass

@@ -503,3 +503,24 @@ def test_a_kernel_a_t4_cannot_run_is_one_line_before_compiling(cuda_plugin):
                     "--gpus-per-host", "1", *extra, timeout=300)
         assert done.returncode == 2 and done.stdout == "", (extra, done.stdout, done.stderr)
         assert done.stderr.count("\n") == 1 and message in done.stderr, (extra, done.stderr)
+
+
+@pytest.mark.slow
+def test_adaptive_layouts_each_compile_for_the_gpus_and_fit(cuda_plugin, tmp_path):
+    """The shipped adaptive config's set, on a small model of the 8B's head counts at 4K tokens
+    (seconds a compile): every layout compiled for 2 x 4 A100-40GB and fitting, the all-to-alls
+    of (1,8) across the hosts and of every other layout inside one (none at all for (8,1))."""
+    out = tmp_path / "adaptive.json"
+    done = _run("-m", "train.tools.aot", "--config", "configs/gpu/llama-3.1-8b_adaptive.yaml",
+                "model.shape={num_layers: 1, hidden_size: 512, intermediate_size: 1024, "
+                "head_dim: 16, vocab_size: 8192}", "data.seq_len=4096", "data.eos_id=0",
+                "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "adaptive layouts (parallel.mode=adaptive), each compiled:" in done.stdout
+    rows = json.loads(out.read_text())["adaptive_layouts"]
+    assert [(r["groups"], r["sp"], r["batch"], r["seq_len"]) for r in rows] == \
+        [(1, 8, 1, 4096), (2, 4, 2, 2048), (4, 2, 4, 1024), (8, 1, 8, 512)]
+    assert all(r["fits"] for r in rows)
+    assert rows[0]["a2a_inter_host_bytes"] > 0
+    assert all(r["a2a_inter_host_bytes"] == 0 for r in rows[1:])
+    assert rows[1]["a2a_bytes"] >= rows[2]["a2a_bytes"] > 0 == rows[3]["a2a_bytes"]

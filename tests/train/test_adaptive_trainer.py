@@ -27,16 +27,10 @@ def _flat(params):
             for k, v in jax.tree_util.tree_leaves_with_path(params)}
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("compile_cache")
-@pytest.mark.parametrize("accum", [1, 2])
-def test_adaptive_steps_equal_the_static_layout_on_the_sameadaptive_documents(tmp_path, accum):
+def _compare_with_static(tmp_path, static, adaptive):
     """The same rows, repacked per step: losses, token counts, gradient norms and the final
     parameters equal the static (1,8) run's to float32 rounding, while the steps ran on more
     than one layout and recorded which (with its all-to-all bytes)."""
-    data = adaptive_documents(tmp_path, f"train.grad_accum={accum}")
-    static = run(tiny_config(tmp_path / "static", *data, "parallel.mode=ulysses"))
-    adaptive = run(tiny_config(tmp_path / "adaptive", *data, "parallel.mode=adaptive"))
     assert (adaptive["layout"].groups, adaptive["layout"].sp) == (1, 8)  # the static layout
     np.testing.assert_allclose(adaptive["losses"], static["losses"], rtol=RTOL)
     s, a = _records(tmp_path / "static"), _records(tmp_path / "adaptive")
@@ -60,23 +54,37 @@ def test_adaptive_steps_equal_the_static_layout_on_the_sameadaptive_documents(tm
             assert r["a2a_bytes"] == 0, r  # one device per row: no all-to-all at all
     record = json.loads((tmp_path / "adaptive" / "collectives.json").read_text())
     assert [(e["groups"], e["sp"]) for e in record["layouts"]] == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    return layouts
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("compile_cache")
-def test_adaptive_resume_repeats_the_layout_sequence(tmp_path):
-    """Stopped after 3 steps and run again: the same layouts, step by step, and the same losses
-    as a run straight through (nothing new is checkpointed: the choice follows the rows)."""
-    data = adaptive_documents(tmp_path, "parallel.mode=adaptive")
-    straight = run(tiny_config(tmp_path / "straight", *data))
-    cfg = tiny_config(tmp_path / "resumed", *data)
+def test_adaptive_steps_equal_the_static_layout_and_resume_repeats_them(tmp_path):
+    """_compare_with_static; then stopped after 3 steps and run again: the same layouts, step
+    by step, and the same losses as the run straight through (nothing new is checkpointed: the
+    choice follows the rows)."""
+    data = adaptive_documents(tmp_path)
+    static = run(tiny_config(tmp_path / "static", *data, "parallel.mode=ulysses"))
+    adaptive = run(tiny_config(tmp_path / "adaptive", *data, "parallel.mode=adaptive"))
+    layouts = _compare_with_static(tmp_path, static, adaptive)
+    cfg = tiny_config(tmp_path / "resumed", *data, "parallel.mode=adaptive")
     first = run(cfg, stop_at=3)
     second = run(cfg)
     assert second["start_step"] == 3
-    np.testing.assert_allclose(first["losses"] + second["losses"], straight["losses"], rtol=1e-6)
-    assert [r["layout"] for r in _records(tmp_path / "resumed")] == \
-        [r["layout"] for r in _records(tmp_path / "straight")]
-    assert [r["step"] for r in _records(tmp_path / "resumed")] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose(first["losses"] + second["losses"], adaptive["losses"], rtol=1e-6)
+    resumed = _records(tmp_path / "resumed")
+    assert [r["layout"] for r in resumed] == layouts
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("compile_cache")
+def test_adaptive_steps_with_two_microbatches_take_one_layout_for_both(tmp_path):
+    """grad_accum=2: one layout per step, the one both microbatches fit; still the static run."""
+    data = adaptive_documents(tmp_path, "train.grad_accum=2")
+    static = run(tiny_config(tmp_path / "static", *data, "parallel.mode=ulysses"))
+    adaptive = run(tiny_config(tmp_path / "adaptive", *data, "parallel.mode=adaptive"))
+    _compare_with_static(tmp_path, static, adaptive)
 
 
 @pytest.mark.parametrize("extra, fragment", [

@@ -120,10 +120,19 @@ def test_shipped_configs_load_and_plan():
             continue
         preset = path.stem.rsplit("_", 1)[0]
         mc = models.ModelConfig.preset(preset)
+        adaptive = cfg.parallel.mode == "adaptive"  # basp's layout and its siblings
         layout = Layout.plan(num_devices=8, batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len,
                              num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
-                             mode=cfg.parallel.mode)
+                             mode="basp" if adaptive else cfg.parallel.mode, devices_per_host=4)
         assert cfg.data.eos_id < mc.vocab_size
+        if adaptive:  # one sequence per microbatch: (1,8) and 2, 4, 8 groups of shorter rows
+            from basp_jax import adaptive as adapt
+
+            sets = adapt.expand(layout, param_sharding=cfg.parallel.param_sharding)
+            assert [(x.groups, x.sp, x.seq_len) for x in sets] == \
+                [(1, 8, 16384), (2, 4, 8192), (4, 2, 4096), (8, 1, 2048)]
+            assert cfg.data.pack
+            continue
         if path.stem.endswith("_long"):  # one 4M sequence: one group of 8
             assert (layout.groups, layout.sp, cfg.data.seq_len) == (1, 8, 4194304)
             continue
@@ -252,7 +261,7 @@ def test_gpu_configs_state_only_what_differs_from_what_they_include():
     from train.config_tree import load_tree, read_yaml
 
     paths = shipped_configs("gpu/*.yaml")
-    assert len(paths) == 11  # five models x basp/ulysses, and the 8B's long-context config
+    assert len(paths) == 12  # five models x basp/ulysses, the 8B's long-context and adaptive ones
     for path in paths:
         own = read_yaml(str(path))
         included = load_tree(str(path.parent / own.pop("include")))

@@ -200,8 +200,10 @@ def _without_driver_notices():
                     sys.stderr.write(line)
 
 
-def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False) -> dict:
-    """Compile the train step of `cfg` for `devices` and return the report (see `report`)."""
+def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False,
+                 layout_index: int = 0) -> dict:
+    """Compile the train step of `cfg` for `devices` and return the report (see `report`);
+    under parallel.mode=adaptive, that of layout `layout_index` of the set."""
     import jax
 
     from basp_jax import comm, hlo
@@ -209,7 +211,8 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False)
     from ..planning import host_memory_estimate, memory_estimate
     from ..state import compile_program
 
-    compiled, run_plan, mcfg, compile_s = compile_program(cfg, devices, devices_per_host)
+    compiled, run_plan, mcfg, compile_s = compile_program(cfg, devices, devices_per_host,
+                                                          layout_index=layout_index)
     text = compiled.as_text()
     mem = compiled.memory_analysis()
     layout = run_plan.layout
@@ -344,6 +347,17 @@ def format_report(r: dict) -> str:
             f"  {c['kind']:<20}{c['dtype']:<7}{c['group_size']:>6}{c['count']:>7}"
             f"{c['per_layer']:>8.2f}{c['bytes'] / 2**20:>11.1f}{c['wire_bytes'] / 2**20:>11.1f}"
             f"{c['inter_host_wire_bytes'] / 2**20:>16.1f}")
+    if r.get("adaptive_layouts"):
+        lines += ["", "adaptive layouts (parallel.mode=adaptive), each compiled:",
+                  f"  {'groups x sp':<14}{'rows x tokens':>15}{'peak GiB':>10}{'fits':>6}"
+                  f"{'a2a MiB':>10}{'inter-host a2a MiB':>20}{'compile s':>11}"]
+        for row in r["adaptive_layouts"]:
+            name = f"{row['groups']}x{row['sp']}" + (f"/ring{row['ring']}" if row["ring"] > 1
+                                                     else "")
+            lines.append(f"  {name:<14}{row['batch']:>7} x {row['seq_len']:<6}"
+                         f"{row['peak_bytes_per_device'] / GiB:>10.2f}"
+                         f"{'yes' if row['fits'] else 'NO':>6}{row['a2a_bytes'] / 2**20:>10.1f}"
+                         f"{row['a2a_inter_host_bytes'] / 2**20:>20.1f}{row['compile_s']:>11.1f}")
     if not r["fits"]:
         lines += ["", f"does not fit: {r['peak_bytes_per_device'] / GiB:.2f} GiB per device of the "
                   f"{usable / GiB:.2f} JAX may take on {r['target']['device_kind']}; would fit "
@@ -393,9 +407,39 @@ def report(cfg, target: str, hosts: int, gpus_per_host: int, *, want_hlo: bool =
         "fits": r["peak_bytes_per_device"] <= usable and r["host_peak_bytes_per_device"] <= host_budget,
         "bf16": gpu.bf16,
     })
+    if cfg.parallel.mode == "adaptive":  # every layout of the set, each compiled
+        r["adaptive_layouts"] = [adaptive_row(r, usable, host_budget)] + [
+            adaptive_row(compile_step(cfg, devices, gpus_per_host, layout_index=i), usable,
+                         host_budget)
+            for i in range(1, adaptive_set_size(cfg, hosts * gpus_per_host, gpus_per_host))]
+        r["fits"] = all(row["fits"] for row in r["adaptive_layouts"])
     if not r["fits"]:
         r["would_fit"] = would_fit(cfg, r, hosts * gpus_per_host, gpus_per_host)
     return r
+
+
+def adaptive_set_size(cfg, num_devices: int, devices_per_host: int) -> int:
+    """How many layouts parallel.mode=adaptive compiles for this cluster (train.planning)."""
+    from ..planning import adaptive_set, plan
+    from ..prepare import model_config
+
+    layout, strategy = plan(cfg, model_config(cfg), num_devices, devices_per_host)
+    return len(adaptive_set(cfg, layout, strategy))
+
+
+def adaptive_row(r: dict, usable: float, host_budget: float) -> dict:
+    """One layout of an adaptive set: its split, peak memory, whether it fits, its all-to-alls
+    (bytes per device, total and between hosts) and compile time."""
+    lay = r["layout"]
+    a2a = [c for c in r["collectives"] if c["kind"] == "all-to-all"]
+    return {"groups": lay["groups"], "sp": lay["sp"], "ring": lay["ring"],
+            "batch": lay["batch"], "seq_len": lay["seq_len"],
+            "peak_bytes_per_device": r["peak_bytes_per_device"],
+            "fits": r["peak_bytes_per_device"] <= usable
+            and r["host_peak_bytes_per_device"] <= host_budget,
+            "a2a_bytes": sum(c["bytes"] for c in a2a),
+            "a2a_inter_host_bytes": sum(c["inter_host_wire_bytes"] for c in a2a),
+            "compile_s": r["compile_s"]}
 
 
 def would_fit(cfg, r: dict, num_devices: int, devices_per_host: int) -> str:
