@@ -23,6 +23,7 @@ import pytest
 from basp_jax import comm, cost, gpus
 from models.config import MODEL_SHAPES
 from tests.helpers import gpu_plugin
+from train.tools import aot
 from tests.helpers.flags import TEST_XLA_FLAGS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +35,7 @@ pytestmark = [
 ]
 CONFIG_8B = "configs/gpu/llama-3.1-8b_basp.yaml"
 CONFIG_LONG = "configs/gpu/llama-3.1-8b_long.yaml"
+CONFIG_ADAPTIVE = "configs/gpu/llama-3.1-8b_adaptive.yaml"  # 4 layouts, each compiled
 GiB = 2**30
 
 
@@ -91,7 +93,7 @@ def reports(cuda_plugin, tmp_path_factory):
     configs = sorted(glob.glob(str(ROOT / "configs/gpu/*_basp.yaml")))
     cases = [os.path.relpath(c, ROOT) for c in configs]
     cases += ["configs/gpu/llama-3.1-8b_ulysses.yaml",
-              f"{CONFIG_8B},parallel.param_sharding=hsdp"]
+              f"{CONFIG_8B},parallel.param_sharding=hsdp", CONFIG_ADAPTIVE]
     out = tmp_path_factory.mktemp("aot") / "reports.json"
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {NO_OVERLAP}".strip())
     done = _run("tests/e2e/aot_worker.py", str(out), *cases, timeout=3000, env=env)
@@ -277,7 +279,7 @@ def test_every_gpu_config_names_its_cluster_and_fits_it(reports):
         assert r["attention_kernels"] == {"triton": r["attention_kernels"]["triton"]}, case
         assert all(c["per_layer"] == 8 for c in _rows(r, "all-to-all")), case  # none recomputed
         if case in every:
-            mode = "basp" if case.endswith("_basp.yaml") else "ulysses"
+            mode = "ulysses" if case.endswith("_ulysses.yaml") else "basp"  # adaptive: basp's
             assert r["layout"]["mode"] == mode, case
 
 
@@ -506,21 +508,18 @@ def test_a_kernel_a_t4_cannot_run_is_one_line_before_compiling(cuda_plugin):
 
 
 @pytest.mark.slow
-def test_adaptive_layouts_each_compile_for_the_gpus_and_fit(cuda_plugin, tmp_path):
-    """The shipped adaptive config's set, on a small model of the 8B's head counts at 4K tokens
-    (seconds a compile): every layout compiled for 2 x 4 A100-40GB and fitting, the all-to-alls
-    of (1,8) across the hosts and of every other layout inside one (none at all for (8,1))."""
-    out = tmp_path / "adaptive.json"
-    done = _run("-m", "train.tools.aot", "--config", "configs/gpu/llama-3.1-8b_adaptive.yaml",
-                "model.shape={num_layers: 1, hidden_size: 512, intermediate_size: 1024, "
-                "head_dim: 16, vocab_size: 8192}", "data.seq_len=4096", "data.eos_id=0",
-                "--json", str(out))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "adaptive layouts (parallel.mode=adaptive), each compiled:" in done.stdout
-    rows = json.loads(out.read_text())["adaptive_layouts"]
-    assert [(r["groups"], r["sp"], r["batch"], r["seq_len"]) for r in rows] == \
-        [(1, 8, 1, 4096), (2, 4, 2, 2048), (4, 2, 4, 1024), (8, 1, 8, 512)]
-    assert all(r["fits"] for r in rows)
+def test_adaptive_layouts_each_compile_for_the_gpus_and_fit(reports):
+    """The shipped adaptive config (the 8B at 16K, B=1): every layout of its set compiled for
+    2 x 4 A100-40GB and fitting, the all-to-alls of (1,8) across the hosts and of every other
+    layout inside one (none at all for (8,1)), the same tokens per device in each."""
+    r = reports[CONFIG_ADAPTIVE]
+    rows = r["adaptive_layouts"]
+    assert [(x["groups"], x["sp"], x["batch"], x["seq_len"]) for x in rows] == \
+        [(1, 8, 1, 16384), (2, 4, 2, 8192), (4, 2, 4, 4096), (8, 1, 8, 2048)]
+    assert r["fits"] and all(x["fits"] for x in rows)
     assert rows[0]["a2a_inter_host_bytes"] > 0
-    assert all(r["a2a_inter_host_bytes"] == 0 for r in rows[1:])
+    assert all(x["a2a_inter_host_bytes"] == 0 for x in rows[1:])
     assert rows[1]["a2a_bytes"] >= rows[2]["a2a_bytes"] > 0 == rows[3]["a2a_bytes"]
+    # the memory bound is the static layout's: the same tokens per device
+    assert max(x["peak_bytes_per_device"] for x in rows) <= 1.05 * rows[0]["peak_bytes_per_device"]
+    assert "adaptive layouts (parallel.mode=adaptive), each compiled:" in aot.format_report(r)
