@@ -33,6 +33,9 @@ class StaticBatches:
     def get(self, step: int, prefetch: bool = False) -> tuple[int, dict]:
         return 0, self.data.global_batch(step, self.sharding, prefetch=prefetch)
 
+    def close(self) -> None:
+        """Nothing of its own: the pipeline's prefetch thread is the run's (train.loop closes it)."""
+
 
 class AdaptiveBatches:
     """Each step's rows repacked for the layout with the most groups that holds them."""
@@ -72,11 +75,10 @@ class AdaptiveBatches:
             for name, x in packed.arrays().items()}
 
     def close(self) -> None:
-        """Ends the prefetch thread (a batch being built is dropped) and the pipeline's."""
+        """Ends the prefetch thread (a batch being built is dropped); the pipeline is the run's."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool, self._ahead = None, None
-        self.data.close()
 
 
 def for_run(data: Pipeline, programs) -> StaticBatches | AdaptiveBatches:

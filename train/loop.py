@@ -14,7 +14,7 @@ import jax
 from basp_jax.adaptive import relabel
 
 from . import evaluate, profiling, writers
-from .batches import AdaptiveBatches, for_run
+from .batches import for_run
 from .process import runtime
 from .checkpoint import checkpoint_dir, complete_steps, storage_error
 from .config import Config
@@ -127,19 +127,17 @@ def train_steps(run: Run, end: int, report: StepReport, profiler, stop: StopRequ
     packed for (train.batches); between steps the parameters and optimizer state are placed as
     the static layout's program takes them, so evaluation, checkpoints and the export see one
     placement, and a switch only relabels them (basp_jax.adaptive.relabel: nothing is copied)."""
+    batches = for_run(run.data, run.state.programs)
+    try:
+        return _steps(run, end, report, profiler, stop, batches)
+    finally:
+        batches.close()
+
+
+def _steps(run: Run, end: int, report: StepReport, profiler, stop: StopRequest, batches) -> list:
     state = run.state
     cfg, ckpt = run.cfg, state.ckpt
     evaluator, log = report.evaluator, report.logger.message
-    batches = for_run(run.data, state.programs)
-    try:
-        return _steps(run, end, report, profiler, stop, batches, evaluator, log, cfg, ckpt)
-    finally:
-        if isinstance(batches, AdaptiveBatches):
-            batches.close()
-
-
-def _steps(run, end, report, profiler, stop, batches, evaluator, log, cfg, ckpt) -> list:
-    state = run.state
     # each call hands over a batch built in the background and starts the next one's
     index, batch = batches.get(state.start, prefetch=state.start + 1 < end) \
         if state.start < end else (0, None)
