@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+import struct
 from typing import Any
 
 from basp_jax import cost
@@ -71,8 +72,14 @@ class ModelConfig:
             raise ModelError(
                 f"rope_scaling must be a mapping (e.g. {{rope_type: llama3, factor: 8.0, ...}}) "
                 f"or null, got {self.rope_scaling!r}")
-        for name in ("rope_theta", "rms_norm_eps"):
+        for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
             _check_positive(name, getattr(self, name))
+        if not isinstance(self.max_position_embeddings, int) or \
+                isinstance(self.max_position_embeddings, bool) or self.max_position_embeddings <= 0:
+            raise ModelError(f"max_position_embeddings must be a positive integer, got "
+                             f"{self.max_position_embeddings!r}")
+        _check_token_ids("bos_token_id", self.bos_token_id, self.vocab_size, many=False)
+        _check_token_ids("eos_token_id", self.eos_token_id, self.vocab_size, many=True)
         for key in ("factor", "low_freq_factor", "high_freq_factor",
                     "original_max_position_embeddings"):
             if key in (self.rope_scaling or {}):
@@ -181,10 +188,35 @@ def _get(data: dict, key: str, source: str, default=dataclasses.MISSING):
     return default
 
 
+def float32(value: float) -> float:
+    """value as float32 holds it: rounded, 0.0 below its smallest subnormal, inf beyond its
+    largest (~3.4e38); the model computes its RoPE frequencies, norms and initial weights in
+    float32, so a value finite only in Python's float64 (1e39) is inf there."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
 def _check_positive(name: str, value) -> None:
+    """A positive number, still positive and finite in float32."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or value <= 0:
         raise ModelError(f"{name} must be a positive number, got {value!r}")
+    if not 0 < float32(value) < math.inf:
+        raise ModelError(f"{name}={value!r} is {float32(value)} in float32, which the model "
+                         f"computes it in; use a positive number float32 holds (1.4e-45 to 3.4e38)")
+
+
+def _check_token_ids(name: str, value, vocab_size: int, many: bool) -> None:
+    """None, or an id of the vocabulary (many: a list of them, as Hugging Face's eos_token_id)."""
+    ids = value if many and isinstance(value, list) else [value]
+    if value is None or (ids and all(isinstance(i, int) and not isinstance(i, bool)
+                                     and 0 <= i < vocab_size for i in ids)):
+        return
+    what = "an id or a list of ids" if many else "an id"
+    raise ModelError(f"{name} must be null or {what} of the vocabulary [0, {vocab_size}), got "
+                     f"{value!r}")
 
 
 def _float(value, name: str, source: str) -> float:

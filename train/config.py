@@ -14,6 +14,7 @@ become one tree, and that tree typed values: train/config_tree.py.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Literal, Optional, Union
 
@@ -43,6 +44,23 @@ MAX_INT32 = 2**31 - 1  # train.steps, data.seq_len, train.microbatch_size x grad
 MAX_CPU_DEVICES = 1024  # emulated CPU devices; XLA's CPU client refuses absurd counts
 MAX_PROCESSES = 1 << 20
 MAX_EVAL_TOKENS = 1 << 28  # the held-out batch: 1 GiB per int32 array
+# data.mix's weights are relative: one below a billionth of another's is never read in any real
+# run (a typo), and past that grain's integer proportions overflow; the smallest weight keeps
+# 100 / weight (grain's scale) finite
+MAX_MIX_RATIO = 1e9
+MIN_MIX_WEIGHT = 1e-300
+
+
+def _in_float32(key: str, value: float | None, *, positive: bool = False) -> float | None:
+    """value as float32 holds it (None stays None), refused where that is inf, or 0 for a key
+    that must be positive: the optimizer computes in float32, where 1e39 is inf and 1e-50 is 0."""
+    if value is None:
+        return None
+    held = dtypes.float32(value)
+    if math.isinf(held) or (positive and held == 0):
+        raise ConfigError(f"{key}={value!r} is {held} in float32, which it is computed in; use a "
+                          "value float32 holds (magnitude 1.4e-45 to 3.4e38)")
+    return held
 
 
 def _require(key: str, value: Any, what: str) -> None:
@@ -144,6 +162,15 @@ class DataConfig:
                     not weight > 0 or weight == float("inf"):
                 raise ConfigError(f"data.mix weight of {path!r} must be a positive number, got "
                                   f"{weight!r}")
+            if weight < MIN_MIX_WEIGHT:  # (grain scales the weights by 100 / the smallest)
+                raise ConfigError(f"data.mix weight of {path!r} is {weight!r}, below "
+                                  f"{MIN_MIX_WEIGHT:g}; weights are relative: scale them all up")
+        if self.mix and max(self.mix.values()) > MAX_MIX_RATIO * min(self.mix.values()):
+            heavy, light = (max(self.mix, key=self.mix.get), min(self.mix, key=self.mix.get))
+            raise ConfigError(
+                f"data.mix weights {light!r}: {self.mix[light]!r} and {heavy!r}: "
+                f"{self.mix[heavy]!r} are more than {MAX_MIX_RATIO:g} times apart: the lighter "
+                "file would practically never be read; drop it or raise its weight")
         if self.source == "tokens" and not self.mix:
             if not self.path:
                 raise ConfigError("data.source=tokens needs data.path: a .bin or .npy token file "
@@ -232,6 +259,9 @@ class OptimizerConfig:
         _require("optimizer.lr", self.lr, "the peak learning rate, > 0")
         if self.lr <= 0:
             raise ConfigError(f"optimizer.lr is required and must be > 0, got {self.lr}")
+        _in_float32("optimizer.lr", self.lr, positive=True)
+        _in_float32("optimizer.weight_decay", self.weight_decay)
+        _in_float32("optimizer.clip_norm", self.clip_norm, positive=True)
         if self.warmup_steps < 0:  # longer than the run: the trainer clamps it, with a note
             raise ConfigError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -242,11 +272,16 @@ class OptimizerConfig:
         if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
             raise ConfigError(
                 f"optimizer.b1 and b2 must lie in [0, 1), got {self.b1}, {self.b2}")
+        for key, beta in (("optimizer.b1", self.b1), ("optimizer.b2", self.b2)):
+            if dtypes.float32(beta) == 1:  # Adam's bias correction divides by 1 - beta**t
+                raise ConfigError(f"{key}={beta!r} is 1.0 in float32, which Adam computes in (it "
+                                  "divides by 1 - beta**step); use at most 0.99999994")
         if self.clip_norm is not None and self.clip_norm <= 0:
             raise ConfigError(f"optimizer.clip_norm must be > 0 or null, got {self.clip_norm}")
         # Adam divides by sqrt(v) + eps: a negative eps flips or explodes the update
         if not 0 < self.eps < 1:
             raise ConfigError(f"optimizer.eps must lie in (0, 1) (e.g. 1e-8), got {self.eps}")
+        _in_float32("optimizer.eps", self.eps, positive=True)
 
 
 @dataclasses.dataclass

@@ -38,7 +38,15 @@ class RefusedYAML(yaml.YAMLError):
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """yaml.SafeLoader that refuses a mapping with the same key twice (plain YAML keeps the last,
-    so a config edited in two places would silently run with one of them)."""
+    so a config edited in two places would silently run with one of them), and merge keys
+    (`<<: [*a, *a, ...]`, nested) that copy more than MAX_VALUES entries into one mapping."""
+
+    def flatten_mapping(self, node):
+        # (older PyYAML copies every merged entry, repeats too; called again for each merged
+        # mapping, so a blow-up stops at the level that passes the bound)
+        super().flatten_mapping(node)
+        if len(node.value) > MAX_VALUES:
+            raise _too_many_values()
 
 
 def _construct_unique_mapping(loader, node, deep=False):
@@ -65,21 +73,34 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 # No config value nests deeper than this (model.shape.rope_scaling is 2 levels deep): a value
 # nested thousands deep would otherwise end in a RecursionError wherever it is first walked.
 MAX_DEPTH = 16
+# No config holds more values than this once YAML's aliases are expanded (`*name` repeats the
+# whole value `&name` marks, so a few hundred bytes of aliases of aliases expand to billions of
+# values, which every later walk of the tree, merge or copy would visit one by one).
+MAX_VALUES = 100_000
 
 
-def _depth(value: Any) -> int:
-    """How deep lists and mappings nest in value (0: a scalar), without recursion."""
-    deepest, todo = 0, [(value, 0)]
-    while todo:
-        node, depth = todo.pop()
-        deepest = max(deepest, depth)
+def _measure(value: Any) -> tuple[int, int]:
+    """(depth, values) of value as a tree: how deep lists and mappings nest (0: a scalar) and
+    how many values it holds with every alias expanded. Each list or mapping is measured once
+    (memoised by id: aliases share one object), so an expansion to billions is measured at once;
+    nothing deeper than MAX_DEPTH is followed (that already refuses it, a value that holds
+    itself too)."""
+    memo: dict[int, tuple[int, int]] = {}
+
+    def walk(node: Any, depth: int) -> tuple[int, int]:
+        if not isinstance(node, (dict, list)):
+            return 0, 1
         if depth > MAX_DEPTH:
-            break
-        if isinstance(node, dict):
-            todo += [(v, depth + 1) for v in node.values()]
-        elif isinstance(node, list):
-            todo += [(v, depth + 1) for v in node]
-    return deepest
+            return 1, 1  # too deep already: the caller refuses it
+        if id(node) not in memo:
+            deepest, count = 0, 1
+            for child in node.values() if isinstance(node, dict) else node:
+                child_depth, child_count = walk(child, depth + 1)
+                deepest, count = max(deepest, child_depth), count + child_count
+            memo[id(node)] = (deepest + 1, count)
+        return memo[id(node)]
+
+    return walk(value, 0)
 
 
 def _brackets_deeper_than(text: str, limit: int) -> bool:
@@ -105,11 +126,19 @@ def yaml_load(text: str):
     except RecursionError:  # the parser recurses once per level (block style, too)
         too_deep = True
     else:
-        too_deep = too_deep or _depth(loaded) > MAX_DEPTH
+        depth, values = _measure(loaded)
+        too_deep = too_deep or depth > MAX_DEPTH
+        if values > MAX_VALUES and not too_deep:
+            raise _too_many_values()
     if too_deep:
         raise RefusedYAML(f"a value nests lists or mappings more than {MAX_DEPTH} levels deep; "
                           "no config key takes that")
     return loaded
+
+
+def _too_many_values() -> RefusedYAML:
+    return RefusedYAML(f"the YAML expands to more than {MAX_VALUES} values (aliases: *name repeats "
+                       "the whole value &name marks); no config holds that many, write them out")
 
 
 # --------------------------------------------------------------------------- files and includes

@@ -377,6 +377,11 @@ class Pipeline:
             rows = sources.Windows(stream, length)
         if rows.count == 0:
             raise DataError(f"{path} holds {len(stream)} tokens: no row of seq_len+1={length}")
+        if self.pack and not (rows.lengths > 1).any():  # every row all padding and lone tokens
+            raise DataError(
+                f"{path} holds {len(stream)} tokens in {rows.documents} document(s) of one token "
+                f"each (data.eos_id={self.eos_id} ends them): packed rows hold nothing to predict; "
+                "use a file of longer documents, or the right data.eos_id")
         return rows
 
     def rows(self, step: int, row_ids: np.ndarray) -> dict[str, np.ndarray]:

@@ -10,6 +10,8 @@ this before JAX starts).
 from __future__ import annotations
 
 import dataclasses
+import math
+import struct
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +30,16 @@ DTYPES = {
 }
 COMPUTE = tuple(DTYPES)
 STORAGE = tuple(name for name, d in DTYPES.items() if d.storage)
+
+
+def float32(value: float) -> float:
+    """value as float32 holds it: rounded, 0.0 below its smallest subnormal (~1.4e-45), inf
+    beyond its largest (~3.4e38). The optimizer computes in float32, so a setting finite only in
+    Python's float64 (1e39) is inf there. (models.config has the same for the model's fields.)"""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 def nbytes(name: str) -> int:

@@ -40,7 +40,24 @@ def model_config(cfg: Config) -> "models.ModelConfig":
         elif isinstance(value, str):
             value = yaml_load(value)
         changes[key] = value
+    if "vocab_size" in changes:
+        changes = {**_ids_in_vocabulary(base, changes["vocab_size"]), **changes}
     return dataclasses.replace(base, **changes)
+
+
+def _ids_in_vocabulary(base, vocab_size) -> dict:
+    """base's bos/eos ids that remain in a vocabulary of vocab_size (model.shape.vocab_size):
+    a preset's ids name tokens of its own tokenizer, which a smaller vocabulary lacks, so those
+    beyond it are dropped (None) rather than exported; ids model.shape gives are checked as
+    given (models.ModelConfig)."""
+    if not isinstance(vocab_size, int):
+        return {}  # (ModelConfig refuses it)
+    def keep(i):
+        return i if isinstance(i, int) and 0 <= i < vocab_size else None
+
+    eos = base.eos_token_id
+    eos = ([i for i in eos if keep(i) is not None] or None) if isinstance(eos, list) else keep(eos)
+    return {"bos_token_id": keep(base.bos_token_id), "eos_token_id": eos}
 
 
 def model_options(cfg: Config, plan=None, *,

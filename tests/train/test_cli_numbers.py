@@ -73,6 +73,38 @@ TRAIN_CASES = [
      "error: config: checkpoint.allow_changed: run.seed cannot change on resume"),
     ("allow_changed of an unknown key", ["checkpoint.allow_changed=optimizer.lrr"],
      "error: config: checkpoint.allow_changed: 'optimizer.lrr' is not a key a resume checks"),
+    # finite in Python's float64, inf or 0 in the float32 they are computed in
+    ("initializer_range 1e39", ["model.shape.initializer_range=1e39"],
+     "error: model: initializer_range=1e+39 is inf in float32"),
+    ("rope_theta 1e39", ["model.shape.rope_theta=1e39"], "rope_theta=1e+39 is inf in float32"),
+    ("rms_norm_eps 1e-50", ["model.shape.rms_norm_eps=1e-50"],
+     "rms_norm_eps=1e-50 is 0.0 in float32"),
+    ("initializer_range 0", ["model.shape.initializer_range=0"],
+     "error: model: initializer_range must be a positive number, got 0.0"),
+    ("lr 1e39", ["optimizer.lr=1e39"], "error: config: optimizer.lr=1e+39 is inf in float32"),
+    ("weight_decay 1e39", ["optimizer.weight_decay=1e39"], "optimizer.weight_decay=1e+39 is inf"),
+    ("clip_norm 1e39", ["optimizer.clip_norm=1e39"], "optimizer.clip_norm=1e+39 is inf"),
+    ("eps 1e-50", ["optimizer.eps=1e-50"], "optimizer.eps=1e-50 is 0.0 in float32"),
+    ("b2 1.0 in float32", ["optimizer.b2=0.99999999999"],
+     "error: config: optimizer.b2=0.99999999999 is 1.0 in float32"),
+    # the model's token ids and context: exported into config.json, compared on resume
+    ("eos NaN in a list", ["model.shape.eos_token_id=[1, .nan]"],
+     "error: model: eos_token_id must be null or an id or a list of ids of the vocabulary "
+     "[0, 256), got [1, nan]"),
+    ("eos beyond the vocabulary", ["model.shape.eos_token_id=999999"],
+     "eos_token_id must be null or an id or a list of ids of the vocabulary [0, 256), got 999999"),
+    ("bos -7", ["model.shape.bos_token_id=-7"],
+     "error: model: bos_token_id must be null or an id of the vocabulary [0, 256), got -7"),
+    ("bos true", ["model.shape.bos_token_id=true"], "bos_token_id must be null or an id"),
+    ("max_position_embeddings -5", ["model.shape.max_position_embeddings=-5"],
+     "error: model: max_position_embeddings must be a positive integer, got -5"),
+    # data.mix's weights: a subnormal one overflowed grain's integer proportions (a traceback)
+    ("mix weight 1e-320", ["data.source=tokens", "data.mix={/no/a.bin: 1, /no/b.bin: 1.0e-320}"],
+     "error: config: data.mix weight of '/no/b.bin' is 1e-320, below 1e-300"),
+    ("mix weights 1e12 apart", ["data.source=tokens", "data.mix={/no/a.bin: 1.0e+6, /no/b.bin: "
+                                                      "1.0e-6}"],
+     "error: config: data.mix weights '/no/b.bin': 1e-06 and '/no/a.bin': 1000000.0 are more "
+     "than 1e+09 times apart"),
 ]
 
 
@@ -93,6 +125,32 @@ def test_a_config_file_nested_thousands_deep_is_one_line(tmp_path, capsys):
     assert not run_dir.exists()
 
 
+def test_a_config_file_of_aliases_expanding_to_billions_is_refused_at_once(tmp_path, capsys):
+    """Aliases of aliases (each line repeats the one before ten times): 400 bytes that expand to
+    a billion values; every walk of the tree visited each of them (a hang) before."""
+    lines = ["a: &a [x, x, x, x, x, x, x, x, x, x]"]
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        lines.append(f"{name}: &{name} [" + ", ".join([f"*{prev}"] * 10) + "]")
+    laughs = tmp_path / "laughs.yaml"
+    laughs.write_text("model:\n  shape:\n    rope_scaling:\n" + "".join(
+        f"      {line}\n" for line in lines))
+    run_dir = tmp_path / "run"
+    t = time.perf_counter()
+    _one_line(capsys, lambda: cli.main(["--config", str(laughs), *tiny_overrides(run_dir)]),
+              fragment=f"error: config: config file '{laughs}': the YAML expands to more than "
+                       "100000 values")
+    assert time.perf_counter() - t < 10
+    assert not run_dir.exists()
+
+
+def test_aliases_that_expand_to_a_config_still_load(tmp_path):
+    """What aliases are for (one value written once, used twice) is untouched by the bound."""
+    from train.config_tree import yaml_load
+
+    loaded = yaml_load("a: &a {x: 1}\nb: {<<: *a, y: 2}\nc: &c [1, 2]\nd: [*c, *c]\n")
+    assert loaded == {"a": {"x": 1}, "b": {"x": 1, "y": 2}, "c": [1, 2], "d": [[1, 2], [1, 2]]}
+
+
 # ------------------------------------------------------------------ train.py: data it cannot read
 
 @pytest.fixture(scope="module")
@@ -109,6 +167,8 @@ def bad_data(tmp_path_factory):
     deep_json = "[" * 100_000 + "]" * 100_000  # a RecursionError in json.loads
     (d / "deep.jsonl").write_text('{"text": "a b"}\n' + deep_json + "\n")
     np.arange(10, dtype=np.uint16).tofile(d / "ids.bin")
+    np.array([7], dtype=np.uint16).tofile(d / "one_token.bin")  # nothing to predict when packed
+    np.zeros(50, dtype=np.uint16).tofile(d / "only_eos.bin")
     (d / "ids.bin.json").write_text(deep_json)
     (d / "hf_deep").mkdir()
     (d / "hf_deep" / "config.json").write_text(deep_json)
@@ -132,6 +192,12 @@ def test_train_refuses_unreadable_data_with_one_line(tmp_path, capsys, bad_data)
          "(RecursionError: "),
         (["model.preset=null", "model.shape={}", f"model.hf_path={bad_data}/hf_deep"],
          f"error: model: cannot read {bad_data}/hf_deep/config.json: JSON nested too deeply"),
+        # packed documents of one token each: no prediction (a loss of 0.0 over 0 tokens before)
+        (["data.source=tokens", f"data.path={bad_data}/one_token.bin", "data.pack=true",
+          "data.eos_id=0"], f"error: data: {bad_data}/one_token.bin holds 1 tokens in 1 "
+                            "document(s) of one token each"),
+        (["data.source=tokens", f"data.path={bad_data}/only_eos.bin", "data.pack=true",
+          "data.eos_id=0"], "packed rows hold nothing to predict"),
     ]
     for i, (extra, fragment) in enumerate(cases):
         run_dir = tmp_path / f"run{i}"
