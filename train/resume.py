@@ -48,6 +48,7 @@ RULES: dict[str, tuple[str, str]] = {
     "data.seq_len": (ON_PURPOSE, "the tokens per row"),
     "data.pack": (ON_PURPOSE, "whether documents attend across boundaries"),
     "data.branching": (ON_PURPOSE, "the synthetic data"),
+    "data.documents": (ON_PURPOSE, "the lengths of the synthetic documents"),
     "train.steps": (ON_PURPOSE, "the learning-rate schedule (it decays over train.steps)"),
     "train.microbatch_size": (ON_PURPOSE, "the batch"),
     "train.grad_accum": (ON_PURPOSE, "the batch"),

@@ -299,3 +299,32 @@ def test_a_mixed_file_replaced_under_the_same_name_and_size_is_refused(tmp_path)
     assert "checkpoint.allow_changed=data.mix_files" in line and "\n" not in line
     assert set(resume.check(saved, resume.record(cfg, {}), ["data.mix_files"])) == \
         {"data.mix_files"}
+
+
+def test_changed_synthetic_documents_are_refused_unless_allowed(tmp_path):
+    """data.documents draws the synthetic documents' lengths: longtail -> full is another run."""
+    docs = ("data.pack=true", "data.documents=longtail")
+    saved = resume.record(tiny_config(tmp_path / "run", *docs), {})
+    changed = resume.record(tiny_config(tmp_path / "run", *docs, "data.documents=full"), {})
+    with pytest.raises(ConfigError) as e:
+        resume.check(saved, changed, [])
+    line = str(e.value)
+    assert line.startswith("data.documents=full differs from the checkpoint's documents "
+                           "longtail"), line
+    assert "checkpoint.allow_changed=data.documents" in line
+    assert resume.check(saved, changed, ["data.documents"]) == {
+        "data.documents": ("longtail", "full")}
+
+
+def test_every_data_key_is_in_the_table():
+    """Each data.* key decides the tokens a step trains on: it is in RULES, or the file it names
+    is (data.path as data.file, data.tokenizer as data.tokenizer_file, data.mix's files as
+    data.mix_files beside data.mix)."""
+    import dataclasses
+
+    from train.config import DataConfig
+
+    by_contents = {"path": "data.file", "tokenizer": "data.tokenizer_file"}
+    for field in dataclasses.fields(DataConfig):
+        key = by_contents.get(field.name, f"data.{field.name}")
+        assert resume.rule(key) is not None, key
