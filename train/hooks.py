@@ -110,6 +110,9 @@ def log_start(run: Run, logger: MetricsLogger) -> None:
     """The layout, the model, where the run resumes and what mfu is measured against."""
     cfg = run.cfg
     logger.message(f"layout: {run.layout.describe()}")
+    note = planning.layout_note(cfg, run.layout)
+    if note:
+        logger.message(note)
     if run.plan.adaptive:
         logger.message("adaptive layouts (groups x sp): " + ", ".join(
             layout_name(p.layout) for p in run.plan.adaptive) + "; each step runs the one with "

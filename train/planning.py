@@ -97,6 +97,26 @@ def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[La
     return layout, choices[-1]
 
 
+def layout_note(cfg: Config, layout: Layout) -> str | None:
+    """The start-up note of a parallel.mode=basp run that takes fewer groups than its microbatch
+    has rows because the rows and devices share no larger factor (B=3 on 8 devices: one group of
+    8, Ulysses's layout under basp's name); None where basp gets the groups it can."""
+    batch, devices = cfg.train.microbatch_size, layout.num_devices
+    if cfg.parallel.mode != "basp" or cfg.parallel.groups is not None \
+            or layout.groups >= min(batch, devices):
+        return None
+    fits = [d for d in range(min(batch, devices), 0, -1) if devices % d == 0][0]
+    examples = " or ".join(str(n) for n in sorted({fits, devices}))
+    groups = f"{layout.groups} group" + ("s" if layout.groups > 1 else "")
+    ulysses = " (Ulysses's layout: every all-to-all spans all devices)" if layout.groups == 1 \
+        else ""
+    return (f"note: parallel.mode=basp runs {groups} of {layout.sp} devices{ulysses} because "
+            f"train.microbatch_size={batch} and the {devices} devices share no factor above "
+            f"{layout.groups} (groups = gcd({batch}, {devices})); a microbatch_size that divides "
+            f"{devices} or is a multiple of it (e.g. {examples}) gets a group per row or per "
+            "device, and parallel.mode=auto may add masked rows instead")
+
+
 def adaptive_set(cfg: Config, layout: Layout, strategy: str) -> tuple[Layout, ...]:
     """parallel.mode=adaptive: the static layout (first) and its siblings of more groups over the
     same devices (basp_jax.adaptive.expand), with a ring where a group spans hosts when

@@ -33,10 +33,37 @@ def test_masked_pad_rows_leave_losses_unchanged(tmp_path):
 # take the same path as two.
 @pytest.mark.slow
 @pytest.mark.parametrize("batch,groups", [(6, 2), (3, 1)])
-def test_batch_that_does_not_divide_the_devices(tmp_path, batch, groups):
+def test_batch_that_does_not_divide_the_devices(tmp_path, capsys, batch, groups):
     basp = run(tiny_config(tmp_path / f"basp{batch}", f"train.microbatch_size={batch}", "train.steps=3"))
     assert basp["layout"].groups == groups
+    # the start-up log says why basp runs fewer groups than rows (3 rows: Ulysses's one group)
+    err = capsys.readouterr().err
+    assert f"note: parallel.mode=basp runs {groups} group" in err, err
     np.testing.assert_allclose(basp["losses"], _single(tmp_path, batch)["losses"], rtol=RTOL)
+
+
+@pytest.mark.parametrize("extra, note", [
+    (["train.microbatch_size=3"], "runs 1 group of 8 devices (Ulysses's layout"),
+    (["train.microbatch_size=6"], "runs 2 groups of 4 devices because train.microbatch_size=6"),
+    (["train.microbatch_size=12"], "runs 4 groups of 2 devices"),
+    (["train.microbatch_size=2"], None),  # a group per row
+    (["train.microbatch_size=16"], None),  # a group per device
+    (["train.microbatch_size=1"], None),  # one row: one group is all basp can take
+    (["train.microbatch_size=3", "parallel.groups=1"], None),  # asked for
+    (["train.microbatch_size=3", "parallel.mode=ulysses"], None),
+])
+def test_basp_names_a_layout_of_fewer_groups_than_rows(tmp_path, extra, note):
+    """B=3 on 8 devices shares no factor with them: basp's gcd rule gives one group of 8 (what
+    Ulysses runs); the start-up note (train.hooks.log_start) says so, with what would split more."""
+    import models
+    from train.planning import layout_note, plan
+
+    cfg = tiny_config(tmp_path / "r", *extra)
+    layout, _ = plan(cfg, models.ModelConfig.preset("tiny"), 8, 8)
+    said = layout_note(cfg, layout)
+    assert said is None if note is None else note in said, said
+    if said:
+        assert "\n" not in said and "parallel.mode=auto" in said
 
 
 @pytest.mark.slow
