@@ -27,9 +27,27 @@ def tokenizer_source(cfg: Config) -> str | None:
 
 
 def special_ids(cfg: Config, hf_config: dict) -> tuple[int | None, int | list | None]:
-    """(bos, eos): the model's own (model.hf_path's config), else data.eos_id for eos."""
+    """(bos, eos): the model's own (model.hf_path's config), else for eos data.eos_id, else the
+    end-of-document id the token files' sidecars record (the documents the run trained on)."""
     eos = hf_config.get("eos_token_id")
-    return hf_config.get("bos_token_id"), cfg.data.eos_id if eos is None else eos
+    if eos is None:
+        eos = cfg.data.eos_id if cfg.data.eos_id is not None else sidecar_eos(cfg, hf_config)
+    return hf_config.get("bos_token_id"), eos
+
+
+def sidecar_eos(cfg: Config, hf_config: dict) -> int | None:
+    """The eos_id that the sidecars of data.source=tokens's files (train.tools.tokenize) record
+    when every file has a sidecar that is trusted (train.data.checked_sidecar) and they agree."""
+    from .data import DataError, checked_sidecar  # (numpy and grain: only for an export)
+
+    if cfg.data.source != "tokens":
+        return None
+    try:
+        found = {(checked_sidecar(path, cfg.data, hf_config["vocab_size"]) or {}).get("eos_id")
+                 for path in (list(cfg.data.mix) or [cfg.data.path])}
+    except DataError:  # a file changed since start-up: its sidecar claims nothing of the run
+        return None
+    return found.pop() if len(found) == 1 else None
 
 
 def write(cfg: Config, directory: str) -> None:

@@ -166,3 +166,36 @@ def test_outputs_are_kept_unless_asked_and_errors_are_one_line(tmp_path, capsys)
     assert not (tmp_path / "b.bin").exists() and not (tmp_path / "b.bin.json").exists()
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "d.txt", "t.bin", "t.bin.json",
                                            "tokenizer.json"]
+
+
+def test_an_export_records_the_end_of_document_id_of_the_sidecar(tmp_path):
+    """data.eos_id left null on a tokenized file: the export's config.json and
+    generation_config.json name the id its sidecar records (the run's documents ended with it),
+    not null; a sidecar whose seal fails is not trusted for it."""
+    import models
+    from train import hf_export
+
+    from tests.helpers.trainer import tiny_config
+
+    tok = _tokenizer(tmp_path)
+    (tmp_path / "d.txt").write_text("\n".join(_docs(50, 5)) + "\n")
+    path = tmp_path / "t.bin"
+    tokenize(str(tmp_path / "d.txt"), tok, str(path), eos_id=0, workers=1)
+    cfg = tiny_config(tmp_path / "run", "data.source=tokens", f"data.path={path}")
+    assert cfg.data.eos_id is None
+
+    def exported_eos() -> tuple:
+        export = tmp_path / "export"
+        export.mkdir(exist_ok=True)
+        hf_config = models.ModelConfig.preset("tiny").to_hf()  # (no bos/eos of its own)
+        (export / "config.json").write_text(json.dumps(hf_config))
+        hf_export.write(cfg, str(export))
+        generation = json.loads((export / "generation_config.json").read_text())
+        return (json.loads((export / "config.json").read_text())["eos_token_id"],
+                generation.get("eos_token_id"))
+
+    assert exported_eos() == (0, 0)
+    side = json.loads((tmp_path / "t.bin.json").read_text())
+    side["eos_id"] = 3  # edited by hand: the seal no longer matches
+    (tmp_path / "t.bin.json").write_text(json.dumps(side))
+    assert exported_eos() == (None, None)
