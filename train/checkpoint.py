@@ -109,7 +109,8 @@ def complete_steps(directory: str) -> list[int]:
 def inspect_latest(run_dir: str, expected_params, expected_opt_state) -> tuple[int | None, dict]:
     """(step, meta) of the newest complete checkpoint in run_dir ((None, {}): none), after checking
     that its metadata can be read and that its parameters and optimizer state have the shapes of
-    `expected_params` / `expected_opt_state` (trees of arrays or ShapeDtypeStructs). Raises
+    `expected_params` / `expected_opt_state` (trees of arrays or ShapeDtypeStructs;
+    expected_opt_state may be a function of the checkpoint's meta giving that tree). Raises
     CheckpointError naming the checkpoint and what to do.
 
     Reads files only: no CheckpointManager (its constructor synchronises the processes of a
@@ -125,6 +126,8 @@ def inspect_latest(run_dir: str, expected_params, expected_opt_state) -> tuple[i
     earlier = (f"move {path} out of the way to resume from step {steps[-2]}"
                if len(steps) > 1 else "use a new run.dir to start afresh")
     found, found_opt, meta = _read_newest(directory, steps, earlier)
+    if callable(expected_opt_state):  # (what the state holds depends on what wrote it)
+        expected_opt_state = expected_opt_state(meta)
     _check_shapes(path, found, found_opt, expected_params, expected_opt_state)
     return step, meta
 

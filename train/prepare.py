@@ -132,8 +132,9 @@ def prepare(cfg: Config, owner: RunDirLock | None) -> Run:
     """The checked run with its state in place; a checkpoint that fails to restore (damaged array
     data, which no metadata shows) still stops here, before the train step compiles."""
     run = check(cfg, is_writer=owner is not None)
+    saved_dtype = run.changes.get("model.dtype", (None,))[0]  # allowed: checkpoint.allow_changed
     run.state = build_state(cfg, run.mcfg, run.plan, run_dir=run.run_dir, latest=run.latest,
-                            owner=owner)
+                            owner=owner, saved_dtype=saved_dtype)
     return run
 
 
@@ -189,7 +190,17 @@ def check_resume(cfg: Config, mcfg, run_dir: str, record: dict) -> tuple[int | N
         return None, {}
     expected = nnx.to_pure_dict(nnx.state(models.abstract_model(mcfg, options=model_options(cfg)),
                                           nnx.Param))
-    latest, meta = inspect_latest(run_dir, expected, jax.eval_shape(tx.init, expected))
+
+    def expected_opt_state(meta: dict):
+        """The optimizer state the checkpoint should hold: float16 keeps its loss scale there,
+        so the checkpoint's compute dtype decides (a changed model.dtype is train.resume's to
+        refuse or allow; the state is converted on restore, train.state)."""
+        saved = (meta.get("resume") or {}).get("model.dtype", cfg.model.dtype)
+        saved_tx = tx if saved == cfg.model.dtype else make_optimizer(
+            cfg.optimizer, cfg.train.steps, loss_scaling(saved))[0]
+        return jax.eval_shape(saved_tx.init, expected)
+
+    latest, meta = inspect_latest(run_dir, expected, expected_opt_state)
     if latest is not None and latest > cfg.train.steps:
         raise ConfigError(
             f"run.dir holds a checkpoint of step {latest}, beyond train.steps={cfg.train.steps}; "

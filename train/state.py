@@ -29,8 +29,8 @@ from . import dtypes, planning, streamed
 from .checkpoint import Checkpointer
 from .model_setup import model_config, model_options
 from .config import Config
-from .step import (build_model, compute_dtype, from_module, init_opt_state, loss_scaling,
-                   make_optimizer, make_train_step, opt_state_shardings)
+from .step import (build_model, compute_dtype, from_module, init_opt_state, initial_loss_scale,
+                   loss_scaling, make_optimizer, make_train_step, opt_state_shardings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,13 +195,15 @@ class TrainState:
 
 
 def build_state(cfg: Config, mcfg, plan: RunPlan, *, run_dir: str | None = None,
-                latest: int | None = None, owner=None, abstract: bool = False) -> TrainState:
+                latest: int | None = None, owner=None, abstract: bool = False,
+                saved_dtype: str | None = None) -> TrainState:
     """The one state builder, for training and for compiling without running (train.tools.aot,
     compile_program): the model and train step (not yet compiled), then (unless `abstract`)
     run.dir's lock (`owner`, a train.process.lock.RunDirLock of process 0) and checkpointer,
     then the parameters and optimizer state: restored from checkpoint step `latest`, else loaded
     (model.hf_path) or initialised. abstract: ShapeDtypeStructs with shardings, nothing read,
-    initialised or written."""
+    initialised or written. saved_dtype: the compute dtype checkpoint `latest` was written in,
+    where it differs from model.dtype (checkpoint.allow_changed=model.dtype)."""
     if abstract:
         parts = build_model(model_factory(cfg, mcfg, plan), plan.rules, init_params=False)
         program = build_program(cfg, plan, parts)
@@ -220,7 +222,7 @@ def build_state(cfg: Config, mcfg, plan: RunPlan, *, run_dir: str | None = None,
         ckpt = Checkpointer(run_dir, cfg.checkpoint, cfg.train.steps)  # makes checkpoints/
         start = 0
         if latest is not None:
-            params, opt_state, meta = ckpt.restore(latest, *abstract_state(program, parts))
+            params, opt_state, meta = _restore(cfg, ckpt, latest, program, parts, saved_dtype)
             parts.params = params
             start = int(meta["data_step"])
         elif plan.offload_state:  # straight into host memory, a leaf at a time
@@ -234,6 +236,27 @@ def build_state(cfg: Config, mcfg, plan: RunPlan, *, run_dir: str | None = None,
         if ckpt is not None:
             ckpt.close()  # its threads
         raise
+
+
+def _restore(cfg: Config, ckpt: Checkpointer, step: int, program: TrainProgram, parts,
+             saved_dtype: str | None):
+    """(params, opt_state, meta) of checkpoint `step`. float16 keeps its loss scale as the first
+    state of the optimizer chain (train.step.make_optimizer): a checkpoint written in another
+    compute dtype (saved_dtype) has it where this run keeps none, or lacks the one this run
+    keeps, so it is restored as written and the scale dropped, or started afresh."""
+    target_params, target_opt = abstract_state(program, parts)
+    now = loss_scaling(compute_dtype(cfg.model.dtype, program.plan.mesh.devices.flat[0]))
+    then = now if saved_dtype is None else loss_scaling(saved_dtype)
+    if (now is None) == (then is None):
+        return ckpt.restore(step, target_params, target_opt)
+    replicated = program.plan.rules.replicated
+    if then is not None:  # float16 -> another dtype: drop the checkpoint's scale
+        scale = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                             initial_loss_scale(then))
+        params, opt_state, meta = ckpt.restore(step, target_params, (scale, *target_opt))
+        return params, tuple(opt_state[1:]), meta
+    params, opt_state, meta = ckpt.restore(step, target_params, tuple(target_opt[1:]))
+    return params, (jax.device_put(initial_loss_scale(now), replicated), *opt_state), meta
 
 
 def _pretrained_parts(cfg: Config, plan: RunPlan):

@@ -76,13 +76,19 @@ def loss_scaling(dtype: str) -> LossScale | None:
     return LossScale() if dtype == "float16" else None
 
 
+def initial_loss_scale(ls: LossScale) -> LossScaleState:
+    """The state a run's loss scaling starts from (also a resume into float16 from a checkpoint
+    of another compute dtype, which holds none)."""
+    return LossScaleState(jnp.asarray(ls.initial, jnp.float32), jnp.zeros((), jnp.int32))
+
+
 def _loss_scale_holder(ls: LossScale) -> optax.GradientTransformation:
     """Keeps the loss scale in the optimizer state (so checkpoints carry it); its update passes
     the gradients through: the train step reads the scale and sets the next (_next_scale),
     because that depends on whether the whole step was finite."""
     def init(params):
         del params
-        return LossScaleState(jnp.asarray(ls.initial, jnp.float32), jnp.zeros((), jnp.int32))
+        return initial_loss_scale(ls)
 
     def update(updates, state, params=None):
         del params

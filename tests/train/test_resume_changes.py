@@ -115,6 +115,11 @@ ON_PURPOSE = [
     (["train.grad_accum=2"], "checkpoint.allow_changed=train.grad_accum"),
     (["data.seq_len=32"], "data.seq_len=32 differs from the checkpoint's seq_len 64"),
     (["model.dtype=bfloat16"], "checkpoint.allow_changed=model.dtype"),
+    # float16 adds a loss scale to the optimizer state: still the compute dtype's line, not a
+    # changed optimizer's
+    (["model.dtype=float16"], "error: config: model.dtype=float16 differs from the checkpoint's "
+                              "dtype float32 (the compute dtype); to change it on purpose add "
+                              "checkpoint.allow_changed=model.dtype"),
     (["model.shape.rope_theta=500000"], "model.shape.rope_theta=500000.0 differs from the "
                                         "checkpoint's rope_theta 10000.0 (the model's "
                                         "architecture)"),
@@ -204,6 +209,38 @@ def test_allowed_changes_go_on_are_logged_and_recorded(good_run, data_dir, tmp_p
     # the new values are the checkpoint's now: without the flag nothing differs
     assert cli.main(tiny_overrides(run_dir, *_base(data_dir), *changed[:2])) == 0
     assert "already holds step 4 of 4" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_compute_dtype_changed_to_float16_and_back_resumes(good_run, data_dir, tmp_path,
+                                                             capsys):
+    """checkpoint.allow_changed=model.dtype, float32 -> float16: float16 keeps its loss scale in
+    the optimizer state, which the checkpoint lacks; the run resumes with a fresh one (2**15 in
+    metrics.jsonl from the first resumed step). Back to float32 the checkpoint's scale is
+    dropped on restore (train.prepare restores without compiling)."""
+    from train.prepare import prepare
+    from train.step import LossScaleState
+
+    run_dir = _copy(good_run, tmp_path)
+    to16 = ("model.dtype=float16", "checkpoint.allow_changed=model.dtype")
+    assert cli.main(tiny_overrides(run_dir, *_base(data_dir), *to16)) == 0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("loss_scale") for r in records] == [None, None, 2.0**15, 2.0**15]
+    assert records[2]["changed"]["model.dtype"] == {"from": "float32", "to": "float16"}
+    assert all(np.isfinite(r["loss"]) and not r["skipped"] for r in records)
+
+    back = tiny_config(run_dir, *_base(data_dir), "train.steps=6",
+                       "checkpoint.allow_changed=model.dtype,train.steps")
+    restored = prepare(back, owner=None)
+    try:
+        assert restored.changes["model.dtype"] == ("float16", "float32")
+        assert restored.state.start == 4
+        state = restored.state.opt_state
+        assert not any(isinstance(s, LossScaleState) for s in state)
+        assert jax.tree.structure(state) == \
+            jax.tree.structure(restored.state.program.abstract_opt_state)
+    finally:
+        restored.state.ckpt.close()
 
 
 # ------------------------------------------------------------------ a token file's sidecar
