@@ -33,10 +33,12 @@ LAYOUTS = {"basp (2,4)": ["parallel.mode=basp"], "ulysses (1,8)": ["parallel.mod
                               "parallel.zigzag=false"]}
 
 
-def _program(tmp_path, *extra, offload=True):
+def _program(tmp_path, *extra, offload=True, **optimizer):
     cfg = tiny_config(tmp_path / "run", "model.dtype=float32", "model.remat=auto",
                       "optimizer.clip_norm=0.05", f"optimizer.offload={str(offload).lower()}",
                       *extra)
+    for key, value in optimizer.items():  # set past the config's checks (tested there)
+        setattr(cfg.optimizer, key, value)
     mcfg = model_config(cfg)
     plan = prog.plan_run(cfg, mcfg, jax.devices(), 4)
     parts = build_model(prog.model_factory(cfg, mcfg, plan), plan.rules)
@@ -148,26 +150,54 @@ def test_a_non_finite_streamed_step_keeps_the_state(tmp_path):
 
 
 @pytest.mark.slow
+def test_an_update_that_overflows_is_skipped_as_by_the_ordinary_step(tmp_path):
+    """A learning rate of 1e38 with weight decay 1e3: loss, gradient norm and learning rate are
+    finite but the updated weights overflow to inf. The streamed step checks the updated state
+    as the ordinary step does: both report the step non-finite and keep every weight, moment
+    and count (the streamed one kept the inf weights and reported the step as finite)."""
+    for offload in (False, True):
+        _, _, parts, program = _program(tmp_path, "optimizer.warmup_steps=0", offload=offload,
+                                        lr=1e38, weight_decay=1e3)
+        params = jax.device_put(parts.params, program.param_shardings)
+        init = streamed.init_opt_state if offload else init_opt_state
+        opt_state = init(program.tx, params, program.opt_shardings)
+        before = jax.device_get((params, opt_state))
+        params, opt_state, m = program.step_fn(params, opt_state, _batch(program),
+                                               program.step_index(0))
+        assert np.isfinite([float(m[k]) for k in ("loss", "grad_norm", "lr")]).all(), m
+        assert not bool(m["finite"]), f"offload={offload}"
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get((params, opt_state)), before)
+
+
+@pytest.mark.slow
 def test_checkpoints_move_between_the_streamed_and_the_ordinary_step(tmp_path):
     """The trainer end to end, both ways: 2 steps streamed then resumed to 4 ordinary, and 2
     ordinary then resumed to 4 streamed (restored straight into host memory): the same losses
-    (the state keeps the ordinary step's layout, so a checkpoint moves between the two)."""
+    (the state keeps the ordinary step's layout, so a checkpoint moves between the two). Each
+    invocation evaluates after its last step: the streamed runs' evaluation (of parameters in
+    host memory, which ended the run with a traceback before its checkpoint) gives the ordinary
+    runs' eval losses."""
     from train.loop import run
 
-    def losses(run_dir):
+    def column(run_dir, key):
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        return [json.loads(line)["loss"] for line in lines]
+        return [json.loads(line).get(key) for line in lines]
 
     common = ("model.dtype=float32", "model.remat=auto", "checkpoint.every=2",
-              "checkpoint.allow_changed=train.steps", "optimizer.min_lr_ratio=1.0")
+              "checkpoint.allow_changed=train.steps", "optimizer.min_lr_ratio=1.0",
+              "eval.every=2")
     for first, then in (("true", "false"), ("false", "true")):
         run_dir = tmp_path / f"from_offload_{first}"
         for steps, offload in ((2, first), (4, then)):
             run(tiny_config(run_dir, *common, f"train.steps={steps}",
                             f"optimizer.offload={offload}"))
-    a, b = losses(tmp_path / "from_offload_true"), losses(tmp_path / "from_offload_false")
-    assert len(a) == 4
-    np.testing.assert_allclose(a, b, rtol=2e-6)
+    a, b = (tmp_path / "from_offload_true"), (tmp_path / "from_offload_false")
+    assert len(column(a, "loss")) == 4
+    np.testing.assert_allclose(column(a, "loss"), column(b, "loss"), rtol=2e-6)
+    # steps 2 and 4: streamed against ordinary, then ordinary against streamed
+    evals = [column(run_dir, "eval_loss")[1::2] for run_dir in (a, b)]
+    assert all(loss is not None for loss in evals[0] + evals[1]), evals
+    np.testing.assert_allclose(evals[0], evals[1], rtol=2e-6)
 
 
 @pytest.mark.parametrize("extra,message", [
