@@ -120,37 +120,18 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes(tmp_path):
     assert resumed["start_step"] == done[-1]
 
 
-def _poison_checkpoint(run_dir, step, name):
-    """Put a NaN into parameter `name` (dotted) of checkpoint `step`, as damage on disk would:
-    the params item rewritten in place with the same structure."""
-    import shutil
-
-    import orbax.checkpoint as ocp
-
-    path = run_dir / "checkpoints" / str(step) / "params"
-    params = jax.tree.map(np.array, _checkpoint_params(run_dir, step))
-    leaf = params
-    for key in name.split("."):
-        leaf = leaf[key]
-    leaf.reshape(-1)[0] = np.nan
-    with ocp.StandardCheckpointer() as writer:
-        writer.save(path.with_name("params.new"), params)
-    shutil.rmtree(path)
-    path.with_name("params.new").rename(path)
-
-
 def test_a_checkpoint_holding_a_nan_is_refused_and_kept(tmp_path, capsys):
     """A NaN in a checkpoint's parameters (damaged on disk): the resume stops with one line naming
     the step, the parameter and the earlier step to resume from, exit status 2, before anything
     compiles; every checkpoint keeps its bytes (was: every step skipped, exit 0, and the final
     checkpoint saved the NaN again)."""
-    from tests.helpers.trainer import snapshot
+    from tests.helpers.trainer import set_checkpoint_value, snapshot
     from train.process import cli
 
     run_dir = tmp_path / "run"
     overrides = tiny_overrides(run_dir, "train.steps=6", "checkpoint.every=2")
     run(tiny_config(run_dir, "train.steps=6", "checkpoint.every=2"), stop_at=4)
-    _poison_checkpoint(run_dir, 4, "layers.mlp.down_proj.kernel")
+    set_checkpoint_value(run_dir, 4, "layers.mlp.down_proj.kernel", np.nan)
     before = snapshot(run_dir / "checkpoints")
     capsys.readouterr()
     status = cli.main(overrides)
