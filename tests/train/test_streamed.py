@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 import models
-from tests.helpers.trainer import ROOT, tiny_config
+from tests.helpers.trainer import ROOT, tiny_config, tiny_overrides
 from train import state as prog
 from train import streamed
 from train.config import ConfigError
@@ -231,3 +231,71 @@ def test_offload_auto_streams_only_where_nothing_else_fits(overrides, cluster, o
     assert cfg.optimizer.offload == "auto"
     resolved = resolve_offload(cfg, model_config(cfg), *cluster)
     assert resolved.optimizer.offload is offload
+
+
+def _wide_shape(layers: int) -> str:
+    return (f"model.shape={{vocab_size: 256, hidden_size: 1024, intermediate_size: 4096, "
+            f"num_layers: {layers}, num_heads: 8, num_kv_heads: 8, head_dim: 128}}")
+
+
+def test_offloaded_state_beyond_the_machine_memory_is_refused_before_run_dir(tmp_path, capsys,
+                                                                            monkeypatch):
+    """optimizer.offload=true on a model whose master weights and Adam moments (12 bytes per
+    parameter in host memory) are 1.5 times the memory this machine has available (its device
+    memory, the layers' float32 gradients sharded over the 8 CPU devices, fits): one line with
+    both sizes, exit status 2, before run.dir is made or anything compiles (was: every check
+    passed, run.dir was written and the run died allocating). Nothing of the model is ever
+    allocated: the checks come first."""
+    import math
+
+    from train.planning import host_memory_available
+    from train.process import cli
+
+    available = host_memory_available()
+    one, two = (model_config(tiny_config(tmp_path / "run", _wide_shape(n))).num_params()
+                for n in (1, 2))
+    layers = math.ceil((1.5 * available / 12 - one) / (two - one))
+    run_dir = tmp_path / "run"
+
+    def allocate(*args, **kwargs):  # should the check fail, fail here rather than allocate
+        raise AssertionError("the checks passed a state larger than the machine's memory")
+
+    monkeypatch.setattr("train.prepare.build_state", allocate)
+    capsys.readouterr()
+    status = cli.main(tiny_overrides(run_dir, _wide_shape(layers), "optimizer.offload=true",
+                                     "model.remat=auto", "parallel.param_sharding=fsdp"))
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2 and len(lines) == 1, err
+    found = re.search(r"about ([\d.e+]+) GB of host memory .* but ([\d.e+]+) GB is available",
+                      lines[0])
+    assert lines[0].startswith("error: resources: ") and found, lines[0]
+    need, have = (float(x) for x in found.groups())
+    assert need > 1.2 * have, lines[0]
+    assert "compiled" not in out + err
+    assert not run_dir.exists()
+
+
+def test_host_memory_without_proc_meminfo_is_the_physical_memory(monkeypatch):
+    """macOS has neither /proc/meminfo nor sysconf's SC_AVPHYS_PAGES: the host memory check
+    then compares with the machine's physical memory."""
+    import builtins
+    import os
+
+    from train.planning import host_memory_available
+
+    real_open, real_sysconf = builtins.open, os.sysconf
+
+    def no_meminfo(path, *args, **kwargs):
+        if str(path) == "/proc/meminfo":
+            raise FileNotFoundError(2, "No such file or directory", path)
+        return real_open(path, *args, **kwargs)
+
+    def sysconf(name):
+        if name == "SC_AVPHYS_PAGES":
+            raise ValueError("unrecognized configuration name")
+        return real_sysconf(name)
+
+    monkeypatch.setattr(builtins, "open", no_meminfo)
+    monkeypatch.setattr(os, "sysconf", sysconf)
+    assert host_memory_available() == real_sysconf("SC_PHYS_PAGES") * real_sysconf("SC_PAGE_SIZE")
