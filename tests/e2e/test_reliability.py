@@ -1,6 +1,8 @@
 """What a run does to its run.dir and outputs when the world is hostile (issue #16): one owner per
-run.dir, exports that never destroy, a metrics.jsonl cut mid-line, a full disk, SIGINT while
-starting up. The bad values themselves are in tests/train/test_bad_input.py."""
+run.dir, exports that never destroy (nor replace files put in their directory during the run,
+nor write a value their dtype cannot hold), a metrics.jsonl cut mid-line, a full disk (under the
+checkpoints or the export), SIGINT while starting up. The bad values themselves are in
+tests/train/test_bad_input.py."""
 
 import json
 import os
