@@ -418,8 +418,9 @@ def _host_traffic(shape: ModelShape, layout: Layout, shard_group: int, hw: Hardw
     if offload_state:
         state = shape.num_params * state_bytes_per_param(master_bytes, moment_bytes) / shard_group
         host += state
-        # master weights in forward and backward, then every state read and written by the update
-        host_s += (2 * shape.num_params * master_bytes / shard_group + 2 * state) / hw.host_bw
+        # master weights in forward and backward, every state read by the finiteness check of the
+        # update (train.streamed), then read and written by the update
+        host_s += (2 * shape.num_params * master_bytes / shard_group + 3 * state) / hw.host_bw
     return host, host_s
 
 

@@ -204,6 +204,49 @@ def hf_state_dict(model_or_state) -> dict[str, np.ndarray]:
     return out
 
 
+def _largest_magnitudes(values: list) -> np.ndarray:
+    """max |x| of each array (NaN where one holds a NaN), read on the host a shard at a time; in
+    a multi-process run the maximum over every process's shards (all processes must call it)."""
+    local = []
+    for value in values:
+        shards = ([s.data for s in value.addressable_shards if s.replica_id == 0]
+                  if isinstance(value, jax.Array) else [value])
+        largest = np.float64(0.0)
+        for shard in shards:
+            data = np.asarray(shard)
+            if data.size:  # np.maximum keeps a NaN
+                largest = np.maximum(largest, np.float64(np.max(np.abs(data))))
+        local.append(largest)
+    local = np.asarray(local, np.float64)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        local = np.max(multihost_utils.process_allgather(local), axis=0)
+    return local
+
+
+def check_exportable(state, dtype: str | None = None) -> None:
+    """Raise ModelError naming the first parameter of `state` (an nnx.State of parameters) that
+    would not be finite in an export in `dtype` (None: its own): one holding NaN or Inf, or one
+    whose largest |value| is beyond the dtype's range (float16's is 65504). Reads the values only:
+    save_pretrained calls it before anything is written."""
+    leaves = [(key, _leaf_value(leaf)) for key, leaf in _param_leaves(state)]
+    leaves = [(key, value) for key, value in leaves if jnp.issubdtype(value.dtype, jnp.inexact)]
+    for (key, value), largest in zip(leaves, _largest_magnitudes([v for _, v in leaves])):
+        target = jnp.dtype(dtype) if dtype else value.dtype
+        with np.errstate(over="ignore"):  # the overflow is what is looked for
+            if np.isfinite(np.asarray(largest).astype(target)):
+                continue
+        name = (hf_name((key[0], "*", *key[1:]))[0] if is_stacked(key) else hf_name(key)[0])
+        if not np.isfinite(largest):
+            raise ModelError(f"parameter {name} holds NaN or Inf values; an export would carry "
+                             "them")
+        raise ModelError(
+            f"parameter {name} has a largest |value| of {largest:.6g}, beyond the range of "
+            f"{np.dtype(target).name} (largest {float(jnp.finfo(target).max):.6g}): it would be "
+            "inf in the export; export in a wider dtype (bfloat16 or float32)")
+
+
 def save_pretrained(model: Transformer, path: str, *,
                     max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES, params=None,
                     dtype: str | None = None) -> None:
@@ -211,11 +254,13 @@ def save_pretrained(model: Transformer, path: str, *,
     weights exceed max_shard_size) in the layout `transformers` loads.
 
     `params` (an nnx.State of parameters) overrides the model's own, e.g. the trainer's final state.
-    Tensors are written in the parameters' dtype, or in `dtype` (e.g. "bfloat16"). All processes
-    must call it (parameters are gathered one shard at a time); only process 0 writes.
+    Tensors are written in the parameters' dtype, or in `dtype` (e.g. "bfloat16"); a parameter
+    that would not be finite in it is refused before anything is written (check_exportable). All
+    processes must call it (parameters are gathered one shard at a time); only process 0 writes.
     """
     config: ModelConfig = model.config
     state = nnx.state(model, nnx.Param) if params is None else params
+    check_exportable(state, dtype)
     values, transposed = {}, {}  # per Hugging Face tensor; stacks split per layer
     for key, leaf in _param_leaves(state):
         value = _leaf_value(leaf)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -133,8 +134,22 @@ class Checkpoint:
         return self._file_of(name).get(name)
 
 
+# how safetensors reports an I/O error: "Error while serializing: I/O error: No space left on
+# device (os error 28)"
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
 def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
+    """Write `tensors` to `path`. An I/O error (a full disk, a quota) is raised as the OSError
+    it is (safetensors raises its own SafetensorError), naming `path`."""
     from safetensors.numpy import save_file
 
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, path,
-              metadata={"format": "pt"})
+    try:
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, path,
+                  metadata={"format": "pt"})
+    except SafetensorError as e:
+        found = _OS_ERROR.search(str(e))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), path) from e

@@ -26,6 +26,7 @@ import threading
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -91,6 +92,20 @@ def checkpoint_dir(run_dir: str) -> str:
 
 def _path_name(path) -> str:
     return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def first_non_finite(tree) -> str | None:
+    """The name of the first floating-point leaf of `tree` (jax or numpy arrays) holding NaN or
+    Inf, or None. Read on the host a shard at a time (no program compiles, no whole array is
+    gathered); a multi-process run checks its own shards."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact):  # (bfloat16 too)
+            continue
+        shards = ([s.data for s in leaf.addressable_shards if s.replica_id == 0]
+                  if isinstance(leaf, jax.Array) else [leaf])
+        if not all(np.isfinite(np.asarray(shard)).all() for shard in shards):
+            return _path_name(path)
+    return None
 
 
 def _param_shapes(tree) -> dict[str, tuple]:
@@ -333,7 +348,25 @@ class Checkpointer:
                 f"checkpoint {self.directory}/{step} cannot be restored ({type(e).__name__}: "
                 f"{detail}); if it is damaged, move it out of {self.directory} to resume from an "
                 "earlier one") from None
-        return restored["params"], restored["opt_state"], dict(restored["meta"])
+        params, opt_state = restored["params"], restored["opt_state"]
+        self._check_finite(step, params, opt_state)
+        return params, opt_state, dict(restored["meta"])
+
+    def _check_finite(self, step: int, params, opt_state) -> None:
+        """A restored state holds no NaN or Inf: the steps would all be skipped and the final
+        checkpoint would save the damage again (the train step never makes a non-finite state,
+        so it came from the disk)."""
+        for what, tree in (("parameter", params), ("optimizer state", opt_state)):
+            name = first_non_finite(tree)
+            if name is None:
+                continue
+            path = os.path.join(self.directory, str(step))
+            earlier = [s for s in complete_steps(self.directory) if s < step]
+            fix = (f"move it out of {self.directory} (or delete it) to resume from step "
+                   f"{earlier[-1]}" if earlier else
+                   "delete it (or use a new run.dir) to start afresh")
+            raise CheckpointError(f"checkpoint {path} (step {step}) holds NaN or Inf values in "
+                                  f"{what} {name}: it is damaged; {fix}")
 
     def wait(self) -> None:
         with self._failures():

@@ -8,7 +8,8 @@
     # before that dispatch (it donates params), finish(pending) when step k's record is made
 
 The eval step is built like the train step, from the same micro-loss (train.step.make_micro_loss:
-layout, shardings, token order, chunked loss), without gradients: jit(eval_step)(params, batch)
+layout, shardings, token order, chunked loss; under optimizer.offload train.streamed's, which
+streams the layers from host memory), without gradients: jit(eval_step)(params, batch)
 sums the loss and the token count over eval.batches microbatches under lax.scan. It is compiled
 once, at the first evaluation, and its batch is built once and kept on the devices.
 """
@@ -25,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import models
 
+from . import streamed
 from .config import Config
 from .data import DataError, Pipeline
 from .step import make_micro_loss
@@ -49,7 +51,9 @@ def make_eval_step(parts, program, *, loss_fn=models.causal_lm_loss):
     """jit(eval_step)(params, batch) -> {"loss_sum", "tokens"} (replicated float32 scalars), with
     the train step's parameter and batch shardings."""
     mesh = program.plan.mesh
-    micro_loss = make_micro_loss(parts, loss_fn)
+    # optimizer.offload: the parameters are in host memory, the layers are streamed through
+    make = streamed.make_streamed_micro_loss if program.plan.offload_state else make_micro_loss
+    micro_loss = make(parts, loss_fn)
     packed = program.packed
 
     def eval_step(params, batch):

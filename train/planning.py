@@ -187,18 +187,30 @@ def device_memory(device) -> float | None:
             return float(device.memory_stats()["bytes_limit"])
         except Exception:  # noqa: BLE001 (no stats on this backend)
             return None
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: line.split()[1] for line in f}
-        available = float(info["MemAvailable"]) * 1024
-    except (OSError, KeyError, ValueError, IndexError):
-        try:
-            available = float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        except (OSError, ValueError):
-            return None
+    available = host_memory_available()
+    if available is None:
+        return None
     import jax
 
     return available / jax.local_device_count()
+
+
+def host_memory_available() -> float | None:
+    """Bytes of memory this machine has available: Linux's MemAvailable (/proc/meminfo), else
+    the available pages os.sysconf counts, else its physical pages (macOS counts no available
+    ones: the total is what it can never exceed); None when none is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: line.split()[1] for line in f}
+        return float(info["MemAvailable"]) * 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        pass
+    for pages in ("SC_AVPHYS_PAGES", "SC_PHYS_PAGES"):
+        try:
+            return float(os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE"))
+        except (OSError, ValueError, AttributeError):
+            continue
+    return None
 
 
 # model.remat=auto: the policies tried (basp_jax.remat.REMAT_POLICIES' `auto` order, the leanest
@@ -287,12 +299,39 @@ def check_memory(cfg: Config, mcfg, layout: Layout, strategy: str, devices, *,
     pipeline generates a row or anything compiles (seq_len=1e9 would otherwise grow the process
     to tens of GB first)."""
     limit = device_memory(devices[0])
-    if limit is None:
-        return
     need, detail = memory_estimate(cfg, mcfg, layout, strategy, remat=remat,
                                    tile_tokens=tile_tokens)
-    if need > limit:
+    if limit is not None and need > limit:
         raise ResourceError(_too_big(cfg, need, limit, devices[0].platform, detail))
+    check_host_memory(cfg, mcfg, layout, strategy, devices, remat=remat, device_need=need)
+
+
+def check_host_memory(cfg: Config, mcfg, layout: Layout, strategy: str, devices, *,
+                      remat: str | None = None, device_need: float = 0.0) -> None:
+    """Refuse, on every platform, a run whose host memory (this process's devices' pinned host
+    memory: offloaded residuals and, with optimizer.offload, the master weights and Adam moments;
+    on CPU the devices' own memory, device_need each, too) exceeds what the machine has
+    available: it would pass every other check, write run.dir and die allocating."""
+    available = host_memory_available()
+    if available is None:
+        return
+    import jax
+
+    local = sum(1 for d in devices if d.process_index == jax.process_index())
+    pinned = host_memory_estimate(cfg, mcfg, layout, strategy, remat=remat) * local
+    need = pinned + (device_need * local if devices[0].platform == "cpu" else 0.0)
+    if need <= available:
+        return
+    what = (f"optimizer.offload=true keeps the master weights and Adam moments of "
+            f"{mcfg.num_params() / 1e9:.3g}B parameters there" if cfg.optimizer.offload is True
+            else f"model.remat={remat or cfg.model.remat} offloads residuals there")
+    if devices[0].platform == "cpu":
+        what += f"; the {local} CPU devices' memory is host memory too"
+    raise ResourceError(
+        f"the run needs about {need / 1e9:.3g} GB of host memory on this machine ({what}) but "
+        f"{available / 1e9:.3g} GB is available; use a smaller model or more hosts, lower "
+        f"data.seq_len={cfg.data.seq_len} or train.microbatch_size="
+        f"{cfg.train.microbatch_size}, or free memory")
 
 
 def check_compiled_memory(cfg: Config, compiled, devices) -> None:

@@ -26,7 +26,7 @@ from basp_jax import Layout, make_mesh
 from basp_jax.sharding import ShardingRules, abstract_arrays
 
 from . import dtypes, planning, streamed
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, first_non_finite
 from .model_setup import model_config, model_options
 from .config import Config
 from .step import (build_model, compute_dtype, from_module, init_opt_state, initial_loss_scale,
@@ -271,11 +271,8 @@ def _pretrained_parts(cfg: Config, plan: RunPlan):
 def check_finite_weights(params, source: str) -> None:
     """Every loaded weight is finite (a NaN in the pretrained weights would make every step
     non-finite and skipped). Checked on the host, shard by shard: nothing compiles."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        for shard in leaf.addressable_shards:
-            data = np.asarray(shard.data)
-            if jax.numpy.issubdtype(data.dtype, jax.numpy.inexact) and not np.isfinite(data).all():
-                name = ".".join(str(getattr(k, "key", k)) for k in path)
-                raise models.ModelError(
-                    f"{source}: weight {name} holds NaN or Inf values; the checkpoint is damaged "
-                    "(re-download or re-export it)")
+    name = first_non_finite(params)
+    if name is not None:
+        raise models.ModelError(
+            f"{source}: weight {name} holds NaN or Inf values; the checkpoint is damaged "
+            "(re-download or re-export it)")

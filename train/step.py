@@ -197,8 +197,9 @@ def init_opt_state(tx, params, shardings):
     return jax.jit(tx.init, out_shardings=shardings)(params)
 
 
-def _all_finite(tree) -> jax.Array:
-    """Whether every floating-point element of `tree` is finite (a scalar bool)."""
+def all_finite(tree) -> jax.Array:
+    """Whether every floating-point element of `tree` is finite (a scalar bool): the check of the
+    updated state that every step variant applies before keeping it (train.streamed too)."""
     checks = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree)
               if jnp.issubdtype(x.dtype, jnp.inexact)]
     return jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
@@ -289,7 +290,7 @@ def make_train_step(
         new_params = optax.apply_updates(params, updates)
         # A NaN/Inf loss, gradient or updated state (e.g. a finite gradient times a NaN learning
         # rate) leaves parameters and optimizer state as they were: none is ever checkpointed.
-        finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm) & _all_finite(
+        finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm) & all_finite(
             (new_params, new_opt_state))
         keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
         params = jax.tree.map(keep, new_params, params)

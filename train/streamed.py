@@ -10,9 +10,13 @@ device one layer at a time:
     backward   a reversed scan: layer i's weights and input copied in, the layer recomputed and
                differentiated, its weight gradient stacked on the device in the compute dtype
                (half the size of the master weights in bf16) and its squared norm summed
+    check      a scan over the layers: weights and moments of layer i copied in, the update
+               computed and checked finite, nothing written (the embedding, final norm and head
+               likewise, once)
     update     a scan over the layers: weights and moments of layer i copied in, the optax
-               update applied with its gradient, the results copied back; the embedding, final norm and
-               head (used whole on the device anyway) are updated once
+               update applied with its gradient, the results copied back (the old values where
+               the check failed); the embedding, final norm and head (used whole on the device
+               anyway) are updated once
 
 The layer loop is written out rather than left to jax.grad: the cotangent JAX gives a master
 weight is float32 (its dtype) and lives in device memory whatever memory the weight is in, so
@@ -23,8 +27,10 @@ dtype before it is stacked. The update uses the run's own optax
 transformation on views of the state (a layer's slice, zero-size stand-ins for everything
 else), so the optimizer state keeps the layout of the ordinary step and checkpoints move between
 the two. Gradient clipping uses the global norm of the whole step (the sum of the backward's
-squared norms); the step is kept only if the loss, that norm and the learning rate are finite
-(checked before any state is written, since the state is written a layer at a time).
+squared norms); the step is kept only if the loss, that norm, the learning rate and the updated
+state are finite (train.step.all_finite, the ordinary step's check). The state is written a
+layer at a time, so the updated state is checked first, by a pass over the layers that computes
+their update and writes nothing: the weights and moments cross to the device once more per step.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from basp_jax.sharding import PARAM_SHARDINGS
 from models.transformer import with_values
 
 from .config import Config, ConfigError
-from .step import ModelParts, jit_train_step
+from .step import ModelParts, all_finite, jit_train_step
 
 HOST_MEMORY = "pinned_host"
 _DEVICE, _HOST = jax.memory.Space.Device, jax.memory.Space.Host
@@ -96,12 +102,9 @@ def _to_host(tree):
     return jax.tree.map(lambda a: jax.device_put(a, _HOST), tree)
 
 
-def streamed_loss_and_grads(parts: ModelParts, params, tokens, targets, segment_ids, *,
-                            loss_fn: Callable, grad_dtype):
-    """((loss sum, token count), gradients of the mean loss, their squared norm) of one
-    microbatch, with params['layers'] (in host memory) streamed a layer at a time; the layers'
-    gradient is stacked on the device in `grad_dtype` (the compute dtype: 13 GiB for the 8B
-    model's layers in bf16, where its master weights and moments are 75 GiB)."""
+def _split_layers(parts: ModelParts, params):
+    """(model_with(outer params) -> the module, the outer params on the device, the layer
+    stack's graphdef, its state in host memory): the pieces the streamed passes run."""
     graphdef, (abs_params, abs_rest), rest = parts.graphdef, parts.abstract_state, parts.rest
     stack = params[LAYERS]
     outer = _to_device({k: v for k, v in params.items() if k != LAYERS})
@@ -110,8 +113,35 @@ def streamed_loss_and_grads(parts: ModelParts, params, tokens, targets, segment_
         values = {**outer_params, LAYERS: stack}
         return nnx.merge(graphdef, with_values(abs_params, values), with_values(abs_rest, rest))
 
-    model = model_with(outer)
-    layer_def, layer_state = nnx.split(model.layers)
+    layer_def, layer_state = nnx.split(model_with(outer).layers)
+    return model_with, outer, layer_def, layer_state
+
+
+def make_streamed_micro_loss(parts: ModelParts, loss_fn: Callable) -> Callable:
+    """micro_loss(params, tokens, targets, segment_ids) -> (loss sum, token count), as
+    train.step.make_micro_loss's, for parameters in host memory: a forward pass streaming the
+    layers in one at a time (what the evaluation of an optimizer.offload run sums)."""
+    def micro_loss(params, tokens, targets, segment_ids):
+        model_with, outer, layer_def, layer_state = _split_layers(parts, params)
+        model = model_with(outer)
+        x, positions, segs = model.embed_inputs(tokens, segment_ids)
+
+        def forward(x, weights):
+            return nnx.merge(layer_def, _to_device(weights))(x, positions, segs), None
+
+        x, _ = jax.lax.scan(forward, x, layer_state)
+        return model.loss_of_last_layer(x, targets, loss_fn=loss_fn)
+
+    return micro_loss
+
+
+def streamed_loss_and_grads(parts: ModelParts, params, tokens, targets, segment_ids, *,
+                            loss_fn: Callable, grad_dtype):
+    """((loss sum, token count), gradients of the mean loss, their squared norm) of one
+    microbatch, with params['layers'] (in host memory) streamed a layer at a time; the layers'
+    gradient is stacked on the device in `grad_dtype` (the compute dtype: 13 GiB for the 8B
+    model's layers in bf16, where its master weights and moments are 75 GiB)."""
+    model_with, outer, layer_def, layer_state = _split_layers(parts, params)
 
     def embed(outer_params):  # (first layer's input, (positions, segment ids) as placed)
         x, positions, segs = model_with(outer_params).embed_inputs(tokens, segment_ids)
@@ -167,10 +197,13 @@ def _stand_in(x):
 
 
 def make_streamed_update(tx: optax.GradientTransformation):
-    """update(grads, opt_state, params, clip_scale, keep) -> (params, opt_state): the optax
+    """update(grads, opt_state, params, clip_scale, keep) -> (params, opt_state, kept): the optax
     update of the whole model applied to the layer stack one layer at a time (state and
-    weights in host memory) and to the other parameters once; where `keep` is false the old
-    values are written back."""
+    weights in host memory) and to the other parameters once. The state is written a layer at a
+    time, so the updated state's finiteness (train.step.all_finite, the ordinary step's check)
+    is found first, by a pass over the layers that writes nothing; where `keep` is false or the
+    updated state is not finite (e.g. a finite gradient times a huge learning rate), the old
+    values are written back and `kept` is false."""
     def update(grads, opt_state, params, clip_scale, keep):
         kinds = _views(tx, opt_state, params)
 
@@ -180,9 +213,6 @@ def make_streamed_update(tx: optax.GradientTransformation):
         pick = lambda kind, x, want: x if kind == want else None  # noqa: E731
         is_none = lambda x: x is None  # noqa: E731
         layer_state = jax.tree.map(lambda kind, s: pick(kind, s, "L"), kinds, opt_state)
-
-        def choose(new, old):
-            return jnp.where(keep, new, old)
 
         # the other parameters, once, on the device
         outer_params = {k: (jax.tree.map(_stand_in, v) if k == LAYERS else _to_device(v))
@@ -194,17 +224,11 @@ def make_streamed_update(tx: optax.GradientTransformation):
             (jax.device_put(s, _DEVICE) if kind == "P" else s), kinds, opt_state)
         updates, new_outer_state = tx.update(outer_grads, outer_state, outer_params)
         new_outer = optax.apply_updates(outer_params, updates)
-        new_outer = {k: _to_host(jax.tree.map(choose, v, outer_params[k]))
-                     for k, v in new_outer.items() if k != LAYERS}
-        new_outer_state = jax.tree.map(
-            lambda kind, new, old: None if kind == "L" else
-            (jax.device_put(choose(new, old), _HOST) if kind == "P" else choose(new, old)),
-            kinds, new_outer_state, outer_state)
 
-        # the layer stack, a layer at a time
-        def layer_update(_, xs):
-            w, g, s = xs
-            one = lambda x: jax.device_put(x, _DEVICE)[None]  # noqa: E731  [1, ...]: a stack
+        def layer_candidate(w, g, s):
+            """(layer weights, their state view, updated weights, updated state view) of one
+            layer, on the device ([1, ...]: a stack of one)."""
+            one = lambda x: jax.device_put(x, _DEVICE)[None]  # noqa: E731
             w = jax.tree.map(one, w)
             g = jax.tree.map(clipped, jax.tree.map(one, g), w)
             s = jax.tree.map(lambda x: None if x is None else one(x), s, is_leaf=is_none)
@@ -217,7 +241,31 @@ def make_streamed_update(tx: optax.GradientTransformation):
                 (_stand_in(full) if kind == "P" else full), kinds, s, opt_state,
                 is_leaf=is_none)
             updates, new_state = tx.update(view_grads, view_state, view_params)
-            new_w = optax.apply_updates(w, updates[LAYERS])
+            return w, view_state, optax.apply_updates(w, updates[LAYERS]), new_state
+
+        stack = (params[LAYERS], grads[LAYERS], layer_state)
+
+        # the check: every layer's updated state (stand-ins are empty: they pass), nothing written
+        def check_layer(ok, xs):
+            _, _, new_w, new_state = layer_candidate(*xs)
+            return ok & all_finite((new_w, new_state)), None
+
+        keep, _ = jax.lax.scan(check_layer, keep & all_finite((new_outer, new_outer_state)),
+                               stack)
+
+        def choose(new, old):
+            return jnp.where(keep, new, old)
+
+        new_outer = {k: _to_host(jax.tree.map(choose, v, outer_params[k]))
+                     for k, v in new_outer.items() if k != LAYERS}
+        new_outer_state = jax.tree.map(
+            lambda kind, new, old: None if kind == "L" else
+            (jax.device_put(choose(new, old), _HOST) if kind == "P" else choose(new, old)),
+            kinds, new_outer_state, outer_state)
+
+        # the layer stack, a layer at a time
+        def layer_update(_, xs):
+            w, view_state, new_w, new_state = layer_candidate(*xs)
             new_w = jax.tree.map(lambda n, o: choose(n, o)[0], new_w, w)
             new_s = jax.tree.map(
                 lambda kind, n, o: choose(n, o)[0] if kind == "L" else None,
@@ -225,12 +273,11 @@ def make_streamed_update(tx: optax.GradientTransformation):
             return None, (_to_host(new_w), jax.tree.map(lambda x: jax.device_put(x, _HOST),
                                                         new_s))
 
-        _, (new_stack, new_layer_state) = jax.lax.scan(
-            layer_update, None, (params[LAYERS], grads[LAYERS], layer_state))
+        _, (new_stack, new_layer_state) = jax.lax.scan(layer_update, None, stack)
         new_params = {**new_outer, LAYERS: new_stack}
         new_state = jax.tree.map(lambda kind, o, l: l if kind == "L" else o,
                                  kinds, new_outer_state, new_layer_state, is_leaf=is_none)
-        return new_params, new_state
+        return new_params, new_state, keep
 
     return update
 
@@ -255,7 +302,8 @@ def make_streamed_train_step(parts: ModelParts, tx, schedule, mesh: Mesh, param_
         # the clip optax would apply to the whole gradient (the views' own clips then do nothing)
         clip_scale = (jnp.ones((), jnp.float32) if clip_norm is None else
                       jnp.where(grad_norm < clip_norm, 1.0, clip_norm / grad_norm))
-        params, opt_state = update(grads, opt_state, params, clip_scale, finite)
+        # finite: also the updated state's (as the ordinary step's), checked before it is written
+        params, opt_state, finite = update(grads, opt_state, params, clip_scale, finite)
         metrics = {"finite": finite, "loss": loss_sum / jnp.maximum(count, 1.0),
                    "grad_norm": grad_norm, "lr": lr, "tokens": count, "next_step": step + 1}
         return params, opt_state, metrics

@@ -1,9 +1,12 @@
 """What a run does to its run.dir and outputs when the world is hostile (issue #16): one owner per
-run.dir, exports that never destroy, a metrics.jsonl cut mid-line, a full disk, SIGINT while
-starting up. The bad values themselves are in tests/train/test_bad_input.py."""
+run.dir, exports that never destroy (nor replace files put in their directory during the run,
+nor write a value their dtype cannot hold), a metrics.jsonl cut mid-line, a full disk (under the
+checkpoints or the export), SIGINT while starting up. The bad values themselves are in
+tests/train/test_bad_input.py."""
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -82,7 +85,9 @@ def test_stale_lock_export_and_a_metrics_line_without_newline(tmp_path, capsys):
     weights = export / "model.safetensors"
     assert weights.stat().st_mode & 0o777 == 0o666 & ~umask
     assert export.stat().st_mode & 0o777 == 0o777 & ~umask
-    assert json.loads((export / ".basp-export.json").read_text()) == {"run_dir": str(run_dir)}
+    marker = json.loads((export / ".basp-export.json").read_text())
+    assert marker["run_dir"] == str(run_dir)  # and every file it wrote
+    assert set(marker["files"]) == {p.name for p in export.iterdir()} - {".basp-export.json"}
     first_export = weights.read_bytes()
 
     metrics = run_dir / "metrics.jsonl"
@@ -130,6 +135,110 @@ def test_a_full_disk_is_one_line_and_keeps_the_newest_checkpoint(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert _steps(run_dir) == list(range(1, 7))
         assert 6 in [int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()]
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+# ------------------------------------------------------------------ exports that cannot be written
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A run.dir that ran its 2 steps: the same command with an export only exports (nothing
+    is left to train, so nothing compiles)."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    run(tiny_config(run_dir, "train.steps=2"))
+    return run_dir
+
+
+def _error_lines(err: str) -> list[str]:
+    assert "Traceback" not in err, err[-3000:]
+    return [line for line in err.splitlines() if line.startswith("error")]
+
+
+@pytest.mark.slow
+def test_files_put_into_the_export_directory_during_the_run_are_kept(tmp_path, capsys,
+                                                                     monkeypatch):
+    """checkpoint.export_hf is empty when the run starts, and files arrive there while it
+    trains (one named as an export's weights): the export stops with one line naming them, exit
+    status 1, and they keep their bytes; the run's checkpoints stay (was: the export took the
+    directory for an earlier export of this run and deleted them)."""
+    from train import loop
+
+    run_dir, export = tmp_path / "run", tmp_path / "hf"
+    export.mkdir()
+    theirs = {"notes.txt": b"my notes\n", "model.safetensors": b"someone else's weights"}
+    save = loop.save_checkpoint
+
+    def save_and_meanwhile(run, step, force):
+        if step == 1:  # after the first of 2 steps
+            for name, data in theirs.items():
+                (export / name).write_bytes(data)
+        return save(run, step, force)
+
+    monkeypatch.setattr(loop, "save_checkpoint", save_and_meanwhile)
+    capsys.readouterr()
+    status = cli.main(tiny_overrides(run_dir, "train.steps=2", "checkpoint.every=1",
+                                     f"checkpoint.export_hf={export}"))
+    errors = _error_lines(capsys.readouterr().err)
+    assert status == 1 and len(errors) == 1, errors
+    assert errors[0].startswith(f"error: export: checkpoint.export_hf '{export}' holds files"), \
+        errors[0]
+    assert "notes.txt" in errors[0] and "model.safetensors" in errors[0]
+    assert {p.name: p.read_bytes() for p in export.iterdir()} == theirs
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]  # no temporary left
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["1", "2"]
+
+
+@pytest.mark.slow
+def test_a_weight_the_export_dtype_cannot_hold_writes_nothing(finished, tmp_path, capsys):
+    """A finite weight of 1e6 (float16 holds up to 65504) and checkpoint.export_dtype=float16:
+    one line naming the parameter and its largest |value|, exit status 1, no export and no
+    temporary written, the checkpoints as they were (was: exit 0 and inf in the export)."""
+    from tests.helpers.trainer import set_checkpoint_value, snapshot
+
+    run_dir, export = tmp_path / "run", tmp_path / "hf"
+    shutil.copytree(finished, run_dir)
+    set_checkpoint_value(run_dir, 2, "layers.mlp.down_proj.kernel", 1e6)
+    before = snapshot(run_dir / "checkpoints")
+    capsys.readouterr()
+    status = cli.main(tiny_overrides(run_dir, "train.steps=2", f"checkpoint.export_hf={export}",
+                                     "checkpoint.export_dtype=float16"))
+    out, err = capsys.readouterr()
+    errors = _error_lines(err)
+    assert status == 1 and len(errors) == 1, errors
+    assert errors[0].startswith("error: export: "), errors[0]
+    assert "mlp.down_proj" in errors[0] and "1e+06" in errors[0] and "float16" in errors[0]
+    assert "compiled" not in out + err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert snapshot(run_dir / "checkpoints") == before
+
+
+@pytest.mark.slow
+def test_an_export_onto_a_full_disk_is_one_line(finished, tmp_path, capsys):
+    """checkpoint.export_hf on a 64 KB file system, too small for the weights: safetensors'
+    own error (not an OSError: it escaped as a 29-line traceback) is the trainer's one-line disk
+    error, exit status 1; no temporary is left there and the checkpoints are as they were."""
+    from tests.helpers.trainer import snapshot
+
+    small = tmp_path / "small"
+    small.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)],
+                           capture_output=True, text=True)
+    if mount.returncode:
+        pytest.skip(f"mounting a small tmpfs needs root (CI runs as root): {mount.stderr.strip()}")
+    try:
+        run_dir = tmp_path / "run"
+        shutil.copytree(finished, run_dir)
+        before = snapshot(run_dir / "checkpoints")
+        capsys.readouterr()
+        status = cli.main(tiny_overrides(run_dir, "train.steps=2",
+                                         f"checkpoint.export_hf={small / 'hf'}"))
+        errors = _error_lines(capsys.readouterr().err)
+        assert status == 1 and len(errors) == 1, errors
+        assert errors[0].startswith(f"error: disk: no space left on the device writing {small}/"), \
+            errors[0]
+        assert os.listdir(small) == []
+        assert snapshot(run_dir / "checkpoints") == before
     finally:
         subprocess.run(["umount", str(small)], check=False)
 

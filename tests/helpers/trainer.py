@@ -102,6 +102,28 @@ def snapshot(*dirs) -> dict:
     return out
 
 
+def set_checkpoint_value(run_dir, step: int, name: str, value: float) -> None:
+    """Set the first element of parameter `name` (dotted, e.g. layers.mlp.down_proj.kernel) of
+    checkpoint `step` in run_dir to `value`, as damage on disk would: its params item is
+    rewritten with the same structure."""
+    import shutil
+
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    path = Path(run_dir) / "checkpoints" / str(step) / "params"
+    params = jax.tree.map(np.array, ocp.StandardCheckpointer().restore(path))
+    leaf = params
+    for key in name.split("."):
+        leaf = leaf[key]
+    leaf.reshape(-1)[0] = value
+    with ocp.StandardCheckpointer() as writer:
+        writer.save(path.with_name("params.new"), params)
+    shutil.rmtree(path)
+    path.with_name("params.new").rename(path)
+
+
 def adaptive_documents(folder, *extra: str, steps: int = 6) -> list[str]:
     """Overrides that train on a token file of documents of 6-40 tokens (packed_stream, written
     to folder/docs.bin once), one row of 64 tokens per microbatch on 2 x 4 devices under host

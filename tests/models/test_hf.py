@@ -277,6 +277,28 @@ def test_errors_are_one_line(checkpoints, tmp_path):
     _one_line_error(lambda: models.from_pretrained(str(index_dir)), "model-00001-of-00002")
 
 
+def test_an_export_that_would_not_be_finite_is_refused_before_writing(checkpoints, tmp_path):
+    """save_pretrained never writes inf or NaN: a weight of 1e6 in float16 (largest 65504), or a
+    NaN, is one line naming the tensor (a layer stack's with *) and its largest |value|, and
+    nothing is written; the same weights export in float32."""
+    model = models.from_pretrained(checkpoints["qwen2"][0])
+    state = nnx.state(model, nnx.Param)
+    params = jax.tree.map(np.array, nnx.to_pure_dict(state))
+    params["layers"]["mlp"]["down_proj"]["kernel"][1, 0, 0] = 1e6
+    nnx.replace_by_pure_dict(state, params)
+    nnx.update(model, state)
+    _one_line_error(lambda: models.save_pretrained(model, tmp_path / "f16", dtype="float16"),
+                    "model.layers.*.mlp.down_proj.weight", "1e+06", "float16")
+    assert not (tmp_path / "f16").exists()
+    models.save_pretrained(model, tmp_path / "f32", dtype="float32")
+    params["norm"]["weight"][0] = np.nan
+    nnx.replace_by_pure_dict(state, params)
+    nnx.update(model, state)
+    _one_line_error(lambda: models.save_pretrained(model, tmp_path / "nan"), "model.norm.weight",
+                    "NaN")
+    assert not (tmp_path / "nan").exists()
+
+
 def test_loading_onto_a_mesh_hands_each_device_only_its_slice(checkpoints, monkeypatch):
     """Under FSDP every device's callback returns 1/8 of a large tensor, never the whole of it."""
     blocks = {}

@@ -118,3 +118,28 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes(tmp_path):
     assert max(steps) == done[-1]
     resumed = run(tiny_config(run_dir, "train.steps=400", "checkpoint.every=1000"), stop_at=done[-1] + 2)
     assert resumed["start_step"] == done[-1]
+
+
+def test_a_checkpoint_holding_a_nan_is_refused_and_kept(tmp_path, capsys):
+    """A NaN in a checkpoint's parameters (damaged on disk): the resume stops with one line naming
+    the step, the parameter and the earlier step to resume from, exit status 2, before anything
+    compiles; every checkpoint keeps its bytes (was: every step skipped, exit 0, and the final
+    checkpoint saved the NaN again)."""
+    from tests.helpers.trainer import set_checkpoint_value, snapshot
+    from train.process import cli
+
+    run_dir = tmp_path / "run"
+    overrides = tiny_overrides(run_dir, "train.steps=6", "checkpoint.every=2")
+    run(tiny_config(run_dir, "train.steps=6", "checkpoint.every=2"), stop_at=4)
+    set_checkpoint_value(run_dir, 4, "layers.mlp.down_proj.kernel", np.nan)
+    before = snapshot(run_dir / "checkpoints")
+    capsys.readouterr()
+    status = cli.main(overrides)
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2 and len(lines) == 1, err
+    assert lines[0].startswith("error: checkpoint: "), lines[0]
+    assert "step 4" in lines[0] and "layers.mlp.down_proj.kernel" in lines[0], lines[0]
+    assert "resume from step 2" in lines[0], lines[0]
+    assert "compiled" not in out + err
+    assert snapshot(run_dir / "checkpoints") == before

@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 import models
-from tests.helpers.trainer import ROOT, tiny_config
+from tests.helpers.trainer import ROOT, tiny_config, tiny_overrides
 from train import state as prog
 from train import streamed
 from train.config import ConfigError
@@ -33,10 +33,12 @@ LAYOUTS = {"basp (2,4)": ["parallel.mode=basp"], "ulysses (1,8)": ["parallel.mod
                               "parallel.zigzag=false"]}
 
 
-def _program(tmp_path, *extra, offload=True):
+def _program(tmp_path, *extra, offload=True, **optimizer):
     cfg = tiny_config(tmp_path / "run", "model.dtype=float32", "model.remat=auto",
                       "optimizer.clip_norm=0.05", f"optimizer.offload={str(offload).lower()}",
                       *extra)
+    for key, value in optimizer.items():  # set past the config's checks (tested there)
+        setattr(cfg.optimizer, key, value)
     mcfg = model_config(cfg)
     plan = prog.plan_run(cfg, mcfg, jax.devices(), 4)
     parts = build_model(prog.model_factory(cfg, mcfg, plan), plan.rules)
@@ -148,26 +150,54 @@ def test_a_non_finite_streamed_step_keeps_the_state(tmp_path):
 
 
 @pytest.mark.slow
+def test_an_update_that_overflows_is_skipped_as_by_the_ordinary_step(tmp_path):
+    """A learning rate of 1e38 with weight decay 1e3: loss, gradient norm and learning rate are
+    finite but the updated weights overflow to inf. The streamed step checks the updated state
+    as the ordinary step does: both report the step non-finite and keep every weight, moment
+    and count (the streamed one kept the inf weights and reported the step as finite)."""
+    for offload in (False, True):
+        _, _, parts, program = _program(tmp_path, "optimizer.warmup_steps=0", offload=offload,
+                                        lr=1e38, weight_decay=1e3)
+        params = jax.device_put(parts.params, program.param_shardings)
+        init = streamed.init_opt_state if offload else init_opt_state
+        opt_state = init(program.tx, params, program.opt_shardings)
+        before = jax.device_get((params, opt_state))
+        params, opt_state, m = program.step_fn(params, opt_state, _batch(program),
+                                               program.step_index(0))
+        assert np.isfinite([float(m[k]) for k in ("loss", "grad_norm", "lr")]).all(), m
+        assert not bool(m["finite"]), f"offload={offload}"
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get((params, opt_state)), before)
+
+
+@pytest.mark.slow
 def test_checkpoints_move_between_the_streamed_and_the_ordinary_step(tmp_path):
     """The trainer end to end, both ways: 2 steps streamed then resumed to 4 ordinary, and 2
     ordinary then resumed to 4 streamed (restored straight into host memory): the same losses
-    (the state keeps the ordinary step's layout, so a checkpoint moves between the two)."""
+    (the state keeps the ordinary step's layout, so a checkpoint moves between the two). Each
+    invocation evaluates after its last step: the streamed runs' evaluation (of parameters in
+    host memory, which ended the run with a traceback before its checkpoint) gives the ordinary
+    runs' eval losses."""
     from train.loop import run
 
-    def losses(run_dir):
+    def column(run_dir, key):
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        return [json.loads(line)["loss"] for line in lines]
+        return [json.loads(line).get(key) for line in lines]
 
     common = ("model.dtype=float32", "model.remat=auto", "checkpoint.every=2",
-              "checkpoint.allow_changed=train.steps", "optimizer.min_lr_ratio=1.0")
+              "checkpoint.allow_changed=train.steps", "optimizer.min_lr_ratio=1.0",
+              "eval.every=2")
     for first, then in (("true", "false"), ("false", "true")):
         run_dir = tmp_path / f"from_offload_{first}"
         for steps, offload in ((2, first), (4, then)):
             run(tiny_config(run_dir, *common, f"train.steps={steps}",
                             f"optimizer.offload={offload}"))
-    a, b = losses(tmp_path / "from_offload_true"), losses(tmp_path / "from_offload_false")
-    assert len(a) == 4
-    np.testing.assert_allclose(a, b, rtol=2e-6)
+    a, b = (tmp_path / "from_offload_true"), (tmp_path / "from_offload_false")
+    assert len(column(a, "loss")) == 4
+    np.testing.assert_allclose(column(a, "loss"), column(b, "loss"), rtol=2e-6)
+    # steps 2 and 4: streamed against ordinary, then ordinary against streamed
+    evals = [column(run_dir, "eval_loss")[1::2] for run_dir in (a, b)]
+    assert all(loss is not None for loss in evals[0] + evals[1]), evals
+    np.testing.assert_allclose(evals[0], evals[1], rtol=2e-6)
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -201,3 +231,71 @@ def test_offload_auto_streams_only_where_nothing_else_fits(overrides, cluster, o
     assert cfg.optimizer.offload == "auto"
     resolved = resolve_offload(cfg, model_config(cfg), *cluster)
     assert resolved.optimizer.offload is offload
+
+
+def _wide_shape(layers: int) -> str:
+    return (f"model.shape={{vocab_size: 256, hidden_size: 1024, intermediate_size: 4096, "
+            f"num_layers: {layers}, num_heads: 8, num_kv_heads: 8, head_dim: 128}}")
+
+
+def test_offloaded_state_beyond_the_machine_memory_is_refused_before_run_dir(tmp_path, capsys,
+                                                                            monkeypatch):
+    """optimizer.offload=true on a model whose master weights and Adam moments (12 bytes per
+    parameter in host memory) are 1.5 times the memory this machine has available (its device
+    memory, the layers' float32 gradients sharded over the 8 CPU devices, fits): one line with
+    both sizes, exit status 2, before run.dir is made or anything compiles (was: every check
+    passed, run.dir was written and the run died allocating). Nothing of the model is ever
+    allocated: the checks come first."""
+    import math
+
+    from train.planning import host_memory_available
+    from train.process import cli
+
+    available = host_memory_available()
+    one, two = (model_config(tiny_config(tmp_path / "run", _wide_shape(n))).num_params()
+                for n in (1, 2))
+    layers = math.ceil((1.5 * available / 12 - one) / (two - one))
+    run_dir = tmp_path / "run"
+
+    def allocate(*args, **kwargs):  # should the check fail, fail here rather than allocate
+        raise AssertionError("the checks passed a state larger than the machine's memory")
+
+    monkeypatch.setattr("train.prepare.build_state", allocate)
+    capsys.readouterr()
+    status = cli.main(tiny_overrides(run_dir, _wide_shape(layers), "optimizer.offload=true",
+                                     "model.remat=auto", "parallel.param_sharding=fsdp"))
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2 and len(lines) == 1, err
+    found = re.search(r"about ([\d.e+]+) GB of host memory .* but ([\d.e+]+) GB is available",
+                      lines[0])
+    assert lines[0].startswith("error: resources: ") and found, lines[0]
+    need, have = (float(x) for x in found.groups())
+    assert need > 1.2 * have, lines[0]
+    assert "compiled" not in out + err
+    assert not run_dir.exists()
+
+
+def test_host_memory_without_proc_meminfo_is_the_physical_memory(monkeypatch):
+    """macOS has neither /proc/meminfo nor sysconf's SC_AVPHYS_PAGES: the host memory check
+    then compares with the machine's physical memory."""
+    import builtins
+    import os
+
+    from train.planning import host_memory_available
+
+    real_open, real_sysconf = builtins.open, os.sysconf
+
+    def no_meminfo(path, *args, **kwargs):
+        if str(path) == "/proc/meminfo":
+            raise FileNotFoundError(2, "No such file or directory", path)
+        return real_open(path, *args, **kwargs)
+
+    def sysconf(name):
+        if name == "SC_AVPHYS_PAGES":
+            raise ValueError("unrecognized configuration name")
+        return real_sysconf(name)
+
+    monkeypatch.setattr(builtins, "open", no_meminfo)
+    monkeypatch.setattr(os, "sysconf", sysconf)
+    assert host_memory_available() == real_sysconf("SC_PHYS_PAGES") * real_sysconf("SC_PAGE_SIZE")

@@ -4,7 +4,8 @@ Exit status 0 on success (also after SIGINT/SIGTERM while training: the current 
 is checkpointed); 2 with one line on stderr for a config, layout, model, data, checkpoint or
 resource error, or a run.dir another run owns (no traceback), detected before anything compiles or
 is written to run.dir; 1 when training stops on a non-finite loss (train.on_nonfinite=stop), a
-full disk or a checkpoint save that failed; 3 when a peer process of a multi-process run fails
+full disk, a checkpoint save that failed or an export that could not be written (the
+checkpoints are kept); 3 when a peer process of a multi-process run fails
 (train.process.peers; when the coordinator process dies, JAX aborts the others itself: SIGABRT); 128 +
 the signal (130 for SIGINT) with one line when SIGINT/SIGTERM arrives outside the training loop
 (start-up, compilation: at once, also in the middle of XLA's compile; train.process.stop).
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
     from ..checkpoint import CheckpointError, SaveFailed, StorageError
     from ..data import DataError
     from .lock import RunDirInUse
+    from .outputs import ExportError
     from ..loop import NonFiniteError, PeerFailure, run
     from .peers import PEER_FAILURE_STATUS
     from ..planning import ResourceError
@@ -135,7 +137,8 @@ def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
                 (DataError, "data", 2), (CheckpointError, "checkpoint", 2),
                 (ResourceError, "resources", 2), (RunDirInUse, "run.dir", 2),
                 (PeerFailure, "peer", PEER_FAILURE_STATUS), (NonFiniteError, "training", 1),
-                (StorageError, "disk", 1), (SaveFailed, "checkpoint", 1))
+                (StorageError, "disk", 1), (SaveFailed, "checkpoint", 1),
+                (ExportError, "export", 1))
     kinds = tuple(cls for cls, _, _ in one_line)
     try:
         with _HeldUnraisable(kinds, exiting):

@@ -3,12 +3,15 @@ before anything is written, and the Hugging Face export replaces an earlier one 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 
 import models
+from models.safetensors_io import INDEX_FILE
 from basp_jax import Layout, comm
 
 from .. import hf_export, paths
@@ -20,7 +23,7 @@ RUN_DIR_FILES = ("config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "collectiv
 # everything the trainer writes (or prunes) in run.dir: the files above, its lock, checkpoints,
 # TensorBoard events, profiles, the W&B run id and wandb's own folder; nothing else there is touched
 RUN_DIR_OWNED = RUN_DIR_FILES + (".lock", "checkpoints", "tb", "profile", "wandb_id", "wandb")
-EXPORT_MARKER = ".basp-export.json"  # in an export: which run.dir wrote it
+EXPORT_MARKER = ".basp-export.json"  # in an export: which run.dir wrote it, and which files
 
 
 def _check_creatable(key: str, path: str) -> None:
@@ -137,27 +140,83 @@ def check_output_paths(cfg: Config, run_dir: str) -> None:
         return
     _check_creatable("checkpoint.export_hf", export)
     export = os.path.realpath(export)
-    if os.path.isdir(export) and os.listdir(export) and _export_owner(export) != run_dir:
+    if os.path.isdir(export) and os.listdir(export) and not is_own_export(export, run_dir):
         raise ConfigError(
             f"checkpoint.export_hf {export!r} holds other files and is not an earlier export of "
             "this run.dir; choose a new or empty directory (an export never replaces files it "
             "did not write)")
 
 
-def _export_owner(export_dir: str) -> str | None:
-    """The run.dir that wrote the export in export_dir, or None."""
+class ExportError(RuntimeError):
+    """The export at the end of a run could not be written (its directory took files the run
+    did not write, or a weight the export dtype cannot hold); one line; nothing was exported and
+    the run's checkpoints are kept."""
+
+
+def _marker(export_dir: str) -> dict | None:
     try:
         with open(os.path.join(export_dir, EXPORT_MARKER)) as f:
-            return json.load(f)["run_dir"]
-    except Exception:  # noqa: BLE001
+            marker = json.load(f)
+        return marker if isinstance(marker, dict) else None
+    except Exception:  # noqa: BLE001 (missing, unreadable, not JSON)
         return None
+
+
+def is_own_export(export_dir: str, run_dir: str) -> bool:
+    """Whether export_dir is an export this run.dir wrote and holds nothing else: its marker
+    names run_dir and lists every other file there (an export replaces only what it wrote)."""
+    return not _not_written(export_dir, run_dir)
+
+
+def _not_written(export_dir: str, run_dir: str) -> list[str]:
+    """The entries of export_dir that no export of this run.dir wrote (every one when its
+    marker is missing or names another run.dir), sorted."""
+    marker = _marker(export_dir)
+    own = marker is not None and marker.get("run_dir") == run_dir
+    return sorted(name for name in os.listdir(export_dir)
+                  if not (own and _written(marker, name)
+                          and os.path.isfile(os.path.join(export_dir, name))))
+
+
+def _written(marker: dict, name: str) -> bool:
+    """Whether the export whose marker this is wrote `name` (a marker of an earlier version
+    lists no files: then the names an export writes)."""
+    if name == EXPORT_MARKER:
+        return True
+    files = marker.get("files")
+    if isinstance(files, list):
+        return name in files
+    return name in (INDEX_FILE, "config.json", "generation_config.json",
+                    *hf_export.TOKENIZER_FILES) or \
+        re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", name) is not None
+
+
+def _foreign(export_dir: str, run_dir: str) -> ExportError:
+    names = _not_written(export_dir, run_dir)
+    listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return ExportError(
+        f"checkpoint.export_hf {export_dir!r} holds files this run's export did not write "
+        f"({listed}); they were left as they are and nothing was exported; move them (or choose "
+        f"another checkpoint.export_hf) and run the same command again to export; "
+        f"{_checkpoints(run_dir)}")
+
+
+def _checkpoints(run_dir: str) -> str:
+    from ..checkpoint import checkpoint_dir, complete_steps
+
+    steps = complete_steps(checkpoint_dir(run_dir))
+    return (f"the run's checkpoints are kept (newest: step {steps[-1]} in "
+            f"{checkpoint_dir(run_dir)})" if steps else "no checkpoint was written")
 
 
 def export_hf(module, export_dir: str, run_dir: str, is_writer: bool,
               cfg: Config | None = None) -> None:
     """Write the Hugging Face export into a fresh directory beside export_dir, then move it into
     place: an interrupted export leaves the previous one (or nothing) rather than a mixture.
-    check_output_paths has made sure export_dir is new, empty or an earlier export of this run."""
+    export_dir is replaced only when it is empty or an earlier export of this run holding nothing
+    else (is_own_export: checked before the run and again as it is replaced, since files may
+    have been put there meanwhile); else ExportError, as for a weight the export dtype cannot
+    hold (checked before anything is written)."""
     parent = os.path.dirname(export_dir)
     tmp = None
     if is_writer:
@@ -165,30 +224,61 @@ def export_hf(module, export_dir: str, run_dir: str, is_writer: bool,
         tmp = tempfile.mkdtemp(dir=parent, prefix=".export-")
     try:
         # every process takes part (shards are gathered one at a time); process 0 writes
-        models.save_pretrained(module, tmp or export_dir,
-                               dtype=cfg.checkpoint.export_dtype if cfg else None)
+        try:
+            models.save_pretrained(module, tmp or export_dir,
+                                   dtype=cfg.checkpoint.export_dtype if cfg else None)
+        except models.ModelError as e:  # a value the export cannot hold: nothing was written
+            dtype = cfg.checkpoint.export_dtype if cfg else None
+            raise ExportError(f"checkpoint.export_hf with checkpoint.export_dtype={dtype}: {e} "
+                              f"(checkpoint.export_dtype); nothing was exported; "
+                              f"{_checkpoints(run_dir)}: the same command exports them again"
+                              ) from None
         if not is_writer:
             return
         if cfg is not None:  # tokenizer, bos/eos ids, generation_config.json
             hf_export.write(cfg, tmp)
+        written = sorted(os.listdir(tmp))
         with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
-            json.dump({"run_dir": run_dir}, f)
+            json.dump({"run_dir": run_dir, "files": written}, f)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the export is for others to read
         for name in os.listdir(tmp):
             os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
-        old = None
-        if os.path.isdir(export_dir) and os.listdir(export_dir):  # an earlier export of this run
-            old = tempfile.mkdtemp(dir=parent, prefix=".export-old-")
-            os.rename(export_dir, os.path.join(old, "export"))
-        os.replace(tmp, export_dir)  # also over an empty directory
+        _replace(tmp, export_dir, run_dir)
         tmp = None
-        if old is not None:
-            shutil.rmtree(old)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _replace(new: str, export_dir: str, run_dir: str) -> None:
+    """Move the finished export `new` to export_dir: over nothing, an empty directory, or an
+    earlier export of this run holding nothing else (moved aside, checked again there, where no
+    file can arrive by its path any more, and only then deleted)."""
+    old = None
+    if os.path.isdir(export_dir) and os.listdir(export_dir):
+        if not is_own_export(export_dir, run_dir):
+            raise _foreign(export_dir, run_dir)
+        old = tempfile.mkdtemp(dir=os.path.dirname(export_dir), prefix=".export-old-")
+        aside = os.path.join(old, "export")
+        os.rename(export_dir, aside)
+        if not is_own_export(aside, run_dir):  # a file arrived after the check: put it back
+            os.rename(aside, export_dir)
+            os.rmdir(old)
+            raise _foreign(export_dir, run_dir)
+    try:
+        os.replace(new, export_dir)  # also over an empty directory
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+            raise
+        if os.path.isdir(export_dir):  # files arrived in the empty directory meanwhile
+            raise _foreign(export_dir, run_dir) from None
+        raise ExportError(f"checkpoint.export_hf {export_dir!r} became a file during the run; "
+                          "nothing was exported; move it and run the same command again to "
+                          f"export; {_checkpoints(run_dir)}") from None
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def write_config(cfg: Config, run_dir: str) -> None:
