@@ -228,8 +228,12 @@ class Attention(nnx.Module):
         cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, index, 0, 0))
         cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, index, 0, 0))
         mask = jnp.arange(cache_k.shape[1])[None, :] <= query_pos[:, None]  # [T, L]
-        out = jax.nn.dot_product_attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype),
-                                           mask=mask[None, None], implementation="xla")
+        # jax.nn.dot_product_attention runs float16 as F16_F16_F32, a dot the CPU lacks: float16
+        # attends in float32 here (one device, a few tokens: the cost is small)
+        dtype = jnp.float32 if q.dtype == jnp.float16 else q.dtype
+        out = jax.nn.dot_product_attention(q.astype(dtype), cache_k.astype(dtype),
+                                           cache_v.astype(dtype), mask=mask[None, None],
+                                           implementation="xla").astype(q.dtype)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), cache_k, cache_v
 
 

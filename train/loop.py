@@ -15,7 +15,7 @@ from basp_jax.adaptive import relabel
 
 from . import evaluate, profiling, writers
 from .batches import for_run
-from .process import runtime
+from .process import agreement, runtime
 from .checkpoint import checkpoint_dir, complete_steps, storage_error
 from .config import Config
 from .hooks import NonFiniteError, StepReport, compile_step, export, log_start, save_checkpoint
@@ -38,6 +38,10 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
     collective.
     """
     runtime.configure(cfg)
+    try:  # every process runs this config on this data, before anything compiles or is written
+        agreement.check_same_config(cfg)
+    except agreement.NoAnswer as e:
+        raise PeerFailure(str(e)) from None
     directory = checkpoint_dir(cfg.run.dir)
 
     def resume_advice() -> str:

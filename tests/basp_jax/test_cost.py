@@ -137,6 +137,51 @@ def test_plan_cli_rejects_bad_flags_with_one_line(capsys, flags, fragment):
     assert out.err.startswith("error: plan: ") and fragment in out.err, out.err
 
 
+DOCS_EXTREMES = {  # the largest --seq and --batch --docs takes, and many rows of one token
+    "longest step": (plan.SAMPLED_TOKENS, 1),
+    "most rows": (plan.SAMPLED_TOKENS // plan.DOCS_MAX_BATCH, plan.DOCS_MAX_BATCH),
+    "most rows of one token": (1, plan.DOCS_MAX_BATCH),
+}
+
+
+@pytest.mark.parametrize("case", DOCS_EXTREMES)
+def test_plan_cli_answers_at_once_at_the_largest_values_docs_takes(capsys, case):
+    """--docs samples whole steps, each document drawn and packed in Python: its sample is
+    bounded (fewer steps for longer ones), so the largest allowed --seq and --batch answer in
+    seconds (a generous bound for a loaded 2-core machine; the answer took ~2 s there)."""
+    import time
+
+    seq, batch = DOCS_EXTREMES[case]
+    start = time.monotonic()
+    assert plan.main(["--model", "llama-3.1-8b", "--seq", str(seq), "--batch", str(batch),
+                      "--devices", "8", "--docs", "longtail"]) == 0
+    elapsed = time.monotonic() - start
+    (line,) = [s for s in capsys.readouterr().out.splitlines() if s.startswith("adaptive over")]
+    count = int(re.search(r"(\d+) sampled steps", line).group(1))
+    assert count == plan.sampled_steps(batch, seq) >= 1, line
+    assert elapsed < 60, f"{case}: {elapsed:.1f} s"
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--batch", str(plan.DOCS_MAX_BATCH + 1), "--seq", "8"], "--batch must be at most"),
+    (["--batch", "2", "--seq", str(plan.SAMPLED_TOKENS)], "--batch x --seq must be at most"),
+    (["--batch", str(1 << 20), "--seq", str(1 << 32)], "--batch must be at most"),  # the flags' own
+])
+def test_plan_cli_refuses_a_step_docs_cannot_sample_in_one_line(capsys, flags, fragment):
+    with pytest.raises(SystemExit) as err:
+        plan.main(["--model", "llama-3.1-8b", "--devices", "8", "--docs", "longtail", *flags])
+    assert err.value.code == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1, out.err
+    assert out.err.startswith("error: plan: ") and fragment in out.err, out.err
+
+
+def test_sampled_steps_keep_the_usual_count_for_usual_steps():
+    """The README's and the tests' plans (16K tokens, batch 1-2) sample all SAMPLED_STEPS."""
+    assert plan.sampled_steps(2, 16384) == plan.SAMPLED_STEPS
+    assert plan.sampled_steps(1, plan.SAMPLED_TOKENS) == 1
+
+
 @pytest.mark.parametrize("name", sorted(MODEL_SHAPES))
 def test_model_presets_are_built_on_the_cost_models_shapes(name):
     """basp_jax may not import models: the presets of the paper's models take their shapes from

@@ -89,14 +89,14 @@ def test_two_processes_take_the_adaptive_layouts_of_one(tmp_path):
     assert (run_dir / "checkpoints" / "3").is_dir()
 
 
-def _launch(run_dir, *extra, per_process=((), ())) -> list[subprocess.Popen]:
-    """Processes 0 and 1 of a 2 x 4-device run (jax.distributed on localhost, gloo) with `extra`
-    overrides, and per_process[i] for process i alone."""
+def _launch(run_dir, *extra, per_process=((), ()), pids=(0, 1)) -> list[subprocess.Popen]:
+    """Processes 0 and 1 (or those of `pids`) of a 2 x 4-device run (jax.distributed on
+    localhost, gloo) with `extra` overrides, and per_process[i] for process i alone."""
     port = _free_port()
     env = cache_env(dict(os.environ, JAX_PLATFORMS="cpu"))
     env["XLA_FLAGS"] = TEST_XLA_FLAGS  # tests/helpers/flags.py; the device count is the run's
     procs = []
-    for pid in range(2):
+    for pid in pids:
         args = tiny_overrides(
             run_dir, "train.microbatch_size=2", "runtime.cpu_devices=4",
             f"runtime.distributed.coordinator=127.0.0.1:{port}",
@@ -277,9 +277,73 @@ def test_sigterm_after_joining_the_run_still_ends_the_process_at_once(tmp_path):
     assert "error: interrupted: SIGTERM outside the training loop" in err, err[-3000:]
 
 
+def _errors(procs, timeout: float = 180) -> list[str]:
+    try:
+        return [p.communicate(timeout=timeout)[1] for p in procs]
+    finally:
+        _kill_leftovers(procs)
+
+
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_processes_given_different_configs_all_stop_before_compiling(tmp_path):
+    """Process 1 alone is given another optimizer.lr: every process refuses at start-up in one
+    line naming the key, exit status 2, nothing compiled and run.dir never made."""
+    run_dir = tmp_path / "run"
+    procs = _launch(run_dir, "runtime.distributed.peer_timeout_s=60",
+                    per_process=((), ("optimizer.lr=0.5",)))
+    for p, err in zip(procs, _errors(procs)):
+        assert p.returncode == 2, err[-3000:]
+        line = _one_line(err)
+        assert line.startswith("error: config: ") and "optimizer.lr" in line and "0.5" in line
+    assert not run_dir.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["peer never starts", "two process 0s"])
+def test_a_run_that_cannot_assemble_ends_after_peer_timeout_s_in_one_line(tmp_path, case):
+    """jax.distributed.initialize waits for every process (JAX's default: 300 s, then an abort
+    with a C++ stack trace): a peer that never starts, or a process_id given twice, ends each
+    process after peer_timeout_s with one line (3: a peer is missing), or at once where the
+    second process 0 finds the coordinator's port taken (2)."""
+    timeout = 4
+    start = time.monotonic()
+    if case == "peer never starts":
+        procs = _launch(tmp_path / "run", f"runtime.distributed.peer_timeout_s={timeout}",
+                        pids=(0,))
+    else:
+        procs = _launch(tmp_path / "run", f"runtime.distributed.peer_timeout_s={timeout}",
+                        per_process=((), ("runtime.distributed.process_id=0",)))
+    errs = _errors(procs, timeout=120)
+    elapsed = time.monotonic() - start
+    for p, err in zip(procs, errs):
+        line = _one_line(err)  # (no C++ stack trace)
+        assert p.returncode in (2, 3), err[-3000:]
+        if p.returncode == 3:
+            assert line.startswith("error: peer: ") and "peer_timeout_s" in line, line
+        else:
+            assert line.startswith("error: config: ") and "process_id" in line, line
+    # start-up (imports, on a loaded machine) + peer_timeout_s; JAX's own wait is 300 s
+    assert elapsed < 100, elapsed
+    assert not (tmp_path / "run").exists()
+
+
 def test_jax_heartbeat_is_a_backstop_behind_the_peer_watch():
     from train.process.runtime import jax_heartbeat_timeout_s
 
     assert jax_heartbeat_timeout_s(30.0) == 100  # JAX's default when ours is shorter
     assert jax_heartbeat_timeout_s(0) == 100  # our watch off: JAX's as it is
     assert jax_heartbeat_timeout_s(600.0) == 1200  # never before our one-line verdict
+
+
+def test_jax_join_timeout_is_a_backstop_behind_ours():
+    from train.process.runtime import JAX_DEFAULT_INIT_S, jax_initialization_timeout_s
+
+    assert jax_initialization_timeout_s(0) == JAX_DEFAULT_INIT_S  # our deadline off: JAX's
+    assert 4 < jax_initialization_timeout_s(4.0) < 60  # after ours, long before JAX's 300 s
+    assert jax_initialization_timeout_s(600.0) > 600

@@ -126,18 +126,26 @@ def test_cli_from_hf_dir_text_and_ids(tmp_path, capsys):
 @pytest.mark.slow
 def test_cli_from_a_run_checkpoint(tmp_path, capsys):
     """The run's newest checkpoint (written sharded over 8 devices) gives the same tokens as its
-    Hugging Face export."""
+    Hugging Face export, in the run's compute dtype (float16, which the CPU's attention dot
+    lacks in float32 accumulation) by default, or in the one --dtype names."""
+    import jax.numpy as jnp
+
     from train.loop import run
 
     run_dir, export = tmp_path / "run", tmp_path / "export"
-    run(tiny_config(run_dir, "train.steps=2", f"checkpoint.export_hf={export}"))
+    run(tiny_config(run_dir, "train.steps=2", "model.dtype=float16",
+                    f"checkpoint.export_hf={export}"))
     capsys.readouterr()
     ids = ",".join(map(str, PROMPT))
-    status, out, err = _main(capsys, "--run_dir", str(run_dir), "--prompt-ids", ids,
-                             "--max-new-tokens", "5")
-    assert status == 0, err
-    from_export = sampler.generate(models.from_pretrained(str(export)), PROMPT, max_new_tokens=5)
-    assert out.split() == [str(t) for t in from_export]
+    for dtype, flags in (("float16", ()), ("float32", ("--dtype", "float32")),
+                         ("float16", ("--dtype", "float16"))):
+        status, out, err = _main(capsys, "--run_dir", str(run_dir), "--prompt-ids", ids,
+                                 "--max-new-tokens", "5", *flags)
+        assert status == 0, err
+        from_export = sampler.generate(
+            models.from_pretrained(str(export), dtype=getattr(jnp, dtype)), PROMPT,
+            max_new_tokens=5)
+        assert out.split() == [str(t) for t in from_export], (dtype, flags)
     empty = tmp_path / "empty"
     empty.mkdir()
     status, _, err = _main(capsys, "--run_dir", str(empty), "--prompt-ids", ids)

@@ -61,6 +61,11 @@ def _workspace(w: Path) -> None:
     np.arange(1, 400, dtype=np.uint16).tofile(w / "r" / "checkpoints" / "t.bin")
     (w / "r" / "config.yaml").write_text("# my own config, kept in the run's folder\n"
                                          "train:\n  steps: 4\n")
+    (w / "linked").mkdir()  # run dirs whose files are symlinks to inputs
+    (w / "linked" / "config.yaml").symlink_to(w / "cfg" / "c.yaml")
+    (w / "linked_ckpt").mkdir()
+    (w / "linked_ckpt" / "checkpoints").symlink_to(w / "data")
+    (w / "lock_dir" / ".lock").mkdir(parents=True)
 
 
 TOKENS = ["data.source=tokens"]
@@ -94,6 +99,16 @@ CASES = [
      "error: config: the config file '{W}/r/config.yaml' is config.yaml in run.dir '{W}/r': the "
      "trainer writes the resolved config there, and this file is not one (it has comments, an "
      "include or keys left out, which would be lost)"),
+    ("run.dir/config.yaml links to the config file", ["--config", "{W}/cfg/c.yaml",
+                                                      "run.dir={W}/linked"],
+     "error: config: {W}/linked/config.yaml is a symlink to '{W}/cfg/c.yaml', which is the config "
+     "file"),
+    ("run.dir/checkpoints links to the data's folder",
+     [*TOKENS, "data.path={W}/data/t.bin", "run.dir={W}/linked_ckpt"],
+     "error: config: {W}/linked_ckpt/checkpoints is a symlink to '{W}/data', which contains "
+     "data.path"),
+    ("run.dir/.lock is a directory", ["run.dir={W}/lock_dir"],
+     "error: config: {W}/lock_dir/.lock is not a regular file"),
     ("remote run.dir", ["run.dir=gs://bucket/x"],
      "error: config: run.dir 'gs://bucket/x' is a remote URL; only local paths are supported"),
     ("remote export", ["run.dir={W}/new", "checkpoint.export_hf=s3://bucket/hf"],

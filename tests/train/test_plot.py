@@ -12,6 +12,8 @@ import pytest
 
 from train.tools import plot
 
+from tests.helpers.trainer import snapshot
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -163,3 +165,81 @@ def test_without_matplotlib_help_works_and_drawing_is_one_line(tmp_path):
         "error: plot: train.tools.plot draws with matplotlib, which is not installed: "
         "pip install -e '.[plot]'\n")
     assert not (tmp_path / "x.png").exists()
+
+
+def _plot_status(argv) -> int:
+    try:
+        return plot.main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def test_an_output_that_is_an_input_through_a_symlink_is_refused(tmp_path, capsys):
+    """-o x.png, a symlink to the run's metrics.jsonl (or to the bench results): the figure would
+    be written over the input; one line, nothing changed."""
+    run = write_run(tmp_path / "run", [record(1, 5.0), record(2, 4.0)])
+    results = tmp_path / "results.json"
+    results.write_text((ROOT / "bench" / "emulated_b2" / "results.json").read_text())
+    (tmp_path / "x.png").symlink_to(run / "metrics.jsonl")
+    (tmp_path / "y.png").symlink_to(results)
+    before = snapshot(tmp_path)
+    for argv in (["losses", str(run), "-o", str(tmp_path / "x.png")],
+                 ["bench", str(results), "-o", str(tmp_path / "y.png")]):
+        assert _plot_status(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: plot: ") and err.count("\n") == 1, err
+        assert "-o" in err
+    assert snapshot(tmp_path) == before
+
+
+BAD_RECORDS = {  # the raw line, and the field its message names
+    "step 1e999": ('{"step": 1e999, "loss": 1.0}', "step"),
+    "400-digit step": ('{"step": ' + "9" * 400 + ', "loss": 1.0}', "step"),
+    "negative step": ('{"step": -1, "loss": 1.0}', "step"),
+    "fractional step": ('{"step": 1.5, "loss": 1.0}', "step"),
+    "string step": ('{"step": "2", "loss": 1.0}', "step"),
+    "400-digit loss": ('{"step": 2, "loss": ' + "9" * 400 + '}', "loss"),
+    "string loss": ('{"step": 2, "loss": "low"}', "loss"),
+    "list lr": ('{"step": 2, "loss": 1.0, "lr": [1]}', "lr"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_RECORDS)
+def test_numbers_out_of_range_in_metrics_are_one_line_naming_file_line_and_field(
+        tmp_path, capsys, case):
+    line, field = BAD_RECORDS[case]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps(record(1, 5.0)) + "\n" + line + "\n")
+    out = tmp_path / "out.png"
+    assert _plot_status(["losses", str(run), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: plot: ") and err.count("\n") == 1, err
+    assert "metrics.jsonl, line 2" in err and repr(field) in err, err
+    assert len(err) < 400 and not out.exists()
+
+
+BAD_RESULTS = {  # a change to the first result, and the field its message names
+    "string rate": (lambda r: r.update(rate="fast"), "rate"),
+    "negative rate": (lambda r: r.update(rate=-5), "rate"),
+    "infinite rate": (lambda r: r.update(rate=float("inf")), "rate"),
+    "400-digit step time": (lambda r: r["train"][next(iter(r["train"]))].update(step_s=10**400),
+                            "step_s"),
+    "string all-to-all": (lambda r: r["a2a"].update(basp="0.1"), "a2a.basp"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_RESULTS)
+def test_numbers_out_of_range_in_results_are_one_line_naming_file_and_field(
+        tmp_path, capsys, case):
+    change, field = BAD_RESULTS[case]
+    results = json.loads((ROOT / "bench" / "emulated_b2" / "results.json").read_text())
+    change(results[0])
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))  # (writes inf as Infinity, which json reads back)
+    out = tmp_path / "out.png"
+    assert _plot_status(["bench", str(path), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: plot: ") and err.count("\n") == 1, err
+    assert "results.json, result 0" in err and field in err, err
+    assert len(err) < 400 and not out.exists()

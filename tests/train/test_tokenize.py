@@ -199,3 +199,39 @@ def test_an_export_records_the_end_of_document_id_of_the_sidecar(tmp_path):
     side["eos_id"] = 3  # edited by hand: the seal no longer matches
     (tmp_path / "t.bin.json").write_text(json.dumps(side))
     assert exported_eos() == (None, None)
+
+
+def test_sigterm_is_one_line_and_leaves_no_temporary(tmp_path):
+    """SIGTERM while the output is being written ends the command as Ctrl-C does: one line, exit
+    status 128 + 15 (the trainer's), the temporaries removed. The input is a named pipe nobody
+    writes to, so the command waits in its read with the temporary open."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers.trainer import ROOT
+
+    src = tmp_path / "corpus"
+    src.mkdir()
+    os.mkfifo(src / "a.txt")
+    out = tmp_path / "out" / "train.bin"
+    out.parent.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train.tools.tokenize", str(src), "--tokenizer",
+         _tokenizer(tmp_path), "-o", str(out), "--workers", "1"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(out.parent.glob("*.tmp-*")):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the command never started writing"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    lines = err.splitlines()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert len(lines) == 1 and lines[0].startswith("error: tokenize:") and "SIGTERM" in err, err
+    assert os.listdir(out.parent) == []

@@ -17,12 +17,13 @@ from basp_jax import Layout, comm
 from .. import hf_export, paths
 from ..config import INPUT_PATHS, Config, ConfigError, from_dict, to_yaml
 from ..config_tree import yaml_load
+from .lock import LOCK_NAME
 
 # files the trainer writes in run.dir, and what each must be when it exists already
 RUN_DIR_FILES = ("config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "collectives.json")
 # everything the trainer writes (or prunes) in run.dir: the files above, its lock, checkpoints,
 # TensorBoard events, profiles, the W&B run id and wandb's own folder; nothing else there is touched
-RUN_DIR_OWNED = RUN_DIR_FILES + (".lock", "checkpoints", "tb", "profile", "wandb_id", "wandb")
+RUN_DIR_OWNED = RUN_DIR_FILES + (LOCK_NAME, "checkpoints", "tb", "profile", "wandb_id", "wandb")
 EXPORT_MARKER = ".basp-export.json"  # in an export: which run.dir wrote it, and which files
 
 
@@ -106,6 +107,28 @@ def _check_run_dir_apart(run_dir: str, inputs: list[tuple[str, str]]) -> None:
         raise ConfigError(f"{key} {path!r} is {rel} in run.dir {run_dir!r}: {what}")
 
 
+def _check_owned_links_apart(run_dir: str, inputs: list[tuple[str, str]]) -> None:
+    """What the trainer writes in run.dir (RUN_DIR_OWNED) is followed through symlinks: a
+    run.dir/config.yaml linked to the hand-written --config file, or a checkpoints/ linked to the
+    data's folder, would have the trainer write over (or prune) an input."""
+    for name in RUN_DIR_OWNED:
+        written = os.path.join(run_dir, name)
+        if not os.path.islink(written):
+            continue  # (a plain file or folder there is _check_run_dir_apart's)
+        for key, path in inputs:
+            how = paths.relation(written, path)
+            if how is None:
+                continue
+            if how == "same" and name == "config.yaml" and key.endswith("config file") \
+                    and _is_resolved_config(path):
+                continue  # an earlier run's resolved config: rewritten with the same values
+            raise ConfigError(
+                f"{written} is a symlink to {paths.resolved(written)!r}, which "
+                f"{'is' if how == 'same' else 'lies in' if how == 'inside' else 'contains'} "
+                f"{key} {path!r}; the trainer writes {name} in run.dir and would change that "
+                "input; remove the link or choose another run.dir")
+
+
 def check_overlaps(cfg: Config, run_dir: str) -> None:
     """No output over, into or around an input or another output (train.paths, symlinks
     resolved): an export replaces its whole directory, so it stays apart from run.dir and from
@@ -120,6 +143,7 @@ def check_overlaps(cfg: Config, run_dir: str) -> None:
         except paths.PathError as e:
             raise ConfigError(str(e)) from None
     _check_run_dir_apart(run_dir, inputs)
+    _check_owned_links_apart(run_dir, inputs)
 
 
 def check_output_paths(cfg: Config, run_dir: str) -> None:
@@ -128,7 +152,7 @@ def check_output_paths(cfg: Config, run_dir: str) -> None:
     and an export never replaces someone else's files."""
     check_overlaps(cfg, run_dir)
     _check_creatable("run.dir", run_dir)
-    for name in RUN_DIR_FILES:
+    for name in RUN_DIR_FILES + (LOCK_NAME,):
         path = os.path.join(run_dir, name)
         if os.path.lexists(path) and not os.path.isfile(path):
             raise ConfigError(f"{path} is not a regular file (the trainer writes it); move it "

@@ -18,13 +18,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import importlib.util
 import math
 import os
 import re
+import socket
 import sys
+import threading
 
 from . import gpu_defaults
+from .peers import PEER_FAILURE_STATUS
 from ..config import Config, ConfigError
 
 CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")
@@ -32,6 +37,8 @@ NVIDIA_DRIVER_VERSION = "/proc/driver/nvidia/version"
 # the oldest NVIDIA driver each of JAX's CUDA builds runs on (JAX's installation guide)
 MIN_DRIVER = {"cuda13": 580, "cuda12": 525}
 JAX_DEFAULT_HEARTBEAT_S = 100  # jax.distributed.initialize's heartbeat_timeout_seconds default
+JAX_DEFAULT_INIT_S = 300  # and its initialization_timeout default
+JOIN_BACKSTOP_S = 30  # JAX's own join deadline comes this long after join_deadline's
 
 
 def _want_distributed(cfg: Config) -> bool:
@@ -79,11 +86,16 @@ def configure(cfg: Config) -> None:
         # step compiles would then be swallowed, and it knows no SIGINT. train.process.stop agrees on
         # the stop step itself (see there why JAX's reached_preemption_sync_point cannot).
         jax.config.update("jax_enable_preemption_service", False)
+        coordinator = dist.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+        if process_id == 0 and coordinator:
+            check_coordinator_port_free(coordinator)
         try:
-            jax.distributed.initialize(
-                coordinator_address=dist.coordinator,  # None: JAX_COORDINATOR_ADDRESS or the cluster
-                num_processes=num_processes, process_id=process_id,
-                heartbeat_timeout_seconds=jax_heartbeat_timeout_s(dist.peer_timeout_s))
+            with join_deadline(dist.peer_timeout_s, process_id, num_processes, coordinator):
+                jax.distributed.initialize(
+                    coordinator_address=dist.coordinator,  # None: JAX_COORDINATOR_ADDRESS or the cluster
+                    num_processes=num_processes, process_id=process_id,
+                    initialization_timeout=jax_initialization_timeout_s(dist.peer_timeout_s),
+                    heartbeat_timeout_seconds=jax_heartbeat_timeout_s(dist.peer_timeout_s))
         except Exception as e:  # noqa: BLE001 (no cluster found, coordinator unreachable, ...)
             detail = " ".join(str(e).split())[:300] or type(e).__name__
             raise ConfigError(
@@ -111,6 +123,74 @@ def jax_heartbeat_timeout_s(peer_timeout_s: float) -> int:
     the same in one line after peer_timeout_s. Twice our timeout, never under JAX's default of
     100 s (a peer_timeout_s of 0 turns our watch off and leaves JAX's as it is)."""
     return max(JAX_DEFAULT_HEARTBEAT_S, math.ceil(2 * peer_timeout_s))
+
+
+def jax_initialization_timeout_s(peer_timeout_s: float) -> int:
+    """How long jax.distributed.initialize waits for every process to join: JOIN_BACKSTOP_S
+    after join_deadline has ended the process with its one line (JAX's own end is an abort with
+    a C++ stack trace); JAX's default when peer_timeout_s is 0 (our watch off)."""
+    if peer_timeout_s == 0:
+        return JAX_DEFAULT_INIT_S
+    return math.ceil(peer_timeout_s) + JOIN_BACKSTOP_S
+
+
+@contextlib.contextmanager
+def join_deadline(timeout_s: float, process_id, num_processes, coordinator):
+    """While the block runs (jax.distributed.initialize, which returns once every process has
+    joined): after timeout_s the process ends with one line and PEER_FAILURE_STATUS. A thread
+    does it, since the main thread waits inside JAX's C++ (which releases the GIL)."""
+    if timeout_s <= 0:
+        yield
+        return
+    joined = threading.Event()
+
+    def watch():
+        if joined.wait(timeout_s):
+            return
+        me = "this process" if process_id is None else f"process {process_id}"
+        of = "" if num_processes is None else f" of {num_processes}"
+        at = f" at {coordinator}" if coordinator else ""
+        print(f"error: peer: {me}{of} waited {timeout_s:g} s (runtime.distributed."
+              f"peer_timeout_s) for the other processes to join the run{at}: one has not "
+              "started, was given another coordinator or num_processes, or two were given the "
+              "same process_id; start every process with its own process_id, or raise "
+              f"peer_timeout_s (exit status {PEER_FAILURE_STATUS})", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(PEER_FAILURE_STATUS)
+
+    threading.Thread(target=watch, name="join-deadline", daemon=True).start()
+    try:
+        yield
+    finally:
+        joined.set()
+
+
+def check_coordinator_port_free(coordinator: str) -> None:
+    """Process 0 hosts the coordination service on the coordinator's port: a listener there
+    already is most often another process 0 (two processes given process_id 0), which JAX would
+    let share the port, both then waiting forever. Refused with one line (ConfigError)."""
+    port = coordinator.rsplit(":", 1)[-1]
+    if not port.isdigit():
+        return  # JAX says what is wrong with the address
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no IPv6 on this host
+        try:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (TIME_WAIT is free)
+            probe.bind((host, int(port)))
+            return
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                return  # e.g. no permission: JAX will say
+            raise ConfigError(
+                f"runtime.distributed.coordinator {coordinator}: port {port} is in use on this "
+                "host, where process 0 serves the run: another process was given process_id 0 "
+                "too, or another program holds the port; give each process its own process_id "
+                "or choose a free port") from None
+        finally:
+            probe.close()
 
 
 def _gpu_likely() -> bool:

@@ -20,7 +20,7 @@ import argparse
 import os
 import sys
 
-DTYPES = ("float32", "bfloat16")
+from train.dtypes import COMPUTE as DTYPES  # float32, bfloat16, float16 (no JAX import)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -5,7 +5,9 @@
 
 --docs adds the adaptive choice (basp_jax.adaptive): per step, the layout with the most groups
 whose rows hold that step's documents, drawn from a named length distribution; its predicted
-step time is the mean over sampled steps, against the static layout it expands.
+step time is the mean over sampled steps, against the static layout it expands. Every document of
+a sampled step is drawn and packed: 256 steps, fewer when they would hold more than 2**26 tokens
+together (at least one), and --docs takes steps of at most 2**26 tokens and 4,096 rows.
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ LIMITS = {"seq": 1 << 32, "batch": 1 << 20, "devices": 1 << 20, "grad_accum": 1 
           "devices_per_host": 1 << 20}
 MAX_MEMORY_GB = 1e6
 SAMPLED_STEPS = 256  # --docs: steps drawn (seeded) for the adaptive choice's mean step time
+# --docs draws and packs every document of each sampled step in Python: the tokens of all sampled
+# steps together stay within SAMPLED_TOKENS, a row counting as at least ROW_TOKENS_FLOOR (fewer
+# steps for larger ones, at least one: a step of SAMPLED_TOKENS holds ~50,000 long-tail documents,
+# so its choice is already an average over many), and a step's rows within DOCS_MAX_BATCH (each
+# document is packed into the first row with room)
+SAMPLED_TOKENS = 1 << 26
+ROW_TOKENS_FLOOR = 1 << 10  # about a long-tail document: a row of 16 tokens costs as one of 1K
+DOCS_MAX_BATCH = 4096
 
 
 def format_plan(preds: list[Prediction], memory_limit: float) -> str:
@@ -95,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_gb is not None and not 0 < args.memory_gb <= MAX_MEMORY_GB:  # nan too
         parser.error(f"--memory-gb must be a positive number of at most {MAX_MEMORY_GB:g}, got "
                      f"{args.memory_gb}")
+    if args.docs is not None:
+        _check_docs_sample(parser, args.batch, args.seq)
     hw = HARDWARE[args.hardware]
     if args.devices_per_host is not None:
         if args.devices % args.devices_per_host:
@@ -129,6 +141,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _check_docs_sample(parser, batch: int, seq: int) -> None:
+    """--docs samples whole steps: one step's documents and rows within the bounds above."""
+    if batch > DOCS_MAX_BATCH:
+        parser.error(f"--docs packs every document of a step into its rows: --batch must be at "
+                     f"most {DOCS_MAX_BATCH:,} with --docs, got {batch:,}")
+    if batch * seq > SAMPLED_TOKENS:
+        parser.error(f"--docs samples every document of a step: --batch x --seq must be at most "
+                     f"{SAMPLED_TOKENS:,} tokens with --docs, got {batch * seq:,}; predict at a "
+                     "shorter --seq or smaller --batch")
+
+
+def sampled_steps(batch: int, seq: int) -> int:
+    """How many steps --docs samples: SAMPLED_STEPS, fewer when they would hold more than
+    SAMPLED_TOKENS tokens together (rows of at least ROW_TOKENS_FLOOR; at least one step)."""
+    return max(1, min(SAMPLED_STEPS, SAMPLED_TOKENS // (batch * max(seq, ROW_TOKENS_FLOOR))))
+
+
 def adaptive_line(shape, preds: list[Prediction], args, hw) -> str:
     """The adaptive choice over the best static layout whose parameters stay put when it
     switches (basp_jax.adaptive.shares_placement; no pad rows): its predicted mean step time
@@ -138,14 +167,15 @@ def adaptive_line(shape, preds: list[Prediction], args, hw) -> str:
     if base is None:
         return "adaptive: no candidate keeps its parameters in place across layouts (fsdp/host)"
     layouts = adaptive.expand(base.layout, param_sharding=base.param_sharding)
-    steps = adaptive.sample_steps(args.docs, SAMPLED_STEPS, rows=base.layout.batch,
+    count = sampled_steps(base.layout.batch, base.layout.seq_len)
+    steps = adaptive.sample_steps(args.docs, count, rows=base.layout.batch,
                                   seq_len=base.layout.seq_len)
     gain = adaptive.predicted_gain(shape, layouts, steps, hw=hw, param_sharding=base.param_sharding,
                                    grad_accum=args.grad_accum, remat=args.remat,
                                    overlap=args.overlap)
     shares = ", ".join(f"{lay.groups}x{lay.sp} {gain.share(i):.0%}"
                        for i, lay in enumerate(layouts) if gain.share(i))
-    return (f"adaptive over {base.name} (--docs {args.docs}, {SAMPLED_STEPS} sampled steps): "
+    return (f"adaptive over {base.name} (--docs {args.docs}, {count} sampled steps): "
             f"predicted {gain.adaptive_s:.3f} s/step ({gain.gain:.2f}x); layouts run: {shares}")
 
 

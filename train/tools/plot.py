@@ -5,7 +5,8 @@
     python -m train.tools.plot layouts --devices 8 --devices-per-host 4 --batch 2 -o layouts.png
 
 Each command prints the path it wrote. Bad input (no metrics.jsonl, an empty one, an unknown metric,
-an impossible layout) is one line on stderr and exit status 2.
+a number out of its range in a metrics line or a result, an impossible layout, an -o that is one of
+the inputs, symlinks resolved) is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import math
 import os
 import sys
 from pathlib import Path
+
+from .. import paths
 
 try:
     import matplotlib
@@ -45,7 +48,9 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     """The records of run_dir/metrics.jsonl, one per step in step order.
 
     A resumed run logs the steps after its last checkpoint again: the last record of a step wins.
-    Unreadable lines (a run killed mid-write) are skipped with a warning, as the trainer does.
+    Unreadable lines (a run killed mid-write) are skipped with a warning, as the trainer does; a
+    readable line whose step or metric is out of range (a damaged or foreign file) is refused,
+    naming its line and field.
     """
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
@@ -56,15 +61,17 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
         raw_lines = path.read_bytes().splitlines()
     except OSError as e:
         raise PlotError(f"{path}: {e.strerror.lower()}") from None
-    for raw in raw_lines:
+    for number, raw in enumerate(raw_lines, start=1):
         if not raw.strip():
             continue
         try:  # a line that is not UTF-8 JSON (a damaged or foreign file) counts as unreadable
             record = json.loads(raw.decode("utf-8"))
-            by_step[int(record["step"])] = record
+            step = record["step"]
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError,
-                RecursionError):  # (nested thousands deep)
+                RecursionError):  # (nested thousands deep; digits past Python's int limit)
             unreadable += 1
+            continue
+        by_step[_checked_record(record, f"{path}, line {number}")] = record
     if not by_step:
         extra = f" ({unreadable} unreadable line(s))" if unreadable else ""
         raise PlotError(f"{path} holds no step records{extra}")
@@ -73,12 +80,42 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return [by_step[step] for step in sorted(by_step)]
 
 
+MAX_STEP = 2**31 - 1  # train.steps' largest value (train.config)
+
+
+def _checked_record(record: dict, where: str) -> int:
+    """The record's step, after checking it and the metrics drawn from it: a step is an integer
+    in [0, MAX_STEP]; a metric is null, a number a float holds, or "nan"/"inf" (the trainer's
+    non-finite values)."""
+    step = record["step"]
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or step != step \
+            or not 0 <= step <= MAX_STEP or step != int(step):
+        raise PlotError(f"{where}: field 'step' is {_shown(step)}, not a step number in "
+                        f"[0, {MAX_STEP}]; is this a metrics.jsonl the trainer wrote?")
+    for metric in METRICS:
+        value = record.get(metric)
+        if value is None:
+            continue
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            float(value)
+        except (TypeError, ValueError, OverflowError):
+            raise PlotError(f"{where}: field {metric!r} is {_shown(value)}, not a number "
+                            "(null, a float, or \"nan\"/\"inf\")") from None
+    return int(step)
+
+
+def _shown(value) -> str:
+    """A value for a message, cut short (a 400-digit number stays readable)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:30]}... ({len(text)} characters)"
+
+
 def _number(value) -> float:
-    """A metric value as a float; null (e.g. mfu without a known peak) becomes a gap."""
-    try:
-        return float(value)  # the trainer writes non-finite values as "nan"/"inf" strings
-    except (TypeError, ValueError):
-        return math.nan
+    """A metric value as a float (_checked_record has checked it); null (e.g. mfu without a known
+    peak) becomes a gap."""
+    return math.nan if value is None else float(value)  # "nan"/"inf" strings included
 
 
 def run_label(run_dir: str | Path) -> str:
@@ -162,7 +199,39 @@ def read_bench(path: str | Path) -> list[dict]:
         raise PlotError(f"{path}: JSON nested too deeply to read") from None
     if not isinstance(results, list) or not results:
         raise PlotError(f"{path}: expected a non-empty list of results per link rate")
+    for i, result in enumerate(results):
+        _check_result(result, f"{path}, result {i}")
     return results
+
+
+MAX_SECONDS = 1e9  # a time of a step or of its all-to-alls (decades: beyond any measurement)
+MAX_RATE_MBIT = 1e9  # an emulated link rate in Mbit/s (a petabit link)
+
+
+def _check_result(result, where: str) -> None:
+    """The numbers bench_figure draws from one result of benchmarks/emulated_cluster.py: the
+    link rate (null: unthrottled) and the times, each a number in its range. A missing key is
+    bench_figure's to name."""
+    if not isinstance(result, dict):
+        raise PlotError(f"{where}: expected an object with 'rate', 'train' and 'a2a', got "
+                        f"{_shown(result)}")
+    if result.get("rate") is not None:
+        _check_in_range(result["rate"], f"{where}: field 'rate'", 0, MAX_RATE_MBIT, "Mbit/s")
+    train, a2a = result.get("train"), result.get("a2a")
+    fields = [(f"train.{name}.step_s", setup.get("step_s"))
+              for name, setup in (train.items() if isinstance(train, dict) else ())
+              if isinstance(setup, dict)]
+    fields += [(f"a2a.{mode}", value) for mode, value in (a2a.items() if isinstance(a2a, dict)
+                                                           else ())]
+    for field, value in fields:
+        if value is not None:
+            _check_in_range(value, f"{where}: field {field!r}", 0, MAX_SECONDS, "s")
+
+
+def _check_in_range(value, what: str, low: float, high: float, unit: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not low <= value <= high:  # (nan fails every comparison)
+        raise PlotError(f"{what} is {_shown(value)}, not a number in [{low:g}, {high:g}] {unit}")
 
 
 # --------------------------------------------------------------------------- layouts
@@ -259,6 +328,25 @@ def _save(fig, out: str | Path) -> Path:
     return out
 
 
+def _inputs(args) -> list[tuple[str, str]]:
+    """(what, path) of every file the command reads."""
+    if args.command == "losses":
+        return [(name, str(Path(d) / name)) for d in args.run_dirs
+                for name in ("metrics.jsonl", "collectives.json")]
+    if args.command == "bench":
+        return [("RESULTS_JSON", args.results)]
+    return []
+
+
+def _check_output_apart(out: str, inputs: list[tuple[str, str]]) -> None:
+    """-o is none of the inputs, symlinks resolved (a link named x.png to a run's metrics.jsonl
+    would have the figure written over the metrics)."""
+    try:
+        paths.check_apart([("-o", out)], inputs, why={"-o": "the figure would replace it"})
+    except paths.PathError as e:
+        raise PlotError(str(e)) from None
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse whose errors are one line and exit status 2, like the rest of the project."""
 
@@ -293,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if Path(args.out).suffix.lower() != ".png":
             raise PlotError(f"output {args.out}: expected a .png file name")
+        _check_output_apart(args.out, _inputs(args))
         if args.command == "losses":
             out = losses_figure(args.run_dirs, args.out, args.metrics or ["loss"])
         elif args.command == "bench":

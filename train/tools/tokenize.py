@@ -18,7 +18,8 @@ file when the seal does not match.
 Both files are written to temporary names and renamed into place, so a failed or interrupted run
 leaves no half-written output, and an existing output is kept unless --overwrite is given.
 
-Exit status 0 on success, 2 with one line on stderr for bad input.
+Exit status 0 on success, 2 with one line on stderr for bad input, 128 + the signal with one line
+after Ctrl-C (SIGINT) or SIGTERM (nothing written, temporaries removed).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ import hashlib
 import json
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 
 import numpy as np
 
@@ -300,11 +303,35 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived: unwinds like Ctrl-C's KeyboardInterrupt, so the temporaries are removed."""
+
+
+def _terminated(signum, frame):
+    signal.signal(signum, signal.SIG_IGN)  # a second one must not cut the clean-up short
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def _sigterm_like_ctrl_c():
+    """SIGTERM (a scheduler's or `kill`'s) ends the command as Ctrl-C does, in the main thread
+    only (where Python delivers signals); the previous handler afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        meta = tokenize(args.input, args.tokenizer, args.output, text_key=args.text_key,
-                        eos_id=args.eos_id, workers=args.workers, overwrite=args.overwrite)
+        with _sigterm_like_ctrl_c():
+            meta = tokenize(args.input, args.tokenizer, args.output, text_key=args.text_key,
+                            eos_id=args.eos_id, workers=args.workers, overwrite=args.overwrite)
     except (TokenizeError, DataError) as e:
         print(f"error: tokenize: {e}", file=sys.stderr)
         return 2
@@ -312,9 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: tokenize: {e.filename or args.output}: {e.strerror or e}",
               file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("error: interrupted; nothing was written", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Terminated) as e:  # the trainer's status: 128 + the signal
+        sig = signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM
+        print(f"error: tokenize: interrupted ({sig.name}); nothing was written", file=sys.stderr)
+        return 128 + sig
     print(f"wrote {args.output}: {meta['tokens']:,} tokens ({meta['dtype']}) from "
           f"{meta['documents']:,} documents, eos_id {meta['eos_id']}, vocabulary "
           f"{meta['vocab_size']:,}; train with data.source=tokens data.path={args.output} "

@@ -1,0 +1,105 @@
+"""train.process.agreement: the processes of a multi-process run compare what they will run (the
+resolved config less process_id, input files by contents) and all stop on a mismatch. Here on a
+key-value store in memory, one thread per process; tests/e2e/test_multiprocess.py runs it on
+jax.distributed."""
+
+import shutil
+import threading
+
+import numpy as np
+import pytest
+
+from train.config import ConfigError
+from train.process import agreement
+
+from tests.helpers.trainer import tiny_config
+
+
+class Store:
+    """The two methods of jax.distributed's client that agreement calls."""
+
+    def __init__(self):
+        self.values: dict[str, str] = {}
+        self.lock = threading.Lock()
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        with self.lock:
+            self.values[key] = value
+
+    def key_value_dir_get(self, directory):
+        with self.lock:
+            return [(k, v) for k, v in self.values.items() if k.startswith(directory)]
+
+
+def _agree_all(descriptions: list[dict], timeout: float = 5.0) -> list[BaseException | None]:
+    """agreement.agree in one thread per process; what each raised (None: it went on)."""
+    store, results = Store(), [None] * len(descriptions)
+
+    def process(me):
+        try:
+            agreement.agree(store, "t", me, len(descriptions), descriptions[me], timeout)
+        except BaseException as e:  # noqa: BLE001
+            results[me] = e
+
+    threads = [threading.Thread(target=process, args=(i,)) for i in range(len(descriptions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return results
+
+
+@pytest.fixture(autouse=True)
+def quick_exit(monkeypatch):
+    monkeypatch.setattr(agreement, "LAST_TO_LEAVE_S", 0.0)
+
+
+def _description(tmp_path, pid: int, *overrides: str) -> dict:
+    return agreement.description(tiny_config(
+        tmp_path / "run", "runtime.distributed.coordinator=127.0.0.1:1234",
+        "runtime.distributed.num_processes=3", f"runtime.distributed.process_id={pid}",
+        *overrides))
+
+
+def test_the_same_config_agrees_whatever_each_process_id(tmp_path):
+    assert _agree_all([_description(tmp_path, p) for p in range(3)]) == [None] * 3
+
+
+def test_another_learning_rate_in_one_process_stops_every_process_naming_the_key(tmp_path):
+    found = _agree_all([_description(tmp_path, 0), _description(tmp_path, 1),
+                        _description(tmp_path, 2, "optimizer.lr=0.5")])
+    assert all(isinstance(e, ConfigError) for e in found), found
+    for e in found:
+        text = str(e)
+        assert "\n" not in text and "optimizer.lr" in text and "0.5" in text, text
+        assert "process 2" in text, text
+
+
+def test_input_files_compare_by_contents_not_by_path(tmp_path):
+    """A copy of the token file on another path agrees; another file under the name does not;
+    a file one process cannot read is left to its own check (it reports DataError itself)."""
+    tokens = (np.arange(3000) % 200).astype(np.uint16)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    tokens.tofile(tmp_path / "a" / "t.bin")
+    shutil.copy(tmp_path / "a" / "t.bin", tmp_path / "b" / "t.bin")
+    (tokens + 1).tofile(tmp_path / "other.bin")
+
+    def on(path):
+        return ["data.source=tokens", f"data.path={path}"]
+
+    copies = [_description(tmp_path, 0, *on(tmp_path / "a" / "t.bin")),
+              _description(tmp_path, 1, *on(tmp_path / "b" / "t.bin"))]
+    assert _agree_all(copies) == [None, None]
+    other = _description(tmp_path, 1, *on(tmp_path / "other.bin"))
+    found = _agree_all([copies[0], other])
+    assert all(isinstance(e, ConfigError) and "data.path" in str(e) for e in found), found
+    missing = _description(tmp_path, 1, *on(tmp_path / "missing.bin"))
+    assert _agree_all([copies[0], missing]) == [None, None]
+
+
+def test_a_process_that_publishes_nothing_is_one_line_after_the_timeout(tmp_path):
+    store = Store()
+    with pytest.raises(agreement.NoAnswer) as e:
+        agreement.agree(store, "t", 0, 2, _description(tmp_path, 0), timeout=0.3)
+    assert "process 1 of 2" in str(e.value) and "peer_timeout_s" in str(e.value)
