@@ -214,6 +214,15 @@ def shard_devices(layout: Layout, param_sharding: str) -> int:
     return PARAM_SHARDINGS.get(param_sharding).shard_devices(layout)
 
 
+def kept_share(layout: Layout, param_sharding: str) -> float:
+    """The share of the layers' weights each device keeps from forward to backward under a
+    strategy (memory_terms' kept): a staged strategy's host-local copy when it keeps it."""
+    strategy = PARAM_SHARDINGS.get(param_sharding)
+    if not strategy.keep_host_copy:
+        return 0.0
+    return 1.0 / min(layout.devices_per_host, layout.num_devices)
+
+
 def min_inter_host_gradient_bytes(gradient_bytes: float, num_devices: int,
                                   devices_per_host: int) -> float:
     """The fewest bytes one device must send across hosts per step to sum a gradient of
@@ -319,14 +328,16 @@ def predict(
     a2a = _attention_traffic(shape, layout, REMAT_POLICIES.get(remat), act_bytes)
     a2a = a2a.scale(shape.num_layers * grad_accum)
     params = _param_traffic(shape, layout, param_sharding, grad_accum=grad_accum,
-                            act_bytes=act_bytes, param_bytes=param_bytes)
+                            act_bytes=act_bytes, param_bytes=param_bytes,
+                            master_bytes=master_bytes)
     compute_s = _compute_seconds(shape, layout, hw, grad_accum)
     a2a_s, params_s = a2a.time(hw), params.time(hw) * (1 - overlap)
     memory = memory_bytes(shape, layout.tokens_per_device, shard_group, q_heads=q_heads,
                           kv_heads=kv_heads, remat=remat, act_bytes=act_bytes,
                           master_bytes=master_bytes, moment_bytes=moment_bytes,
                           tile_tokens=tile_tokens, ring=layout.ring, zigzag=layout.zigzag,
-                          offload_state=offload_state)
+                          offload_state=offload_state,
+                          kept_share=kept_share(layout, param_sharding))
     host, host_s = _host_traffic(shape, layout, shard_group, hw, remat=remat,
                                  act_bytes=act_bytes, grad_accum=grad_accum,
                                  master_bytes=master_bytes, moment_bytes=moment_bytes,
@@ -361,36 +372,77 @@ def _attention_traffic(shape: ModelShape, layout: Layout, policy: RematPolicy,
 
 
 def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, grad_accum: int,
-                   act_bytes: int, param_bytes: int) -> Traffic:
+                   act_bytes: int, param_bytes: int, master_bytes: int = 4) -> Traffic:
     """Parameters per step: gathered forward and backward (ZeRO-3), gradients reduce-scattered,
     per microbatch; HSDP adds one cross-group all-reduce of the local shard per step, host
-    sharding one cross-host all-reduce of the host-local shard. The gradients leave in the
-    dtype the layers computed them in (param_bytes: bf16 reduce-scatters under bf16 compute,
-    as the compiled GPU programs show), not in the float32 of the master weights."""
+    sharding one cross-host all-reduce of the host-local shard; a staged strategy gathers the
+    layers in two stages (_staged_traffic) and its vocabulary tables as its `tables` strategy
+    does. The gradients leave in the dtype the layers computed them in (param_bytes: bf16
+    reduce-scatters under bf16 compute, as the compiled GPU programs show), not in the float32
+    of the master weights; a host strategy's gathered tables are used (and their gradient
+    summed across hosts) in the master dtype."""
     tokens_per_device = layout.tokens_per_device
     all_params = shape.num_params * param_bytes
     strategy = PARAM_SHARDINGS.get(param_sharding)
+    table_sharding = strategy.tables or param_sharding
     shard_group = strategy.shard_devices(layout)
-    shard_share = 0.0 if strategy.per_host else _remote_share(shard_group, layout.devices_per_host)
-    gathered = all_params
-    if vocab_parallel(shape, param_sharding, shard_group, tokens_per_device):
+    table_group = PARAM_SHARDINGS.get(table_sharding).shard_devices(layout)
+    table_share = _shard_share(table_sharding, layout)
+    tables = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+    tables *= param_bytes
+    per_micro = Traffic()
+    if vocab_parallel(shape, table_sharding, table_group, tokens_per_device):
         # basp_jax.vocab: the embedding and LM head stay where they are stored; the
         # tokens' rows move instead. Embedding: its rows reduce-scattered forward, their
         # cotangent gathered backward; loss: the hidden states gathered forward and again when
         # rematerialised, their f32 cotangent reduce-scattered.
-        tables = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
-        gathered = all_params - tables * param_bytes
-        rows = shard_group * tokens_per_device * shape.hidden_size * act_bytes
-        per_micro = (collective_traffic("reduce-scatter", rows, shard_group, shard_share)
-                     + collective_traffic("all-gather", rows, shard_group, shard_share).scale(3)
-                     + collective_traffic("reduce-scatter", 2 * rows, shard_group, shard_share))
+        rows = table_group * tokens_per_device * shape.hidden_size * act_bytes
+        per_micro = (collective_traffic("reduce-scatter", rows, table_group, table_share)
+                     + collective_traffic("all-gather", rows, table_group, table_share).scale(3)
+                     + collective_traffic("reduce-scatter", 2 * rows, table_group, table_share))
+        gathered_tables = 0.0
     else:
-        per_micro = Traffic()
-    per_micro = per_micro + (
-        collective_traffic("all-gather", gathered, shard_group, shard_share).scale(2)
-        + collective_traffic("reduce-scatter", gathered, shard_group, shard_share)
-    )
-    return per_micro.scale(grad_accum) + _gradient_sync(strategy.sync, layout, all_params)
+        gathered_tables = tables
+    layers = all_params - tables
+    if strategy.use_axes is not None:
+        per_micro = (per_micro + _staged_traffic(layers, layout, strategy.keep_host_copy)
+                     + _gathered_traffic(gathered_tables, table_group, table_share))
+    else:
+        per_micro = per_micro + _gathered_traffic(
+            layers + gathered_tables, shard_group, _shard_share(param_sharding, layout))
+    synced = all_params
+    if strategy.sync == "hosts":  # its tables' gradient crosses in the master dtype
+        synced += gathered_tables * (master_bytes / param_bytes - 1)
+    return per_micro.scale(grad_accum) + _gradient_sync(strategy.sync, layout, synced)
+
+
+def _shard_share(param_sharding: str, layout: Layout) -> float:
+    """The share of a device's shard-group peers on other hosts (none for a per-host one)."""
+    strategy = PARAM_SHARDINGS.get(param_sharding)
+    if strategy.per_host:
+        return 0.0
+    return _remote_share(strategy.shard_devices(layout), layout.devices_per_host)
+
+
+def _gathered_traffic(buffer_bytes: float, group: int, remote_share: float) -> Traffic:
+    """ZeRO-3 for one microbatch: gathered forward and again backward, reduce-scattered."""
+    return (collective_traffic("all-gather", buffer_bytes, group, remote_share).scale(2)
+            + collective_traffic("reduce-scatter", buffer_bytes, group, remote_share))
+
+
+def _staged_traffic(layer_bytes: float, layout: Layout, keep_host_copy: bool) -> Traffic:
+    """A staged strategy's layers for one microbatch (basp_jax.sharding): the host-local copy
+    (1/devices per host of each layer) gathered across hosts forward, and again for the
+    recomputed backward unless it is kept; the whole layer gathered inside the host forward and
+    backward; the gradient reduce-scattered inside the host, then its host-local shard across
+    hosts."""
+    dph = layout.devices_per_host
+    hosts = max(layout.num_devices // dph, 1)
+    host_copy = layer_bytes / dph
+    cross = (collective_traffic("all-gather", host_copy, hosts, 1.0).scale(
+        1 if keep_host_copy else 2)
+        + collective_traffic("reduce-scatter", host_copy, hosts, 1.0))
+    return cross + _gathered_traffic(layer_bytes, min(dph, layout.num_devices), 0.0)
 
 
 def _compute_seconds(shape: ModelShape, layout: Layout, hw: Hardware, grad_accum: int) -> float:
@@ -499,7 +551,8 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
                  q_heads: int, kv_heads: int, remat: str = "full", act_bytes: int = 2,
                  master_bytes: int = 4, moment_bytes: int | None = None,
                  tile_tokens: int | None = None, ring: int = 1,
-                 zigzag: bool = False, offload_state: bool = False) -> dict[str, float]:
+                 zigzag: bool = False, offload_state: bool = False,
+                 kept_share: float = 0.0) -> dict[str, float]:
     """Peak memory per device of a train step (layers under a scan, chunked loss), by term:
 
     - state: parameters and Adam's second moment in the master dtype, its first moment in
@@ -513,6 +566,8 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
       attention's whole-shard tensors (_TILED_WORKING_HIDDENS, _TILED_WORKING_EXCHANGED);
     - ring (ring > 1): the ring attention's working set, in float32 buffers the size of the
       device's queries per ring step and query piece (2 pieces in zig-zag order; _RING_WORKING).
+    - kept: the layers' weights in the compute dtype that the forward keeps for the backward,
+      kept_share of them per device (staged_keep: 1/devices per host, its host-local copies).
     The last four carry factors fitted to compiled programs (above). What an offload policy
     keeps in host memory is host_memory_bytes, not a term here. With offload_state (the
     streamed step) the state is in host memory, the gradient is the layers' in the compute
@@ -545,6 +600,7 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
         "grads": _GRADIENT_BUFFERS * p * 4 / shard_group,
         "saved": _SAVED_SHARE * shape.num_layers * tokens_per_device * per_token * act_bytes,
         "working": working,
+        "kept": kept_share * shape.num_layers * shape.layer_params * act_bytes,
     }
 
 

@@ -11,6 +11,13 @@ axes parameters are split:
                 size: gathers never leave a host and each gradient element crosses hosts once,
                 as a 1/(devices per host) shard (reduce-scatter inside the host, all-reduce of
                 the shard across hosts). Needs devices_per_host.
+    staged:     over the whole mesh like fsdp (FSDP's memory), gathered in two stages where a
+                layer is used: across hosts only the 1/N pieces a host lacks (stage), then
+                inside the host; gradients reduce-scattered inside the host, then across hosts
+                on 1/N shards. The cross-host gather runs again for the recomputed backward.
+    staged_keep: staged, keeping each layer's host-local copy from the forward for the
+                recomputed backward (ZeRO++'s hpZ): the backward gathers inside the host
+                only, for 1/(devices per host) of the layers' parameters more memory.
     replicated: nowhere: every device holds everything (small models, debugging); never the default
 
 ShardingRules(strategy, mesh) turns names into PartitionSpecs and NamedShardings; it refuses a
@@ -61,6 +68,14 @@ class Strategy:
     same_as_another(layout): whether it shards exactly as another that applies (basp_jax.cost
         then leaves it out of its candidates).
     streamed: whether the streamed step (train.streamed: weights in host memory) can use it.
+    use_axes: the axes of `placement` a split parameter axis is gathered to, across hosts, before
+        a layer uses it (ShardingRules.stage; a per-host strategy's use placement), or None:
+        used from where it is stored.
+    keep_host_copy: the staged copy is gathered once per step, outside the layer's
+        rematerialised body, and kept for its backward.
+    tables: the strategy the vocabulary tables (parameters with a 'vocab' axis) follow
+        instead, or None (this one): a staged strategy leaves them vocabulary-parallel where
+        fsdp stores them, so the embedding and head move tokens' rows, not whole tables.
     """
 
     split_axes: tuple[str, ...]
@@ -72,6 +87,9 @@ class Strategy:
     auto_rank: int | None = None
     same_as_another: Callable[..., bool] = lambda layout: False
     streamed: bool = True
+    use_axes: tuple[str, ...] | None = None
+    keep_host_copy: bool = False
+    tables: str | None = None
 
 
 def _several_hosts(layout) -> bool:
@@ -81,16 +99,23 @@ def _several_hosts(layout) -> bool:
 PARAM_SHARDINGS: Registry[Strategy] = Registry("parameter sharding")
 PARAM_SHARDINGS.register("fsdp", Strategy(
     (GROUP, SEQ), lambda layout: layout.num_devices, vocab_parallel=True,
-    applies=lambda layout: True, auto_rank=2))
+    applies=lambda layout: True, auto_rank=4))
 PARAM_SHARDINGS.register("hsdp", Strategy(
-    (SEQ,), lambda layout: layout.sp, vocab_parallel=True, sync="groups", auto_rank=1,
+    (SEQ,), lambda layout: layout.sp, vocab_parallel=True, sync="groups", auto_rank=3,
     applies=lambda layout: layout.groups > 1,  # one group: it is fsdp
     # on hosts of one seq group each it shards as host does
     same_as_another=lambda layout: _several_hosts(layout) and layout.sp == layout.devices_per_host))
 PARAM_SHARDINGS.register("host", Strategy(
     (LOCAL,), lambda layout: min(layout.devices_per_host, layout.num_devices), per_host=True,
-    sync="hosts", applies=_several_hosts, auto_rank=0,
+    sync="hosts", applies=_several_hosts, auto_rank=1,
     streamed=False))  # its per-host device copies of the weights are what streaming avoids
+# staged_keep ranks first: host's cross-host bytes (each gradient element crosses once, each
+# device fetches the 1/N pieces its host lacks once) at FSDP's memory plus one host-local copy
+for _rank, (_name, _keep) in ((0, ("staged_keep", True)), (2, ("staged", False))):
+    PARAM_SHARDINGS.register(_name, Strategy(
+        (LOCAL, HOST), lambda layout: layout.num_devices, per_host=True, use_axes=(LOCAL,),
+        keep_host_copy=_keep, tables="fsdp", applies=_several_hosts, auto_rank=_rank,
+        streamed=False))
 PARAM_SHARDINGS.register("replicated", Strategy((), lambda layout: 1))
 DEFAULT_STRATEGY = "fsdp"  # parameters' placement unless told otherwise (models.RunOptions)
 SPLIT = "split"  # in RULES: split over the strategy's parameter axes
@@ -212,8 +237,17 @@ class ShardingRules:
         """The mesh axes of `placement` that a split parameter axis goes to."""
         return self.entry.split_axes
 
+    def for_names(self, names) -> "ShardingRules":
+        """The rules that place a parameter whose axes are named `names`: the tables'
+        strategy's for a vocabulary table (Strategy.tables), else these."""
+        if self.entry.tables is None or "vocab" not in names:
+            return self
+        return ShardingRules(self.entry.tables, self.mesh, self.devices_per_host)
+
     def spec(self, names, shape) -> P:
         """The PartitionSpec of a parameter of `shape` whose axes are named `names`."""
+        if self.for_names(names) is not self:
+            return self.for_names(names).spec(names, shape)
         if len(names) != len(shape):
             raise ValueError(f"a parameter of shape {tuple(shape)} has {len(names)} axis names "
                              f"{tuple(names)}; name every axis")
@@ -232,7 +266,41 @@ class ShardingRules:
         return P()
 
     def sharding(self, names, shape) -> NamedSharding:
-        return NamedSharding(self.placement, self.spec(names, shape))
+        rules = self.for_names(names)
+        return NamedSharding(rules.placement, rules.spec(names, shape))
+
+    @property
+    def staged(self) -> bool:
+        """Whether parameters are gathered across hosts to a host-local copy before use."""
+        return self.entry.use_axes is not None
+
+    def use_spec(self, names, shape) -> P:
+        """The PartitionSpec a parameter is used in: the stored one, less the axes a staged
+        strategy gathers across hosts (the same dimension, so the gather moves only the pieces
+        a host lacks)."""
+        spec = self.spec(names, shape)
+        if not self.staged or self.for_names(names) is not self:
+            return spec
+        keep = set(self.entry.use_axes)
+
+        def kept(entry):
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            return _entry(tuple(a for a in axes if a in keep))
+
+        return P(*(kept(e) for e in spec))
+
+    def stage(self, x: jax.Array, names, dtype=None) -> jax.Array:
+        """A parameter as its layer uses it, in `dtype` (default: its own): under a staged
+        strategy gathered across hosts to its host-local copy (use_spec), whose gradient is
+        summed inside the host, then reduce-scattered across hosts onto the stored 1/N shards;
+        else x itself."""
+        if dtype is not None:
+            x = x.astype(dtype)  # cast first: the gather (and a kept copy) moves fewer bytes
+        if not self.staged or self.for_names(names) is not self:
+            return x
+        use = NamedSharding(self.placement, self.use_spec(names, x.shape))
+        stored = NamedSharding(self.placement, self.spec(names, x.shape))
+        return _gather_to(x, use, stored)
 
     def shardings(self, names, tree):
         """NamedShardings for the array (or ShapeDtypeStruct) leaves of `tree`, from `names`: a
@@ -242,6 +310,26 @@ class ShardingRules:
     @property
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather_to(x: jax.Array, use: NamedSharding, stored: NamedSharding) -> jax.Array:
+    """x, placed as `use`; its cotangent summed as `use` places it (inside each host), then
+    onto `stored` (across hosts, on the stored shards) where the layer's backward produced it,
+    so the two reductions stay apart instead of one over the whole mesh."""
+    return jax.lax.with_sharding_constraint(x, use)
+
+
+def _gather_to_fwd(x, use, stored):
+    return _gather_to(x, use, stored), None
+
+
+def _gather_to_bwd(use, stored, _, g):
+    g = jax.lax.with_sharding_constraint(g, use)
+    return (jax.lax.with_sharding_constraint(g, stored),)
+
+
+_gather_to.defvjp(_gather_to_fwd, _gather_to_bwd)
 
 
 def abstract_arrays(tree, shardings=None):

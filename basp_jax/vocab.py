@@ -68,6 +68,8 @@ def vocab_axes(names: tuple[str, ...], shape: tuple[int, ...],
     over, or None when the vocabulary is not what is split (then the plain, gathering
     computation applies): no mesh, replicated, host sharding (its own per-host path), or a
     vocabulary no axis size divides."""
+    if rules is not None:
+        rules = rules.for_names(names)
     if rules is None or not rules.entry.vocab_parallel:
         return None
     spec = tuple(rules.spec(names, shape))
@@ -220,7 +222,7 @@ def host_copies(w: jax.Array, names: tuple[str, ...], rules: ShardingRules) -> j
     tokens use copy h; every use's cotangent is summed into the host's shards (the constraint),
     and the broadcast's transpose sums the hosts' shards once: 1/(devices per host) of the
     gradient crosses hosts, however many uses and loop iterations contributed."""
-    spec = rules.spec(names, w.shape)  # the parameter's own placement (axis `names`)
+    spec = rules.use_spec(names, w.shape)  # where the parameter is used (axis `names`)
     hosts = rules.placement.shape[HOST]
     copies = jnp.broadcast_to(w, (hosts, *w.shape))
     return cotangent_sharding(copies, NamedSharding(rules.placement, P(HOST, *spec)))
@@ -398,6 +400,10 @@ class Table:
     mode: str = "auto"
     tied: bool = False
 
+    def __post_init__(self):
+        if self.rules is not None:  # the rules of this table (ShardingRules.for_names)
+            object.__setattr__(self, "rules", self.rules.for_names(self.names))
+
     @functools.cached_property
     def vocab_axes(self) -> tuple[str, ...] | None:
         """The mesh axes the vocabulary is stored split over (vocab_axes), else None."""
@@ -423,7 +429,9 @@ class Table:
         """The table's value as lookup and loss take it: one copy per host (host_copies) under a
         per-host strategy, else the array itself. Pass the same result to both uses of a tied
         table, so its gradient crosses hosts once."""
-        return host_copies(value, self.names, self.rules) if self.per_host else value
+        if not self.per_host:
+            return value
+        return host_copies(self.rules.stage(value, self.names), self.names, self.rules)
 
     def lookup(self, table: jax.Array, tokens: jax.Array, *, dtype) -> jax.Array:
         """The rows [B, S, embed] in `dtype` of tokens [B, S] (sharded P('group', 'seq') with a

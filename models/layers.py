@@ -43,6 +43,24 @@ def param_names(state: nnx.State) -> dict:
     return traverse_util.unflatten_dict(dict(flat))
 
 
+def stage_params(state: nnx.State, rules: ShardingRules | None, dtype) -> nnx.State:
+    """A layer's parameters as it uses them (ShardingRules.stage: under a staged strategy each
+    cast to the compute `dtype`, which every layer casts its weights to, and gathered across
+    hosts to its host-local copy; else the state itself). A stacked layer's slice keeps its
+    'layers' name, which the slice no longer has."""
+    if rules is None or not rules.staged:
+        return state
+
+    def stage(v):
+        if not isinstance(v, nnx.Param):
+            return v
+        names = axis_names(v)
+        names = names[len(names) - v[...].ndim:]  # a scanned slice: without 'layers'
+        return v.replace(rules.stage(v[...], names, dtype))
+
+    return jax.tree.map(stage, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def constrain(x: jax.Array, mesh: Mesh | None) -> jax.Array:
     """Constrain [B, S, ...] activations to rows over groups, sequence over a group (no-op
     without a mesh)."""

@@ -26,7 +26,8 @@ from basp_jax.vocab import LOSS_CHUNK_TOKENS, Table
 
 from . import tiling
 from .config import ModelConfig, ModelError
-from .layers import MLP, Attention, Embed, Linear, RMSNorm, axis_names, constrain, param_names
+from .layers import (MLP, Attention, Embed, Linear, RMSNorm, axis_names, constrain, param_names,
+                     stage_params)
 from .loss import causal_lm_loss
 from .options import RunOptions
 
@@ -83,10 +84,6 @@ def _output_and_mlp(modules, x, attended):
     o_proj, norm, mlp = modules
     x = x + o_proj(attended)
     return x + mlp(norm(x))
-
-
-def _run_block(block: Block, x, positions, segment_ids):
-    return block(x, positions, segment_ids)
 
 
 def _stacked_blocks(config: ModelConfig, rngs: nnx.Rngs, options: RunOptions) -> Block:
@@ -154,21 +151,30 @@ class Transformer(nnx.Module):
         embedding as the tied head's loss uses it, basp_jax.vocab.Table.use, so both share it.)"""
         x, positions, segment_ids = self.embed_inputs(tokens, segment_ids, positions, _table)
         remat = self.options.remat_policy is not None  # (remat="none": not wrapped)
+        rules = self.options.rules
+        # A staged strategy gathers each layer's parameters across hosts (stage_params): inside
+        # the rematerialised body, so the backward gathers again, or before it (keep_host_copy),
+        # so the backward reuses the forward's host-local copy.
+        keep = rules is not None and rules.entry.keep_host_copy
+
+        def run_layer(x, graphdef, layer):
+            if not keep:
+                layer = stage_params(layer, rules, self.dtype)
+            return nnx.merge(graphdef, layer)(x, positions, segment_ids)
+
+        if remat:
+            run_layer = jax.checkpoint(run_layer, policy=self.options.remat_policy,
+                                       prevent_cse=False, static_argnums=(1,))
+
+        def body(x, graphdef, layer):
+            return run_layer(x, graphdef, stage_params(layer, rules, self.dtype) if keep else layer)
+
         if self.options.scan_layers:
             graphdef, stacked = nnx.split(self.layers)
-
-            def body(x, layer):
-                return nnx.merge(graphdef, layer)(x, positions, segment_ids), None
-
-            if remat:
-                body = jax.checkpoint(body, policy=self.options.remat_policy, prevent_cse=False)
-            x, _ = jax.lax.scan(body, x, stacked)
+            x, _ = jax.lax.scan(lambda x, layer: (body(x, graphdef, layer), None), x, stacked)
             return self.norm(x)
-        block_fn = _run_block
-        if remat:
-            block_fn = nnx.remat(_run_block, policy=self.options.remat_policy)
         for layer in self.layers:
-            x = block_fn(layer, x, positions, segment_ids)
+            x = body(x, *nnx.split(layer))
         return self.norm(x)
 
     def embed_inputs(self, tokens, segment_ids=None, positions=None, _table=None):

@@ -290,8 +290,9 @@ class ParallelConfig:
     mode: Optional[str] = None
     groups: Optional[int] = None  # force a group count (basp); default gcd(microbatch, devices)
     devices_per_host: Optional[int] = None  # default: devices per process
-    # auto: host (parameters sharded inside each host) where it fits in memory, else fsdp (the
-    # choices: basp_jax.sharding.PARAM_SHARDINGS)
+    # auto: on several hosts staged_keep (fsdp's shards, gathered across hosts once a step)
+    # where it fits in memory, else host, staged, hsdp, fsdp (train.planning; the choices:
+    # basp_jax.sharding.PARAM_SHARDINGS)
     param_sharding: str = "auto"
     hardware: str = "h100-80gb"  # the GPU (basp_jax.gpus) the planner assumes for mode=auto and param_sharding=auto
     memory_gb: Optional[float] = None  # per-device memory limit for the planner (default: preset)

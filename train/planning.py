@@ -5,9 +5,10 @@
                                      groups, ring split, head padding and masked pad rows
     parallel.mode = adaptive         basp's layout and its adaptive siblings (adaptive_set): each
                                      step runs the one with the most groups that holds its documents
-    parallel.param_sharding = auto   on several hosts: host (shards inside each host, the least
-                                     inter-host traffic) where the planner says it fits in memory,
-                                     else hsdp where that fits, else fsdp; on one host: hsdp or fsdp
+    parallel.param_sharding = auto   on several hosts: staged_keep (FSDP's shards, gathered across
+                                     hosts once per step: the least inter-host traffic) where the
+                                     planner says it fits in memory, else host, staged, hsdp where
+                                     that fits, else fsdp; on one host: hsdp or fsdp
     parallel.zigzag                  with a ring, the layout's zig-zag token order (Layout.zigzag)
     model.remat = auto               the fastest predicted remat policy (and tiling) that fits
                                      parallel.hardware's device and host memory (memory_policy)
@@ -272,7 +273,8 @@ def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,
         model_shape(mcfg), layout.tokens_per_device, cost.shard_devices(layout, strategy),
         q_heads=q_heads, kv_heads=kv_heads, remat=remat or cfg.model.remat,
         act_bytes=_act_bytes(cfg), tile_tokens=tile_tokens or cfg.model.tile_tokens,
-        ring=layout.ring, zigzag=layout.zigzag, **state_bytes(cfg))
+        ring=layout.ring, zigzag=layout.zigzag, kept_share=cost.kept_share(layout, strategy),
+        **state_bytes(cfg))
     detail = ", ".join(f"{name} {value / 1e9:.3g} GB" for name, value in terms.items())
     return sum(terms.values()), detail
 

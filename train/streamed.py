@@ -73,8 +73,8 @@ def check_offload(cfg: Config, strategy: str, compute_dtype: str) -> None:
                           f"model.scan_layers=true {fix}")
     if not PARAM_SHARDINGS.get(strategy).streamed:
         raise ConfigError(f"optimizer.offload=true keeps the weights in host memory, so {strategy} "
-                          f"parameter sharding (per-host device copies) does not apply; set "
-                          f"parallel.param_sharding=fsdp {fix}")
+                          f"parameter sharding (device copies of the weights per host) does not "
+                          f"apply; set parallel.param_sharding=fsdp {fix}")
     if compute_dtype == "float16":
         raise ConfigError(f"optimizer.offload=true has no loss scaling for float16 compute; set "
                           f"model.dtype=bfloat16 or float32 {fix}")

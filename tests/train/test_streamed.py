@@ -205,7 +205,9 @@ def test_checkpoints_move_between_the_streamed_and_the_ordinary_step(tmp_path):
     (["model.scan_layers=false"], "streams the layers of a scanned stack"),
     (["model.remat=full"], "set model.remat=offload (or auto), not 'full'"),
     (["parallel.param_sharding=host", "parallel.devices_per_host=4"],
-     "host parameter sharding (per-host device copies) does not apply"),
+     "host parameter sharding (device copies of the weights per host) does not apply"),
+    (["parallel.param_sharding=staged_keep", "parallel.devices_per_host=4"],
+     "staged_keep parameter sharding (device copies of the weights per host) does not apply"),
     (["model.dtype=float16"], "has no loss scaling for float16 compute"),
 ])
 def test_offload_refuses_what_it_does_not_do(tmp_path, extra, message):

@@ -526,7 +526,9 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
                             remat=remat, tile_tokens=tile, **state_bytes(variant))
         r = report(variant, target, hosts, gpus_per_host)
         rows.append({"name": pred.name, "predicted_step_s": pred.step_s,
-                     "formula_memory_bytes": pred.memory_bytes, "report": r})
+                     "formula_memory_bytes": pred.memory_bytes,
+                     "predicted_inter_host_bytes": pred.params.inter + pred.all_to_all.inter,
+                     "report": r})
     rows.sort(key=lambda row: (not row["report"]["fits"], row["predicted_step_s"]))
     return rows
 
@@ -537,14 +539,15 @@ def inter_host_bytes(report: dict) -> float:
 
 
 def format_plan(rows: list[dict]) -> str:
-    lines = [f"{'layout':<34}{'step s':>8}{'formula GiB':>13}{'compiled GiB':>14}"
-             f"{'inter-host MiB':>16}  fits"]
+    lines = [f"{'layout':<40}{'step s':>8}{'formula GiB':>13}{'compiled GiB':>14}"
+             f"{'inter-host MiB: planner':>25}{'compiled':>10}  fits"]
     for row in rows:
         r = row["report"]
-        lines.append(f"{row['name']:<34}{row['predicted_step_s']:>8.3f}"
+        lines.append(f"{row['name']:<40}{row['predicted_step_s']:>8.3f}"
                      f"{row['formula_memory_bytes'] / GiB:>13.1f}"
                      f"{r['peak_bytes_per_device'] / GiB:>14.1f}"
-                     f"{inter_host_bytes(r) / 2**20:>16.1f}  {'yes' if r['fits'] else 'no'}")
+                     f"{row['predicted_inter_host_bytes'] / 2**20:>25.1f}"
+                     f"{inter_host_bytes(r) / 2**20:>10.1f}  {'yes' if r['fits'] else 'no'}")
     fitting = [row for row in rows if row["report"]["fits"]]
     lines.append("")
     lines.append(f"pick: {fitting[0]['name']} (fastest predicted step whose compiled memory fits)"
