@@ -48,14 +48,16 @@ def _flat(state):
             for k, v in nnx.to_flat_state(state)}
 
 
-# (batch, groups): BASP (2,4), Ulysses (1,8), one device per sequence (8,1)
-LAYOUTS = [(2, 2), (2, 1), (8, 8)]
+# (batch, groups): BASP (2,4), Ulysses (1,8), one device per sequence (8,1); each strategy, with
+# and without rematerialisation (staged_keep's kept copy feeds the recomputed backward), tied and
+# untied tables. The first is the fast tier's.
+CASES = [(2, 2, "staged_keep", "full", False),
+         pytest.param(2, 1, "staged", "full", True, marks=pytest.mark.slow),
+         pytest.param(8, 8, "staged_keep", "none", True, marks=pytest.mark.slow),
+         pytest.param(2, 1, "staged_keep", "full", True, marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("batch,groups", LAYOUTS)
-@pytest.mark.parametrize("strategy,remat,tied", [("staged", "full", True),
-                                                 ("staged_keep", "full", False),
-                                                 ("staged_keep", "none", True)])
+@pytest.mark.parametrize("batch,groups,strategy,remat,tied", CASES)
 def test_loss_and_gradients_equal_one_device(batch, groups, strategy, remat, tied):
     config = _config(tied)
     tokens, targets, segments = _batch(batch, seed=batch + groups)
@@ -87,6 +89,7 @@ def _inter_host(found, kinds):
                if c.kind in kinds)
 
 
+@pytest.mark.slow
 def test_layers_cross_hosts_as_eighths_between_the_hosts_only():
     """In the compiled step every gather of a layer's weights that crosses hosts runs between
     the 2 hosts only (each device fetches the 1/8 pieces its host lacks), and the cross-host
@@ -105,3 +108,31 @@ def test_layers_cross_hosts_as_eighths_between_the_hosts_only():
     assert all(len(g) == 2 for c in layers for g in c.groups), layers
     for kinds in (("all-gather",), ("reduce-scatter", "all-reduce")):
         assert _inter_host(found["staged"], kinds) < 0.4 * _inter_host(found["fsdp"], kinds), kinds
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_fsdp_and_staged_and_accumulation_matches(tmp_path):
+    """The trainer under staged_keep with grad_accum=2 trains fsdp's losses; a checkpoint written
+    under fsdp resumes under staged_keep, and one written under staged_keep resumes under fsdp,
+    each continuing the straight run exactly (the stored shards differ in order: the restore
+    places them)."""
+    from train.loop import run
+
+    from tests.helpers.trainer import tiny_config
+
+    common = ("train.steps=4", "checkpoint.every=2", "train.microbatch_size=2",
+              "train.grad_accum=2", "parallel.devices_per_host=4")
+
+    def config(name, sharding):
+        return tiny_config(tmp_path / name, f"parallel.param_sharding={sharding}", *common)
+
+    straight = run(config("straight", "fsdp"))
+    staged = run(config("staged", "staged_keep"))
+    np.testing.assert_allclose(staged["losses"], straight["losses"], rtol=1e-5)
+    for first, then in (("fsdp", "staged_keep"), ("staged_keep", "fsdp")):
+        name = f"{first}_then_{then}"
+        head = run(config(name, first), stop_at=2)
+        tail = run(config(name, then))
+        assert tail["start_step"] == 2, name
+        np.testing.assert_allclose(head["losses"] + tail["losses"], straight["losses"],
+                                   rtol=1e-5, err_msg=name)

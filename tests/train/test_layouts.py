@@ -83,21 +83,23 @@ def test_a_replicated_head_trains_the_single_device_losses(tmp_path, sharding, b
     np.testing.assert_allclose(run_["losses"], _single(tmp_path, batch)["losses"], rtol=RTOL)
 
 
-def test_param_sharding_auto_prefers_host_then_hsdp_where_they_fit(tmp_path):
+def test_param_sharding_auto_prefers_staged_then_hsdp_where_they_fit(tmp_path):
+    """On several hosts staged_keep (fsdp's shards, each layer crossing hosts once); on one host
+    hsdp where it applies, else fsdp, which is also taken where nothing else fits."""
     from train import planning
     from train.loop import model_config
 
     cfg = tiny_config(tmp_path / "plan", "train.microbatch_size=2", "parallel.devices_per_host=4")
     mcfg = model_config(cfg)
     layout, strategy = planning.plan(cfg, mcfg, 8, 4)
-    assert (layout.groups, layout.sp, strategy) == (2, 4, "host")
+    assert (layout.groups, layout.sp, strategy) == (2, 4, "staged_keep")
     b8 = tiny_config(tmp_path / "b8", "train.microbatch_size=8")
-    assert planning.plan(b8, mcfg, 8, 4)[1] == "host"  # seq groups of one device
+    assert planning.plan(b8, mcfg, 8, 4)[1] == "staged_keep"  # seq groups of one device
     assert planning.plan(cfg, mcfg, 8, 8)[1] == "hsdp"  # one host: host would be fsdp
     tight = tiny_config(tmp_path / "tight", "train.microbatch_size=2", "parallel.memory_gb=1e-4")
     assert planning.plan(tight, mcfg, 8, 4)[1] == "fsdp"  # larger shards do not fit
     ulysses = tiny_config(tmp_path / "u", "parallel.mode=ulysses")
-    assert planning.plan(ulysses, mcfg, 8, 4)[1] == "host"  # any seq group size
+    assert planning.plan(ulysses, mcfg, 8, 4)[1] == "staged_keep"  # any seq group size
     assert planning.plan(ulysses, mcfg, 8, 8)[1] == "fsdp"  # one host, one group
 
 
