@@ -73,7 +73,7 @@ def test_bad_values_one_line(tmp_path, override, fragment):
 @pytest.mark.parametrize("override, names", [
     ("parallel.mode=ring", "basp, ulysses, auto, adaptive"),
     ("model.attn_impl=flash", "auto, xla, cudnn, pallas, blockwise"),
-    ("parallel.param_sharding=zero", "auto, fsdp, hsdp, host, replicated"),
+    ("parallel.param_sharding=zero", "auto, fsdp, hsdp, host, staged_keep, staged, replicated"),
     ("model.remat=some", "none, full, dots, offload, offload_exchanges, auto"),
 ])
 def test_registry_choices_are_checked_with_one_line_naming_them(tmp_path, override, names):
@@ -111,6 +111,7 @@ def test_shipped_configs_load_and_plan():
     """Every config in configs/ parses; the GPU ones plan their layout for their model on 8 devices."""
     import models
     from basp_jax import Layout
+    from train import planning
 
     paths = shipped_configs()
     assert len(paths) >= 11
@@ -121,6 +122,10 @@ def test_shipped_configs_load_and_plan():
         preset = path.stem.rsplit("_", 1)[0]
         mc = models.ModelConfig.preset(preset)
         adaptive = cfg.parallel.mode == "adaptive"  # basp's layout and its siblings
+        devices, per_host = cfg.runtime.devices, cfg.parallel.devices_per_host
+        strategy = planning.plan(cfg, mc, devices, per_host)[1]
+        # on several hosts the planner's choice: FSDP's shards, each layer across hosts once
+        assert strategy == ("staged_keep" if devices > per_host else "fsdp"), path
         layout = Layout.plan(num_devices=8, batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len,
                              num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
                              mode="basp" if adaptive else cfg.parallel.mode, devices_per_host=4)
@@ -128,7 +133,7 @@ def test_shipped_configs_load_and_plan():
         if adaptive:  # one sequence per microbatch: (1,8) and 2, 4, 8 groups of shorter rows
             from basp_jax import adaptive as adapt
 
-            sets = adapt.expand(layout, param_sharding=cfg.parallel.param_sharding)
+            sets = adapt.expand(layout, param_sharding=strategy)
             assert [(x.groups, x.sp, x.seq_len) for x in sets] == \
                 [(1, 8, 16384), (2, 4, 8192), (4, 2, 4096), (8, 1, 2048)]
             assert cfg.data.pack
