@@ -1,11 +1,16 @@
 """ModelConfig: the shapes and switches of one decoder, from a Hugging Face config.json or a preset.
 
 One dataclass covers Llama 3 / 3.1 / 3.2, Qwen2 / Qwen2.5 (and Qwen1.5, which uses the qwen2 code
-path) and Qwen3. The switches that distinguish the families:
+path), Qwen3 and the Qwen3.5 text model. The switches that distinguish the families:
 
-    llama   rope_scaling type 'llama3', tied embeddings in 3.2-1B/3B, no biases
-    qwen2   bias on q/k/v (attention_bias=True), no bias on o_proj
-    qwen3   per-head RMSNorm on q and k (qk_norm=True), explicit head_dim, no biases
+    llama        rope_scaling type 'llama3', tied embeddings in 3.2-1B/3B, no biases
+    qwen2        bias on q/k/v (attention_bias=True), no bias on o_proj
+    qwen3        per-head RMSNorm on q and k (qk_norm=True), explicit head_dim, no biases
+    qwen3_5_text a hybrid: `layer_types` names each layer's token mixer, 'linear_attention'
+                 (Gated DeltaNet, models.linear_attention; the linear_* shapes) or
+                 'full_attention' (with a sigmoid output gate, attention_output_gate=True, and
+                 RoPE on the first partial_rotary_factor of each head); every RMSNorm but the
+                 DeltaNet's gated one scales by (1 + weight) (rms_norm_zero_centered=True)
 """
 
 from __future__ import annotations
@@ -18,10 +23,15 @@ from typing import Any
 
 from basp_jax import cost
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text")
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
 }
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
+LINEAR_SHAPE_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                       "linear_value_head_dim", "linear_conv_kernel_dim")
 ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -50,6 +60,17 @@ class ModelConfig:
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # Hybrid models (Qwen3.5): each layer's token mixer, FULL_ATTENTION or LINEAR_ATTENTION
+    # (None: every layer full attention), and the Gated DeltaNet shapes of the linear layers.
+    layer_types: tuple[str, ...] | None = None
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * this channels of a head
+    attention_output_gate: bool = False  # attention output * sigmoid(gate); q_proj emits the gate
+    rms_norm_zero_centered: bool = False  # RMSNorm scales by (1 + weight), weight stored centred
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:
@@ -67,6 +88,7 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelError(f"head_dim={self.head_dim} must be even for RoPE")
+        self._check_hybrid()
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ModelError(
                 f"rope_scaling must be a mapping (e.g. {{rope_type: llama3, factor: 8.0, ...}}) "
@@ -90,7 +112,50 @@ class ModelConfig:
         if rope_type == "linear" and "factor" not in self.rope_scaling:
             raise ModelError("rope_scaling type 'linear' lacks factor")
 
+    def _check_hybrid(self) -> None:
+        """The layer types and the linear layers' shapes (Qwen3.5)."""
+        _check_positive("partial_rotary_factor", self.partial_rotary_factor)
+        if self.partial_rotary_factor > 1 or self.rotary_dim % 2 or self.rotary_dim == 0:
+            raise ModelError(
+                f"partial_rotary_factor={self.partial_rotary_factor} must be at most 1 and give an "
+                f"even, non-zero number of rotated channels of head_dim={self.head_dim}")
+        if self.layer_types is None:
+            return
+        if not isinstance(self.layer_types, tuple):  # frozen and hashed: stored as a tuple
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_layers:
+            raise ModelError(f"layer_types names {len(self.layer_types)} layers but num_layers is "
+                             f"{self.num_layers}")
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ModelError(f"unknown layer type {unknown[0]!r} in layer_types; supported: "
+                             f"{', '.join(LAYER_TYPES)}")
+        if LINEAR_ATTENTION not in self.layer_types:
+            return
+        for name in LINEAR_SHAPE_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelError(f"{name} must be a positive integer for linear_attention "
+                                 f"layers, got {value!r}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ModelError(
+                f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                f"linear_num_key_heads={self.linear_num_key_heads}")
+
     # -- derived -----------------------------------------------------------------------------
+
+    @property
+    def rotary_dim(self) -> int:
+        """The channels of each head RoPE rotates (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether any layer is not full attention (then the layers are not one scanned stack)."""
+        return self.layer_types is not None and LINEAR_ATTENTION in self.layer_types
+
+    def layer_type(self, index: int) -> str:
+        return FULL_ATTENTION if self.layer_types is None else self.layer_types[index]
 
     @property
     def rope_type(self) -> str:
@@ -170,6 +235,19 @@ class ModelConfig:
         if self.model_type in ("qwen2", "qwen3"):
             out["use_sliding_window"] = False
             out["sliding_window"] = None
+        if self.model_type == "qwen3_5_text":  # its RoPE lives in rope_parameters
+            del out["rope_scaling"], out["rope_theta"]
+            out.update(self._qwen3_5_hf())
+        return out
+
+    def _qwen3_5_hf(self) -> dict[str, Any]:
+        """The Qwen3.5 text config's own keys (transformers 5 only: its RoPE in rope_parameters)."""
+        rope = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta,
+                "partial_rotary_factor": self.partial_rotary_factor}
+        layer_types = self.layer_types or (FULL_ATTENTION,) * self.num_layers
+        out = {"attention_bias": self.attention_bias, "rope_parameters": rope,
+               "layer_types": list(layer_types)}
+        out.update({name: getattr(self, name) for name in LINEAR_SHAPE_FIELDS})
         return out
 
 
@@ -224,6 +302,7 @@ def _from_hf_dict(data: dict, source: str) -> ModelConfig:
         rope["rope_type"] = rope.pop("type")
     theta = _float(rope.pop("rope_theta", None) or data.get("rope_theta") or 10000.0, "rope_theta",
                    source)
+    qwen3_5 = _qwen3_5_fields(data, rope, source) if model_type == "qwen3_5_text" else {}
     rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
 
     if model_type == "qwen2":
@@ -246,16 +325,41 @@ def _from_hf_dict(data: dict, source: str) -> ModelConfig:
             tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             attention_out_bias=out_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_5_text"),
             max_position_embeddings=_get(data, "max_position_embeddings", source, 8192),
             model_type=model_type,
             initializer_range=_float(data.get("initializer_range", 0.02), "initializer_range",
                                      source),
             bos_token_id=data.get("bos_token_id"),
             eos_token_id=data.get("eos_token_id"),
+            **qwen3_5,
         )
     except ModelError as e:
         raise ModelError(f"{source}: {e}") from None
+
+
+def _qwen3_5_fields(data: dict, rope: dict, source: str) -> dict[str, Any]:
+    """The hybrid's fields of a qwen3_5_text config; pops the keys of `rope` that are not scaling
+    (the partial rotary factor; the multimodal RoPE sections, which text positions make plain)."""
+    factor = rope.pop("partial_rotary_factor", None) or data.get("partial_rotary_factor") or 0.25
+    for key in ("mrope_section", "mrope_interleaved"):
+        rope.pop(key, None)
+    num_layers = _get(data, "num_hidden_layers", source)
+    layer_types = data.get("layer_types")
+    if layer_types is None:  # transformers' default: every full_attention_interval-th layer
+        interval = data.get("full_attention_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval <= 0:
+            raise ModelError(f"{source}: full_attention_interval must be a positive integer, "
+                             f"got {interval!r}")
+        if isinstance(num_layers, int):
+            layer_types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION
+                           for i in range(num_layers)]
+    if not isinstance(layer_types, (list, tuple)):
+        raise ModelError(f"{source}: layer_types must be a list, got {layer_types!r}")
+    fields = {name: _get(data, name, source) for name in LINEAR_SHAPE_FIELDS}
+    return dict(fields, layer_types=tuple(layer_types),
+                partial_rotary_factor=_float(factor, "partial_rotary_factor", source),
+                attention_output_gate=True, rms_norm_zero_centered=True)
 
 
 # Shapes of the paper's models (as in their Hugging Face config.json): what the planner
