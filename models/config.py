@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from typing import Any
 
 from basp_jax import cost
+
+log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text")
 ARCHITECTURES = {
@@ -30,6 +33,9 @@ ARCHITECTURES = {
 }
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
+# Multimodal model types whose text model is one of ours: {its type: the text model's type}.
+# Their checkpoints keep the text model under model.language_model. (models.safetensors_io).
+MULTIMODAL_TYPES = {"qwen3_5": "qwen3_5_text"}
 LINEAR_SHAPE_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                        "linear_value_head_dim", "linear_conv_kernel_dim")
 ROPE_TYPES = ("default", "llama3", "linear")
@@ -251,6 +257,22 @@ class ModelConfig:
         return out
 
 
+def _text_config(data: dict, source: str) -> dict:
+    """The text model's config of a multimodal one (its text_config; whether the head is tied
+    is the outer config's say, as transformers ties them)."""
+    text = data.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelError(f"{source}: a {data['model_type']} config needs a text_config object")
+    text = dict(text)
+    text.setdefault("model_type", MULTIMODAL_TYPES[data["model_type"]])
+    if "tie_word_embeddings" in data:
+        text["tie_word_embeddings"] = data["tie_word_embeddings"]
+    if data.get("vision_config") is not None:
+        log.warning("%s: the %s model's vision tower is not loaded; its text model is",
+                    source, data["model_type"])
+    return text
+
+
 def _get(data: dict, key: str, source: str, default=dataclasses.MISSING):
     if key in data and data[key] is not None:
         return data[key]
@@ -273,10 +295,13 @@ def _float(value, name: str, source: str) -> float:
 
 
 def _from_hf_dict(data: dict, source: str) -> ModelConfig:
+    if data.get("model_type") in MULTIMODAL_TYPES:
+        data = _text_config(data, source)
     model_type = data.get("model_type")
     if model_type not in MODEL_TYPES:
         raise ModelError(
-            f"{source}: unknown model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}"
+            f"{source}: unknown model_type {model_type!r}; supported: "
+            f"{', '.join(MODEL_TYPES + tuple(MULTIMODAL_TYPES))}"
         )
     act = data.get("hidden_act", "silu")
     if act != "silu":

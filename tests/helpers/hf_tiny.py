@@ -104,3 +104,26 @@ def load_torch(directory):
 
     return transformers.AutoModelForCausalLM.from_pretrained(
         directory, attn_implementation="eager", dtype="float32").eval()
+
+
+def save_qwen3_5_multimodal(directory, seed: int = 0, tied: bool = False):
+    """A tiny Qwen3.5 vision-language checkpoint (one vision block) whose text model is
+    hf_config(QWEN3_5)'s, random as `build` makes it; returns the transformers model."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    text = hf_config(QWEN3_5).to_dict()  # untied: the outer config's tie_word_embeddings decides
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=text["hidden_size"], num_position_embeddings=16)
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision,
+                                        tie_word_embeddings=tied)
+    config._attn_implementation = "eager"
+    model = transformers.Qwen3_5ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            base = _random_base(QWEN3_5, name)
+            if base is not None and "visual" not in name:
+                p.copy_(base + 0.08 * torch.randn_like(p))
+    model.save_pretrained(directory)
+    return model

@@ -109,6 +109,48 @@ def test_gradients_match_torch_autograd(checkpoints, tokens):
     assert worst > 0  # compared something
 
 
+# -- Hugging Face checkpoints ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_round_trip_through_transformers(checkpoints, tokens, tmp_path, tied):
+    """save_pretrained writes a Qwen3_5ForCausalLM directory transformers loads with the same
+    tensors and logits; ours loads it back equal."""
+    directory, torch_model = checkpoints[tied]
+    model = models.from_pretrained(directory)
+    models.save_pretrained(model, tmp_path)
+    reloaded = hf_tiny.load_torch(tmp_path)
+    assert type(reloaded).__name__ == "Qwen3_5ForCausalLM"
+    assert reloaded.config.layer_types == list(model.config.layer_types)
+    state = models.hf_state_dict(model)
+    torch_state = {k: v.numpy() for k, v in reloaded.state_dict().items()}
+    if tied:  # transformers lists the shared matrix under both names
+        torch_state.pop("lm_head.weight")
+    assert state.keys() == torch_state.keys()
+    for name, value in state.items():
+        np.testing.assert_array_equal(value, torch_state[name], err_msg=name)
+    expected = hf_tiny.torch_logits(torch_model, tokens)
+    np.testing.assert_allclose(hf_tiny.torch_logits(reloaded, tokens), expected, atol=ATOL, rtol=0)
+    assert models.ModelConfig.from_hf(str(tmp_path)) == model.config
+
+
+@pytest.mark.slow
+def test_text_model_of_a_multimodal_checkpoint(tmp_path, tokens, caplog):
+    """A qwen3_5 (vision-language) directory: its text model loads (the text_config, the
+    tensors under model.language_model., the head tied as the outer config says), the vision
+    tower is left with one log line, and the logits equal the whole transformers model's on
+    text."""
+    tied = True
+    torch_model = hf_tiny.save_qwen3_5_multimodal(tmp_path, tied=tied)
+    with caplog.at_level("WARNING", logger="models.config"):
+        model = models.from_pretrained(str(tmp_path))
+    assert len([r for r in caplog.records if "vision" in r.getMessage()]) == 1
+    assert model.config.model_type == "qwen3_5_text"
+    assert model.config.tie_word_embeddings == tied
+    np.testing.assert_allclose(np.asarray(forward(model, jnp.asarray(tokens))),
+                               hf_tiny.torch_logits(torch_model, tokens), atol=ATOL, rtol=0)
+
+
 # -- the delta rule and the conv ----------------------------------------------------------------
 
 
@@ -232,6 +274,7 @@ def test_bad_hybrid_configs_are_one_line(checkpoints):
     _one_line_error(lambda: models.ModelConfig.from_hf(
         {**good, "rope_parameters": {**good["rope_parameters"], "partial_rotary_factor": 0.1}}),
         "partial_rotary_factor")
+    _one_line_error(lambda: models.ModelConfig.from_hf({"model_type": "qwen3_5"}), "text_config")
     model = models.from_pretrained(checkpoints[False][0])
     _one_line_error(lambda: model.init_cache(1, 8), "linear_attention")
 
