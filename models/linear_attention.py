@@ -14,6 +14,16 @@ of a difference of cumulative log-decays that is <= 0, so nothing overflows.
 
 Packed documents: `starts` [B, S] marks each token that begins a document; there the conv does
 not look back past it and the recurrent state restarts from zero (as cu_seqlens does upstream).
+
+On a mesh the projections, gates and the output norm are token-local and run on each device's
+sequence shard; the conv and the delta rule need whole sequences, so they run inside a
+shard_map after the same all-to-all as attention's (basp_jax.attention, over 'seq', inside each
+group): each device then holds whole sequences for 1/sp of the heads, and a second all-to-all
+returns its output to sequence shards. BASP (groups > 1) and Ulysses (one group) are the same
+code. When sp does not divide the key heads but divides the value heads, q and k are repeated
+to the value heads first (exact, more bytes); a layout whose sp divides neither, or a ring
+(whose devices would hold parts of one sequence's recurrence), is refused when the model is
+built.
 """
 
 from __future__ import annotations
@@ -21,9 +31,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
-from .config import ModelConfig
-from .layers import Linear, param
+from basp_jax.attention import _heads_to_seq, _seq_to_heads
+from basp_jax.mesh import SEQ
+from basp_jax.remat import name_exchange
+from basp_jax.sharding import ACTIVATION_SPEC
+
+from .config import ModelConfig, ModelError
+from .layers import Linear, constrain, param
 from .options import RunOptions
 
 CHUNK = 64  # tokens per chunk of the chunked delta rule (transformers' and fla's default)
@@ -154,6 +170,45 @@ def gated_delta_rule_chunked(q, k, v, g, beta, starts, chunk: int = CHUNK):
     return jnp.swapaxes(out, 1, 2).astype(dtype)
 
 
+def _whole_sequence_mix(q, k, v, g, beta, conv, segment_ids):
+    """silu(conv) of q, k, v ([B, S, H, D], conv weights [H, D, K] each) and the chunked delta
+    rule, on whole sequences (one device's rows, or its heads after the all-to-all)."""
+    b, s = q.shape[:2]
+    starts = document_starts(segment_ids, b, s)
+
+    def conv_silu(x, weight):
+        flat = causal_conv(x.reshape(b, s, -1), weight.reshape(-1, weight.shape[-1]), starts)
+        return jax.nn.silu(flat).reshape(x.shape)
+
+    q, k, v = (conv_silu(x, w) for x, w in zip((q, k, v), conv))
+    return gated_delta_rule_chunked(q, k, v, g, beta, starts)
+
+
+def _heads_slice(weight, sp):
+    """This device's heads [H / sp, ...] of a weight [H, ...] all devices hold (the heads
+    _seq_to_heads gave it: the r-th block along 'seq')."""
+    if sp == 1:
+        return weight
+    per_device = weight.shape[0] // sp
+    return lax.dynamic_slice_in_dim(weight, lax.axis_index(SEQ) * per_device, per_device, axis=0)
+
+
+def _check_layout(config: ModelConfig, options: RunOptions, sp: int) -> None:
+    """What the linear layers need of a layout, before anything compiles: no ring, and sp
+    dividing the key heads or, with q and k repeated, the value heads."""
+    layout = options.layout
+    if layout is not None and layout.ring > 1:
+        raise ModelError(
+            f"linear_attention layers need whole sequences on a device after the all-to-all; "
+            f"parallel.ring={layout.ring} splits them: use ring=1")
+    heads = config.linear_num_value_heads
+    if sp > 1 and heads % sp:
+        raise ModelError(
+            f"linear_num_value_heads={heads} is not divisible by the layout's sp={sp}; use a "
+            f"layout whose seq degree divides it (e.g. sp="
+            f"{max(d for d in range(1, sp) if heads % d == 0)})")
+
+
 class GatedRMSNorm(nnx.Module):
     """RMSNorm(x) * weight * silu(gate), over the last axis, in float32 (Qwen3_5RMSNormGated)."""
 
@@ -170,15 +225,13 @@ class GatedRMSNorm(nnx.Module):
 
 
 class DepthwiseConv(nnx.Module):
-    """The causal depthwise conv's weight, stored as Hugging Face's Conv1d [channels, 1, K]."""
+    """The causal depthwise conv's weight, stored as Hugging Face's Conv1d [channels, 1, K]
+    (GatedDeltaNet applies it per head: causal_conv)."""
 
     def __init__(self, channels: int, width: int, *, rngs: nnx.Rngs, param_dtype):
         bound = width ** -0.5  # torch's Conv1d default: fan_in = K for a depthwise conv
         weight = jax.random.uniform(rngs.params(), (channels, 1, width), param_dtype, -bound, bound)
         self.weight = param(weight, ("q_heads", None, None))
-
-    def __call__(self, x, starts):
-        return causal_conv(x, self.weight[...][:, 0].astype(x.dtype), starts)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -211,6 +264,10 @@ class GatedDeltaNet(nnx.Module):
                                  param_dtype=param_dtype)
         self.out_proj = Linear(self.value_dim, d, ("o_heads", "embed"), **kw)
         self.dtype = dtype
+        self.mesh = options.mesh
+        self.sp = 1 if options.mesh is None else options.mesh.shape[SEQ]
+        self.expand_keys = self.sp > 1 and nk % self.sp != 0  # (checked: then sp divides nv)
+        _check_layout(config, options, self.sp)
 
     @property
     def output_projection(self) -> Linear:
@@ -221,8 +278,8 @@ class GatedDeltaNet(nnx.Module):
         (positions are unused: the conv and the recurrence order the tokens.)"""
         del positions
         b, s, _ = x.shape
-        starts = document_starts(segment_ids, b, s)
-        qkv = jax.nn.silu(self.conv1d(self.in_proj_qkv(x), starts))
+        # q, k, v before the conv: the conv is per channel, so it runs on each head's own
+        qkv = self.in_proj_qkv(x)
         q, k, v = jnp.split(qkv, [self.key_dim, 2 * self.key_dim], axis=-1)
         q = q.reshape(b, s, self.num_k_heads, self.head_k_dim)
         k = k.reshape(b, s, self.num_k_heads, self.head_k_dim)
@@ -230,9 +287,41 @@ class GatedDeltaNet(nnx.Module):
         beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))
         a = self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a)
-        out = gated_delta_rule_chunked(q, k, v, g, beta, starts)
+        conv = self.conv1d.weight[...][:, 0].astype(x.dtype)  # [conv_dim, K]
+        conv_q, conv_k, conv_v = jnp.split(conv, [self.key_dim, 2 * self.key_dim])
+        conv_q, conv_k = (w.reshape(self.num_k_heads, self.head_k_dim, -1) for w in (conv_q,
+                                                                                     conv_k))
+        conv_v = conv_v.reshape(self.num_v_heads, self.head_v_dim, -1)
+        if self.expand_keys:  # each value head its own copy of its key head
+            repeats = self.num_v_heads // self.num_k_heads
+            q, k, conv_q, conv_k = (jnp.repeat(t, repeats, axis=2 if t.ndim == 4 else 0)
+                                    for t in (q, k, conv_q, conv_k))
+        out = self._sequence_mix(q, k, v, g, beta, (conv_q, conv_k, conv_v), segment_ids)
         z = self.in_proj_z(x).reshape(b, s, self.num_v_heads, self.head_v_dim)
         return self.norm(out, z).reshape(b, s, self.value_dim)
+
+    def _sequence_mix(self, q, k, v, g, beta, conv, segment_ids):
+        """conv + silu and the delta rule over whole sequences: [B, S, Hv, Dv] float32-exact
+        in the compute dtype; on a mesh, inside a shard_map between two all-to-alls."""
+        if self.mesh is None:
+            return _whole_sequence_mix(q, k, v, g, beta, conv, segment_ids)
+        sp = self.sp
+
+        def local(q, k, v, g, beta, conv, seg):
+            q, k, v = (_seq_to_heads(t, sp) for t in (q, k, v))
+            g, beta = (_seq_to_heads(t[..., None], sp)[..., 0] for t in (g, beta))
+            conv = tuple(_heads_slice(w, sp) for w in conv)
+            if seg is not None and sp > 1:
+                seg = name_exchange(lax.all_gather(seg, SEQ, axis=1, tiled=True))
+            return _heads_to_seq(_whole_sequence_mix(q, k, v, g, beta, conv, seg), sp)
+
+        q, k, v, g, beta = (constrain(t, self.mesh) for t in (q, k, v, g, beta))
+        seg_spec = None if segment_ids is None else ACTIVATION_SPEC
+        sharded = jax.shard_map(
+            local, mesh=self.mesh,
+            in_specs=(ACTIVATION_SPEC,) * 5 + ((jax.sharding.PartitionSpec(),) * 3, seg_spec),
+            out_specs=ACTIVATION_SPEC, check_vma=False)
+        return constrain(sharded(q, k, v, g, beta, conv, segment_ids), self.mesh)
 
     def __call__(self, x, positions, segment_ids):
         return self.out_proj(self.mix(x, positions, segment_ids))

@@ -60,21 +60,15 @@ def test_config_read_from_hf(checkpoints):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_logits_match_transformers(checkpoints, tokens, tied):
+    """Untied, and tied with tile_tokens (both mixers' output projections and the MLP over
+    token chunks)."""
     directory, torch_model = checkpoints[tied]
-    model = models.from_pretrained(directory)
+    model = models.from_pretrained(directory, tile_tokens=64 if tied else None)
     assert [type(b.mixer).__name__ for b in model.layers] == ["GatedDeltaNet"] * 3 + ["Attention"]
     logits = np.asarray(forward(model, jnp.asarray(tokens)))
     expected = hf_tiny.torch_logits(torch_model, tokens)
     assert np.abs(expected).max() > 1  # not vanishing: a real comparison
     np.testing.assert_allclose(logits, expected, atol=ATOL, rtol=0)
-
-
-def test_tiled_layers_equal_untiled(checkpoints, tokens):
-    """tile_tokens: both mixers' output projections and the MLP run over token chunks."""
-    directory, torch_model = checkpoints[True]
-    tiled = np.asarray(forward(models.from_pretrained(directory, tile_tokens=64),
-                               jnp.asarray(tokens)))
-    np.testing.assert_allclose(tiled, hf_tiny.torch_logits(torch_model, tokens), atol=ATOL, rtol=0)
 
 
 @pytest.mark.slow
@@ -220,14 +214,18 @@ def test_delta_rule_and_conv_restart_at_document_starts():
 
 
 def test_chunked_gradients_equal_recurrent():
-    inputs = _rule_inputs(4, seq=70)
-    starts = la.document_starts(None, 2, 70)
+    """Over 40 tokens in chunks of 16 (the last padded), every input's gradient."""
+    inputs = _rule_inputs(4, seq=40)
+    starts = la.document_starts(None, 2, 40)
 
     def loss(rule):
         return lambda *xs: jnp.sum(jnp.sin(rule(*xs, starts)))
 
+    def chunked_16(*xs):
+        return la.gated_delta_rule_chunked(*xs, chunk=16)
+
     argnums = tuple(range(5))
-    chunked = jax.jit(jax.grad(loss(la.gated_delta_rule_chunked), argnums))(*inputs)
+    chunked = jax.jit(jax.grad(loss(chunked_16), argnums))(*inputs)
     recurrent = jax.jit(jax.grad(loss(la.gated_delta_rule_recurrent), argnums))(*inputs)
     for name, a, b in zip("q k v g beta".split(), chunked, recurrent):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=0, err_msg=name)
@@ -246,6 +244,79 @@ def test_packed_documents_equal_separate_sequences(checkpoints):
     apart = np.concatenate([np.asarray(forward(model, jnp.asarray(t))) for t in (first, second)],
                            axis=1)
     np.testing.assert_allclose(together, apart, atol=2e-5, rtol=0)
+
+
+# -- sequence parallel ---------------------------------------------------------------------------
+
+
+def _logits_and_grads(model, tokens, segment_ids, weights):
+    """(logits, {Hugging Face name: d(sum(logits * weights))/d(parameter)}), one program."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    @jax.jit
+    def run(params, tokens, segment_ids):
+        def objective(params):
+            logits = nnx.merge(graphdef, params, rest)(tokens, segment_ids)
+            return jnp.sum(logits * weights), logits
+        return jax.grad(objective, has_aux=True)(params)[::-1]
+
+    logits, grads = run(params, jnp.asarray(tokens), jnp.asarray(segment_ids))
+    return np.asarray(logits), models.hf_state_dict(grads)
+
+
+def _packed_batch(seed):
+    """Fresh random tokens, two rows of packed documents (one start mid-chunk, one at a
+    device's shard edge) and the objective's weights."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, hf_tiny.VOCAB, (BATCH, SEQ)).astype(np.int32)
+    segment_ids = np.stack([np.repeat([0, 1, 2], [30, 42, 24]), np.repeat([0, 1], [48, 48])])
+    weights = rng.normal(size=(BATCH, SEQ, hf_tiny.VOCAB)).astype(np.float32)
+    return tokens, segment_ids.astype(np.int32), weights
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("groups,sp", [(2, 4), (1, 8)])
+def test_layouts_equal_one_device(checkpoints, groups, sp):
+    """BASP (2 groups of 4) and Ulysses (8): the DeltaNet's all-to-all gives each device whole
+    sequences for 1/sp of the heads (sp=8 > 4 key heads: q and k repeated to the 8 value
+    heads); logits and every parameter's gradient equal one device's, packed documents too."""
+    import basp_jax
+
+    directory = checkpoints[False][0]
+    tokens, segment_ids, weights = _packed_batch(6 + sp)
+    want_logits, want_grads = _logits_and_grads(models.from_pretrained(directory), tokens,
+                                                segment_ids, weights)
+    layout = basp_jax.Layout.plan(8, BATCH, SEQ, 8, 2, groups=groups)
+    assert (layout.groups, layout.sp) == (groups, sp)
+    model = models.from_pretrained(directory, mesh=basp_jax.make_mesh(layout), layout=layout)
+    assert model.layers[0].linear_attn.expand_keys == (sp == 8)
+    logits, grads = _logits_and_grads(model, tokens, segment_ids, weights)
+    np.testing.assert_allclose(logits, want_logits, atol=2e-5, rtol=0)
+    for name, grad in grads.items():
+        scale = max(np.abs(want_grads[name]).max(), 1.0)
+        # relative to the largest. The decay's gradients (A_log, dt_bias, in_proj_a), sums over
+        # every token with cancellation, are the worst conditioned: one device's and the
+        # mesh's each differ from a float64 run by up to ~9e-5, so from each other by up to
+        # twice that; the other parameters' agree to < 1e-5.
+        assert np.abs(grad - want_grads[name]).max() / scale < 3e-4, name
+
+
+def test_layouts_the_linear_layers_cannot_use_are_refused(checkpoints):
+    """Refused when the model is built, in one line: a ring, and an sp that divides neither
+    the DeltaNet's key nor value heads."""
+    import basp_jax
+
+    directory = checkpoints[False][0]
+    ring = basp_jax.Layout.plan(8, BATCH, SEQ, 8, 2, groups=1, ring=2)
+    _one_line_error(lambda: models.from_pretrained(directory, mesh=basp_jax.make_mesh(ring),
+                                                   layout=ring), "ring", "linear_attention")
+    with open(f"{directory}/config.json") as f:
+        config = models.ModelConfig.from_hf({**json.load(f), "linear_num_key_heads": 3,
+                                             "linear_num_value_heads": 6})
+    layout = basp_jax.Layout.plan(8, BATCH, SEQ, 8, 2, groups=2)
+    _one_line_error(lambda: models.abstract_model(config, mesh=basp_jax.make_mesh(layout),
+                                                  layout=layout), "linear_num_value_heads=6",
+                    "sp=4")
 
 
 # -- config -------------------------------------------------------------------------------------
