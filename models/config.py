@@ -156,6 +156,11 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
+    def linear_layers(self) -> int:
+        """How many layers are linear_attention ones (the cost model counts them apart)."""
+        return 0 if self.layer_types is None else self.layer_types.count(LINEAR_ATTENTION)
+
+    @property
     def is_hybrid(self) -> bool:
         """Whether any layer is not full attention (then the layers are not one scanned stack)."""
         return self.layer_types is not None and LINEAR_ATTENTION in self.layer_types
@@ -407,7 +412,9 @@ def _llama3_rope(factor: float) -> dict:
 
 def _preset(shape: cost.ModelShape, **model_only) -> ModelConfig:
     """A preset of one of MODEL_SHAPES: its shape and the model-only fields."""
-    return ModelConfig(**dataclasses.asdict(shape), **model_only)
+    fields = dataclasses.asdict(shape)
+    fields.pop("linear_layers")  # the config counts its own from layer_types
+    return ModelConfig(**fields, **model_only)
 
 
 _LLAMA3 = dict(rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
@@ -437,6 +444,19 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=16, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
         tie_word_embeddings=False, attention_bias=True, max_position_embeddings=32768,
         model_type="qwen2", bos_token_id=151643, eos_token_id=151643,
+    ),
+    # The shape of transformers' Qwen3_5TextConfig defaults (its docstring: "Qwen3.5-9B style"),
+    # 8.95B parameters: 24 Gated DeltaNet layers and 8 gated attention layers (every 4th), with
+    # that class's RoPE theta and context; a real checkpoint's config.json says its own
+    # (model.hf_path reads it).
+    "qwen3.5-9b": ModelConfig(
+        vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_layers=32,
+        num_heads=16, num_kv_heads=4, head_dim=256, rope_theta=10000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=32768, model_type="qwen3_5_text", qk_norm=True,
+        layer_types=((LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)) * 8,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
+        attention_output_gate=True, rms_norm_zero_centered=True,
     ),
     # Small enough for tests and CPU demos; 8 query heads so sp in {1, 2, 4, 8} all work.
     "tiny": ModelConfig(

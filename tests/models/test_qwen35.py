@@ -319,6 +319,29 @@ def test_layouts_the_linear_layers_cannot_use_are_refused(checkpoints):
                     "sp=4")
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("compile_cache")
+def test_trainer_from_a_hf_directory_trains_equal_losses_under_basp_and_ulysses(checkpoints,
+                                                                                 tmp_path):
+    """train.py's run from a tiny Qwen3.5 directory: BASP (4 groups of 2) and Ulysses (one
+    group of 8) train the same losses, and the run counts the hybrid's parameters."""
+    from train.config import load_config
+    from train.loop import run
+
+    from tests.helpers.trainer import tiny_overrides
+
+    def train(mode):
+        overrides = [o for o in tiny_overrides(tmp_path / mode, f"parallel.mode={mode}",
+                                               "train.steps=3")
+                     if not o.startswith(("model.preset", "model.shape"))]
+        return run(load_config(None, [*overrides, f"model.hf_path={checkpoints[False][0]}"]))
+
+    basp, ulysses = train("basp"), train("ulysses")
+    assert (basp["layout"].groups, ulysses["layout"].groups) == (4, 1)
+    assert len(basp["losses"]) == 3 and basp["losses"][-1] < basp["losses"][0]
+    np.testing.assert_allclose(ulysses["losses"], basp["losses"], rtol=1e-5)
+
+
 # -- config -------------------------------------------------------------------------------------
 
 
@@ -348,6 +371,19 @@ def test_bad_hybrid_configs_are_one_line(checkpoints):
     _one_line_error(lambda: models.ModelConfig.from_hf({"model_type": "qwen3_5"}), "text_config")
     model = models.from_pretrained(checkpoints[False][0])
     _one_line_error(lambda: model.init_cache(1, 8), "linear_attention")
+
+
+def test_parameter_count_and_flops_count_the_hybrid(checkpoints):
+    """num_params (the cost model's, which the planner and MFU use) equals transformers' count,
+    tied or not (the 9B preset's: tests/models/test_presets.py); attention FLOPs count only the
+    attention layers."""
+    for tied in (False, True):
+        directory, torch_model = checkpoints[tied]
+        expected = sum(p.numel() for p in torch_model.parameters())  # shared tensors once
+        assert models.ModelConfig.from_hf(directory).num_params() == expected
+    shape = models.ModelConfig.preset("qwen3.5-9b").shape
+    assert shape.attention_flops_per_token(4096) == 12 * 8 * 16 * 256 * 4096 / 2
+    assert shape.linear_attention_flops_per_token() == 24 * 24 * 32 * 128 * 128
 
 
 def test_layer_types_default_from_full_attention_interval(checkpoints):
