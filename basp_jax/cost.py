@@ -98,20 +98,49 @@ class ModelShape:
     attention_bias: bool = False  # bias on the q/k/v projections (Qwen2)
     attention_out_bias: bool = False  # bias on the output projection
     qk_norm: bool = False  # per-head RMSNorm weights on q and k (Qwen3)
+    attention_output_gate: bool = False  # q_proj also emits a gate per query channel (Qwen3.5)
+    # Hybrids (Qwen3.5): how many of the layers are Gated DeltaNet ones instead of attention, and
+    # their shapes (models.linear_attention)
+    linear_layers: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+
+    @property
+    def attention_layers(self) -> int:
+        return self.num_layers - self.linear_layers
 
     @property
     def layer_params(self) -> int:
+        """An attention layer's parameters."""
         d, hd = self.hidden_size, self.head_dim
         q, kv = self.num_heads * hd, self.num_kv_heads * hd
-        attn = 2 * d * q + 2 * d * kv
+        attn = (3 if self.attention_output_gate else 2) * d * q + 2 * d * kv
         if self.attention_bias:
-            attn += q + 2 * kv
+            attn += q * (2 if self.attention_output_gate else 1) + 2 * kv
         if self.attention_out_bias:
             attn += d
         if self.qk_norm:
             attn += 2 * hd
-        mlp = 3 * d * self.intermediate_size
-        return attn + mlp + 2 * d
+        return attn + self._mlp_and_norm_params
+
+    @property
+    def _mlp_and_norm_params(self) -> int:
+        return 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+
+    @property
+    def linear_layer_params(self) -> int:
+        """A Gated DeltaNet layer's parameters: the q/k/v, z, beta and decay projections, the
+        conv, the decay's A and bias, the gated norm and out_proj."""
+        d, nv = self.hidden_size, self.linear_num_value_heads
+        key_dim = self.linear_num_key_heads * self.linear_key_head_dim
+        value_dim = nv * self.linear_value_head_dim
+        conv_dim = 2 * key_dim + value_dim
+        mixer = (d * conv_dim + d * value_dim + 2 * d * nv + conv_dim * self.linear_conv_kernel_dim
+                 + 2 * nv + self.linear_value_head_dim + value_dim * d)
+        return mixer + self._mlp_and_norm_params
 
     @property
     def embedding_params(self) -> int:
@@ -120,7 +149,10 @@ class ModelShape:
     @property
     def num_params(self) -> int:
         """Every parameter, as Hugging Face counts them (tied embeddings once)."""
-        return self.num_layers * self.layer_params + self.embedding_params + self.hidden_size
+        layers = self.attention_layers * self.layer_params
+        if self.linear_layers:
+            layers += self.linear_layers * self.linear_layer_params
+        return layers + self.embedding_params + self.hidden_size
 
     def dense_flops_per_token(self) -> float:
         """6 N, forward and backward: N counts every parameter except the input embedding table
@@ -134,12 +166,21 @@ class ModelShape:
         """Attention scores and values, forward and backward: PaLM's 12 L Hq Dh S (appendix B)
         counts the full S x S scores; causal (MaxText's and Megatron's count) halves it, counting
         only the scores a causal kernel computes."""
-        attn = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
+        attn = 12 * self.attention_layers * self.num_heads * self.head_dim * seq_len
         return attn / 2 if causal else attn
+
+    def linear_attention_flops_per_token(self) -> float:
+        """The delta rule's own work (beyond its projections' 6N), forward and backward: per
+        token and value head, the recurrent form's four products with the [Dk, Dv] state
+        (decay, read, write, output), 2 FLOPs per element each, times 3. Independent of the
+        sequence length."""
+        state = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+        return 3 * 4 * 2 * self.linear_layers * state
 
     def train_flops_per_token(self, seq_len: int, causal: bool = True) -> float:
         """Training FLOPs per token: what the planner's compute time and the trainer's MFU use."""
-        return self.dense_flops_per_token() + self.attention_flops_per_token(seq_len, causal)
+        return (self.dense_flops_per_token() + self.attention_flops_per_token(seq_len, causal)
+                + self.linear_attention_flops_per_token())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,17 +1,23 @@
 """ModelConfig: the shapes and switches of one decoder, from a Hugging Face config.json or a preset.
 
 One dataclass covers Llama 3 / 3.1 / 3.2, Qwen2 / Qwen2.5 (and Qwen1.5, which uses the qwen2 code
-path) and Qwen3. The switches that distinguish the families:
+path), Qwen3 and the Qwen3.5 text model. The switches that distinguish the families:
 
-    llama   rope_scaling type 'llama3', tied embeddings in 3.2-1B/3B, no biases
-    qwen2   bias on q/k/v (attention_bias=True), no bias on o_proj
-    qwen3   per-head RMSNorm on q and k (qk_norm=True), explicit head_dim, no biases
+    llama        rope_scaling type 'llama3', tied embeddings in 3.2-1B/3B, no biases
+    qwen2        bias on q/k/v (attention_bias=True), no bias on o_proj
+    qwen3        per-head RMSNorm on q and k (qk_norm=True), explicit head_dim, no biases
+    qwen3_5_text a hybrid: `layer_types` names each layer's token mixer, 'linear_attention'
+                 (Gated DeltaNet, models.linear_attention; the linear_* shapes) or
+                 'full_attention' (with a sigmoid output gate, attention_output_gate=True, and
+                 RoPE on the first partial_rotary_factor of each head); every RMSNorm but the
+                 DeltaNet's gated one scales by (1 + weight) (rms_norm_zero_centered=True)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import struct
@@ -19,10 +25,20 @@ from typing import Any
 
 from basp_jax import cost
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3")
+log = logging.getLogger(__name__)
+
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text")
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
 }
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
+# Multimodal model types whose text model is one of ours: {its type: the text model's type}.
+# Their checkpoints keep the text model under model.language_model. (models.safetensors_io).
+MULTIMODAL_TYPES = {"qwen3_5": "qwen3_5_text"}
+LINEAR_SHAPE_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                       "linear_value_head_dim", "linear_conv_kernel_dim")
 ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -51,6 +67,17 @@ class ModelConfig:
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # Hybrid models (Qwen3.5): each layer's token mixer, FULL_ATTENTION or LINEAR_ATTENTION
+    # (None: every layer full attention), and the Gated DeltaNet shapes of the linear layers.
+    layer_types: tuple[str, ...] | None = None
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * this channels of a head
+    attention_output_gate: bool = False  # attention output * sigmoid(gate); q_proj emits the gate
+    rms_norm_zero_centered: bool = False  # RMSNorm scales by (1 + weight), weight stored centred
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:
@@ -68,6 +95,7 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelError(f"head_dim={self.head_dim} must be even for RoPE")
+        self._check_hybrid()
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ModelError(
                 f"rope_scaling must be a mapping (e.g. {{rope_type: llama3, factor: 8.0, ...}}) "
@@ -97,7 +125,55 @@ class ModelConfig:
         if rope_type == "linear" and "factor" not in self.rope_scaling:
             raise ModelError("rope_scaling type 'linear' lacks factor")
 
+    def _check_hybrid(self) -> None:
+        """The layer types and the linear layers' shapes (Qwen3.5)."""
+        _check_positive("partial_rotary_factor", self.partial_rotary_factor)
+        if self.partial_rotary_factor > 1 or self.rotary_dim % 2 or self.rotary_dim == 0:
+            raise ModelError(
+                f"partial_rotary_factor={self.partial_rotary_factor} must be at most 1 and give an "
+                f"even, non-zero number of rotated channels of head_dim={self.head_dim}")
+        if self.layer_types is None:
+            return
+        if not isinstance(self.layer_types, tuple):  # frozen and hashed: stored as a tuple
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_layers:
+            raise ModelError(f"layer_types names {len(self.layer_types)} layers but num_layers is "
+                             f"{self.num_layers}")
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ModelError(f"unknown layer type {unknown[0]!r} in layer_types; supported: "
+                             f"{', '.join(LAYER_TYPES)}")
+        if LINEAR_ATTENTION not in self.layer_types:
+            return
+        for name in LINEAR_SHAPE_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelError(f"{name} must be a positive integer for linear_attention "
+                                 f"layers, got {value!r}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ModelError(
+                f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                f"linear_num_key_heads={self.linear_num_key_heads}")
+
     # -- derived -----------------------------------------------------------------------------
+
+    @property
+    def rotary_dim(self) -> int:
+        """The channels of each head RoPE rotates (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_layers(self) -> int:
+        """How many layers are linear_attention ones (the cost model counts them apart)."""
+        return 0 if self.layer_types is None else self.layer_types.count(LINEAR_ATTENTION)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether any layer is not full attention (then the layers are not one scanned stack)."""
+        return self.layer_types is not None and LINEAR_ATTENTION in self.layer_types
+
+    def layer_type(self, index: int) -> str:
+        return FULL_ATTENTION if self.layer_types is None else self.layer_types[index]
 
     @property
     def rope_type(self) -> str:
@@ -177,7 +253,36 @@ class ModelConfig:
         if self.model_type in ("qwen2", "qwen3"):
             out["use_sliding_window"] = False
             out["sliding_window"] = None
+        if self.model_type == "qwen3_5_text":  # its RoPE lives in rope_parameters
+            del out["rope_scaling"], out["rope_theta"]
+            out.update(self._qwen3_5_hf())
         return out
+
+    def _qwen3_5_hf(self) -> dict[str, Any]:
+        """The Qwen3.5 text config's own keys (transformers 5 only: its RoPE in rope_parameters)."""
+        rope = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta,
+                "partial_rotary_factor": self.partial_rotary_factor}
+        layer_types = self.layer_types or (FULL_ATTENTION,) * self.num_layers
+        out = {"attention_bias": self.attention_bias, "rope_parameters": rope,
+               "layer_types": list(layer_types)}
+        out.update({name: getattr(self, name) for name in LINEAR_SHAPE_FIELDS})
+        return out
+
+
+def _text_config(data: dict, source: str) -> dict:
+    """The text model's config of a multimodal one (its text_config; whether the head is tied
+    is the outer config's say, as transformers ties them)."""
+    text = data.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelError(f"{source}: a {data['model_type']} config needs a text_config object")
+    text = dict(text)
+    text.setdefault("model_type", MULTIMODAL_TYPES[data["model_type"]])
+    if "tie_word_embeddings" in data:
+        text["tie_word_embeddings"] = data["tie_word_embeddings"]
+    if data.get("vision_config") is not None:
+        log.warning("%s: the %s model's vision tower is not loaded; its text model is",
+                    source, data["model_type"])
+    return text
 
 
 def _get(data: dict, key: str, source: str, default=dataclasses.MISSING):
@@ -227,10 +332,13 @@ def _float(value, name: str, source: str) -> float:
 
 
 def _from_hf_dict(data: dict, source: str) -> ModelConfig:
+    if data.get("model_type") in MULTIMODAL_TYPES:
+        data = _text_config(data, source)
     model_type = data.get("model_type")
     if model_type not in MODEL_TYPES:
         raise ModelError(
-            f"{source}: unknown model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}"
+            f"{source}: unknown model_type {model_type!r}; supported: "
+            f"{', '.join(MODEL_TYPES + tuple(MULTIMODAL_TYPES))}"
         )
     act = data.get("hidden_act", "silu")
     if act != "silu":
@@ -256,6 +364,7 @@ def _from_hf_dict(data: dict, source: str) -> ModelConfig:
         rope["rope_type"] = rope.pop("type")
     theta = _float(rope.pop("rope_theta", None) or data.get("rope_theta") or 10000.0, "rope_theta",
                    source)
+    qwen3_5 = _qwen3_5_fields(data, rope, source) if model_type == "qwen3_5_text" else {}
     rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
 
     if model_type == "qwen2":
@@ -278,16 +387,41 @@ def _from_hf_dict(data: dict, source: str) -> ModelConfig:
             tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             attention_out_bias=out_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_5_text"),
             max_position_embeddings=_get(data, "max_position_embeddings", source, 8192),
             model_type=model_type,
             initializer_range=_float(data.get("initializer_range", 0.02), "initializer_range",
                                      source),
             bos_token_id=data.get("bos_token_id"),
             eos_token_id=data.get("eos_token_id"),
+            **qwen3_5,
         )
     except ModelError as e:
         raise ModelError(f"{source}: {e}") from None
+
+
+def _qwen3_5_fields(data: dict, rope: dict, source: str) -> dict[str, Any]:
+    """The hybrid's fields of a qwen3_5_text config; pops the keys of `rope` that are not scaling
+    (the partial rotary factor; the multimodal RoPE sections, which text positions make plain)."""
+    factor = rope.pop("partial_rotary_factor", None) or data.get("partial_rotary_factor") or 0.25
+    for key in ("mrope_section", "mrope_interleaved"):
+        rope.pop(key, None)
+    num_layers = _get(data, "num_hidden_layers", source)
+    layer_types = data.get("layer_types")
+    if layer_types is None:  # transformers' default: every full_attention_interval-th layer
+        interval = data.get("full_attention_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval <= 0:
+            raise ModelError(f"{source}: full_attention_interval must be a positive integer, "
+                             f"got {interval!r}")
+        if isinstance(num_layers, int):
+            layer_types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION
+                           for i in range(num_layers)]
+    if not isinstance(layer_types, (list, tuple)):
+        raise ModelError(f"{source}: layer_types must be a list, got {layer_types!r}")
+    fields = {name: _get(data, name, source) for name in LINEAR_SHAPE_FIELDS}
+    return dict(fields, layer_types=tuple(layer_types),
+                partial_rotary_factor=_float(factor, "partial_rotary_factor", source),
+                attention_output_gate=True, rms_norm_zero_centered=True)
 
 
 # Shapes of the paper's models (as in their Hugging Face config.json): what the planner
@@ -310,7 +444,9 @@ def _llama3_rope(factor: float) -> dict:
 
 def _preset(shape: cost.ModelShape, **model_only) -> ModelConfig:
     """A preset of one of MODEL_SHAPES: its shape and the model-only fields."""
-    return ModelConfig(**dataclasses.asdict(shape), **model_only)
+    fields = dataclasses.asdict(shape)
+    fields.pop("linear_layers")  # the config counts its own from layer_types
+    return ModelConfig(**fields, **model_only)
 
 
 _LLAMA3 = dict(rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
@@ -340,6 +476,19 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=16, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
         tie_word_embeddings=False, attention_bias=True, max_position_embeddings=32768,
         model_type="qwen2", bos_token_id=151643, eos_token_id=151643,
+    ),
+    # The shape of transformers' Qwen3_5TextConfig defaults (its docstring: "Qwen3.5-9B style"),
+    # 8.95B parameters: 24 Gated DeltaNet layers and 8 gated attention layers (every 4th), with
+    # that class's RoPE theta and context; a real checkpoint's config.json says its own
+    # (model.hf_path reads it).
+    "qwen3.5-9b": ModelConfig(
+        vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_layers=32,
+        num_heads=16, num_kv_heads=4, head_dim=256, rope_theta=10000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=32768, model_type="qwen3_5_text", qk_norm=True,
+        layer_types=((LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)) * 8,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
+        attention_output_gate=True, rms_norm_zero_centered=True,
     ),
     # Small enough for tests and CPU demos; 8 query heads so sp in {1, 2, 4, 8} all work.
     "tiny": ModelConfig(

@@ -1,5 +1,9 @@
 """Hugging Face checkpoint interop: load a local model directory onto a mesh, save it back.
 
+A multimodal Qwen3.5 directory (model_type qwen3_5) loads as its text model: the text_config,
+the tensors under model.language_model. (models.safetensors_io.Checkpoint reads them by the text
+model's names); its vision tower is not read. Saving writes the text model (Qwen3_5ForCausalLM).
+
 The name mapping is mechanical because the modules use Hugging Face's attribute names:
 
     ('embed_tokens', 'weight')                     <-> model.embed_tokens.weight

@@ -120,17 +120,32 @@ class Embed(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * weight, normalised in float32 and cast back (as transformers does)."""
+    """x / rms(x) * weight, normalised in float32 and cast back (as transformers does).
 
-    def __init__(self, features: int, names: tuple[str | None], *, eps: float, dtype, param_dtype):
-        self.weight = param(jnp.ones((features,), param_dtype), names)
+    zero_centered (Qwen3.5): the weight is stored as its offset from one, initialised to zeros,
+    and the scale (1 + weight) is applied in float32 before the cast (as Qwen3_5RMSNorm)."""
+
+    def __init__(self, features: int, names: tuple[str | None], *, eps: float, dtype, param_dtype,
+                 zero_centered: bool = False):
+        init = jnp.zeros if zero_centered else jnp.ones
+        self.weight = param(init((features,), param_dtype), names)
         self.eps = eps
         self.dtype = dtype
+        self.zero_centered = zero_centered
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.zero_centered:
+            return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(self.dtype)
         return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
+
+
+def rms_norm(features: int, names: tuple[str | None], config: ModelConfig, options: RunOptions
+             ) -> RMSNorm:
+    """The config's RMSNorm over `features` (its epsilon and centring, the run's dtypes)."""
+    return RMSNorm(features, names, eps=config.rms_norm_eps, dtype=options.dtype,
+                   param_dtype=options.param_dtype, zero_centered=config.rms_norm_zero_centered)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,8 +153,8 @@ class RMSNorm(nnx.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [head_dim // 2] (float32), with llama3 or linear scaling applied."""
-    dim = config.head_dim
+    """Inverse frequencies [rotary_dim // 2] (float32), with llama3 or linear scaling applied."""
+    dim = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
     inv_freq = inv_freq.astype(np.float32)
     scaling = config.rope_scaling or {}
@@ -160,7 +175,13 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate x [B, S, H, Dh] by positions [B, S] (rotate-half convention, as in Hugging Face)."""
+    """Rotate x [B, S, H, Dh] by positions [B, S] (rotate-half convention, as in Hugging Face);
+    with fewer frequencies than Dh / 2 (partial rotary) only the first 2 * len(inv_freq)
+    channels turn, the rest pass through."""
+    rotary = 2 * len(inv_freq)
+    if rotary < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rotary], positions, inv_freq),
+                                x[..., rotary:]], axis=-1)
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, S, Dh/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
@@ -191,14 +212,16 @@ class Attention(nnx.Module):
         std = config.initializer_range
         dtype, param_dtype = options.dtype, options.param_dtype
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, init_std=std)
-        self.q_proj = Linear(d, hq * hd, ("qkv_embed", "q_heads"), use_bias=config.attention_bias, **kw)
+        # with the output gate (Qwen3.5), q_proj emits each head's query then its gate
+        self.gated = config.attention_output_gate
+        q_width = hq * hd * (2 if self.gated else 1)
+        self.q_proj = Linear(d, q_width, ("qkv_embed", "q_heads"), use_bias=config.attention_bias, **kw)
         self.k_proj = Linear(d, hkv * hd, ("qkv_embed", "kv_heads"), use_bias=config.attention_bias, **kw)
         self.v_proj = Linear(d, hkv * hd, ("qkv_embed", "kv_heads"), use_bias=config.attention_bias, **kw)
         self.o_proj = Linear(hq * hd, d, ("o_heads", "embed"), use_bias=config.attention_out_bias, **kw)
         if config.qk_norm:
-            nkw = dict(eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
-            self.q_norm = RMSNorm(hd, ("head_dim",), **nkw)
-            self.k_norm = RMSNorm(hd, ("head_dim",), **nkw)
+            self.q_norm = rms_norm(hd, ("head_dim",), config, options)
+            self.k_norm = rms_norm(hd, ("head_dim",), config, options)
         else:
             self.q_norm = self.k_norm = None
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, hd
@@ -208,18 +231,38 @@ class Attention(nnx.Module):
 
     def qkv(self, x, positions):
         """q [B, S, Hq, Dh], k and v [B, S, Hkv, Dh], q and k normed (Qwen3) and rotated."""
+        return self.project(x, positions)[:3]
+
+    def project(self, x, positions):
+        """(q, k, v as qkv gives them, the output gate [B, S, Hq * Dh] or None)."""
         b, s, _ = x.shape
-        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
+        q = self.q_proj(x).reshape(b, s, self.num_heads, -1)
+        gate = None
+        if self.gated:
+            q, gate = jnp.split(q, 2, axis=-1)
+            gate = gate.reshape(b, s, self.num_heads * self.head_dim)
         k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = np.asarray(self.inv_freq, np.float32)
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v, gate
+
+    @property
+    def output_projection(self) -> Linear:
+        return self.o_proj
+
+    def mix(self, x, positions, segment_ids):
+        """The attention output [B, S, Hq * Dh] before o_proj (gated when the config says)."""
+        # Global (or per-document) positions, before the all-to-all.
+        q, k, v, gate = self.project(x, positions)
+        return self._gate(self.attend(q, k, v, segment_ids), gate)
+
+    def _gate(self, out, gate):
+        return out if gate is None else out * jax.nn.sigmoid(gate).astype(out.dtype)
 
     def __call__(self, x, positions, segment_ids):
-        # Global (or per-document) positions, before the all-to-all.
-        return self.o_proj(self.attend(*self.qkv(x, positions), segment_ids))
+        return self.o_proj(self.mix(x, positions, segment_ids))
 
     def attend(self, q, k, v, segment_ids):
         """The attention of rotated q, k, v: [B, S, Hq * Dh] (before the output projection),
@@ -242,7 +285,7 @@ class Attention(nnx.Module):
         Returns (output [B, T, D], cache_k, cache_v)."""
         b, t, _ = x.shape
         query_pos = index + jnp.arange(t, dtype=jnp.int32)
-        q, k, v = self.qkv(x, jnp.broadcast_to(query_pos, (b, t)))
+        q, k, v, gate = self.project(x, jnp.broadcast_to(query_pos, (b, t)))
         cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, index, 0, 0))
         cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, index, 0, 0))
         mask = jnp.arange(cache_k.shape[1])[None, :] <= query_pos[:, None]  # [T, L]
@@ -252,7 +295,8 @@ class Attention(nnx.Module):
         out = jax.nn.dot_product_attention(q.astype(dtype), cache_k.astype(dtype),
                                            cache_v.astype(dtype), mask=mask[None, None],
                                            implementation="xla").astype(q.dtype)
-        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), cache_k, cache_v
+        out = self._gate(out.reshape(b, t, self.num_heads * self.head_dim), gate)
+        return self.o_proj(out), cache_k, cache_v
 
 
 class MLP(nnx.Module):

@@ -68,6 +68,9 @@ class SafetensorsFile:
         return self._file.get_tensor(name)
 
 
+LANGUAGE_MODEL_PREFIX = "model.language_model."
+
+
 class Checkpoint:
     """The safetensors files of one Hugging Face model directory, addressed by tensor name."""
 
@@ -98,6 +101,15 @@ class Checkpoint:
                     raise ModelError(
                         f"{INDEX_FILE} in {directory} names {file_name}, which is missing")
             self._where = dict(weight_map)
+        self._stored = self._language_model_names()
+
+    def _language_model_names(self) -> dict[str, str]:
+        """{the text model's name: the name stored} for a multimodal checkpoint (Qwen3.5's),
+        whose text model is under model.language_model.; its vision tower is not read."""
+        if any(name.startswith("model.layers.") for name in self._where):
+            return {}
+        return {"model." + name[len(LANGUAGE_MODEL_PREFIX):]: name for name in self._where
+                if name.startswith(LANGUAGE_MODEL_PREFIX)}
 
     def _open(self, file_name: str) -> SafetensorsFile:
         if file_name not in self._files:
@@ -105,33 +117,39 @@ class Checkpoint:
         return self._files[file_name]
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return self._stored.get(name, name) in self._where
 
     def keys(self) -> list[str]:
         return list(self._where)
 
-    def _file_of(self, name: str) -> SafetensorsFile:
+    def _file_of(self, name: str) -> tuple[SafetensorsFile, str]:
+        """(the file holding the tensor, its name there)."""
+        name = self._stored.get(name, name)
         if name not in self._where:
             raise ModelError(f"checkpoint {self.directory} lacks tensor {name}")
         file = self._open(self._where[name])
         if name not in file:
             raise ModelError(f"{file.path} lacks tensor {name}, which {INDEX_FILE} places there")
-        return file
+        return file, name
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's shape from its file's header (no data is read)."""
-        return self._file_of(name).shape(name)
+        file, stored = self._file_of(name)
+        return file.shape(stored)
 
     def check(self, name: str) -> None:
         """The tensor's dtype is readable (no data is read)."""
-        self._file_of(name).check(name)
+        file, stored = self._file_of(name)
+        file.check(stored)
 
     def slice(self, name: str):
         """A lazy slice of the tensor: indexing it reads only that block."""
-        return self._file_of(name).slice(name)
+        file, stored = self._file_of(name)
+        return file.slice(stored)
 
     def get(self, name: str) -> np.ndarray:
-        return self._file_of(name).get(name)
+        file, stored = self._file_of(name)
+        return file.get(stored)
 
 
 # how safetensors reports an I/O error: "Error while serializing: I/O error: No space left on

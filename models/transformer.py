@@ -1,8 +1,11 @@
-"""The decoder: embed -> N x (RMSNorm, attention, RMSNorm, SwiGLU) -> RMSNorm -> logits.
+"""The decoder: embed -> N x (RMSNorm, token mixer, RMSNorm, SwiGLU) -> RMSNorm -> logits.
 
-One implementation for Llama 3 and Qwen 2/2.5/3; the config's switches pick the family's details.
-The N layers are one Block of stacked parameters run under lax.scan (scan_layers=True, the
-default: the program holds one layer, so compile time does not grow with depth), or a list.
+One implementation for Llama 3, Qwen 2/2.5/3 and the Qwen3.5 hybrid; the config's switches pick
+the family's details. A layer's token mixer is attention, or for the hybrid's linear_attention
+layers (ModelConfig.layer_types) a Gated DeltaNet (models.linear_attention). The N layers are one
+Block of stacked parameters run under lax.scan (scan_layers=True, the default: the program holds
+one layer, so compile time does not grow with depth), or a list; a hybrid's layers, unlike each
+other, are always a list.
 With a mesh, activations are placed by their logical axes ('batch', 'sequence':
 basp_jax.sharding.activation_spec), attention runs through basp_jax.attention and the embedding
 and loss through basp_jax.vocab (which ask the run's ShardingRules how); without one, everything
@@ -25,21 +28,26 @@ from basp_jax.sharding import ShardingRules, abstract_arrays, activation_spec
 from basp_jax.vocab import LOSS_CHUNK_TOKENS, Table
 
 from . import tiling
-from .config import ModelConfig, ModelError
-from .layers import (MLP, Attention, Embed, Linear, RMSNorm, axis_names, constrain, param_names,
+from .config import LINEAR_ATTENTION, ModelConfig, ModelError
+from .layers import (MLP, Attention, Embed, Linear, axis_names, constrain, param_names, rms_norm,
                      stage_params)
+from .linear_attention import GatedDeltaNet
 from .loss import causal_lm_loss
 from .options import RunOptions
 
 
 class Block(nnx.Module):
-    """One pre-norm decoder layer."""
+    """One pre-norm decoder layer; its token mixer is `self_attn` (Attention) or, for a
+    linear_attention layer, `linear_attn` (GatedDeltaNet), as Hugging Face names them."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, options: RunOptions):
-        nkw = dict(eps=config.rms_norm_eps, dtype=options.dtype, param_dtype=options.param_dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, ("norm",), **nkw)
-        self.self_attn = Attention(config, rngs=rngs, options=options)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, ("norm",), **nkw)
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, options: RunOptions,
+                 layer_index: int = 0):
+        self.input_layernorm = rms_norm(config.hidden_size, ("norm",), config, options)
+        if config.layer_type(layer_index) == LINEAR_ATTENTION:
+            self.linear_attn = GatedDeltaNet(config, rngs=rngs, options=options)
+        else:
+            self.self_attn = Attention(config, rngs=rngs, options=options)
+        self.post_attention_layernorm = rms_norm(config.hidden_size, ("norm",), config, options)
         self.mlp = MLP(config, rngs=rngs, dtype=options.dtype, param_dtype=options.param_dtype)
         self.mesh = options.mesh
         self.tile_tokens, self.dtype = options.tile_tokens, options.dtype
@@ -51,23 +59,29 @@ class Block(nnx.Module):
             return self._tiled(x, positions, segment_ids)
         # named scopes: a profiler trace (train.profiling) shows each op under its part
         with jax.named_scope("attention"):
-            x = x + self.self_attn(self.input_layernorm(x), positions, segment_ids)
+            x = x + self.mixer(self.input_layernorm(x), positions, segment_ids)
         x = constrain(x, self.mesh)
         with jax.named_scope("mlp"):
             x = x + self.mlp(self.post_attention_layernorm(x))
         return constrain(x, self.mesh)
+
+    @property
+    def mixer(self) -> Attention | GatedDeltaNet:
+        """The layer's token mixer (mix: its output before the projection)."""
+        return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
 
     def _tiled(self, x, positions, segment_ids):
         """__call__ with everything after attention (output projection, residual adds, norm,
         MLP) over chunks of tile_tokens tokens per device (models.tiling), so no [tokens,
         intermediate] buffer of the whole shard exists. (Tiling the q/k/v projections too made
         XLA keep extra copies of q, k, v: +15 GiB for the 8B step at 512K tokens per device.)"""
-        attn = self.self_attn
+        mixer = self.mixer
         with jax.named_scope("attention"):
-            out = attn.attend(*attn.qkv(self.input_layernorm(x), positions), segment_ids)
+            out = mixer.mix(self.input_layernorm(x), positions, segment_ids)
         with jax.named_scope("mlp"):
             x = tiling.map_module_chunks(
-                _output_and_mlp, (attn.o_proj, self.post_attention_layernorm, self.mlp), (x, out),
+                _output_and_mlp,
+                (mixer.output_projection, self.post_attention_layernorm, self.mlp), (x, out),
                 mesh=self.mesh, chunk_tokens=self.tile_tokens, dtype=self.dtype)
         return constrain(x, self.mesh)
 
@@ -127,13 +141,14 @@ class Transformer(nnx.Module):
                                   tied=config.tie_word_embeddings)
         # scan_layers: one Block of stacked [num_layers, ...] parameters run under lax.scan, so
         # the step compiles one layer whatever the depth; else a list of Blocks in a Python loop.
-        if options.scan_layers:
+        # A hybrid's layers differ in their parameters, so they cannot be one stack.
+        self.scanned = options.scan_layers and not config.is_hybrid
+        if self.scanned:
             self.layers = _stacked_blocks(config, rngs, options)
         else:
-            self.layers = nnx.List([Block(config, rngs=rngs, options=options)
-                                    for _ in range(config.num_layers)])
-        self.norm = RMSNorm(config.hidden_size, ("norm",), eps=config.rms_norm_eps, dtype=dtype,
-                            param_dtype=param_dtype)
+            self.layers = nnx.List([Block(config, rngs=rngs, options=options, layer_index=i)
+                                    for i in range(config.num_layers)])
+        self.norm = rms_norm(config.hidden_size, ("norm",), config, options)
         # the head as the strategy places it (basp_jax.vocab.Table): the loss asks it how to run
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -169,7 +184,7 @@ class Transformer(nnx.Module):
         def body(x, graphdef, layer):
             return run_layer(x, graphdef, stage_params(layer, rules, self.dtype) if keep else layer)
 
-        if self.options.scan_layers:
+        if self.scanned:
             graphdef, stacked = nnx.split(self.layers)
             x, _ = jax.lax.scan(lambda x, layer: (body(x, graphdef, layer), None), x, stacked)
             return self.norm(x)
@@ -202,6 +217,7 @@ class Transformer(nnx.Module):
     def init_cache(self, batch: int, length: int, dtype=None) -> tuple[jax.Array, jax.Array]:
         """An empty key/value cache for `decode`: (k, v), each [num_layers, batch, length,
         num_kv_heads, head_dim] in the compute dtype, preallocated to the whole generation."""
+        self._check_decodable()
         c = self.config
         shape = (c.num_layers, batch, length, c.num_kv_heads, c.head_dim)
         dtype = self.dtype if dtype is None else dtype
@@ -217,9 +233,10 @@ class Transformer(nnx.Module):
         if self.mesh is not None:
             raise ModelError("decode runs on one device: load the model without a mesh "
                              "(e.g. models.from_pretrained(path))")
+        self._check_decodable()
         cache_k, cache_v = cache
         x = self.embed_tokens(tokens)
-        if self.options.scan_layers:
+        if self.scanned:
             graphdef, stacked = nnx.split(self.layers)
 
             def body(x, layer_and_cache):
@@ -236,6 +253,11 @@ class Transformer(nnx.Module):
                 vs.append(v)
             cache_k, cache_v = jnp.stack(ks), jnp.stack(vs)
         return self.norm(x), (cache_k, cache_v)
+
+    def _check_decodable(self):
+        if self.config.is_hybrid:
+            raise ModelError("cached decoding (models.sampler) has no recurrent state for "
+                             "linear_attention layers yet; run the model on whole sequences")
 
     def logits(self, x):
         """Logits [B, S, vocab] float32 from hidden states."""

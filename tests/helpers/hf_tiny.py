@@ -12,9 +12,12 @@ import numpy as np
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 VOCAB = 256
+# The Qwen3.5 hybrid (tests/models/test_qwen35.py): three Gated DeltaNet layers, then one gated
+# full-attention layer with partial RoPE; 8 attention and 8 DeltaNet value heads (4 key heads).
+QWEN3_5 = "qwen3_5"
 
 
-def hf_config(family: str):
+def hf_config(family: str, tied: bool = False):
     import transformers
 
     common = dict(vocab_size=VOCAB, num_hidden_layers=2, num_attention_heads=8,
@@ -37,28 +40,50 @@ def hf_config(family: str):
             hidden_size=64, intermediate_size=160, num_key_value_heads=2, head_dim=16,
             tie_word_embeddings=False, rope_theta=10000.0, **common,
         )
+    if family == QWEN3_5:
+        return transformers.Qwen3_5TextConfig(
+            hidden_size=64, intermediate_size=96, num_key_value_heads=2, head_dim=16,
+            linear_num_key_heads=4, linear_num_value_heads=8,
+            linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            tie_word_embeddings=tied, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                       "partial_rotary_factor": 0.25},
+            **{**common, "num_hidden_layers": 4},
+        )
     raise ValueError(family)
 
 
-def build(family: str, seed: int = 0):
-    """A float32 eager-attention model with every parameter random (biases and norms included)."""
+def _random_base(family: str, name: str) -> float | None:
+    """The value a random parameter is centred on (None: keep transformers' init)."""
+    if family == QWEN3_5:
+        if name.endswith(("A_log", "dt_bias")):
+            return None  # the decay rates' spread, as trained models have
+        # Qwen3.5's RMSNorms store (scale - 1); the DeltaNet's gated norm stores the scale
+        return 1.0 if name.endswith("linear_attn.norm.weight") else 0.0
+    return 1.0 if "norm" in name else 0.0
+
+
+def build(family: str, seed: int = 0, tied: bool = False):
+    """A float32 eager-attention model with every parameter random (biases and norms included).
+    (tied: Qwen3.5's choice; the other families' configs fix it.)"""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = hf_config(family)
+    config = hf_config(family, tied=tied)
     config._attn_implementation = "eager"
     model = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-             "qwen3": transformers.Qwen3ForCausalLM}[family](config).float().eval()
+             "qwen3": transformers.Qwen3ForCausalLM,
+             QWEN3_5: transformers.Qwen3_5ForCausalLM}[family](config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            base = 1.0 if "norm" in name else 0.0
-            p.copy_(base + 0.08 * torch.randn_like(p))
+            base = _random_base(family, name)
+            if base is not None:
+                p.copy_(base + 0.08 * torch.randn_like(p))
     return model
 
 
-def save(family: str, directory, seed: int = 0, **kwargs):
-    model = build(family, seed)
+def save(family: str, directory, seed: int = 0, tied: bool = False, **kwargs):
+    model = build(family, seed, tied=tied)
     model.save_pretrained(directory, **kwargs)
     return model
 
@@ -79,3 +104,26 @@ def load_torch(directory):
 
     return transformers.AutoModelForCausalLM.from_pretrained(
         directory, attn_implementation="eager", dtype="float32").eval()
+
+
+def save_qwen3_5_multimodal(directory, seed: int = 0, tied: bool = False):
+    """A tiny Qwen3.5 vision-language checkpoint (one vision block) whose text model is
+    hf_config(QWEN3_5)'s, random as `build` makes it; returns the transformers model."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    text = hf_config(QWEN3_5).to_dict()  # untied: the outer config's tie_word_embeddings decides
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=text["hidden_size"], num_position_embeddings=16)
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision,
+                                        tie_word_embeddings=tied)
+    config._attn_implementation = "eager"
+    model = transformers.Qwen3_5ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            base = _random_base(QWEN3_5, name)
+            if base is not None and "visual" not in name:
+                p.copy_(base + 0.08 * torch.randn_like(p))
+    model.save_pretrained(directory)
+    return model
