@@ -49,7 +49,7 @@ def test_quickstart_notebook_runs(tmp_path):
     client.execute(env=_kernel_env(), cwd=str(ROOT))
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "8 cpu devices" in outputs or "8 gpu devices" in outputs, outputs
-    # section 6 needs a GPU; without one both of its cells say so (this machine has none)
+    # section 6 needs a GPU; without one both of its cells say so
     if "GPU(s) for section 6" not in outputs and "8 gpu devices" not in outputs:
         assert outputs.count("skipped: no GPU here (JAX has only CPU devices)") == 2, outputs
     assert any("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code"
