@@ -38,6 +38,15 @@ def test_no_arguments_asks_for_a_config_file():
     assert "--config" in lines[0] and "run.dir" not in lines[0], lines[0]
 
 
+@pytest.mark.parametrize("tool", ["aot", "config_doc", "plan", "plot"])
+def test_tool_help_description_is_a_whole_sentence(tool):
+    """These commands' --help shows the first line of their module docstring."""
+    import importlib
+
+    first = importlib.import_module(f"train.tools.{tool}").__doc__.splitlines()[0].rstrip()
+    assert first.endswith("."), first
+
+
 def test_missing_config_file(tmp_path):
     proc = _train("--config", str(tmp_path / "nope.yaml"))
     assert proc.returncode == 2
