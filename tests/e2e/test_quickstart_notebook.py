@@ -64,3 +64,13 @@ def test_quickstart_notebook_is_stored_clean():
             assert cell.outputs == [] and cell.execution_count is None, (
                 "examples/quickstart.ipynb holds outputs; clear them before committing "
                 "(jupyter nbconvert --clear-output --inplace, or Kernel > Restart & Clear Output)")
+
+
+def test_quickstart_sections_are_numbered_in_order():
+    """The numbered section headings run 1, 2, 3, ... with none left out, as the introduction's
+    list counts them."""
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    headings = [line for cell in nb.cells if cell.cell_type == "markdown"
+                for line in cell.source.splitlines() if line.startswith("#")]
+    numbers = [int(m.group(1)) for h in headings if (m := re.match(r"#+ (\d+)\. ", h))]
+    assert numbers == list(range(1, len(numbers) + 1)) and len(numbers) >= 5, headings
