@@ -140,7 +140,11 @@ def _keys(cls, prefix=""):
 
 
 def test_every_config_key_in_the_docs_exists():
-    keys = set(_keys(config.Config))
+    from models import ModelConfig
+
+    # model.shape is a dict of ModelConfig field overrides: model.shape.FIELD is a key too
+    keys = set(_keys(config.Config)) | {f"model.shape.{f.name}"
+                                        for f in dataclasses.fields(ModelConfig)}
     mentioned = set(re.findall(r"\b((?:run|model|data|train|optimizer|parallel|checkpoint|metrics|"
                                r"runtime|eval|profile)\.[a-z_.]+[a-z_])=",
                                TEXT))  # as in key=value overrides
