@@ -93,7 +93,7 @@ def compile_cache():
 # measured with --durations (update when a file's cost changes much; any order is correct).
 # test_gpu_compile.py comes third, when the CUDA plugin install started at the beginning
 # (tests/helpers/gpu_plugin.py) has ended.
-SLOWEST_FIRST = [  # seconds of one pass on 2 busy cores (--junitxml, 2026-12-01)
+SLOWEST_FIRST = [  # seconds of one pass on 2 busy cores (--junitxml)
     "e2e/test_multiprocess.py",  # 306
     "train/test_loop.py",  # 309
     "e2e/test_gpu_compile.py",  # 596
@@ -111,8 +111,8 @@ SLOWEST_FIRST = [  # seconds of one pass on 2 busy cores (--junitxml, 2026-12-01
     "e2e/test_quickstart_notebook.py",  # 65
     "e2e/test_gpu_check.py",  # 65
     "train/test_nonfinite.py",  # 53
-    "train/test_adaptive_trainer.py",  # ~55 (one core, 2026-12-02)
-    "basp_jax/test_adaptive.py",  # ~50 (one core, 2026-12-01)
+    "train/test_adaptive_trainer.py",  # ~55 (one core)
+    "basp_jax/test_adaptive.py",  # ~50 (one core)
     "train/test_bad_input.py",  # 50
     "train/test_cli.py",  # 49
     "e2e/test_crash.py",  # 49

@@ -218,7 +218,7 @@ ENTRY %main (p: bf16[8]) -> bf16[8] {
 
 def test_compile_report_rows_do_not_merge_group_sizes():
     """train.tools.aot's table, one row per (kind, dtype, group size). Two f32 all-reduces of the GPU
-    host-sharded step (issue #17): the loss's 8-byte sums over all 8 devices, and the embedding
+    host-sharded step: the loss's 8-byte sums over all 8 devices, and the embedding
     gradient's 1/4 shard between the hosts. Merged, they printed as 250.5 MiB over 8 devices."""
     from train.tools.aot import collective_rows
 

@@ -261,7 +261,7 @@ def test_a_bfloat16_first_moment_saves_its_half_of_the_state():
 
 
 def test_a_group_across_hosts_may_ring_between_them_instead():
-    """The issue's 64-GPU case (the 8B, B=2 x 1M): the planner used to run every all-to-all in
+    """A 64-GPU case (the 8B, B=2 x 1M): the planner used to run every all-to-all in
     groups of 32 across 4 hosts. With the ring that keeps each all-to-all inside a host (ring 4
     x 8), only the 8 kv heads' k/v hop between hosts: fewer inter-host bytes, ranked first."""
     shape, hw = MODEL_SHAPES["llama-3.1-8b"], HARDWARE["h100-80gb"]

@@ -234,7 +234,8 @@ HOST_1B = ("configs/gpu/llama-3.2-1b_basp.yaml,model.shape={num_layers: 2},"
 @pytest.fixture(scope="session")
 def host_1b(cuda_plugin, tmp_path_factory):
     """Llama-3.2-1B with 2 layers at 4K tokens under host sharding, compiled with the GPU
-    defaults (issue #17's program, smaller), in its bf16 compute and in float32 compute."""
+    defaults (BENCHMARKS.md's host-sharded program on 2 x 4 A100-40GB, smaller), in its bf16
+    compute and in float32 compute."""
     out = tmp_path_factory.mktemp("aot") / "host.json"
     done = _run("tests/e2e/aot_worker.py", str(out), HOST_1B, f"{HOST_1B},model.dtype=float32")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -393,7 +394,7 @@ def long_8b(cuda_plugin, tmp_path_factory):
     return json.loads(out.read_text())
 
 
-# The issue's one-GPU command (beyond ALST's 500K on one H100): optimizer.offload=auto (the
+# 512K tokens on one GPU (beyond ALST's 500K on one H100): optimizer.offload=auto (the
 # shipped GPU configs') puts the state in host memory because nothing else fits
 ONE_GPU_512K = (f"{CONFIG_8B},data.seq_len=524288,train.microbatch_size=1,"
                 "parallel.devices_per_host=1,runtime.devices=1,parallel.hardware=h100-80gb")
@@ -401,7 +402,7 @@ ONE_GPU_512K = (f"{CONFIG_8B},data.seq_len=524288,train.microbatch_size=1,"
 
 @pytest.mark.slow
 def test_long_context_config_fits_with_its_layer_inputs_in_host_memory(long_8b):
-    """Llama-3.1-8B with 4,194,304 tokens on one 8 x H100 node (issue #29; 262,144 fitted with
+    """Llama-3.1-8B with 4,194,304 tokens on one 8 x H100 node (262,144 fitted with
     the 16K settings): device memory within what JAX may take, every layer's input (4 GiB per
     layer per GPU) in pinned host memory within the host's share, copied there once and back
     once per step, the all-to-alls repeated backward (12 per layer), the planner's device and
@@ -466,7 +467,7 @@ COLAB = "configs/colab.yaml"
 
 @pytest.fixture(scope="session")
 def colab_t4(cuda_plugin, tmp_path_factory):
-    """The Colab config for a free Colab GPU, by docs/gpu.md's command (issue #26)."""
+    """The Colab config for a free Colab GPU, by docs/gpu.md's command."""
     out = tmp_path_factory.mktemp("aot") / "t4.json"
     done = _run("-m", "train.tools.aot", "--config", COLAB, "--target", "t4-16gb", "--hosts", "1",
                 "--gpus-per-host", "1", "--json", str(out))

@@ -49,7 +49,7 @@ def test_quickstart_notebook_runs(tmp_path):
     client.execute(env=_kernel_env(), cwd=str(ROOT))
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "8 cpu devices" in outputs or "8 gpu devices" in outputs, outputs
-    # section 6 needs a GPU; without one both of its cells say so (this machine has none)
+    # section 6 needs a GPU; without one both of its cells say so
     if "GPU(s) for section 6" not in outputs and "8 gpu devices" not in outputs:
         assert outputs.count("skipped: no GPU here (JAX has only CPU devices)") == 2, outputs
     assert any("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code"
@@ -64,3 +64,13 @@ def test_quickstart_notebook_is_stored_clean():
             assert cell.outputs == [] and cell.execution_count is None, (
                 "examples/quickstart.ipynb holds outputs; clear them before committing "
                 "(jupyter nbconvert --clear-output --inplace, or Kernel > Restart & Clear Output)")
+
+
+def test_quickstart_sections_are_numbered_in_order():
+    """The numbered section headings run 1, 2, 3, ... with none left out, as the introduction's
+    list counts them."""
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    headings = [line for cell in nb.cells if cell.cell_type == "markdown"
+                for line in cell.source.splitlines() if line.startswith("#")]
+    numbers = [int(m.group(1)) for h in headings if (m := re.match(r"#+ (\d+)\. ", h))]
+    assert numbers == list(range(1, len(numbers) + 1)) and len(numbers) >= 5, headings

@@ -116,6 +116,20 @@ def test_tokenize_and_generate_commands_parse():
             parser().parse_args(cmd[3:])  # exits (SystemExit) on an unknown flag
 
 
+def test_hf_extra_is_what_checking_an_export_needs():
+    """docs/training.md's `.[hf]` installs transformers and the torch the tests use."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    hf = {r.name: r for r in map(Requirement, extras["hf"])}
+    test = {r.name: r for r in map(Requirement, extras["test"])}
+    assert set(hf) == {"transformers", "torch"}, hf
+    assert all(hf[name].specifier == test[name].specifier for name in hf), (hf, test)
+    assert '".[hf]"' in (ROOT / "docs" / "training.md").read_text()
+
+
 def _keys(cls, prefix=""):
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(f.default_factory if f.default_factory is not
@@ -126,7 +140,11 @@ def _keys(cls, prefix=""):
 
 
 def test_every_config_key_in_the_docs_exists():
-    keys = set(_keys(config.Config))
+    from models import ModelConfig
+
+    # model.shape is a dict of ModelConfig field overrides: model.shape.FIELD is a key too
+    keys = set(_keys(config.Config)) | {f"model.shape.{f.name}"
+                                        for f in dataclasses.fields(ModelConfig)}
     mentioned = set(re.findall(r"\b((?:run|model|data|train|optimizer|parallel|checkpoint|metrics|"
                                r"runtime|eval|profile)\.[a-z_.]+[a-z_])=",
                                TEXT))  # as in key=value overrides

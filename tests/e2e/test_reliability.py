@@ -1,4 +1,4 @@
-"""What a run does to its run.dir and outputs when the world is hostile (issue #16): one owner per
+"""What a run does to its run.dir and outputs when the world is hostile: one owner per
 run.dir, exports that never destroy (nor replace files put in their directory during the run,
 nor write a value their dtype cannot hold), a metrics.jsonl cut mid-line, a full disk (under the
 checkpoints or the export), SIGINT while starting up. The bad values themselves are in

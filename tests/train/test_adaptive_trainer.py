@@ -1,4 +1,4 @@
-"""parallel.mode=adaptive in the trainer (issue #28): each step runs the layout with the most
+"""parallel.mode=adaptive in the trainer: each step runs the layout with the most
 groups whose rows hold its documents; same losses as the static layout on the same documents,
 parameters that never move, a layout sequence a resume repeats, and one-line refusals."""
 

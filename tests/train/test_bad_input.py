@@ -212,7 +212,7 @@ CASES = [
      "error: config: run.dir '{inputs}/a_file' is a file, not a directory"),
     ("export_hf is a file", ["checkpoint.export_hf={inputs}/a_file"],
      "error: config: checkpoint.export_hf '{inputs}/a_file' is a file"),
-    # --- issue #16: values that are wrong in a way the checks above did not see
+    # --- values that are wrong in a way the checks above did not see
     ("lr nan", ["optimizer.lr=nan"], "error: config: optimizer.lr: expected a finite number, got "
                                      "'nan'"),
     ("weight_decay nan", ["optimizer.weight_decay=nan"], "optimizer.weight_decay: expected a finite"),

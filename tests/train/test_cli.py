@@ -30,6 +30,23 @@ def test_bad_config_exits_2_with_one_line(tmp_path, extra, fragment):
     assert "Traceback" not in proc.stderr
 
 
+def test_no_arguments_asks_for_a_config_file():
+    proc = _train()
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "--config" in lines[0] and "run.dir" not in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("tool", ["aot", "config_doc", "plan", "plot"])
+def test_tool_help_description_is_a_whole_sentence(tool):
+    """These commands' --help shows the first line of their module docstring."""
+    import importlib
+
+    first = importlib.import_module(f"train.tools.{tool}").__doc__.splitlines()[0].rstrip()
+    assert first.endswith("."), first
+
+
 def test_missing_config_file(tmp_path):
     proc = _train("--config", str(tmp_path / "nope.yaml"))
     assert proc.returncode == 2

@@ -1,5 +1,5 @@
 """Every number a user gives is range-checked where it enters, and huge or deeply nested input is
-one line too (issue #24): train.py's config, python -m train.tools.plan, train.tools.plot, train.tools.generate
+one line too: train.py's config, python -m train.tools.plan, train.tools.plot, train.tools.generate
 and train.tools.tokenize exit 2 with exactly one line on stderr, at once, and write nothing.
 
 All in-process (each command's main), so the whole file runs in seconds; a case that would hang

@@ -93,7 +93,7 @@ def test_offload_policies_repeat_only_what_they_drop(remat, tile_tokens, per_lay
 
 
 @pytest.mark.parametrize("overrides,want", [
-    ([], ("full", None)),  # the paper's 16K, B=2 on 2 x 4 A100-40GB: today's program
+    ([], ("full", None)),  # the paper's 16K, B=2 on 2 x 4 A100-40GB: the shipped program
     (["data.seq_len=4194304", "train.microbatch_size=1", "parallel.hardware=h100-80gb",
       "parallel.devices_per_host=8"], ("offload", 4096)),  # 4M on 8 x H100: host holds 128 GiB
     (["data.seq_len=524288", "train.microbatch_size=1", "parallel.hardware=h100-80gb",

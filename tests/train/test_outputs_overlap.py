@@ -1,4 +1,4 @@
-"""Outputs against inputs, and the checkpointer against its readers (issue #24).
+"""Outputs against inputs, and the checkpointer against its readers.
 
 Every output path (run.dir, checkpoint.export_hf, tokenize -o) is refused, before anything runs,
 when it is an input or another output, lies inside one or holds one, symlinks resolved: one line,

@@ -1,4 +1,4 @@
-"""A resume that would change the run's meaning (issue #24): every key of train.resume.RULES that
+"""A resume that would change the run's meaning: every key of train.resume.RULES that
 changed since the checkpoint is refused with one line and exit 2, before anything compiles and
 without touching run.dir or the data, unless checkpoint.allow_changed names it; then the run goes
 on, says so in the log and records the change in metrics.jsonl. The data file's identity (size,

@@ -22,6 +22,7 @@ import traceback
 from ..config import ConfigError, load_config
 
 USAGE = "python train.py --config configs/NAME.yaml [key.sub=value ...]"
+NO_CONFIG = "no config given: pass --config FILE (e.g. --config configs/demo_cpu.yaml)"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -108,6 +109,8 @@ def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
     if exiting:
         install_signal_handlers()  # train.py installs them before its first import as well
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.config is None and not args.overrides:  # a bare `python train.py`: ask for a file,
+        return _fail("config", ConfigError(NO_CONFIG))  # not for the first key it lacks
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:

@@ -1,5 +1,7 @@
-"""Compile a config's real train step for a GPU cluster on any machine (no GPU needed) and report
-what the GPUs would run: memory per device, attention kernels, collectives, compile time.
+"""Compile a config's real train step for a GPU cluster, on any machine, and report what it runs.
+
+No GPU is needed; the report gives what the GPUs would run: memory per device, attention
+kernels, collectives, compile time.
 
     python -m train.tools.aot --config configs/gpu/llama-3.1-8b_basp.yaml --target a100-40gb \\
         --hosts 2 --gpus-per-host 4 [key.sub=value ...] [--json OUT.json] [--hlo OUT.hlo]
