@@ -158,7 +158,7 @@ def resolve_offload(cfg: Config, mcfg, num_devices: int, devices_per_host: int) 
     streaming = replace(cfg, "optimizer.offload=true")
     try:
         fit = _planned_fit(streaming, mcfg, num_devices, devices_per_host)
-        check_offload(streaming, fit[1] if fit else "fsdp", _compute_dtype(cfg))
+        check_offload(streaming, fit[1] if fit else "fsdp", _compute_dtype(cfg), mcfg)
     except ConfigError:
         return ordinary
     return streaming if fit is not None else ordinary

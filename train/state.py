@@ -59,7 +59,7 @@ def plan_run(cfg: Config, mcfg, devices, devices_per_host: int) -> RunPlan:
     cfg = planning.resolve_offload(cfg, mcfg, len(devices), devices_per_host)
     layout, strategy = planning.plan(cfg, mcfg, len(devices), devices_per_host)
     remat, tile = planning.memory_policy(cfg, mcfg, layout, strategy, devices_per_host)
-    streamed.check_offload(cfg, strategy, compute_dtype(cfg.model.dtype, devices[0]))
+    streamed.check_offload(cfg, strategy, compute_dtype(cfg.model.dtype, devices[0]), mcfg)
     plan = RunPlan(layout, strategy, make_mesh(layout, devices), remat, tile,
                    cfg.optimizer.offload)
     layouts = planning.adaptive_set(cfg, layout, strategy)

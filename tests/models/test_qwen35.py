@@ -342,18 +342,22 @@ def test_trainer_from_a_hf_directory_trains_equal_losses_under_basp_and_ulysses(
     np.testing.assert_allclose(ulysses["losses"], basp["losses"], rtol=1e-5)
 
 
-def test_trainer_refuses_a_ring_for_the_hybrid_in_one_line(checkpoints, tmp_path):
-    """train.py with parallel.ring=2 on a Qwen3.5 directory: exit status 2, one line naming the
-    ring, before anything compiles, and no run directory."""
+@pytest.mark.parametrize("extra,word", [(("parallel.ring=2",), "ring"),
+                                        (("optimizer.offload=true", "model.remat=auto"),
+                                         "offload")])
+def test_trainer_refuses_what_the_hybrid_cannot_run_in_one_line(checkpoints, tmp_path, extra,
+                                                                word):
+    """train.py on a Qwen3.5 directory with a ring (parallel.ring=2) or the streamed step
+    (optimizer.offload=true, which streams a scanned stack): exit status 2, one line naming it,
+    before anything compiles, and no run directory."""
     from tests.helpers.trainer import tiny_overrides, train_cmd
 
-    overrides = [o for o in tiny_overrides(tmp_path / "run", "train.microbatch_size=1",
-                                           "parallel.ring=2")
+    overrides = [o for o in tiny_overrides(tmp_path / "run", "train.microbatch_size=1", *extra)
                  if not o.startswith(("model.preset", "model.shape"))]
     result = train_cmd(*overrides, f"model.hf_path={checkpoints[False][0]}")
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "ring" in lines[0] and "linear_attention" in lines[0], lines
+    assert len(lines) == 1 and word in lines[0] and "linear_attention" in lines[0], lines
     assert not (tmp_path / "run").exists()
 
 
