@@ -684,6 +684,9 @@ def _ring_splits(shape: ModelShape, *, zigzag: bool = False, **split) -> list[La
         plain = plan_layout(shape, **split, pad_heads=True)
     except LayoutError:
         return []
+    if shape.linear_layers:  # a hybrid's linear-attention layers: no ring, whole value heads
+        fits = not plain.pad_heads and shape.linear_num_value_heads % plain.sp == 0
+        return [plain] if fits else []
     rings = _divisors(plain.sp)[1:] if plain.pad_heads else _host_rings(plain)
     found = []
     for ring in rings:

@@ -296,3 +296,17 @@ def test_a_ring_is_not_planned_where_its_partial_outputs_do_not_fit():
     ringed = cost.predict(shape, ring, pred.param_sharding, hw=hw, remat="offload",
                           tile_tokens=4096, moment_bytes=2)
     assert ringed.memory_bytes > 2 * hw.memory_bytes
+
+
+def test_a_hybrid_is_planned_without_rings():
+    """Qwen3.5's linear-attention layers run no ring (the model refuses one in one line), so the
+    planner offers none, on one host or across several."""
+    from models import ModelConfig
+
+    shape = ModelConfig.preset("qwen3.5-9b").shape
+    assert shape.linear_layers > 0
+    for per_host in (4, 8):
+        found = cost.candidates(shape, batch=1, seq_len=65536, num_devices=16,
+                                devices_per_host=per_host)
+        assert found and all(layout.ring == 1 and not layout.pad_heads for layout, _ in found)
+        assert all(shape.linear_num_value_heads % layout.sp == 0 for layout, _ in found)
