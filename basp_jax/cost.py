@@ -641,7 +641,8 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
         "grads": _GRADIENT_BUFFERS * p * 4 / shard_group,
         "saved": _SAVED_SHARE * shape.num_layers * tokens_per_device * per_token * act_bytes,
         "working": working,
-        "kept": kept_share * shape.num_layers * shape.layer_params * act_bytes,
+        "kept": kept_share * act_bytes * (  # the layers: every parameter but tables, final norm
+            shape.num_params - shape.embedding_params - shape.hidden_size),
     }
 
 

@@ -25,10 +25,10 @@ parameter whose names put one mesh axis on two of its dimensions. A split dimens
 size does not divide (a tiny test vocabulary) falls back to the parameter's first other
 dimension it divides, never the layer stack; a parameter none divides stays whole.
 
-The host strategy places parameters on a second mesh over the same devices in the same order,
-('host', 'local') of shape (hosts, devices per host): a host is a run of consecutive devices of
-the ('group', 'seq') mesh (basp_jax.mesh orders them host-major), which no PartitionSpec of that
-mesh can name when a host holds part of the 'group' axis. XLA sees only device assignments, so
+The host and staged strategies place parameters on a second mesh over the same devices in the
+same order, ('host', 'local') of shape (hosts, devices per host): a host is a run of consecutive
+devices of the ('group', 'seq') mesh (basp_jax.mesh orders them host-major), which no
+PartitionSpec of that mesh can name when a host holds part of the 'group' axis. XLA sees only device assignments, so
 the two meshes mix freely in one program.
 """
 

@@ -222,7 +222,7 @@ def host_copies(w: jax.Array, names: tuple[str, ...], rules: ShardingRules) -> j
     tokens use copy h; every use's cotangent is summed into the host's shards (the constraint),
     and the broadcast's transpose sums the hosts' shards once: 1/(devices per host) of the
     gradient crosses hosts, however many uses and loop iterations contributed."""
-    spec = rules.use_spec(names, w.shape)  # where the parameter is used (axis `names`)
+    spec = rules.spec(names, w.shape)  # the parameter's own placement (axis `names`)
     hosts = rules.placement.shape[HOST]
     copies = jnp.broadcast_to(w, (hosts, *w.shape))
     return cotangent_sharding(copies, NamedSharding(rules.placement, P(HOST, *spec)))
@@ -429,9 +429,7 @@ class Table:
         """The table's value as lookup and loss take it: one copy per host (host_copies) under a
         per-host strategy, else the array itself. Pass the same result to both uses of a tied
         table, so its gradient crosses hosts once."""
-        if not self.per_host:
-            return value
-        return host_copies(self.rules.stage(value, self.names), self.names, self.rules)
+        return host_copies(value, self.names, self.rules) if self.per_host else value
 
     def lookup(self, table: jax.Array, tokens: jax.Array, *, dtype) -> jax.Array:
         """The rows [B, S, embed] in `dtype` of tokens [B, S] (sharded P('group', 'seq') with a

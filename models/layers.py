@@ -45,9 +45,11 @@ def param_names(state: nnx.State) -> dict:
 
 def stage_params(state: nnx.State, rules: ShardingRules | None, dtype) -> nnx.State:
     """A layer's parameters as it uses them (ShardingRules.stage: under a staged strategy each
-    cast to the compute `dtype`, which every layer casts its weights to, and gathered across
-    hosts to its host-local copy; else the state itself). A stacked layer's slice keeps its
-    'layers' name, which the slice no longer has."""
+    gathered across hosts to its host-local copy; else the state itself). The matrices are cast
+    to the compute `dtype` first, as every projection casts them (half the bytes to gather and
+    keep); vectors keep their dtype (Gated DeltaNet's decay parameters and the (1 + w) norms
+    are used in float32). A stacked layer's slice keeps its 'layers' name, which the slice no
+    longer has."""
     if rules is None or not rules.staged:
         return state
 
@@ -56,7 +58,7 @@ def stage_params(state: nnx.State, rules: ShardingRules | None, dtype) -> nnx.St
             return v
         names = axis_names(v)
         names = names[len(names) - v[...].ndim:]  # a scanned slice: without 'layers'
-        return v.replace(rules.stage(v[...], names, dtype))
+        return v.replace(rules.stage(v[...], names, dtype if v[...].ndim >= 2 else None))
 
     return jax.tree.map(stage, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

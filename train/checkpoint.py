@@ -97,15 +97,20 @@ def _path_name(path) -> str:
 def first_non_finite(tree) -> str | None:
     """The name of the first floating-point leaf of `tree` (jax or numpy arrays) holding NaN or
     Inf, or None. Read on the host a shard at a time (no program compiles, no whole array is
-    gathered); a multi-process run checks its own shards."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        if not jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact):  # (bfloat16 too)
-            continue
+    gathered); in a multi-process run every process checks its own shards and all take the
+    verdict of all (every process must call it), so all refuse alike."""
+    leaves = [(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+              if jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)]  # (bfloat16 too)
+    bad = np.zeros(len(leaves), bool)
+    for i, (_, leaf) in enumerate(leaves):
         shards = ([s.data for s in leaf.addressable_shards if s.replica_id == 0]
                   if isinstance(leaf, jax.Array) else [leaf])
-        if not all(np.isfinite(np.asarray(shard)).all() for shard in shards):
-            return _path_name(path)
-    return None
+        bad[i] = not all(np.isfinite(np.asarray(shard)).all() for shard in shards)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        bad = np.any(multihost_utils.process_allgather(bad), axis=0)
+    return next((_path_name(path) for (path, _), b in zip(leaves, bad) if b), None)
 
 
 def _param_shapes(tree) -> dict[str, tuple]:

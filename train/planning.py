@@ -84,8 +84,8 @@ def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[La
     )
     if p.param_sharding != "auto":
         return layout, p.param_sharding
-    # Fewest inter-host bytes first (auto_rank); each later choice shards over more devices, and
-    # the last (fsdp) is taken whether or not it fits (check_memory says so). Adaptive layouts
+    # Fewest inter-host bytes first (auto_rank), the first whose memory fits; the last (fsdp,
+    # the least memory) is taken whether or not it fits (check_memory says so). Adaptive layouts
     # take only a placement every layout of the set shares (not hsdp).
     choices = [name for _, name in sorted(
         (s.auto_rank, name) for name, s in PARAM_SHARDINGS.items()

@@ -374,3 +374,35 @@ def test_checkpoints_removed_under_a_running_trainer_is_one_line(tmp_path, capsy
     assert lines[0].startswith(f"error: checkpoint: saving a checkpoint to {run_dir}/checkpoints "
                                "failed ("), lines[0]
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("taken", [False, True])
+def test_an_export_that_cannot_replace_the_earlier_one_keeps_it(tmp_path, monkeypatch, taken):
+    """The earlier export of this run is moved aside before the new one takes its place; when
+    that last move fails (here: permission denied), the earlier export goes back where it was,
+    or, when something took its path meanwhile, the one line names where it is kept."""
+    from train.process import outputs
+
+    run_dir, export_dir = str(tmp_path / "run"), tmp_path / "export"
+    export_dir.mkdir()
+    (export_dir / "model.safetensors").write_bytes(b"earlier")
+    (export_dir / outputs.EXPORT_MARKER).write_text(json.dumps(
+        {"run_dir": run_dir, "files": ["model.safetensors"]}))
+    new = tmp_path / ".export-new"
+    new.mkdir()
+    (new / "model.safetensors").write_bytes(b"newer")
+
+    def refuse(src, dst):
+        if taken:
+            os.mkdir(dst)
+        raise PermissionError(13, "Permission denied", dst)
+
+    monkeypatch.setattr(outputs.os, "replace", refuse)
+    with pytest.raises((OSError, outputs.ExportError)) as err:
+        outputs._replace(str(new), str(export_dir), run_dir)
+    kept = [p for p in tmp_path.glob(".export-old-*/export/model.safetensors")]
+    if taken:
+        assert len(kept) == 1 and kept[0].read_bytes() == b"earlier"
+        assert str(kept[0].parent) in str(err.value) and "\n" not in str(err.value)
+    else:
+        assert (export_dir / "model.safetensors").read_bytes() == b"earlier" and not kept

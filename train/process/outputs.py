@@ -294,6 +294,11 @@ def _replace(new: str, export_dir: str, run_dir: str) -> None:
     try:
         os.replace(new, export_dir)  # also over an empty directory
     except OSError as e:
+        if old is not None and not _put_back(old, export_dir):
+            raise ExportError(f"checkpoint.export_hf {export_dir!r} could not be replaced "
+                              f"({e.strerror or e}) and something took its place meanwhile; the "
+                              f"earlier export is kept in {os.path.join(old, 'export')}; "
+                              f"{_checkpoints(run_dir)}") from None
         if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
             raise
         if os.path.isdir(export_dir):  # files arrived in the empty directory meanwhile
@@ -303,6 +308,16 @@ def _replace(new: str, export_dir: str, run_dir: str) -> None:
                           f"export; {_checkpoints(run_dir)}") from None
     if old is not None:
         shutil.rmtree(old)
+
+
+def _put_back(old: str, export_dir: str) -> bool:
+    """After a failed replace: the earlier export moved aside into `old` goes back to
+    export_dir, when nothing has taken that path (else it stays where it is: False)."""
+    if os.path.lexists(export_dir):
+        return False
+    os.rename(os.path.join(old, "export"), export_dir)
+    os.rmdir(old)
+    return True
 
 
 def write_config(cfg: Config, run_dir: str) -> None:
