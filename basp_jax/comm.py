@@ -100,20 +100,27 @@ def _mesh_groups(text: str) -> list[list[int]]:
         else:
             ids = np.array([int(x) for x in re.findall(r"\d+", spec)])
     ids = ids.reshape(sizes)
-    # Varying axes are 'name' or a sub-axis 'name':(pre)size: the axis split as
-    # [pre, size, rest] with the middle factor varying.
-    varying = []
-    for name, pre, size in re.findall(r"'?(\w+)'?(?::\((\d+)\)(\d+))?", m.group(3)):
-        axis = names.index(name)
+    # Varying axes are 'name' or a sub-axis 'name':(pre)size: the factor of `size` devices that
+    # follows factors of `pre` devices in the axis (several sub-axes of one axis may vary, in any
+    # order). Each axis is cut into factors at every boundary named, major first.
+    varying = re.findall(r"'?(\w+)'?(?::\((\d+)\)(\d+))?", m.group(3))
+    bounds = {name: {1, size} for name, size in zip(names, sizes)}
+    for name, pre, size in varying:
         if pre:
-            pre, size = int(pre), int(size)
-            split = [pre, size, sizes[axis] // (pre * size)]
-            ids = ids.reshape(sizes[:axis] + split + sizes[axis + 1:])
-            names = names[:axis] + [f"{name}<", name, f"{name}>"] + names[axis + 1:]
-            sizes = sizes[:axis] + split + sizes[axis + 1:]
-        varying.append(name)
-    order = [i for i, a in enumerate(names) if a not in varying] + [names.index(a) for a in varying]
-    group_size = int(np.prod([sizes[names.index(a)] for a in varying])) if varying else 1
+            bounds[name] |= {int(pre), int(pre) * int(size)}
+    factors, shape = [], []  # (axis, devices before it in the axis, through it), its size
+    for name in names:
+        cuts = sorted(bounds[name])
+        for lo, hi in zip(cuts, cuts[1:]):
+            factors.append((name, lo, hi))
+            shape.append(hi // lo)
+    ids = ids.reshape(shape)
+    chosen = []
+    for name, pre, size in varying:
+        lo, hi = (int(pre), int(pre) * int(size)) if pre else (1, sizes[names.index(name)])
+        chosen += [i for i, (n, a, b) in enumerate(factors) if n == name and a >= lo and b <= hi]
+    order = [i for i in range(len(factors)) if i not in chosen] + chosen
+    group_size = int(np.prod([shape[i] for i in chosen])) if chosen else 1
     return ids.transpose(order).reshape(-1, group_size).tolist()
 
 

@@ -75,11 +75,16 @@ HLO_SAMPLES = """
 %h = (f32[8]{0}, f32[4]{0}) all-reduce(f32[8]{0} %y, f32[4]{0} %z), replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, to_apply=%add
 %i = f32[8]{0} all-reduce(f32[8]{0} %y), replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_2'}, to_apply=%add
 %j = f32[8]{0} all-to-all(f32[8]{0} %y), replica_groups=mesh['axis_0'=2,'axis_1'=4,'axis_2'=1], device_ids=([2,2,2]T(0,2,1)) {'axis_1':(2)2}, dimensions={0}
+%k = f32[8]{0} all-gather(f32[1]{0} %y), replica_groups=mesh['group'=4,'seq'=2] {'group':(2)2,'seq','group':(1)2}, dimensions={0}
 """
 
 
 def test_parser_understands_every_replica_group_printing():
-    a, b, c, d, e, f, h, i, j = comm.parse_collectives(HLO_SAMPLES)
+    a, b, c, d, e, f, h, i, j, k = comm.parse_collectives(HLO_SAMPLES)
+    # two sub-axes of one axis vary, minor first: group = 4 split [2, 2], device = 4 x major +
+    # 2 x minor + seq, ordered (minor, seq, major): one group of all 8 (a staged gather of the
+    # adaptive layouts, printed so by newer jax)
+    assert k.groups == ((0, 4, 1, 5, 2, 6, 3, 7),)
     # device_ids = iota(8).reshape(2,2,2).transpose(0,2,1) = [0,2,1,3,4,6,5,7] on a (2,4,1) mesh;
     # axis_1 = 4 split as [pre 2, size 2, rest 1], the size-2 factor varying: within row
     # [0, 2, 1, 3] that pairs (0, 2) and (1, 3).
