@@ -28,8 +28,8 @@ dimension it divides, never the layer stack; a parameter none divides stays whol
 The host and staged strategies place parameters on a second mesh over the same devices in the
 same order, ('host', 'local') of shape (hosts, devices per host): a host is a run of consecutive
 devices of the ('group', 'seq') mesh (basp_jax.mesh orders them host-major), which no
-PartitionSpec of that mesh can name when a host holds part of the 'group' axis. XLA sees only device assignments, so
-the two meshes mix freely in one program.
+PartitionSpec of that mesh can name when a host holds part of the 'group' axis. XLA sees only
+device assignments, so the two meshes mix freely in one program.
 """
 
 from __future__ import annotations
@@ -237,17 +237,22 @@ class ShardingRules:
         """The mesh axes of `placement` that a split parameter axis goes to."""
         return self.entry.split_axes
 
+    @functools.cached_property
+    def _table_rules(self) -> "ShardingRules":
+        return ShardingRules(self.entry.tables, self.mesh, self.devices_per_host)
+
     def for_names(self, names) -> "ShardingRules":
         """The rules that place a parameter whose axes are named `names`: the tables'
         strategy's for a vocabulary table (Strategy.tables), else these."""
         if self.entry.tables is None or "vocab" not in names:
             return self
-        return ShardingRules(self.entry.tables, self.mesh, self.devices_per_host)
+        return self._table_rules
 
     def spec(self, names, shape) -> P:
         """The PartitionSpec of a parameter of `shape` whose axes are named `names`."""
-        if self.for_names(names) is not self:
-            return self.for_names(names).spec(names, shape)
+        rules = self.for_names(names)
+        if rules is not self:
+            return rules.spec(names, shape)
         if len(names) != len(shape):
             raise ValueError(f"a parameter of shape {tuple(shape)} has {len(names)} axis names "
                              f"{tuple(names)}; name every axis")
