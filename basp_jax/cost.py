@@ -429,8 +429,7 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
     shard_group = strategy.shard_devices(layout)
     table_group = PARAM_SHARDINGS.get(table_sharding).shard_devices(layout)
     table_share = _shard_share(table_sharding, layout)
-    tables = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
-    tables *= param_bytes
+    tables = shape.embedding_params * param_bytes
     per_micro = Traffic()
     if vocab_parallel(shape, table_sharding, table_group, tokens_per_device):
         # basp_jax.vocab: the embedding and LM head stay where they are stored; the
