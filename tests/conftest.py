@@ -29,36 +29,26 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from tests.helpers import gpu_plugin  # noqa: E402
-
 CACHE_VAR = "BASP_TEST_COMPILE_CACHE"
 
 
 def pytest_configure(config):
     workerinput = getattr(config, "workerinput", None)
-    if workerinput is not None:  # an xdist worker: the controller's folder and install
-        for name in (CACHE_VAR, gpu_plugin.PID_VAR):
-            if name in workerinput:
-                os.environ[name] = workerinput[name]
+    if workerinput is not None:  # an xdist worker: the controller's folder
+        if CACHE_VAR in workerinput:
+            os.environ[CACHE_VAR] = workerinput[CACHE_VAR]
     else:
         config._basp_tmp = Path(tempfile.mkdtemp(prefix="basp-test-"))
         os.environ[CACHE_VAR] = str(config._basp_tmp / "compile-cache")
-        # the CUDA plugin for tests/e2e/test_gpu_compile.py, downloading while the first tests run
-        config._basp_plugin_install = gpu_plugin.start_install(
-            config.args, config._basp_tmp / "plugin-install.log")
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):  # pytest-xdist, in the controller, for each worker it starts
-    for name in (CACHE_VAR, gpu_plugin.PID_VAR):
-        if name in os.environ:
-            node.workerinput[name] = os.environ[name]
+    if CACHE_VAR in os.environ:
+        node.workerinput[CACHE_VAR] = os.environ[CACHE_VAR]
 
 
 def pytest_unconfigure(config):
-    install = getattr(config, "_basp_plugin_install", None)
-    if install is not None:
-        install.wait()  # never leave a half-written plugin folder behind
     folder = getattr(config, "_basp_tmp", None)
     if folder:
         shutil.rmtree(folder, ignore_errors=True)
@@ -91,8 +81,6 @@ def compile_cache():
 # longest and ending with the quick ones keeps both workers busy to the end, instead of one
 # worker starting a 5-minute file while the other has nothing left. Roughly slowest first, as
 # measured with --durations (update when a file's cost changes much; any order is correct).
-# test_gpu_compile.py comes third, when the CUDA plugin install started at the beginning
-# (tests/helpers/gpu_plugin.py) has ended.
 SLOWEST_FIRST = [  # seconds of one pass on 2 busy cores (--junitxml)
     "e2e/test_multiprocess.py",  # 306
     "train/test_loop.py",  # 309

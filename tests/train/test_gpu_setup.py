@@ -134,3 +134,26 @@ def test_the_compilation_cache_keeps_a_directory_the_user_chose(tmp_path):
                           env=_env(JAX_PLATFORMS="cpu", XDG_CACHE_HOME=str(tmp_path)))
     path = str(tmp_path / "basp-jax" / "jax-compilation-cache")
     assert ours.stdout.split() == [path, "True", path], ours.stderr
+
+
+def test_the_test_setup_installs_the_cuda_plugin_only_where_jax_ships_it(monkeypatch, capsys):
+    """`aot --install-if-supported` (the README's test command runs it before pytest): elsewhere
+    than Linux x86_64 one line and exit 0; where the plugin is already there, no install."""
+    from train.tools import aot
+
+    def no_install():
+        raise AssertionError("installed although it should not have")
+
+    monkeypatch.setattr(aot, "install_plugin", no_install)
+    monkeypatch.setattr(aot.platform, "system", lambda: "Darwin")
+    monkeypatch.setattr(aot.platform, "machine", lambda: "arm64")
+    assert aot.main(["--install-if-supported"]) == 0
+    assert "Darwin arm64" in capsys.readouterr().out
+    monkeypatch.setattr(aot.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(aot.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(aot, "plugin_ready", lambda: True)
+    assert aot.main(["--install-if-supported"]) == 0
+    installed = []
+    monkeypatch.setattr(aot, "plugin_ready", lambda: False)
+    monkeypatch.setattr(aot, "install_plugin", lambda: installed.append(1))
+    assert aot.main(["--install-if-supported"]) == 0 and installed == [1]

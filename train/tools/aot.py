@@ -7,6 +7,7 @@ kernels, collectives, compile time.
         --hosts 2 --gpus-per-host 4 [key.sub=value ...] [--json OUT.json] [--hlo OUT.hlo]
     python -m train.tools.aot --config ... --plan   # every candidate layout compiled, ranked
     python -m train.tools.aot --install      # once: the CUDA compiler plugin (about 1.5 GB)
+    python -m train.tools.aot --install-if-supported   # the same where JAX ships it, when missing
 
 The step is built by the trainer's own code (train.state: layout, model, optimizer, shardings)
 from shapes alone: no weights, no data and nothing under run.dir are read or written. XLA compiles
@@ -104,6 +105,11 @@ def _check_platform() -> None:
         raise AotError(
             f"compiling for a GPU needs JAX's CUDA plugin, which exists for Linux x86_64 only "
             f"(this is {platform.system()} {platform.machine()}); run it on a Linux x86_64 machine")
+
+
+def plugin_ready() -> bool:
+    """Whether the CUDA plugin is installed, in this environment or by --install."""
+    return _plugin_installed_here() or os.path.isdir(os.path.join(plugin_dir(), "jax_plugins"))
 
 
 def install_plugin() -> str:
@@ -574,6 +580,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="compile every candidate layout and rank those that fit (slow)")
     p.add_argument("--install", action="store_true",
                    help="install JAX's CUDA plugin for this jaxlib, then exit")
+    p.add_argument("--install-if-supported", action="store_true",
+                   help="as --install where JAX ships the plugin (Linux x86_64) and it is not "
+                        "installed yet; elsewhere say so and exit 0 (the test setup's step)")
     return p
 
 
@@ -622,6 +631,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.install:
             install_plugin()
+            return 0
+        if args.install_if_supported:
+            if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+                print(f"no CUDA plugin for {platform.system()} {platform.machine()}: the GPU "
+                      "compile tests skip here")
+            elif plugin_ready():
+                print(f"the CUDA plugin for jaxlib {_jaxlib_version()} is installed")
+            else:
+                install_plugin()
             return 0
         if not args.config:
             raise AotError("--config is required (e.g. configs/gpu/llama-3.1-8b_basp.yaml)")
