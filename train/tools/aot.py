@@ -505,7 +505,8 @@ def would_fit(cfg, r: dict, num_devices: int, devices_per_host: int) -> str:
 def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict]:
     """Every layout the planner would consider for `cfg` on this cluster, each compiled: rows
     with the prediction (basp_jax.cost) and the compiled report, fastest fitting first. On
-    several hosts the candidates include host parameter sharding beside fsdp and hsdp."""
+    several hosts the candidates include host parameter sharding beside fsdp and hsdp; a
+    parallel.param_sharding other than auto keeps the candidates of that strategy alone."""
     from basp_jax import cost
 
     from ..config import replace
@@ -522,6 +523,8 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
     for layout, sharding in cost.candidates(shape, batch=cfg.train.microbatch_size,
                                             seq_len=cfg.data.seq_len, num_devices=devices,
                                             devices_per_host=gpus_per_host):
+        if cfg.parallel.param_sharding not in ("auto", sharding):
+            continue
         mode = ["parallel.mode=ulysses", "parallel.groups=null"] if layout.groups == 1 else \
             ["parallel.mode=basp", f"parallel.groups={layout.groups}"]
         variant = replace(cfg, *mode, f"parallel.ring={layout.ring}",
