@@ -95,6 +95,18 @@ def check_kernel(cfg: Config, device) -> None:
                           f" (model.dtype={cfg.model.dtype})")
 
 
+def check_fp8(cfg: Config, device) -> None:
+    """model.fp8=true on a device without FP8 tensor cores (a GPU before sm89: T4, A100):
+    refused here, before compiling (XLA would quietly run every FP8 matmul upcast, slower)."""
+    if cfg.model.fp8 is not True:
+        return
+    why = models.fp8.unsupported(device.platform, basp_kernels.device_capability(device))
+    if why:
+        name = getattr(device, "device_kind", device.platform)
+        raise ConfigError(f"model.fp8=true on {name}: {why}; set model.fp8=auto (on where "
+                          "the GPU has them) or false")
+
+
 @dataclasses.dataclass
 class Run:
     """One invocation of the trainer: what the checks found, then the state the loop advances."""
@@ -151,6 +163,7 @@ def check(cfg: Config, *, is_writer: bool) -> Run:
     devices = select_devices(cfg)
     cfg = with_compute_dtype(cfg, devices[0])  # the run (and its checkpoint record) computes in it
     check_kernel(cfg, devices[0])
+    check_fp8(cfg, devices[0])
     per_host = cfg.parallel.devices_per_host or len(devices) // jax.process_count()
     cfg = planning.resolve_offload(cfg, mcfg, len(devices), per_host)  # optimizer.offload=auto
     writers.check(cfg, is_writer)

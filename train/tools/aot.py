@@ -375,12 +375,13 @@ def report(cfg, target: str, hosts: int, gpus_per_host: int, *, want_hlo: bool =
     from models import ModelError
 
     from ..config import ConfigError, replace
-    from ..prepare import check_kernel, with_compute_dtype
+    from ..prepare import check_fp8, check_kernel, with_compute_dtype
 
     gpu = gpus.get(target)
     devices = gpu_devices(target, hosts, gpus_per_host)
     cfg = with_compute_dtype(cfg, devices[0])  # model.dtype=auto: as this GPU would compute
     check_kernel(cfg, devices[0])  # a kernel this GPU cannot run: one line, before compiling
+    check_fp8(cfg, devices[0])  # FP8 without FP8 tensor cores: likewise
     # the planner's choices (mode=auto, param_sharding=auto, remat=auto) for the target's memory
     cfg = replace(cfg, f"parallel.hardware={target}")
     from ..planning import resolve_offload
