@@ -26,7 +26,7 @@ from .config import Config, ConfigError, replace
 from .data import Pipeline
 from .process.lock import RunDirLock, check_free
 from .metrics import peak_flops
-from .model_setup import model_config, model_options
+from .model_setup import fp8_enabled, model_config, model_options
 from .process.outputs import check_output_paths
 from .state import RunPlan, TrainState, build_state, plan_run
 from .step import compute_dtype, loss_scaling, make_optimizer
@@ -93,6 +93,14 @@ def check_kernel(cfg: Config, device) -> None:
         name = getattr(device, "device_kind", platform)
         raise ConfigError(f"model.attn_impl={impl} on {name}: {why.replace('impl=', 'attn_impl=')}"
                           f" (model.dtype={cfg.model.dtype})")
+
+
+def fp8_share(cfg: Config, mcfg, device) -> float:
+    """The share of a step's FLOPs that model.fp8 runs as FP8 matmuls on `device` (0: off)."""
+    if not fp8_enabled(cfg, device):
+        return 0.0
+    shape = mcfg.shape
+    return shape.fp8_flops_per_token() / shape.train_flops_per_token(cfg.data.seq_len)
 
 
 def check_fp8(cfg: Config, device) -> None:
@@ -167,7 +175,8 @@ def check(cfg: Config, *, is_writer: bool) -> Run:
     per_host = cfg.parallel.devices_per_host or len(devices) // jax.process_count()
     cfg = planning.resolve_offload(cfg, mcfg, len(devices), per_host)  # optimizer.offload=auto
     writers.check(cfg, is_writer)
-    peak, peak_source = peak_flops(cfg.metrics, getattr(devices[0], "device_kind", None))
+    peak, peak_source = peak_flops(cfg.metrics, getattr(devices[0], "device_kind", None),
+                                   fp8_share=fp8_share(cfg, mcfg, devices[0]))
     plan = plan_run(cfg, mcfg, devices, per_host)
     planning.check_memory(cfg, mcfg, plan.layout, plan.strategy, devices,  # before any row
                           remat=plan.remat, tile_tokens=plan.tile_tokens)

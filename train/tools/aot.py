@@ -210,7 +210,8 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False,
 
     from basp_jax import comm, hlo
 
-    from ..planning import host_memory_estimate, memory_estimate
+    from ..model_setup import fp8_enabled
+    from ..planning import host_memory_estimate, memory_estimate, predicted_step_s
     from ..state import compile_program
 
     compiled, run_plan, mcfg, compile_s = compile_program(cfg, devices, devices_per_host,
@@ -252,6 +253,10 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False,
                                                           remat=run_plan.remat),
         "host_transfers": comm.host_transfers(text),
         "attention_kernels": hlo.attention_kernels(text),
+        # model.fp8: the FP8 GEMMs the program runs per step (cuBLASLt calls and GEMM fusions)
+        "fp8": fp8_enabled(cfg, devices[0]), "fp8_gemms": hlo.fp8_gemms(text),
+        # the planner's step time for this layout (basp_jax.cost.predict; FP8 FLOPs at the FP8 peak)
+        "predicted_step_s": predicted_step_s(cfg, mcfg, run_plan),
         # async collectives with compute between start and done: the latency-hiding scheduler's work
         "overlapped_collectives": hlo.overlapped_collectives(text),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -287,6 +292,12 @@ def collective_rows(collectives, devices_per_host: int, num_layers: int, grad_ac
                 "group_size": size,
             })
     return out
+
+
+def hlo_fp8_target() -> str:
+    from basp_jax import hlo
+
+    return hlo.CUBLASLT_FP8
 
 
 def format_report(r: dict) -> str:
@@ -337,6 +348,15 @@ def format_report(r: dict) -> str:
         lines.append("attention kernel: " + "; ".join(parts))
     else:
         lines.append("attention kernel: none found")
+    if r.get("fp8") or r.get("fp8_gemms", {}).get("total"):
+        g = r["fp8_gemms"]
+        per_layer = g["total"] / (r["model"]["num_layers"] * r["grad_accum"])
+        lines.append(f"FP8 GEMMs (model.fp8={'on' if r.get('fp8') else 'off'}): {g['total']} per step, "
+                     f"{per_layer:g} per layer per microbatch ({g['cublaslt']} cuBLASLt "
+                     f"{hlo_fp8_target()}, {g['fusion']} GEMM fusions of FP8 operands)")
+    if r.get("predicted_step_s") is not None:
+        lines.append(f"predicted step: {r['predicted_step_s']:.3f} s (basp_jax.cost at "
+                     "parallel.hardware's peak and efficiency)")
     overlap = r["overlapped_collectives"]
     pairs = sum(v["pairs"] for v in overlap.values())
     lines.append(f"async collectives overlapping compute: {sum(v['overlapped'] for v in overlap.values())}"
