@@ -9,8 +9,8 @@ scanned layers, remat and the streamed step need nothing extra. The price is one
 per operand, a pass over a tensor the matmul reads anyway.
 
 The quantization is flax's (flax.linen.fp8_ops: quantize, compute_scale; the arithmetic of its
-Fp8DirectDotGeneralOp): the dots take the FP8 arrays themselves (f8 x f8 -> float32, then times
-both scales), which XLA's GPU compiler runs as FP8 GEMMs on sm89+ (cuBLASLt's
+Fp8DirectDotGeneralOp): the dots take the FP8 arrays themselves (f8 x f8 -> the compute dtype,
+then times both scales), which XLA's GPU compiler runs as FP8 GEMMs on sm89+ (cuBLASLt's
 `__cublas$lt$matmul$f8`, or a Triton GEMM fusion of the f8 operands where it picks Triton). A
 dequantize-then-dot (flax's older Fp8DotGeneralOp qdq) is not used: where XLA hands that dot to
 Triton it drops the f8 round trip as excess precision, silently running in bf16. On the CPU XLA
@@ -45,10 +45,12 @@ def quantize(x: jax.Array, q_dtype) -> tuple[jax.Array, jax.Array]:
 
 
 def _scaled_dot(a8, sa, b8, sb, contract, dtype):
-    """(a8 . b8 over `contract` (dot_general's contracting dims), in float32) * sa * sb, in
-    dtype: the FP8 GEMM with its scales folded into the output."""
-    out = jax.lax.dot_general(a8, b8, (contract, ((), ())), preferred_element_type=jnp.float32)
-    return (out * (sa * sb)).astype(dtype)
+    """(a8 . b8 over `contract` (dot_general's contracting dims)) * sa * sb, in dtype: the FP8
+    GEMM (float32 accumulation inside) with its output and scales in the compute dtype, as a
+    plain projection's. A float32 output would make every partial sum the partitioner reduces
+    across devices float32: the weight gradients' reduce-scatters and all-reduces twice bf16's."""
+    out = jax.lax.dot_general(a8, b8, (contract, ((), ())), preferred_element_type=dtype)
+    return out * (sa * sb).astype(dtype)
 
 
 @jax.custom_vjp
