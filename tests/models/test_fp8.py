@@ -85,6 +85,35 @@ def test_the_projections_and_only_they_run_in_fp8():
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
 
+@pytest.mark.slow
+def test_a_hybrids_wide_projections_run_in_fp8_and_it_trains():
+    """Qwen3.5: the Gated DeltaNet's qkv, z and out projections in FP8 beside the attention
+    layer's; its beta and decay projections ([hidden, heads], feeding the gates) in dtype."""
+    config = models.ModelConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, model_type="qwen3_5_text",
+        layer_types=("linear_attention", "full_attention"), linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        partial_rotary_factor=0.25, attention_output_gate=True, rms_norm_zero_centered=True)
+    model = models.Transformer(config, rngs=nnx.Rngs(0), options=models.RunOptions(fp8=True))
+    linears = {".".join(map(str, path)): m.fp8 for path, m in nnx.iter_graph(model)
+               if isinstance(m, models.layers.Linear)}
+    fp8_names = {name.rsplit(".", 1)[-1] for name, on in linears.items() if on}
+    plain = {name.rsplit(".", 1)[-1] for name, on in linears.items() if not on}
+    assert fp8_names == {"in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj",
+                         "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert plain == {"in_proj_a", "in_proj_b", "lm_head"}
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 33)), jnp.int32)
+    loss, grads = _grads(model, tokens)
+    exact_loss, exact = _grads(
+        models.Transformer(config, rngs=nnx.Rngs(0), options=models.RunOptions()), tokens)
+    assert 0 < abs(float(loss) - float(exact_loss)) < 0.01 * float(exact_loss)
+    flat, flat_exact = _flat(grads), _flat(exact)
+    for key, g in flat_exact.items():
+        assert np.isfinite(flat[key]).all()
+        assert _rel(flat[key], g) < 0.25, key
+
+
 def _mesh(groups):
     return basp_jax.make_mesh(basp_jax.Layout.plan(8, BATCH, SEQ, 8, 2, groups=groups))
 
