@@ -338,3 +338,15 @@ def test_fp8_runs_the_projections_at_the_fp8_peak_where_there_is_one():
             1 / hw.peak_flops - 1 / hw.fp8_peak_flops) / hw.efficiency
         assert fp8.compute_s == pytest.approx(bf16.compute_s - saved)
         assert fp8.memory_bytes == bf16.memory_bytes
+
+
+def test_plan_cli_fp8_shortens_compute_on_an_h100_only(capsys):
+    def compute_s(hardware, *extra):
+        assert plan.main(["--model", "llama-3.1-8b", "--seq", "16384", "--batch", "2",
+                          "--devices", "8", "--hardware", hardware, *extra]) == 0
+        out = capsys.readouterr().out
+        row = next(line for line in out.splitlines() if line.startswith("basp (2,4) fsdp"))
+        return float(row.split()[-3])  # the compute s column
+
+    assert compute_s("h100-80gb", "--fp8") < 0.7 * compute_s("h100-80gb")
+    assert compute_s("a100-40gb", "--fp8") == compute_s("a100-40gb")

@@ -525,7 +525,7 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
 
     from ..config import replace
     from ..prepare import model_config
-    from ..planning import memory_policy, resolve_offload, state_bytes
+    from ..planning import fp8_planned, memory_policy, resolve_offload, state_bytes
 
     devices = hosts * gpus_per_host
     cfg = replace(cfg, f"parallel.hardware={target}")
@@ -546,7 +546,8 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
         variant = resolve_offload(variant, mcfg, devices, gpus_per_host)
         remat, tile = memory_policy(variant, mcfg, layout, sharding, gpus_per_host)
         pred = cost.predict(shape, layout, sharding, hw=hw, grad_accum=cfg.train.grad_accum,
-                            remat=remat, tile_tokens=tile, **state_bytes(variant))
+                            remat=remat, tile_tokens=tile, fp8=fp8_planned(variant),
+                            **state_bytes(variant))
         r = report(variant, target, hosts, gpus_per_host)
         rows.append({"name": pred.name, "predicted_step_s": pred.step_s,
                      "formula_memory_bytes": pred.memory_bytes,
