@@ -16,6 +16,7 @@ import jax
 from flax import nnx
 
 import models
+from models import fp8 as model_fp8
 from basp_jax import Layout
 from basp_jax import kernels as basp_kernels
 
@@ -108,7 +109,7 @@ def check_fp8(cfg: Config, device) -> None:
     refused here, before compiling (XLA would quietly run every FP8 matmul upcast, slower)."""
     if cfg.model.fp8 is not True:
         return
-    why = models.fp8.unsupported(device.platform, basp_kernels.device_capability(device))
+    why = model_fp8.unsupported(device.platform, basp_kernels.device_capability(device))
     if why:
         name = getattr(device, "device_kind", device.platform)
         raise ConfigError(f"model.fp8=true on {name}: {why}; set model.fp8=auto (on where "
