@@ -15,8 +15,9 @@ to compile for them. Memory sizes are the totals the CUDA driver reports (a litt
 marketing GB); peak FLOP/s are dense tensor-core half precision (fp32 accumulate) without
 sparsity, from NVIDIA's data sheets: bf16, or fp16 on a GPU without bf16 tensor cores (the T4,
 sm75); fp8_peak_flops is the dense FP8 one (fp32 accumulate) of the GPUs with FP8 tensor cores
-(sm89+), what model.fp8's projections run at. Which attention kernels a GPU runs follows from its compute capability
-(basp_jax.kernels.gpu_kernels: cuDNN flash attention and Pallas/Triton need sm80).
+(sm89+), what model.fp8's projections run at. Which attention kernels a GPU runs follows from
+its compute capability (basp_jax.kernels.gpu_kernels: cuDNN flash attention and Pallas/Triton
+need sm80).
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ def _target(name, device_kind, cc, memory_bytes, peak, bandwidth, sms, clock, l2
 # architecture whitepaper for the RTX 4090, whose fp16/bf16 peak with fp32 accumulate is half its
 # fp16-accumulate one). Dense FP8 peaks are twice the bf16 ones on the same sheets (H100 SXM,
 # H200 and H800 1,979 TFLOP/s, H100 PCIe 1,513, NVL 1,671, B200 4,500, L4 242, RTX 4090 330 with
-# fp32 accumulate); the A100, A10G and T4 have no FP8 tensor cores. NVIDIA publishes no data sheet for the A10G (AWS's variant of the A10,
-# 80 SMs at 1.71 GHz instead of 72 at 1.695 GHz): its peak here is the A10's 125 TFLOP/s.
+# fp32 accumulate); the A100, A10G and T4 have no FP8 tensor cores. NVIDIA publishes no data
+# sheet for the A10G (AWS's variant of the A10, 80 SMs at 1.71 GHz instead of 72 at 1.695 GHz):
+# its peak here is the A10's 125 TFLOP/s.
 # The single-GPU cards' SM counts, clocks, L2 sizes and bandwidths are their data sheets'; shared
 # memory and resident threads per SM are the CUDA programming guide's for their compute
 # capability (sm75: 64 KiB, 1024 threads; sm86/sm89: 100 KiB, 1536 threads, 99 KiB per block).

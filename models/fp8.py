@@ -1,4 +1,4 @@
-"""FP8 projections: x @ kernel with e4m3 inputs forward, an e5m2 gradient backward (current scaling).
+"""FP8 projections: x @ kernel, e4m3 inputs forward, an e5m2 gradient backward, current scaling.
 
     y = fp8_matmul(x, kernel)   # x [..., in], kernel [in, out], both in the compute dtype
 

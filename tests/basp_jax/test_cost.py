@@ -317,8 +317,9 @@ def test_fp8_params_are_the_layers_matrices(name):
     """Everything but the embedding tables, the norms and the biases runs in FP8 under model.fp8."""
     shape = MODEL_SHAPES[name]
     d, hd = shape.hidden_size, shape.head_dim
-    norms = shape.hidden_size * (2 * shape.num_layers + 1) + 2 * hd * shape.num_layers * shape.qk_norm
-    biases = shape.num_layers * (shape.num_heads + 2 * shape.num_kv_heads) * hd * shape.attention_bias
+    layers = shape.num_layers
+    norms = shape.hidden_size * (2 * layers + 1) + 2 * hd * layers * shape.qk_norm
+    biases = layers * (shape.num_heads + 2 * shape.num_kv_heads) * hd * shape.attention_bias
     assert shape.fp8_params == shape.num_params - shape.embedding_params - norms - biases
     assert 0.5 < shape.fp8_flops_per_token() / shape.train_flops_per_token(16384) < 1
 

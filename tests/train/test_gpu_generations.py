@@ -81,9 +81,9 @@ def test_would_fit_names_the_shortest_change_by_the_planners_formula():
         "--hosts 4 (16 GPUs) model.remat=auto"
 
 
-@pytest.mark.parametrize("gpu,auto", [("t4-16gb", False), ("a100-40gb", False), ("a10g-24gb", False),
-                                      ("l4-24gb", False), ("h100-80gb", True), ("h200-141gb", True),
-                                      (None, False)])
+@pytest.mark.parametrize("gpu,auto", [
+    ("t4-16gb", False), ("a100-40gb", False), ("a10g-24gb", False), ("l4-24gb", False),
+    ("h100-80gb", True), ("h200-141gb", True), (None, False)])
 def test_fp8_true_needs_fp8_tensor_cores_and_auto_takes_sm90(gpu, auto):
     from train.model_setup import fp8_enabled
     from train.prepare import check_fp8

@@ -294,12 +294,6 @@ def collective_rows(collectives, devices_per_host: int, num_layers: int, grad_ac
     return out
 
 
-def hlo_fp8_target() -> str:
-    from basp_jax import hlo
-
-    return hlo.CUBLASLT_FP8
-
-
 def format_report(r: dict) -> str:
     mem, lay = r["memory"], r["layout"]
     usable = r["usable_memory_bytes"]
@@ -349,11 +343,14 @@ def format_report(r: dict) -> str:
     else:
         lines.append("attention kernel: none found")
     if r.get("fp8") or r.get("fp8_gemms", {}).get("total"):
+        from basp_jax.hlo import CUBLASLT_FP8
+
         g = r["fp8_gemms"]
         per_layer = g["total"] / (r["model"]["num_layers"] * r["grad_accum"])
-        lines.append(f"FP8 GEMMs (model.fp8={'on' if r.get('fp8') else 'off'}): {g['total']} per step, "
-                     f"{per_layer:g} per layer per microbatch ({g['cublaslt']} cuBLASLt "
-                     f"{hlo_fp8_target()}, {g['fusion']} GEMM fusions of FP8 operands)")
+        state = "on" if r.get("fp8") else "off"
+        lines.append(f"FP8 GEMMs (model.fp8={state}): {g['total']} per step, {per_layer:g} per "
+                     f"layer per microbatch ({g['cublaslt']} cuBLASLt {CUBLASLT_FP8}, "
+                     f"{g['fusion']} GEMM fusions of FP8 operands)")
     if r.get("predicted_step_s") is not None:
         lines.append(f"predicted step: {r['predicted_step_s']:.3f} s (basp_jax.cost at "
                      "parallel.hardware's peak and efficiency)")
