@@ -48,9 +48,12 @@ def _scaled_dot(a8, sa, b8, sb, contract, dtype):
     """(a8 . b8 over `contract` (dot_general's contracting dims)) * sa * sb, in dtype: the FP8
     GEMM (float32 accumulation inside) with its output and scales in the compute dtype, as a
     plain projection's. A float32 output would make every partial sum the partitioner reduces
-    across devices float32: the weight gradients' reduce-scatters and all-reduces twice bf16's."""
-    out = jax.lax.dot_general(a8, b8, (contract, ((), ())), preferred_element_type=dtype)
-    return out * (sa * sb).astype(dtype)
+    across devices float32: the weight gradients' reduce-scatters and all-reduces twice bf16's.
+    float16 is the exception: an unscaled product of FP8 values (up to 448^2 per term) passes
+    its 65504 at once, so it accumulates and scales in float32 before the cast."""
+    acc = jnp.float32 if jnp.dtype(dtype) == jnp.float16 else dtype
+    out = jax.lax.dot_general(a8, b8, (contract, ((), ())), preferred_element_type=acc)
+    return (out * (sa * sb).astype(acc)).astype(dtype)
 
 
 @jax.custom_vjp

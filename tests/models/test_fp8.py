@@ -32,8 +32,11 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("magnitude", [1e-6, 1.0, 1e3])  # unscaled, 1e-6 would round to 0
+@pytest.mark.parametrize("dtype,magnitude", [
+    *((d, m) for d in (jnp.float32, jnp.bfloat16)
+      for m in (1e-6, 1.0, 1e3)),  # unscaled, 1e-6 would round to 0
+    (jnp.float16, 1.0),  # (float16 holds neither extreme) its unscaled products overflow 65504
+])
 def test_fp8_matmul_is_the_matmul_to_fp8_precision_at_any_scale(dtype, magnitude):
     kx, kw, kg = jax.random.split(jax.random.key(1), 3)
     x = (magnitude * jax.random.normal(kx, (2, 16, 64))).astype(dtype)
