@@ -39,9 +39,12 @@ def current_scale(x: jax.Array, q_dtype) -> jax.Array:
 
 
 def quantize(x: jax.Array, q_dtype) -> tuple[jax.Array, jax.Array]:
-    """(x / its current scale, clipped to the format's range, in q_dtype; the scale)."""
+    """(x / its current scale, clipped to the format's range, in q_dtype; the scale). Divided
+    in x's dtype, except float16, where a scale (amax / 448, or / 57344) underflows below amax
+    ~3e-3: there in float32."""
     scale = current_scale(x, q_dtype)
-    return fp8_ops.quantize(x, q_dtype, scale, x.dtype), scale
+    compute = jnp.float32 if x.dtype == jnp.float16 else x.dtype
+    return fp8_ops.quantize(x, q_dtype, scale, compute), scale
 
 
 def _scaled_dot(a8, sa, b8, sb, contract, dtype):

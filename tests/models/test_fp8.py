@@ -35,21 +35,32 @@ def _rel(a, b):
 @pytest.mark.parametrize("dtype,magnitude", [
     *((d, m) for d in (jnp.float32, jnp.bfloat16)
       for m in (1e-6, 1.0, 1e3)),  # unscaled, 1e-6 would round to 0
-    (jnp.float16, 1.0),  # (float16 holds neither extreme) its unscaled products overflow 65504
+    (jnp.float16, 1.0),  # float16 holds neither extreme; its unscaled FP8 products overflow
 ])
 def test_fp8_matmul_is_the_matmul_to_fp8_precision_at_any_scale(dtype, magnitude):
     kx, kw, kg = jax.random.split(jax.random.key(1), 3)
     x = (magnitude * jax.random.normal(kx, (2, 16, 64))).astype(dtype)
     w = (0.02 * jax.random.normal(kw, (64, 48))).astype(dtype)
     g = (magnitude * jax.random.normal(kg, (2, 16, 48))).astype(dtype)
-    exact = lambda x, w: jnp.einsum("...i,io->...o", x, w)  # noqa: E731
+    exact = lambda x, w: jnp.einsum("...i,io->...o", x, w)  # noqa: E731 (float32: exact enough)
     y, vjp = jax.vjp(fp8.fp8_matmul, x, w)
-    y_ref, vjp_ref = jax.vjp(exact, x, w)
+    y_ref, vjp_ref = jax.vjp(exact, x.astype(jnp.float32), w.astype(jnp.float32))
     assert y.dtype == dtype
     assert 0.005 < _rel(y, y_ref) < 0.08
-    for got, want in zip(vjp(g), vjp_ref(g)):
+    for got, want in zip(vjp(g), vjp_ref(g.astype(jnp.float32))):
         assert got.dtype == dtype and got.shape == want.shape
         assert 0.005 < _rel(got, want) < 0.12
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_small_tensors_quantize_in_every_compute_dtype(dtype):
+    """amax 1e-3: the e5m2 scale (amax / 57344 = 1.7e-8) is below float16's smallest value, so
+    float16 divides by it in float32."""
+    x = (1e-3 * jax.random.uniform(jax.random.key(0), (256,), minval=-1, maxval=1)).astype(dtype)
+    for q_dtype, bound in ((fp8.E4M3, 0.07), (fp8.E5M2, 0.13)):
+        q, scale = fp8.quantize(x, q_dtype)
+        assert q.dtype == q_dtype
+        assert _rel(q.astype(jnp.float32) * scale, x) < bound
 
 
 def test_the_dots_read_fp8_operands_e4m3_forward_e5m2_backward():
