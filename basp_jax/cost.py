@@ -38,6 +38,24 @@ class Hardware:
     # link's bytes/s per direction (basp_jax.remat.REMAT_POLICIES "offload*").
     host_memory_bytes: float = 128e9
     host_bw: float = 25e9
+    fp8_peak_flops: float | None = None  # per device, dense FP8 (None: no FP8 tensor cores)
+
+    def compute_seconds(self, flops: float, fp8_flops: float = 0.0) -> float:
+        """Seconds for `flops` at this efficiency, `fp8_flops` of them (model.fp8's projections)
+        at the FP8 peak where the GPU has one, the rest at the bf16 peak."""
+        if not self.fp8_peak_flops:
+            return flops / (self.peak_flops * self.efficiency)
+        return ((flops - fp8_flops) / self.peak_flops
+                + fp8_flops / self.fp8_peak_flops) / self.efficiency
+
+
+def mixed_peak_flops(flops: float, fp8_flops: float, peak: float, fp8_peak: float | None
+                     ) -> float:
+    """The peak FLOP/s of a step whose `fp8_flops` of `flops` run at fp8_peak and the rest at
+    `peak` (what MFU divides by under model.fp8): flops / the time both peaks would take."""
+    if not fp8_peak or not fp8_flops:
+        return peak
+    return flops / ((flops - fp8_flops) / peak + fp8_flops / fp8_peak)
 
 
 def _cluster(gpu: str, description: str, intra_bw: float, inter_bw: float,
@@ -46,7 +64,8 @@ def _cluster(gpu: str, description: str, intra_bw: float, inter_bw: float,
     g = gpus.get(gpu)
     return Hardware(f"{g.device_kind}, {description}", g.peak_flops, intra_bw, inter_bw,
                     devices_per_host=devices_per_host, memory_bytes=gpus.usable_memory_bytes(g),
-                    host_memory_bytes=host_memory, host_bw=host_bw)
+                    host_memory_bytes=host_memory, host_bw=host_bw,
+                    fp8_peak_flops=g.fp8_peak_flops)
 
 
 # Named like the GPU targets of basp_jax.gpus (and python -m train.tools.aot --target).
@@ -176,6 +195,23 @@ class ModelShape:
         sequence length."""
         state = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
         return 3 * 4 * 2 * self.linear_layers * state
+
+    @property
+    def fp8_params(self) -> int:
+        """The layers' projection matrices model.fp8 runs in FP8 (models.fp8): q, k, v, o, gate,
+        up, down; a Gated DeltaNet's qkv, z and out (its beta and decay ones stay in bf16)."""
+        d, hd = self.hidden_size, self.head_dim
+        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+        mlp = 3 * d * self.intermediate_size
+        attention = (3 if self.attention_output_gate else 2) * d * q + 2 * d * kv + mlp
+        key_dim = self.linear_num_key_heads * self.linear_key_head_dim
+        value_dim = self.linear_num_value_heads * self.linear_value_head_dim
+        linear = d * (2 * key_dim + value_dim) + 2 * d * value_dim + mlp
+        return self.attention_layers * attention + self.linear_layers * linear
+
+    def fp8_flops_per_token(self) -> float:
+        """Of train_flops_per_token, those model.fp8 runs as FP8 matmuls: 6 x fp8_params."""
+        return 6.0 * self.fp8_params
 
     def train_flops_per_token(self, seq_len: int, causal: bool = True) -> float:
         """Training FLOPs per token: what the planner's compute time and the trainer's MFU use."""
@@ -357,11 +393,13 @@ def predict(
     moment_bytes: int | None = None,
     tile_tokens: int | None = None,
     offload_state: bool = False,
+    fp8: bool = False,
 ) -> Prediction:
     """Predicted per-step time and memory of a layout (for `shape`'s heads; its batch with its
     pad rows, its devices per host) under a parameter sharding strategy, on `hw`'s links. With
     offload_state the master weights and moments live in host memory and stream through the
-    device a layer at a time (train.streamed: remat is then "offload" whatever it says)."""
+    device a layer at a time (train.streamed: remat is then "offload" whatever it says). fp8:
+    the layers' projections run at hw's FP8 peak (model.fp8)."""
     if offload_state:
         remat = "offload"
     q_heads, kv_heads = layout.exchanged_heads
@@ -371,7 +409,7 @@ def predict(
     params = _param_traffic(shape, layout, param_sharding, grad_accum=grad_accum,
                             act_bytes=act_bytes, param_bytes=param_bytes,
                             master_bytes=master_bytes)
-    compute_s = _compute_seconds(shape, layout, hw, grad_accum)
+    compute_s = _compute_seconds(shape, layout, hw, grad_accum, fp8)
     a2a_s, params_s = a2a.time(hw), params.time(hw) * (1 - overlap)
     memory = memory_bytes(shape, layout.tokens_per_device, shard_group, q_heads=q_heads,
                           kv_heads=kv_heads, remat=remat, act_bytes=act_bytes,
@@ -485,17 +523,19 @@ def _staged_traffic(layer_bytes: float, layout: Layout, keep_host_copy: bool) ->
     return cross + _gathered_traffic(layer_bytes, min(dph, layout.num_devices), 0.0)
 
 
-def _compute_seconds(shape: ModelShape, layout: Layout, hw: Hardware, grad_accum: int) -> float:
-    """The step's training FLOPs on one device (padded heads computed too) at hw's efficiency."""
+def _compute_seconds(shape: ModelShape, layout: Layout, hw: Hardware, grad_accum: int,
+                     fp8: bool = False) -> float:
+    """The step's training FLOPs on one device (padded heads computed too) at hw's efficiency;
+    fp8: the projections' at its FP8 peak."""
     q_heads, _ = layout.exchanged_heads
     attention_flops = shape.attention_flops_per_token(layout.seq_len) * q_heads / shape.num_heads
     if layout.ring > 1 and not layout.zigzag:
         # Contiguous causal chunks: each ring step waits for the busiest rank (zig-zag order
         # gives every rank the same causal work).
         attention_flops *= 2 - 1 / layout.ring
-    flops = ((shape.dense_flops_per_token() + attention_flops) * layout.tokens_per_device
-             * grad_accum)
-    return flops / (hw.peak_flops * hw.efficiency)
+    tokens = layout.tokens_per_device * grad_accum
+    flops = (shape.dense_flops_per_token() + attention_flops) * tokens
+    return hw.compute_seconds(flops, shape.fp8_flops_per_token() * tokens if fp8 else 0.0)
 
 
 def _host_traffic(shape: ModelShape, layout: Layout, shard_group: int, hw: Hardware, *,
@@ -717,7 +757,8 @@ def plan_table(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
                grad_accum: int = 1, memory_limit: float | None = None, max_pad_rows: int = 0,
                overlap: float = 0.0, remat: str = "full", master_bytes: int = 4,
                moment_bytes: int | None = None, tile_tokens: int | None = None,
-               zigzag: bool = False, offload_state: bool = False) -> list[Prediction]:
+               zigzag: bool = False, offload_state: bool = False,
+               fp8: bool = False) -> list[Prediction]:
     """Predictions for every valid candidate, fastest first; those over memory last. With
     offload_state (the streamed step) host sharding is no candidate: it keeps per-host device
     copies of the weights, which the streamed step keeps in host memory instead."""
@@ -725,7 +766,7 @@ def plan_table(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
     preds = [
         predict(shape, layout, sharding, hw=hw, grad_accum=grad_accum, overlap=overlap,
                 remat=remat, master_bytes=master_bytes, moment_bytes=moment_bytes,
-                tile_tokens=tile_tokens, offload_state=offload_state)
+                tile_tokens=tile_tokens, offload_state=offload_state, fp8=fp8)
         for layout, sharding in candidates(shape, batch=batch, seq_len=seq_len,
                                            num_devices=num_devices, max_pad_rows=max_pad_rows,
                                            devices_per_host=hw.devices_per_host,
@@ -755,7 +796,7 @@ def auto_layout(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int
                 overlap: float = 0.0, remat: str = "full", zigzag: bool = False,
                 master_bytes: int = 4, moment_bytes: int | None = None,
                 tile_tokens: int | None = None,
-                offload_state: bool = False) -> tuple[Layout, Prediction]:
+                offload_state: bool = False, fp8: bool = False) -> tuple[Layout, Prediction]:
     """mode="auto": the fastest predicted layout that fits in memory, as a validated Layout.
 
     The Layout's batch includes any pad rows (Layout.pad_rows, which the trainer masks out of
@@ -770,7 +811,8 @@ def auto_layout(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int
                        grad_accum=grad_accum, memory_limit=memory_limit,
                        max_pad_rows=max_pad_rows, overlap=overlap, remat=remat,
                        master_bytes=master_bytes, moment_bytes=moment_bytes,
-                       tile_tokens=tile_tokens, zigzag=zigzag, offload_state=offload_state)
+                       tile_tokens=tile_tokens, zigzag=zigzag, offload_state=offload_state,
+                       fp8=fp8)
     if not preds:
         raise ValueError(
             f"no layout splits seq_len={seq_len} over {num_devices} devices; use a multiple of "

@@ -6,6 +6,7 @@
     gpus.usable_memory_bytes(gpus.GPUS["a100-40gb"])   # what JAX may take of it
     gpus.by_device_kind("NVIDIA H100 PCIe").peak_flops   # for MFU (None: not in the table)
     gpus.GPUS["t4-16gb"].bf16, gpus.GPUS["t4-16gb"].half_dtype   # False, "float16"
+    gpus.GPUS["h100-80gb"].fp8_peak_flops        # dense FP8 peak (None: no FP8 tensor cores)
 
 The planner (basp_jax.cost), the compile-for-GPU command (train.tools.aot) and the trainer's peak FLOP/s
 (MFU) read this table, so a GPU's memory and speed are written once. Every GPU has its exact
@@ -13,8 +14,10 @@ device kind, compute capability and peak; the compile targets (TARGETS) also hav
 to compile for them. Memory sizes are the totals the CUDA driver reports (a little less than the
 marketing GB); peak FLOP/s are dense tensor-core half precision (fp32 accumulate) without
 sparsity, from NVIDIA's data sheets: bf16, or fp16 on a GPU without bf16 tensor cores (the T4,
-sm75). Which attention kernels a GPU runs follows from its compute capability
-(basp_jax.kernels.gpu_kernels: cuDNN flash attention and Pallas/Triton need sm80).
+sm75); fp8_peak_flops is the dense FP8 one (fp32 accumulate) of the GPUs with FP8 tensor cores
+(sm89+), what model.fp8's projections run at. Which attention kernels a GPU runs follows from
+its compute capability (basp_jax.kernels.gpu_kernels: cuDNN flash attention and Pallas/Triton
+need sm80).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ class Gpu:
     shared_memory_per_sm: int | None = None
     shared_memory_per_block_optin: int | None = None
     threads_per_sm: int = 2048  # resident threads per SM: 2048 sm80/90, 1536 sm86/89, 1024 sm75
+    # dense FP8 tensor-core peak (fp32 accumulate), where the GPU has FP8 tensor cores (sm89+)
+    fp8_peak_flops: float | None = None
 
     @property
     def is_target(self) -> bool:
@@ -62,16 +67,19 @@ class Gpu:
 
 
 def _target(name, device_kind, cc, memory_bytes, peak, bandwidth, sms, clock, l2, fp32, smem,
-            optin, *, bf16=True, threads_per_sm=2048) -> Gpu:
+            optin, *, bf16=True, threads_per_sm=2048, fp8_peak=None) -> Gpu:
     return Gpu(name, device_kind, peak, cc, bf16, memory_bytes, bandwidth, sms, clock, l2, fp32,
-               smem, optin, threads_per_sm)
+               smem, optin, threads_per_sm, fp8_peak)
 
 
 # Peaks: NVIDIA's data sheets (A100; H100 SXM/PCIe/NVL, whose H800 and H200 siblings have the same
 # Tensor Core peak as the H100 of their form factor; HGX B200; T4; L4; A10; the Ada Lovelace
 # architecture whitepaper for the RTX 4090, whose fp16/bf16 peak with fp32 accumulate is half its
-# fp16-accumulate one). NVIDIA publishes no data sheet for the A10G (AWS's variant of the A10,
-# 80 SMs at 1.71 GHz instead of 72 at 1.695 GHz): its peak here is the A10's 125 TFLOP/s.
+# fp16-accumulate one). Dense FP8 peaks are twice the bf16 ones on the same sheets (H100 SXM,
+# H200 and H800 1,979 TFLOP/s, H100 PCIe 1,513, NVL 1,671, B200 4,500, L4 242, RTX 4090 330 with
+# fp32 accumulate); the A100, A10G and T4 have no FP8 tensor cores. NVIDIA publishes no data
+# sheet for the A10G (AWS's variant of the A10, 80 SMs at 1.71 GHz instead of 72 at 1.695 GHz):
+# its peak here is the A10's 125 TFLOP/s.
 # The single-GPU cards' SM counts, clocks, L2 sizes and bandwidths are their data sheets'; shared
 # memory and resident threads per SM are the CUDA programming guide's for their compute
 # capability (sm75: 64 KiB, 1024 threads; sm86/sm89: 100 KiB, 1536 threads, 99 KiB per block).
@@ -87,27 +95,29 @@ GPUS = {
         _target("a100-80gb", "NVIDIA A100-SXM4-80GB", (8, 0), 85_198_045_184, 312e12, 2.039e12,
                 108, 1.41, 40 * 2**20, 64, 167_936, 166_912),
         _target("h100-80gb", "NVIDIA H100 80GB HBM3", (9, 0), 84_929_347_584, 989e12, 3.35e12,
-                132, 1.98, 50 * 2**20, 128, 233_472, 232_448),
+                132, 1.98, 50 * 2**20, 128, 233_472, 232_448, fp8_peak=1979e12),
         _target("h200-141gb", "NVIDIA H200", (9, 0), 150_754_820_096, 989e12, 4.8e12,
-                132, 1.98, 50 * 2**20, 128, 233_472, 232_448),
+                132, 1.98, 50 * 2**20, 128, 233_472, 232_448, fp8_peak=1979e12),
         # One-GPU machines: Colab (T4 free, L4 and A100 paid), AWS g4dn/g5, workstations. The
         # T4 (Turing) has fp16 tensor cores but no bf16; none of these has NVLink.
         _target("t4-16gb", "Tesla T4", (7, 5), 15_102 * 2**20, 65e12, 320e9,
                 40, 1.59, 4 * 2**20, 64, 65_536, 65_536, bf16=False, threads_per_sm=1024),
         _target("l4-24gb", "NVIDIA L4", (8, 9), 23_034 * 2**20, 121e12, 300e9,
-                58, 2.04, 48 * 2**20, 128, 102_400, 101_376, threads_per_sm=1536),
+                58, 2.04, 48 * 2**20, 128, 102_400, 101_376, threads_per_sm=1536,
+                fp8_peak=242e12),
         _target("a10g-24gb", "NVIDIA A10G", (8, 6), 23_028 * 2**20, 125e12, 600e9,
                 80, 1.71, 6 * 2**20, 128, 102_400, 101_376, threads_per_sm=1536),
         _target("rtx4090-24gb", "NVIDIA GeForce RTX 4090", (8, 9), 24_564 * 2**20, 165.2e12,
-                1.008e12, 128, 2.52, 72 * 2**20, 128, 102_400, 101_376, threads_per_sm=1536),
+                1.008e12, 128, 2.52, 72 * 2**20, 128, 102_400, 101_376, threads_per_sm=1536,
+                fp8_peak=330.3e12),
         # peak FLOP/s only (MFU), not compile targets
         Gpu("a100-40gb-pcie", "NVIDIA A100-PCIE-40GB", 312e12, (8, 0)),
         Gpu("a100-80gb-pcie", "NVIDIA A100 80GB PCIe", 312e12, (8, 0)),
-        Gpu("h100-pcie", "NVIDIA H100 PCIe", 756e12, (9, 0)),
-        Gpu("h100-nvl", "NVIDIA H100 NVL", 835e12, (9, 0)),
-        Gpu("h800", "NVIDIA H800", 989e12, (9, 0)),
-        Gpu("h200-nvl", "NVIDIA H200 NVL", 835e12, (9, 0)),
-        Gpu("b200", "NVIDIA B200", 2250e12, (10, 0)),
+        Gpu("h100-pcie", "NVIDIA H100 PCIe", 756e12, (9, 0), fp8_peak_flops=1513e12),
+        Gpu("h100-nvl", "NVIDIA H100 NVL", 835e12, (9, 0), fp8_peak_flops=1671e12),
+        Gpu("h800", "NVIDIA H800", 989e12, (9, 0), fp8_peak_flops=1979e12),
+        Gpu("h200-nvl", "NVIDIA H200 NVL", 835e12, (9, 0), fp8_peak_flops=1671e12),
+        Gpu("b200", "NVIDIA B200", 2250e12, (10, 0), fp8_peak_flops=4500e12),
     )
 }
 TARGETS = {name: g for name, g in GPUS.items() if g.is_target}  # what train.tools.aot compiles for

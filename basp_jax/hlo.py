@@ -188,3 +188,35 @@ def overlapped_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
                 row["pairs"] += 1
                 row["overlapped"] += any(o in _WORK_OPS for _, _, o, _ in insts[begin + 1:i])
     return out
+
+
+# FP8 GEMMs in a compiled GPU program: cuBLASLt's FP8 matmul custom call, or a GEMM fusion (XLA's
+# Triton emitter; its choice where it cannot autotune, e.g. compiling without a GPU) whose dot
+# reads FP8 operands.
+CUBLASLT_FP8 = "__cublas$lt$matmul$f8"
+_F8_RE = re.compile(r"^f8e\d")
+
+
+def fp8_gemms(hlo_text: str) -> dict[str, int]:
+    """The FP8 matrix multiplies a compiled GPU program runs, in executions per program run:
+    {"cublaslt": cuBLASLt FP8 calls, "fusion": GEMM fusions of FP8 operands, "total"}."""
+    module = Module(hlo_text)
+    f8_dot_computations = set()
+    for comp, insts in module.computations.items():
+        shapes = {name: shape for name, shape, _, _ in insts}
+        for _, _, op, line in insts:
+            if op != "dot":
+                continue
+            operands = re.findall(r"%([\w.\-]+)", line.split(" dot(", 1)[1].split(")", 1)[0])
+            if operands and all(_F8_RE.match(shapes.get(o, "")) for o in operands):
+                f8_dot_computations.add(comp)
+    out = {"cublaslt": 0, "fusion": 0}
+    for inst in module.instructions():
+        if inst.op == "custom-call" and f'custom_call_target="{CUBLASLT_FP8}"' in inst.line:
+            out["cublaslt"] += inst.executions
+        elif inst.op == "fusion":
+            callee = re.search(r"\bcalls=%?([\w.\-]+)", inst.line)
+            if callee and callee.group(1) in f8_dot_computations:
+                out["fusion"] += inst.executions
+    out["total"] = out["cublaslt"] + out["fusion"]
+    return out

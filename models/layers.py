@@ -23,6 +23,7 @@ from basp_jax.sharding import ShardingRules, activation_spec
 from basp_jax.vocab import Table
 
 from .config import ModelConfig
+from .fp8 import fp8_matmul
 from .options import RunOptions
 
 
@@ -73,19 +74,23 @@ def constrain(x: jax.Array, mesh: Mesh | None) -> jax.Array:
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias); kernel [in, out] (Hugging Face stores the transpose, [out, in])."""
+    """y = x @ kernel (+ bias); kernel [in, out] (Hugging Face stores the transpose, [out, in]).
+    fp8: the product as an FP8 matmul (models.fp8; the bias is added in `dtype`)."""
 
     def __init__(self, in_features: int, out_features: int, names: tuple[str | None, str | None], *,
-                 use_bias: bool, rngs: nnx.Rngs, dtype, param_dtype, init_std: float):
+                 use_bias: bool, rngs: nnx.Rngs, dtype, param_dtype, init_std: float,
+                 fp8: bool = False):
         self.kernel = param(
             init_std * jax.random.normal(rngs.params(), (in_features, out_features), param_dtype),
             names,
         )
         self.bias = param(jnp.zeros((out_features,), param_dtype), (names[1],)) if use_bias else None
         self.dtype = dtype
+        self.fp8 = fp8
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("...i,io->...o", x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        x, kernel = x.astype(self.dtype), self.kernel[...].astype(self.dtype)
+        y = fp8_matmul(x, kernel) if self.fp8 else jnp.einsum("...i,io->...o", x, kernel)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
@@ -213,7 +218,7 @@ class Attention(nnx.Module):
         hq, hkv = config.num_heads, config.num_kv_heads
         std = config.initializer_range
         dtype, param_dtype = options.dtype, options.param_dtype
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, init_std=std)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, init_std=std, fp8=options.fp8)
         # with the output gate (Qwen3.5), q_proj emits each head's query then its gate
         self.gated = config.attention_output_gate
         q_width = hq * hd * (2 if self.gated else 1)
@@ -304,10 +309,11 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype,
+                 fp8: bool = False):
         d, f = config.hidden_size, config.intermediate_size
         kw = dict(use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
-                  init_std=config.initializer_range)
+                  init_std=config.initializer_range, fp8=fp8)
         self.gate_proj = Linear(d, f, ("mlp_up_embed", "mlp_up"), **kw)
         self.up_proj = Linear(d, f, ("mlp_up_embed", "mlp_up"), **kw)
         self.down_proj = Linear(f, d, ("mlp_down", "embed"), **kw)

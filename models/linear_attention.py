@@ -250,8 +250,11 @@ class GatedDeltaNet(nnx.Module):
         self.key_dim, self.value_dim = nk * dk, nv * dv
         self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim = nk, nv, dk, dv
         conv_dim = 2 * self.key_dim + self.value_dim
-        self.in_proj_qkv = Linear(d, conv_dim, ("qkv_embed", "q_heads"), **kw)
-        self.in_proj_z = Linear(d, self.value_dim, ("qkv_embed", "q_heads"), **kw)
+        # FP8 (options.fp8) for the wide projections; beta's and the decay's [d, heads] ones stay
+        # in dtype: a sliver of the FLOPs, and they feed the gates the recurrence compounds
+        fp8 = dict(kw, fp8=options.fp8)
+        self.in_proj_qkv = Linear(d, conv_dim, ("qkv_embed", "q_heads"), **fp8)
+        self.in_proj_z = Linear(d, self.value_dim, ("qkv_embed", "q_heads"), **fp8)
         self.in_proj_b = Linear(d, nv, ("qkv_embed", "q_heads"), **kw)
         self.in_proj_a = Linear(d, nv, ("qkv_embed", "q_heads"), **kw)
         self.conv1d = DepthwiseConv(conv_dim, config.linear_conv_kernel_dim, rngs=rngs,
@@ -262,7 +265,7 @@ class GatedDeltaNet(nnx.Module):
         self.A_log = param(jnp.log(a).astype(param_dtype), ("q_heads",))
         self.norm = GatedRMSNorm(dv, ("head_dim",), eps=config.rms_norm_eps, dtype=dtype,
                                  param_dtype=param_dtype)
-        self.out_proj = Linear(self.value_dim, d, ("o_heads", "embed"), **kw)
+        self.out_proj = Linear(self.value_dim, d, ("o_heads", "embed"), **fp8)
         self.dtype = dtype
         self.mesh = options.mesh
         self.sp = 1 if options.mesh is None else options.mesh.shape[SEQ]

@@ -54,6 +54,9 @@ class RunOptions:
         embedding and LM head are used where they are stored when it splits the vocabulary;
         under a per-host one their gradient is summed inside each host before it crosses hosts
         (basp_jax.vocab).
+    fp8: the layers' projections (q, k, v, o, gate, up, down; a Gated DeltaNet's qkv, z and
+        out) as FP8 matmuls, e4m3 forward and e5m2 gradients with per-tensor current scales
+        (models.fp8); attention, norms, the embedding and the LM head stay in `dtype`.
     rules: where parameters and activations live on the mesh (basp_jax.sharding.ShardingRules,
         None without a mesh): built from mesh, param_sharding and the layout's
         devices_per_host when not given; a run's trainer passes its own, so the run has one.
@@ -69,6 +72,7 @@ class RunOptions:
     vocab_parallel: str = "auto"
     scan_layers: bool = True
     param_sharding: str = DEFAULT_STRATEGY
+    fp8: bool = False
     rules: ShardingRules | None = None
 
     def __post_init__(self):
@@ -84,6 +88,9 @@ class RunOptions:
         if self.attn_impl not in basp_kernels.impl_names():
             raise ModelError(f"unknown attn_impl {self.attn_impl!r}; use one of "
                              f"{', '.join(basp_kernels.impl_names())}")
+        if not isinstance(self.fp8, bool):
+            raise ModelError(f"fp8 must be True or False, got {self.fp8!r} (resolve 'auto' for "
+                             "the device first: models.fp8.enabled)")
         if self.param_sharding not in PARAM_SHARDINGS:
             raise ModelError(f"unknown param_sharding {self.param_sharding!r}; use one of "
                              f"{', '.join(PARAM_SHARDINGS)}")

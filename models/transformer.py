@@ -48,7 +48,8 @@ class Block(nnx.Module):
         else:
             self.self_attn = Attention(config, rngs=rngs, options=options)
         self.post_attention_layernorm = rms_norm(config.hidden_size, ("norm",), config, options)
-        self.mlp = MLP(config, rngs=rngs, dtype=options.dtype, param_dtype=options.param_dtype)
+        self.mlp = MLP(config, rngs=rngs, dtype=options.dtype, param_dtype=options.param_dtype,
+                       fp8=options.fp8)
         self.mesh = options.mesh
         self.tile_tokens, self.dtype = options.tile_tokens, options.dtype
 

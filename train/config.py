@@ -101,6 +101,10 @@ class ModelSection:
     # the layers as one block of stacked parameters under lax.scan: compile time independent of
     # depth; the compiled step (collectives.json) then holds a layer's collectives once, not per layer
     scan_layers: bool = True
+    # the layers' projections as FP8 matmuls (e4m3 forward, e5m2 gradients, per-tensor current
+    # scales; attention, norms, embedding and LM head stay in model.dtype): true needs FP8 tensor
+    # cores (sm89+) on a GPU (the CPU emulates them); auto: on sm90+ GPUs (H100, H200, B200)
+    fp8: Union[bool, Literal["auto"]] = False
 
     def validate(self) -> None:
         if (self.preset is None) == (self.hf_path is None):

@@ -20,6 +20,7 @@ from basp_jax import comm
 from . import planning, resume
 from .checkpoint import complete_steps
 from .metrics import MetricsLogger
+from .model_setup import fp8_enabled
 from .process.outputs import export_hf, write_collectives
 from .prepare import Run
 
@@ -121,7 +122,9 @@ def log_start(run: Run, logger: MetricsLogger) -> None:
         f"model: {run.mcfg.model_type} {run.mcfg.num_params() / 1e6:.2f}M params, "
         f"{run.plan.strategy} parameters"
         + (" and optimizer state in host memory (optimizer.offload)" if run.plan.offload_state
-           else "") + f"; data: {run.data.name}"
+           else "")
+        + ("; FP8 projections (model.fp8)" if fp8_enabled(cfg, run.devices[0]) else "")
+        + f"; data: {run.data.name}"
     )
     if run.latest is not None:
         logger.message(f"resumed from {run.state.ckpt.directory} at step {run.state.start}")

@@ -60,6 +60,14 @@ def _ids_in_vocabulary(base, vocab_size) -> dict:
     return {"bos_token_id": keep(base.bos_token_id), "eos_token_id": eos}
 
 
+def fp8_enabled(cfg: Config, device) -> bool:
+    """model.fp8 as `device` runs it ("auto": on sm90+ GPUs; models.fp8.enabled)."""
+    from basp_jax import kernels
+    from models import fp8
+
+    return fp8.enabled(cfg.model.fp8, device.platform, kernels.device_capability(device))
+
+
 def model_options(cfg: Config, plan=None, *,
                   dtype: str | None = None) -> "models.RunOptions":
     """How the configured model runs: on the plan's mesh and layout with its parameter sharding,
@@ -71,7 +79,7 @@ def model_options(cfg: Config, plan=None, *,
                   param_dtype=dtypes.jnp_dtype(m.param_dtype),
                   attn_impl=m.attn_impl, remat="none" if m.remat == "auto" else m.remat,
                   tile_tokens=m.tile_tokens, vocab_parallel=m.vocab_parallel,
-                  scan_layers=m.scan_layers)
+                  scan_layers=m.scan_layers, fp8=fp8_enabled(cfg, device))
     if plan is not None:
         fields.update(mesh=plan.mesh, layout=plan.layout, param_sharding=plan.strategy,
                       rules=plan.rules,  # the run's one ShardingRules: the trainer's are the model's

@@ -53,6 +53,26 @@ def state_bytes(cfg: Config) -> dict[str, int]:
             "offload_state": cfg.optimizer.offload is True}
 
 
+def fp8_planned(cfg: Config) -> bool:
+    """Whether the projections run in FP8 on parallel.hardware (model.fp8; "auto": on sm90+),
+    for the predicted compute time."""
+    from basp_jax import gpus
+    from models import fp8
+
+    gpu = gpus.GPUS.get(cfg.parallel.hardware)
+    return fp8.enabled(cfg.model.fp8, "gpu" if gpu else "cpu",
+                       gpu.compute_capability if gpu else None)
+
+
+def predicted_step_s(cfg: Config, mcfg, run_plan) -> float:
+    """basp_jax.cost's step time for a run plan on parallel.hardware (train.tools.aot's report)."""
+    hw = hardware(cfg, run_plan.layout.devices_per_host)
+    return cost.predict(model_shape(mcfg), run_plan.layout, run_plan.strategy, hw=hw,
+                        grad_accum=cfg.train.grad_accum, remat=run_plan.remat,
+                        tile_tokens=run_plan.tile_tokens, act_bytes=_act_bytes(cfg),
+                        fp8=fp8_planned(cfg), **state_bytes(cfg)).step_s
+
+
 def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[Layout, str]:
     """The layout (pad rows, ring and token order included) and the parameter sharding."""
     p = cfg.parallel
@@ -64,7 +84,7 @@ def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[La
     if remat == "auto":
         remat, tile = AUTO_REMAT[-1], tile or AUTO_TILE_TOKENS
     common = dict(hw=hw, grad_accum=cfg.train.grad_accum, remat=remat, tile_tokens=tile,
-                  **state_bytes(cfg))
+                  fp8=fp8_planned(cfg), **state_bytes(cfg))
     if p.mode == "auto":
         try:
             layout, best = cost.auto_layout(
@@ -237,6 +257,7 @@ def memory_policy(cfg: Config, mcfg, layout: Layout, strategy: str,
         fitting = []
         for remat in AUTO_REMAT:
             pred = cost.predict(model_shape(mcfg), layout, strategy, hw=hw, remat=remat,
+                                fp8=fp8_planned(cfg),
                                 tile_tokens=tile, grad_accum=cfg.train.grad_accum,
                                 act_bytes=_act_bytes(cfg), **state_bytes(cfg))
             if pred.memory_bytes <= hw.memory_bytes and \

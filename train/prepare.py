@@ -16,6 +16,7 @@ import jax
 from flax import nnx
 
 import models
+from models import fp8 as model_fp8
 from basp_jax import Layout
 from basp_jax import kernels as basp_kernels
 
@@ -26,7 +27,7 @@ from .config import Config, ConfigError, replace
 from .data import Pipeline
 from .process.lock import RunDirLock, check_free
 from .metrics import peak_flops
-from .model_setup import model_config, model_options
+from .model_setup import fp8_enabled, model_config, model_options
 from .process.outputs import check_output_paths
 from .state import RunPlan, TrainState, build_state, plan_run
 from .step import compute_dtype, loss_scaling, make_optimizer
@@ -95,6 +96,26 @@ def check_kernel(cfg: Config, device) -> None:
                           f" (model.dtype={cfg.model.dtype})")
 
 
+def fp8_share(cfg: Config, mcfg, device) -> float:
+    """The share of a step's FLOPs that model.fp8 runs as FP8 matmuls on `device` (0: off)."""
+    if not fp8_enabled(cfg, device):
+        return 0.0
+    shape = mcfg.shape
+    return shape.fp8_flops_per_token() / shape.train_flops_per_token(cfg.data.seq_len)
+
+
+def check_fp8(cfg: Config, device) -> None:
+    """model.fp8=true on a device without FP8 tensor cores (a GPU before sm89: T4, A100):
+    refused here, before compiling (XLA would quietly run every FP8 matmul upcast, slower)."""
+    if cfg.model.fp8 is not True:
+        return
+    why = model_fp8.unsupported(device.platform, basp_kernels.device_capability(device))
+    if why:
+        name = getattr(device, "device_kind", device.platform)
+        raise ConfigError(f"model.fp8=true on {name}: {why}; set model.fp8=auto (on where "
+                          "the GPU has them) or false")
+
+
 @dataclasses.dataclass
 class Run:
     """One invocation of the trainer: what the checks found, then the state the loop advances."""
@@ -151,10 +172,12 @@ def check(cfg: Config, *, is_writer: bool) -> Run:
     devices = select_devices(cfg)
     cfg = with_compute_dtype(cfg, devices[0])  # the run (and its checkpoint record) computes in it
     check_kernel(cfg, devices[0])
+    check_fp8(cfg, devices[0])
     per_host = cfg.parallel.devices_per_host or len(devices) // jax.process_count()
     cfg = planning.resolve_offload(cfg, mcfg, len(devices), per_host)  # optimizer.offload=auto
     writers.check(cfg, is_writer)
-    peak, peak_source = peak_flops(cfg.metrics, getattr(devices[0], "device_kind", None))
+    peak, peak_source = peak_flops(cfg.metrics, getattr(devices[0], "device_kind", None),
+                                   fp8_share=fp8_share(cfg, mcfg, devices[0]))
     plan = plan_run(cfg, mcfg, devices, per_host)
     planning.check_memory(cfg, mcfg, plan.layout, plan.strategy, devices,  # before any row
                           remat=plan.remat, tile_tokens=plan.tile_tokens)

@@ -310,3 +310,44 @@ def test_a_hybrid_is_planned_without_rings():
                                 devices_per_host=per_host)
         assert found and all(layout.ring == 1 and not layout.pad_heads for layout, _ in found)
         assert all(shape.linear_num_value_heads % layout.sp == 0 for layout, _ in found)
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen2.5-3b", "qwen3-8b"])
+def test_fp8_params_are_the_layers_matrices(name):
+    """Everything but the embedding tables, the norms and the biases runs in FP8 under model.fp8."""
+    shape = MODEL_SHAPES[name]
+    d, hd = shape.hidden_size, shape.head_dim
+    layers = shape.num_layers
+    norms = shape.hidden_size * (2 * layers + 1) + 2 * hd * layers * shape.qk_norm
+    biases = layers * (shape.num_heads + 2 * shape.num_kv_heads) * hd * shape.attention_bias
+    assert shape.fp8_params == shape.num_params - shape.embedding_params - norms - biases
+    assert 0.5 < shape.fp8_flops_per_token() / shape.train_flops_per_token(16384) < 1
+
+
+def test_fp8_runs_the_projections_at_the_fp8_peak_where_there_is_one():
+    shape = MODEL_SHAPES["llama-3.1-8b"]
+    for target in ("h100-80gb", "a100-40gb"):
+        hw = HARDWARE[target]
+        layout = _layout(shape, 2, hw=hw)
+        bf16 = predict(shape, layout, "fsdp", hw=hw)
+        fp8 = predict(shape, layout, "fsdp", hw=hw, fp8=True)
+        if hw.fp8_peak_flops is None:  # an A100: no FP8 tensor cores, nothing changes
+            assert fp8.compute_s == bf16.compute_s
+            continue
+        tokens = layout.tokens_per_device
+        saved = shape.fp8_flops_per_token() * tokens * (
+            1 / hw.peak_flops - 1 / hw.fp8_peak_flops) / hw.efficiency
+        assert fp8.compute_s == pytest.approx(bf16.compute_s - saved)
+        assert fp8.memory_bytes == bf16.memory_bytes
+
+
+def test_plan_cli_fp8_shortens_compute_on_an_h100_only(capsys):
+    def compute_s(hardware, *extra):
+        assert plan.main(["--model", "llama-3.1-8b", "--seq", "16384", "--batch", "2",
+                          "--devices", "8", "--hardware", hardware, *extra]) == 0
+        out = capsys.readouterr().out
+        row = next(line for line in out.splitlines() if line.startswith("basp (2,4) fsdp"))
+        return float(row.split()[-3])  # the compute s column
+
+    assert compute_s("h100-80gb", "--fp8") < 0.7 * compute_s("h100-80gb")
+    assert compute_s("a100-40gb", "--fp8") == compute_s("a100-40gb")

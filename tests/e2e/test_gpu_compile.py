@@ -541,3 +541,43 @@ def test_adaptive_layouts_each_compile_for_the_gpus_and_fit(reports):
     # the memory bound is the static layout's: the same tokens per device
     assert max(x["peak_bytes_per_device"] for x in rows) <= 1.05 * rows[0]["peak_bytes_per_device"]
     assert "adaptive layouts (parallel.mode=adaptive), each compiled:" in aot.format_report(r)
+
+
+# model.fp8 on a short Llama-3.2-1B (2 layers, 4K tokens) for 8 H100s: the projections' FP8 GEMMs
+FP8_SMALL = ["--config", "configs/gpu/llama-3.2-1b_basp.yaml", "model.fp8=true",
+             "model.shape.num_layers=2", "data.seq_len=4096", "parallel.devices_per_host=8",
+             "--hosts", "1", "--gpus-per-host", "8"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("triton_gemm", [True, False])
+def test_fp8_projections_compile_to_fp8_gemms_forward_and_backward(cuda_plugin, tmp_path,
+                                                                   triton_gemm):
+    """7 projections per layer, each an FP8 GEMM forward and two backward (remat=dots keeps the
+    forward's): 21 per layer. Compiled without a GPU XLA cannot autotune and picks its Triton GEMM
+    fusions; with those off (XLA_FLAGS, as MaxText's GPU recipes set) the same dots become
+    cuBLASLt's FP8 matmul."""
+    env = dict(os.environ)
+    if not triton_gemm:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_gpu_enable_triton_gemm=false"
+    done = _run("-m", "train.tools.aot", *FP8_SMALL, "--target", "h100-80gb", "--json",
+                str(tmp_path / "r.json"), env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    gemms, layers = r["fp8_gemms"], r["model"]["num_layers"]
+    assert r["fp8"] and gemms["total"] >= 21 * layers, gemms
+    assert gemms["cublaslt" if not triton_gemm else "fusion"] >= 21 * layers, gemms
+    assert "FP8 GEMMs" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_default_step_runs_no_fp8_gemm(basp_8b):
+    assert basp_8b["report"]["fp8"] is False and basp_8b["report"]["fp8_gemms"]["total"] == 0
+
+
+@pytest.mark.slow
+def test_fp8_without_fp8_tensor_cores_is_one_line_before_compiling(cuda_plugin):
+    for target in ("a100-40gb", "t4-16gb"):
+        done = _run("-m", "train.tools.aot", *FP8_SMALL, "--target", target, timeout=300)
+        assert done.returncode == 2 and done.stdout == "", (target, done.stdout, done.stderr)
+        assert done.stderr.count("\n") == 1 and "model.fp8" in done.stderr, done.stderr

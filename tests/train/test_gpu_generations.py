@@ -79,3 +79,24 @@ def test_would_fit_names_the_shortest_change_by_the_planners_formula():
     assert aot.would_fit(cfg, r, 8, 4) == "--hosts 4 (16 GPUs)"
     assert aot.would_fit(replace(cfg, "model.remat=dots"), r, 8, 4) == \
         "--hosts 4 (16 GPUs) model.remat=auto"
+
+
+@pytest.mark.parametrize("gpu,auto", [
+    ("t4-16gb", False), ("a100-40gb", False), ("a10g-24gb", False), ("l4-24gb", False),
+    ("h100-80gb", True), ("h200-141gb", True), (None, False)])
+def test_fp8_true_needs_fp8_tensor_cores_and_auto_takes_sm90(gpu, auto):
+    from train.model_setup import fp8_enabled
+    from train.prepare import check_fp8
+
+    device = FakeDevice(gpu)
+    cfg = load_config("configs/colab.yaml")
+    assert fp8_enabled(replace(cfg, "model.fp8=auto"), device) is auto
+    assert fp8_enabled(cfg, device) is False  # off by default
+    check_fp8(replace(cfg, "model.fp8=auto"), device)  # auto never refuses
+    on = replace(cfg, "model.fp8=true")
+    if gpu and gpus.GPUS[gpu].fp8_peak_flops is None:
+        with pytest.raises(ConfigError, match=r"model.fp8=true on .*sm\d+ has no FP8 tensor cores"):
+            check_fp8(on, device)
+    else:  # sm89+, or the CPU, which emulates FP8
+        check_fp8(on, device)
+        assert fp8_enabled(on, device) is True

@@ -60,3 +60,27 @@ def test_one_table_serves_mfu_the_planner_and_the_compile_targets():
     assert "major: 7\n    minor: 5" in t4 and 'device_description_str: "Tesla T4"' in t4
     with pytest.raises(ValueError, match="unknown GPU 'b200'; use one of a100-40gb"):
         gpus.target_config("b200")  # a peak alone is not enough to compile for it
+
+
+@pytest.mark.parametrize("name", list(gpus.GPUS))
+def test_a_gpu_has_an_fp8_peak_exactly_when_it_has_fp8_tensor_cores(name):
+    """sm89+ (Ada, Hopper, Blackwell): dense FP8 is twice the bf16 peak on NVIDIA's sheets."""
+    from models import fp8
+
+    gpu = gpus.GPUS[name]
+    if fp8.unsupported("gpu", gpu.compute_capability):
+        assert gpu.fp8_peak_flops is None
+    else:
+        assert 1.99 < gpu.fp8_peak_flops / gpu.peak_flops < 2.01
+
+
+def test_under_fp8_mfu_counts_the_projections_at_the_fp8_peak():
+    h100, a100 = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB"
+    bf16_peak = peak_flops(MetricsConfig(), h100)[0]
+    for share in (0.25, 0.9):
+        peak, line = peak_flops(MetricsConfig(), h100, fp8_share=share)
+        # the time both peaks take for the step's FLOPs, whatever the split
+        assert 1 / peak == pytest.approx((1 - share) / 989e12 + share / 1979e12)
+        assert bf16_peak < peak < 1979e12 and "FP8" in line and f"{share:.0%}" in line
+    assert peak_flops(MetricsConfig(), a100, fp8_share=0.9) == peak_flops(MetricsConfig(), a100)
+    assert peak_flops(MetricsConfig(peak_flops=5e14), h100, fp8_share=0.9)[0] == 5e14

@@ -365,3 +365,22 @@ def test_every_data_key_is_in_the_table():
     for field in dataclasses.fields(DataConfig):
         key = by_contents.get(field.name, f"data.{field.name}")
         assert resume.rule(key) is not None, key
+
+
+@pytest.mark.slow
+def test_fp8_turned_on_resumes_with_nothing_to_allow_and_streams(good_run, data_dir, tmp_path,
+                                                                  capsys):
+    """model.fp8 has no state (current scaling, models.fp8): a run checkpointed without it
+    resumes with it, under the streamed optimizer step too, with nothing to allow, and its losses
+    go on from the checkpoint's."""
+    run_dir = _copy(good_run, tmp_path)
+    before = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    capsys.readouterr()
+    assert cli.main(tiny_overrides(run_dir, *_base(data_dir), "model.fp8=true",
+                                   "optimizer.offload=true", "model.remat=offload")) == 0
+    err = capsys.readouterr().err
+    assert "FP8 projections (model.fp8)" in err and "resumed with changes" not in err, err
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and records[:2] == before[:2]
+    assert all(np.isfinite(r["loss"]) and not r["skipped"] and "changed" not in r
+               for r in records[2:])

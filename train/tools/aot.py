@@ -216,7 +216,8 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False,
 
     from basp_jax import comm, hlo
 
-    from ..planning import host_memory_estimate, memory_estimate
+    from ..model_setup import fp8_enabled
+    from ..planning import host_memory_estimate, memory_estimate, predicted_step_s
     from ..state import compile_program
 
     compiled, run_plan, mcfg, compile_s = compile_program(cfg, devices, devices_per_host,
@@ -258,6 +259,10 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False,
                                                           remat=run_plan.remat),
         "host_transfers": comm.host_transfers(text),
         "attention_kernels": hlo.attention_kernels(text),
+        # model.fp8: the FP8 GEMMs the program runs per step (cuBLASLt calls and GEMM fusions)
+        "fp8": fp8_enabled(cfg, devices[0]), "fp8_gemms": hlo.fp8_gemms(text),
+        # the planner's step time for this layout (basp_jax.cost.predict; FP8 FLOPs at the FP8 peak)
+        "predicted_step_s": predicted_step_s(cfg, mcfg, run_plan),
         # async collectives with compute between start and done: the latency-hiding scheduler's work
         "overlapped_collectives": hlo.overlapped_collectives(text),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -343,6 +348,18 @@ def format_report(r: dict) -> str:
         lines.append("attention kernel: " + "; ".join(parts))
     else:
         lines.append("attention kernel: none found")
+    if r.get("fp8") or r.get("fp8_gemms", {}).get("total"):
+        from basp_jax.hlo import CUBLASLT_FP8
+
+        g = r["fp8_gemms"]
+        per_layer = g["total"] / (r["model"]["num_layers"] * r["grad_accum"])
+        state = "on" if r.get("fp8") else "off"
+        lines.append(f"FP8 GEMMs (model.fp8={state}): {g['total']} per step, {per_layer:g} per "
+                     f"layer per microbatch ({g['cublaslt']} cuBLASLt {CUBLASLT_FP8}, "
+                     f"{g['fusion']} GEMM fusions of FP8 operands)")
+    if r.get("predicted_step_s") is not None:
+        lines.append(f"predicted step: {r['predicted_step_s']:.3f} s (basp_jax.cost at "
+                     "parallel.hardware's peak and efficiency)")
     overlap = r["overlapped_collectives"]
     pairs = sum(v["pairs"] for v in overlap.values())
     lines.append(f"async collectives overlapping compute: {sum(v['overlapped'] for v in overlap.values())}"
@@ -381,12 +398,13 @@ def report(cfg, target: str, hosts: int, gpus_per_host: int, *, want_hlo: bool =
     from models import ModelError
 
     from ..config import ConfigError, replace
-    from ..prepare import check_kernel, with_compute_dtype
+    from ..prepare import check_fp8, check_kernel, with_compute_dtype
 
     gpu = gpus.get(target)
     devices = gpu_devices(target, hosts, gpus_per_host)
     cfg = with_compute_dtype(cfg, devices[0])  # model.dtype=auto: as this GPU would compute
     check_kernel(cfg, devices[0])  # a kernel this GPU cannot run: one line, before compiling
+    check_fp8(cfg, devices[0])  # FP8 without FP8 tensor cores: likewise
     # the planner's choices (mode=auto, param_sharding=auto, remat=auto) for the target's memory
     cfg = replace(cfg, f"parallel.hardware={target}")
     from ..planning import resolve_offload
@@ -511,7 +529,7 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
 
     from ..config import replace
     from ..prepare import model_config
-    from ..planning import memory_policy, resolve_offload, state_bytes
+    from ..planning import fp8_planned, memory_policy, resolve_offload, state_bytes
 
     devices = hosts * gpus_per_host
     cfg = replace(cfg, f"parallel.hardware={target}")
@@ -534,7 +552,8 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
         variant = resolve_offload(variant, mcfg, devices, gpus_per_host)
         remat, tile = memory_policy(variant, mcfg, layout, sharding, gpus_per_host)
         pred = cost.predict(shape, layout, sharding, hw=hw, grad_accum=cfg.train.grad_accum,
-                            remat=remat, tile_tokens=tile, **state_bytes(variant))
+                            remat=remat, tile_tokens=tile, fp8=fp8_planned(variant),
+                            **state_bytes(variant))
         r = report(variant, target, hosts, gpus_per_host)
         rows.append({"name": pred.name, "predicted_step_s": pred.step_s,
                      "formula_memory_bytes": pred.memory_bytes,

@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-zigzag", dest="zigzag", action="store_false",
                         help="rings in natural token order (the trainer's parallel.zigzag=false): "
                              "each ring step then waits for its busiest device")
+    parser.add_argument("--fp8", action="store_true",
+                        help="the layers' projections at the GPU's FP8 peak (model.fp8)")
     parser.add_argument("--docs", choices=sorted(adaptive.DISTRIBUTIONS), default=None,
                         help="also predict the adaptive choice for documents of this length "
                              "distribution (longtail: lognormal(6.5, 1.2); full: each fills a row)")
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     preds = plan_table(shape, batch=args.batch, seq_len=args.seq, num_devices=args.devices, hw=hw,
                        grad_accum=args.grad_accum, memory_limit=limit,
                        max_pad_rows=args.max_pad_rows, overlap=args.overlap, remat=args.remat,
-                       zigzag=args.zigzag)
+                       zigzag=args.zigzag, fp8=args.fp8)
     if not preds:
         print(f"error: no layout splits {shape.num_heads} heads and {args.seq} tokens over "
               f"{args.devices} devices; try another --devices or --seq", file=sys.stderr)
