@@ -83,18 +83,17 @@ def one_device():
 
 # (label, Layout.plan keywords, parameter sharding)
 LAYOUTS = [
-    ("basp (2,4)", dict(groups=2), "fsdp"),
-    ("ulysses (1,8)", dict(groups=1), "fsdp"),
-    ("ring 4 (1,8), contiguous", dict(groups=1, ring=4), "fsdp"),
+    pytest.param("basp (2,4)", dict(groups=2), "fsdp", id="basp (2,4)"),
+    pytest.param("ulysses (1,8)", dict(groups=1), "fsdp", id="ulysses (1,8)"),
+    pytest.param("ring 4 (1,8), contiguous", dict(groups=1, ring=4), "fsdp", id="ring 4 (1,8)"),
     pytest.param("ring 2 (2,4), zig-zag", dict(groups=2, ring=2, zigzag=True), "fsdp",
-                 marks=pytest.mark.slow),
-    ("host sharding (2,4)", dict(groups=2), "host"),
-    pytest.param("hsdp (1,8)", dict(groups=1), "hsdp", marks=pytest.mark.slow),
+                 id="zig-zag ring 2 (2,4)", marks=pytest.mark.slow),
+    pytest.param("host sharding (2,4)", dict(groups=2), "host", id="host sharding (2,4)"),
+    pytest.param("hsdp (1,8)", dict(groups=1), "hsdp", id="hsdp (1,8)", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("label,plan,param_sharding", LAYOUTS,
-                         ids=[c[0] if isinstance(c, tuple) else c.values[0] for c in LAYOUTS])
+@pytest.mark.parametrize("label,plan,param_sharding", LAYOUTS)
 def test_loss_and_gradients_equal_one_device(one_device, label, plan, param_sharding):
     batch, want = one_device
     config = _config()
