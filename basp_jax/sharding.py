@@ -111,11 +111,12 @@ PARAM_SHARDINGS.register("host", Strategy(
     streamed=False))  # its per-host device copies of the weights are what streaming avoids
 # staged_keep ranks first: host's cross-host bytes (each gradient element crosses once, each
 # device fetches the 1/N pieces its host lacks once) at FSDP's memory plus one host-local copy
+# (the streamed step copies each layer in again for its backward: it keeps no host-local copy)
 for _rank, (_name, _keep) in ((0, ("staged_keep", True)), (2, ("staged", False))):
     PARAM_SHARDINGS.register(_name, Strategy(
         (LOCAL, HOST), lambda layout: layout.num_devices, per_host=True, use_axes=(LOCAL,),
         keep_host_copy=_keep, tables="fsdp", applies=_several_hosts, auto_rank=_rank,
-        streamed=False))
+        streamed=not _keep))
 PARAM_SHARDINGS.register("replicated", Strategy((), lambda layout: 1))
 DEFAULT_STRATEGY = "fsdp"  # parameters' placement unless told otherwise (models.RunOptions)
 SPLIT = "split"  # in RULES: split over the strategy's parameter axes

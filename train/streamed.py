@@ -44,6 +44,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from basp_jax.sharding import PARAM_SHARDINGS
+from models.layers import stage_params
 from models.transformer import with_values
 
 from .config import Config, ConfigError
@@ -76,10 +77,17 @@ def check_offload(cfg: Config, strategy: str, compute_dtype: str, mcfg=None) -> 
     if not cfg.model.scan_layers:
         raise ConfigError(f"optimizer.offload=true streams the layers of a scanned stack; set "
                           f"model.scan_layers=true {fix}")
-    if not PARAM_SHARDINGS.get(strategy).streamed:
+    entry = PARAM_SHARDINGS.get(strategy)
+    if not entry.streamed and entry.keep_host_copy:
+        raise ConfigError(f"optimizer.offload=true copies each layer's weights in again for its "
+                          f"backward, so {strategy} (which keeps the forward's host-local copy) "
+                          f"does not apply; set parallel.param_sharding=staged (the same "
+                          f"two-stage gathers) {fix}")
+    if not entry.streamed:
         raise ConfigError(f"optimizer.offload=true keeps the weights in host memory, so {strategy} "
                           f"parameter sharding (device copies of the weights per host) does not "
-                          f"apply; set parallel.param_sharding=fsdp {fix}")
+                          f"apply; set parallel.param_sharding=staged (on several hosts) or fsdp "
+                          f"{fix}")
     if compute_dtype == "float16":
         raise ConfigError(f"optimizer.offload=true has no loss scaling for float16 compute; set "
                           f"model.dtype=bfloat16 or float32 {fix}")
@@ -122,6 +130,13 @@ def _split_layers(parts: ModelParts, params):
     return model_with, outer, layer_def, layer_state
 
 
+def _staged(model, weights):
+    """A layer's weights, on the device, as the layer uses them: under a staged strategy
+    gathered across hosts to the host-local copy (models.layers.stage_params), whose gradient
+    is reduce-scattered back onto the stored shards; else as they are."""
+    return stage_params(weights, model.options.rules, model.dtype)
+
+
 def make_streamed_micro_loss(parts: ModelParts, loss_fn: Callable) -> Callable:
     """micro_loss(params, tokens, targets, segment_ids) -> (loss sum, token count), as
     train.step.make_micro_loss's, for parameters in host memory: a forward pass streaming the
@@ -132,7 +147,8 @@ def make_streamed_micro_loss(parts: ModelParts, loss_fn: Callable) -> Callable:
         x, positions, segs = model.embed_inputs(tokens, segment_ids)
 
         def forward(x, weights):
-            return nnx.merge(layer_def, _to_device(weights))(x, positions, segs), None
+            weights = _staged(model, _to_device(weights))
+            return nnx.merge(layer_def, weights)(x, positions, segs), None
 
         x, _ = jax.lax.scan(forward, x, layer_state)
         return model.loss_of_last_layer(x, targets, loss_fn=loss_fn)
@@ -153,9 +169,10 @@ def streamed_loss_and_grads(parts: ModelParts, params, tokens, targets, segment_
         return x, (positions, segs)
 
     x0, embed_vjp, (positions, segs) = jax.vjp(embed, outer, has_aux=True)
+    model = model_with(outer)
 
     def layer(weights, x):
-        return nnx.merge(layer_def, weights)(x, positions, segs)
+        return nnx.merge(layer_def, _staged(model, weights))(x, positions, segs)
 
     def forward(x, weights):
         return layer(_to_device(weights), x), jax.device_put(x, _HOST)
