@@ -278,7 +278,7 @@ def min_inter_host_gradient_bytes(gradient_bytes: float, num_devices: int,
 
 
 def _gradient_sync(sync: str | None, layout: Layout, all_params: float) -> Traffic:
-    """The once-a-step gradient reduction a strategy adds beyond its shard group's
+    """The gradient reduction of one microbatch a strategy adds beyond its shard group's
     (basp_jax.sharding.Strategy.sync)."""
     g, sp, n, dph = layout.groups, layout.sp, layout.num_devices, layout.devices_per_host
     if sync == "groups" and g > 1:  # hsdp: the local 1/sp shard all-reduced across groups
@@ -415,8 +415,11 @@ def _attention_traffic(shape: ModelShape, layout: Layout, policy: RematPolicy,
 def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, grad_accum: int,
                    act_bytes: int, param_bytes: int, master_bytes: int = 4) -> Traffic:
     """Parameters per step: gathered forward and backward (ZeRO-3), gradients reduce-scattered,
-    per microbatch; HSDP adds one cross-group all-reduce of the local shard per step, host
-    sharding one cross-host all-reduce of the host-local shard; a staged strategy gathers the
+    per microbatch; HSDP adds one cross-group all-reduce of the local shard per microbatch, host
+    sharding one cross-host all-reduce of the host-local shard (per microbatch too: the step
+    constrains each microbatch's gradient to the stored sharding, which in XLA's partitioner
+    finishes its reduction there, so with grad_accum=A they cross hosts A times, as the
+    compiled programs show: docs/limitations.md); a staged strategy gathers the
     layers in two stages (_staged_traffic) and its vocabulary tables as its `tables` strategy
     does. The gradients leave in the dtype the layers computed them in (param_bytes: bf16
     reduce-scatters under bf16 compute, as the compiled GPU programs show), not in the float32
@@ -453,7 +456,7 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
     synced = all_params
     if strategy.sync == "hosts":  # its tables' gradient crosses in the master dtype
         synced += gathered_tables * (master_bytes / param_bytes - 1)
-    return per_micro.scale(grad_accum) + _gradient_sync(strategy.sync, layout, synced)
+    return (per_micro + _gradient_sync(strategy.sync, layout, synced)).scale(grad_accum)
 
 
 def _shard_share(param_sharding: str, layout: Layout) -> float:

@@ -59,7 +59,7 @@ class Strategy:
         its gathers never leave a host.
     vocab_parallel: the embedding and LM head can be used where they are stored (split on the
         vocabulary over the compute mesh's axes: basp_jax.vocab).
-    sync: the gradient reduction per step beyond the shard group's, as basp_jax.cost prices
+    sync: the gradient reduction per microbatch beyond the shard group's, as basp_jax.cost prices
         it: "groups" (the 1/sp shard all-reduced across groups), "hosts" (each element crosses
         hosts once), None.
     applies(layout): whether the planner (train.planning, basp_jax.cost) tries it for this
