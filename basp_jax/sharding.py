@@ -17,7 +17,9 @@ axes parameters are split:
                 on 1/N shards. The cross-host gather runs again for the recomputed backward.
     staged_keep: staged, keeping each layer's host-local copy from the forward for the
                 recomputed backward (ZeRO++'s hpZ): the backward gathers inside the host
-                only, for 1/(devices per host) of the layers' parameters more memory.
+                only, for 1/(devices per host) of the layers' parameters more memory. With
+                several microbatches the step gathers the copies once for all of them
+                (train.step); their gradients still cross hosts once per microbatch.
     replicated: nowhere: every device holds everything (small models, debugging); never the default
 
 ShardingRules(strategy, mesh) turns names into PartitionSpecs and NamedShardings; it refuses a

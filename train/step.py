@@ -5,7 +5,8 @@ plain pytrees of jax arrays placed by the run's basp_jax.sharding.ShardingRules 
 whole mesh by default, never replicated unless asked). `train_step(params, opt_state, batch)` runs the
 microbatches of one step under `lax.scan`, sums loss and gradients, divides by the token count of
 the whole step, constrains the gradients to the parameters' sharding and applies the optax update,
-all in one jit with params and optimizer state donated.
+all in one jit with params and optimizer state donated. Under staged_keep parameter sharding
+the layers are gathered across hosts once before the scan, for every microbatch.
 
 Under float16 compute (a T4: fp16 tensor cores, no bf16) the loss is scaled before
 differentiation and the gradients unscaled after (dynamic loss scaling, LossScale): the scale
