@@ -139,8 +139,8 @@ def test_checkpoints_move_between_fsdp_and_staged_and_accumulation_matches(tmp_p
                                    rtol=1e-5, err_msg=name)
 
 
-def _accumulated(tmp_path, strategy: str, accum: int):
-    """(program, parameters, a batch of `accum` microbatches of 2 rows, jit(step_gradients)
+def _accumulated(tmp_path, strategy: str, accum: int, *extra: str):
+    """(model config, parameters, a batch of `accum` microbatches of 2 rows, jit(step_gradients)
     compiled for them) of the trainer's step on the emulated 2 hosts x 4, float32."""
     from tests.helpers.trainer import tiny_config
     from train import state as prog
@@ -149,7 +149,8 @@ def _accumulated(tmp_path, strategy: str, accum: int):
 
     cfg = tiny_config(tmp_path / f"{strategy}_{accum}", "model.dtype=float32",
                       "model.remat=full", "train.microbatch_size=2", f"train.grad_accum={accum}",
-                      f"parallel.param_sharding={strategy}", f"parallel.devices_per_host={HOST}")
+                      f"parallel.param_sharding={strategy}", f"parallel.devices_per_host={HOST}",
+                      *extra)
     mcfg = model_config(cfg)
     plan = prog.plan_run(cfg, mcfg, jax.devices(), HOST)
     assert (plan.layout.groups, plan.layout.sp) == (2, 4)
@@ -170,14 +171,17 @@ def _accumulated(tmp_path, strategy: str, accum: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["staged_keep", "staged"])
-def test_accumulated_gradients_equal_one_device(tmp_path, strategy):
+@pytest.mark.parametrize("strategy,extra", [("staged_keep", ()), ("staged", ()),
+                                            ("staged_keep", ("model.scan_layers=false",))])
+def test_accumulated_gradients_equal_one_device(tmp_path, strategy, extra):
     """train.grad_accum=2: the step's loss and every gradient (the mean over both microbatches)
     equal one device's on all 4 rows. staged_keep gathers the layers across hosts once for both
-    microbatches (train.step), staged once per microbatch."""
-    mcfg, params, batch, compiled = _accumulated(tmp_path, strategy, 2)
+    microbatches (train.step; a stack of layers or a list), staged once per microbatch."""
+    mcfg, params, batch, compiled = _accumulated(tmp_path, strategy, 2, *extra)
     grads, loss_sum, count = compiled(params, batch)
-    model = models.Transformer(mcfg, rngs=nnx.Rngs(0), options=models.RunOptions(dtype=jnp.float32))
+    options = models.RunOptions(dtype=jnp.float32,
+                                scan_layers="model.scan_layers=false" not in extra)
+    model = models.Transformer(mcfg, rngs=nnx.Rngs(0), options=options)
     state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, jax.device_get(params))
     nnx.update(model, state)
