@@ -44,7 +44,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from basp_jax.sharding import PARAM_SHARDINGS
-from models.layers import stage_params
+from models.layers import axis_names, stage_params
 from models.transformer import with_values
 
 from .config import Config, ConfigError
@@ -137,6 +137,24 @@ def _staged(model, weights):
     return stage_params(weights, model.options.rules, model.dtype)
 
 
+def _as_stored(model, grads):
+    """A layer's gradient placed as its weights are stored (a layer slice of the stack's
+    sharding): reduce-scattered where it is produced, not summed whole on every device and then
+    cut (which XLA otherwise picks for the stacked gradient: the 8B step on 2 x 4 GPUs
+    all-reduced 11.5 GiB across hosts)."""
+    rules = model.options.rules
+    if rules is None:
+        return grads
+
+    def place(v):
+        names = axis_names(v)
+        names = names[len(names) - v[...].ndim:]  # a slice of the stack: without 'layers'
+        return v.replace(jax.lax.with_sharding_constraint(
+            v[...], rules.sharding(names, v[...].shape)))
+
+    return jax.tree.map(place, grads, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def make_streamed_micro_loss(parts: ModelParts, loss_fn: Callable) -> Callable:
     """micro_loss(params, tokens, targets, segment_ids) -> (loss sum, token count), as
     train.step.make_micro_loss's, for parameters in host memory: a forward pass streaming the
@@ -191,7 +209,7 @@ def streamed_loss_and_grads(parts: ModelParts, params, tokens, targets, segment_
         weights, x = xs
         _, vjp = jax.vjp(layer, _to_device(weights), jax.device_put(x, _DEVICE))
         g_weights, ct = vjp(ct)
-        g_weights = jax.tree.map(lambda g: g.astype(grad_dtype), g_weights)
+        g_weights = _as_stored(model, jax.tree.map(lambda g: g.astype(grad_dtype), g_weights))
         sumsq = sumsq + sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
                             for g in jax.tree.leaves(g_weights))
         return (ct, sumsq), g_weights
