@@ -217,6 +217,13 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Col
     return found
 
 
+def in_unknown_loops(hlo_text: str) -> int:
+    """How many collective instructions sit in a loop whose trip count XLA did not record
+    (parse_collectives counts them once per run of their loop's caller)."""
+    return sum(1 for inst in hlo.instructions(hlo_text)
+               if inst.loop_unknown and _OP_RE.match(inst.op))
+
+
 def compiled_collectives(fn: Callable, *args, **kwargs) -> list[Collective]:
     """Lower and compile a jitted function for these arguments (arrays or ShapeDtypeStructs)."""
     compiled = fn.lower(*args, **kwargs).compile()

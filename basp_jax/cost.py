@@ -314,7 +314,7 @@ def min_inter_host_gradient_bytes(gradient_bytes: float, num_devices: int,
 
 
 def _gradient_sync(sync: str | None, layout: Layout, all_params: float) -> Traffic:
-    """The once-a-step gradient reduction a strategy adds beyond its shard group's
+    """The gradient reduction of one microbatch a strategy adds beyond its shard group's
     (basp_jax.sharding.Strategy.sync)."""
     g, sp, n, dph = layout.groups, layout.sp, layout.num_devices, layout.devices_per_host
     if sync == "groups" and g > 1:  # hsdp: the local 1/sp shard all-reduced across groups
@@ -416,7 +416,7 @@ def predict(
                           master_bytes=master_bytes, moment_bytes=moment_bytes,
                           tile_tokens=tile_tokens, ring=layout.ring, zigzag=layout.zigzag,
                           offload_state=offload_state,
-                          kept_share=kept_share(layout, param_sharding))
+                          kept_share=kept_share(layout, param_sharding), grad_accum=grad_accum)
     host, host_s = _host_traffic(shape, layout, shard_group, hw, remat=remat,
                                  act_bytes=act_bytes, grad_accum=grad_accum,
                                  master_bytes=master_bytes, moment_bytes=moment_bytes,
@@ -453,8 +453,11 @@ def _attention_traffic(shape: ModelShape, layout: Layout, policy: RematPolicy,
 def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, grad_accum: int,
                    act_bytes: int, param_bytes: int, master_bytes: int = 4) -> Traffic:
     """Parameters per step: gathered forward and backward (ZeRO-3), gradients reduce-scattered,
-    per microbatch; HSDP adds one cross-group all-reduce of the local shard per step, host
-    sharding one cross-host all-reduce of the host-local shard; a staged strategy gathers the
+    per microbatch; HSDP adds one cross-group all-reduce of the local shard per microbatch, host
+    sharding one cross-host all-reduce of the host-local shard (per microbatch too: the step
+    constrains each microbatch's gradient to the stored sharding, which in XLA's partitioner
+    finishes its reduction there, so with grad_accum=A they cross hosts A times, as the
+    compiled programs show: docs/limitations.md); a staged strategy gathers the
     layers in two stages (_staged_traffic) and its vocabulary tables as its `tables` strategy
     does. The gradients leave in the dtype the layers computed them in (param_bytes: bf16
     reduce-scatters under bf16 compute, as the compiled GPU programs show), not in the float32
@@ -482,16 +485,17 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
     else:
         gathered_tables = tables
     layers = all_params - tables
+    per_step = Traffic()
     if strategy.use_axes is not None:
-        per_micro = (per_micro + _staged_traffic(layers, layout, strategy.keep_host_copy)
-                     + _gathered_traffic(gathered_tables, table_group, table_share))
+        per_step = _staged_traffic(layers, layout, strategy.keep_host_copy, grad_accum)
+        per_micro = per_micro + _gathered_traffic(gathered_tables, table_group, table_share)
     else:
         per_micro = per_micro + _gathered_traffic(
             layers + gathered_tables, shard_group, _shard_share(param_sharding, layout))
     synced = all_params
     if strategy.sync == "hosts":  # its tables' gradient crosses in the master dtype
         synced += gathered_tables * (master_bytes / param_bytes - 1)
-    return per_micro.scale(grad_accum) + _gradient_sync(strategy.sync, layout, synced)
+    return (per_micro + _gradient_sync(strategy.sync, layout, synced)).scale(grad_accum) + per_step
 
 
 def _shard_share(param_sharding: str, layout: Layout) -> float:
@@ -508,19 +512,22 @@ def _gathered_traffic(buffer_bytes: float, group: int, remote_share: float) -> T
             + collective_traffic("reduce-scatter", buffer_bytes, group, remote_share))
 
 
-def _staged_traffic(layer_bytes: float, layout: Layout, keep_host_copy: bool) -> Traffic:
-    """A staged strategy's layers for one microbatch (basp_jax.sharding): the host-local copy
-    (1/devices per host of each layer) gathered across hosts forward, and again for the
-    recomputed backward unless it is kept; the whole layer gathered inside the host forward and
+def _staged_traffic(layer_bytes: float, layout: Layout, keep_host_copy: bool,
+                    grad_accum: int = 1) -> Traffic:
+    """A staged strategy's layers for one step of grad_accum microbatches (basp_jax.sharding):
+    the host-local copy (1/devices per host of each layer) gathered across hosts forward, and
+    again for the recomputed backward unless it is kept, where the step gathers it once for all
+    its microbatches (train.step); the whole layer gathered inside the host forward and
     backward; the gradient reduce-scattered inside the host, then its host-local shard across
-    hosts."""
+    hosts, once per microbatch (XLA's partitioner finishes each microbatch's reduction)."""
     dph = layout.devices_per_host
     hosts = max(layout.num_devices // dph, 1)
     host_copy = layer_bytes / dph
-    cross = (collective_traffic("all-gather", host_copy, hosts, 1.0).scale(
-        1 if keep_host_copy else 2)
-        + collective_traffic("reduce-scatter", host_copy, hosts, 1.0))
-    return cross + _gathered_traffic(layer_bytes, min(dph, layout.num_devices), 0.0)
+    gather = collective_traffic("all-gather", host_copy, hosts, 1.0)
+    cross = (gather if keep_host_copy else gather.scale(2 * grad_accum)) + collective_traffic(
+        "reduce-scatter", host_copy, hosts, 1.0).scale(grad_accum)
+    return cross + _gathered_traffic(layer_bytes, min(dph, layout.num_devices), 0.0).scale(
+        grad_accum)
 
 
 def _compute_seconds(shape: ModelShape, layout: Layout, hw: Hardware, grad_accum: int,
@@ -595,6 +602,10 @@ def host_memory_bytes(shape: ModelShape, tokens_per_device: float, *, q_heads: i
 # against each other: read them as a fit, not as counts of buffers. Refitted after the
 # vocab-parallel embedding and loss and the major-dimension parameter sharding.
 _GRADIENT_BUFFERS = 0.85  # the float32 gradient and what the update holds beside it
+# With several microbatches, two float32 gradients more: the compiled 8B step on 2 x 4
+# A100-40GB at grad_accum=2 holds 7.5 (fsdp) and 7.9 GiB (staged_keep) more than at 1, and at
+# grad_accum=4 5.9 GiB (staged_keep), where this counts 7.5
+_ACCUMULATE_BUFFERS = 2.0
 _SAVED_SHARE = 0.55  # of _saved_per_token that XLA keeps
 _WORKING_FACTOR = 2.95  # a layer's recompute, its gathered weights and the chunked loss's buffers
 
@@ -632,7 +643,7 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
                  master_bytes: int = 4, moment_bytes: int | None = None,
                  tile_tokens: int | None = None, ring: int = 1,
                  zigzag: bool = False, offload_state: bool = False,
-                 kept_share: float = 0.0) -> dict[str, float]:
+                 kept_share: float = 0.0, grad_accum: int = 1) -> dict[str, float]:
     """Peak memory per device of a train step (layers under a scan, chunked loss), by term:
 
     - state: parameters and Adam's second moment in the master dtype, its first moment in
@@ -648,6 +659,9 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
       device's queries per ring step and query piece (2 pieces in zig-zag order; _RING_WORKING).
     - kept: the layers' weights in the compute dtype that the forward keeps for the backward,
       kept_share of them per device (staged_keep: 1/devices per host, its host-local copies).
+    - accumulate (grad_accum > 1): the float32 gradient sum of the microbatches and the
+      microbatch's gradient beside it, sharded as the parameters (_ACCUMULATE_BUFFERS: with
+      one microbatch XLA folds the sum away).
     The last four carry factors fitted to compiled programs (above). What an offload policy
     keeps in host memory is host_memory_bytes, not a term here. With offload_state (the
     streamed step) the state is in host memory, the gradient is the layers' in the compute
@@ -682,6 +696,7 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
         "working": working,
         "kept": kept_share * act_bytes * (  # the layers: every parameter but tables, final norm
             shape.num_params - shape.embedding_params - shape.hidden_size),
+        "accumulate": (_ACCUMULATE_BUFFERS * p * 4 / shard_group) if grad_accum > 1 else 0.0,
     }
 
 

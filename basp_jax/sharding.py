@@ -17,7 +17,9 @@ axes parameters are split:
                 on 1/N shards. The cross-host gather runs again for the recomputed backward.
     staged_keep: staged, keeping each layer's host-local copy from the forward for the
                 recomputed backward (ZeRO++'s hpZ): the backward gathers inside the host
-                only, for 1/(devices per host) of the layers' parameters more memory.
+                only, for 1/(devices per host) of the layers' parameters more memory. With
+                several microbatches the step gathers the copies once for all of them
+                (train.step); their gradients still cross hosts once per microbatch.
     replicated: nowhere: every device holds everything (small models, debugging); never the default
 
 ShardingRules(strategy, mesh) turns names into PartitionSpecs and NamedShardings; it refuses a
@@ -59,7 +61,7 @@ class Strategy:
         its gathers never leave a host.
     vocab_parallel: the embedding and LM head can be used where they are stored (split on the
         vocabulary over the compute mesh's axes: basp_jax.vocab).
-    sync: the gradient reduction per step beyond the shard group's, as basp_jax.cost prices
+    sync: the gradient reduction per microbatch beyond the shard group's, as basp_jax.cost prices
         it: "groups" (the 1/sp shard all-reduced across groups), "hosts" (each element crosses
         hosts once), None.
     applies(layout): whether the planner (train.planning, basp_jax.cost) tries it for this
@@ -111,11 +113,12 @@ PARAM_SHARDINGS.register("host", Strategy(
     streamed=False))  # its per-host device copies of the weights are what streaming avoids
 # staged_keep ranks first: host's cross-host bytes (each gradient element crosses once, each
 # device fetches the 1/N pieces its host lacks once) at FSDP's memory plus one host-local copy
+# (the streamed step copies each layer in again for its backward: it keeps no host-local copy)
 for _rank, (_name, _keep) in ((0, ("staged_keep", True)), (2, ("staged", False))):
     PARAM_SHARDINGS.register(_name, Strategy(
         (LOCAL, HOST), lambda layout: layout.num_devices, per_host=True, use_axes=(LOCAL,),
         keep_host_copy=_keep, tables="fsdp", applies=_several_hosts, auto_rank=_rank,
-        streamed=False))
+        streamed=not _keep))
 PARAM_SHARDINGS.register("replicated", Strategy((), lambda layout: 1))
 DEFAULT_STRATEGY = "fsdp"  # parameters' placement unless told otherwise (models.RunOptions)
 SPLIT = "split"  # in RULES: split over the strategy's parameter axes

@@ -295,7 +295,7 @@ def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,
         q_heads=q_heads, kv_heads=kv_heads, remat=remat or cfg.model.remat,
         act_bytes=_act_bytes(cfg), tile_tokens=tile_tokens or cfg.model.tile_tokens,
         ring=layout.ring, zigzag=layout.zigzag, kept_share=cost.kept_share(layout, strategy),
-        **state_bytes(cfg))
+        grad_accum=cfg.train.grad_accum, **state_bytes(cfg))
     detail = ", ".join(f"{name} {value / 1e9:.3g} GB" for name, value in terms.items())
     return sum(terms.values()), detail
 

@@ -5,7 +5,8 @@ plain pytrees of jax arrays placed by the run's basp_jax.sharding.ShardingRules 
 whole mesh by default, never replicated unless asked). `train_step(params, opt_state, batch)` runs the
 microbatches of one step under `lax.scan`, sums loss and gradients, divides by the token count of
 the whole step, constrains the gradients to the parameters' sharding and applies the optax update,
-all in one jit with params and optimizer state donated.
+all in one jit with params and optimizer state donated. Under staged_keep parameter sharding
+the layers are gathered across hosts once before the scan, for every microbatch.
 
 Under float16 compute (a T4: fp16 tensor cores, no bf16) the loss is scaled before
 differentiation and the gradients unscaled after (dynamic loss scaling, LossScale): the scale
@@ -25,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from basp_jax.sharding import ShardingRules, abstract_arrays, activation_spec
 from models.hf import is_stacked
-from models.layers import param_names
+from models.layers import param_names, stage_layer_params
 from models.transformer import build_sharded, with_values
 
 from .config import OptimizerConfig
@@ -221,7 +222,9 @@ def make_micro_loss(parts: ModelParts, loss_fn: Callable) -> Callable:
 
 def _accumulate(grad_fn, params, batch, param_shardings, packed: bool):
     """The float32 sums of the microbatches' gradients (constrained to the parameters' sharding),
-    losses and loss tokens, under lax.scan over the accumulation axis of `batch`."""
+    losses and loss tokens, under lax.scan over the accumulation axis of `batch`. `params` may
+    be the parameters as the layers use them (stage_layer_params: the same values, staged
+    matrices in the compute dtype), whose gradients are the parameters'."""
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     zeros = jax.lax.with_sharding_constraint(zeros, param_shardings)
 
@@ -236,6 +239,55 @@ def _accumulate(grad_fn, params, batch, param_shardings, packed: bool):
     init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
     (grad_sum, loss_sum, count), _ = jax.lax.scan(body, init, batch)
     return grad_sum, loss_sum, count
+
+
+def make_step_gradients(parts: ModelParts, param_shardings, *, loss_fn: Callable, packed: bool,
+                        loss_scale: LossScale | None = None) -> Callable:
+    """step_gradients(params, batch, scale) -> (the mean gradient of the step's loss in the
+    parameters' dtypes and sharding, loss sum, loss tokens): the microbatches of `batch`
+    ([accum, B, S] arrays) under lax.scan; scale: the loss scale (None without loss_scale)."""
+    micro_loss = make_micro_loss(parts, loss_fn)
+    names = param_names(parts.abstract_state[0])
+
+    def _used_once(params, batch):
+        """The parameters the microbatches differentiate: under a strategy that keeps the
+        host-local copies for the backward (staged_keep) with several microbatches, the layers
+        staged once for all of them (gathered across hosts once a step, not once a microbatch;
+        the copies are what the backward keeps anyway); else the parameters."""
+        model = parts.module(params)
+        rules = model.options.rules
+        if rules is None or not rules.entry.keep_host_copy or batch["tokens"].shape[0] == 1:
+            return params
+        return stage_layer_params(params, names, rules, model.dtype)
+
+    def grad_fn_at(scale):
+        """((loss sum, count), gradients of scale x loss sum) of one microbatch."""
+        if loss_scale is None:  # the program as it is without scaling, not one times 1.0
+            return jax.value_and_grad(micro_loss, has_aux=True)
+
+        def scaled(params, tokens, targets, segment_ids):
+            # The scale multiplies the microbatch's mean loss (as in PyTorch's GradScaler and
+            # apex), not its sum: a sum over 64K tokens would overflow at a 64K times smaller scale
+            loss, n = micro_loss(params, tokens, targets, segment_ids)
+            return loss * (scale / tokens.size), (loss, n)
+
+        def grad_fn(params, tokens, targets, segment_ids):
+            (_, aux), grads = jax.value_and_grad(scaled, has_aux=True)(params, tokens, targets,
+                                                                       segment_ids)
+            return aux, grads
+
+        return grad_fn
+
+    def step_gradients(params, batch, scale):
+        grad_sum, loss_sum, count = _accumulate(grad_fn_at(scale), _used_once(params, batch),
+                                                batch, param_shardings, packed)
+        denom = jnp.maximum(count, 1.0)
+        if scale is not None:  # the mean gradient of the unscaled loss
+            denom = denom * (scale / batch["tokens"][0].size)
+        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grad_sum, params)
+        return jax.lax.with_sharding_constraint(grads, param_shardings), loss_sum, count
+
+    return step_gradients
 
 
 def make_train_step(
@@ -256,35 +308,12 @@ def make_train_step(
     add up over tokens (models.causal_lm_loss does). With `loss_scale`, `tx` is
     make_optimizer(..., loss_scale) (its first state is the scale) and metrics hold loss_scale.
     """
-    micro_loss = make_micro_loss(parts, loss_fn)
-
-    def grad_fn_at(scale):
-        """((loss sum, count), gradients of scale x loss sum) of one microbatch."""
-        if loss_scale is None:  # the program as it is without scaling, not one times 1.0
-            return jax.value_and_grad(micro_loss, has_aux=True)
-
-        def scaled(params, tokens, targets, segment_ids):
-            # The scale multiplies the microbatch's mean loss (as in PyTorch's GradScaler and
-            # apex), not its sum: a sum over 64K tokens would overflow at a 64K times smaller scale
-            loss, n = micro_loss(params, tokens, targets, segment_ids)
-            return loss * (scale / tokens.size), (loss, n)
-
-        def grad_fn(params, tokens, targets, segment_ids):
-            (_, aux), grads = jax.value_and_grad(scaled, has_aux=True)(params, tokens, targets,
-                                                                       segment_ids)
-            return aux, grads
-
-        return grad_fn
+    step_gradients = make_step_gradients(parts, param_shardings, loss_fn=loss_fn,
+                                         packed=packed, loss_scale=loss_scale)
 
     def train_step(params, opt_state, batch, step):
         scale = opt_state[0].scale if loss_scale is not None else None
-        grad_sum, loss_sum, count = _accumulate(grad_fn_at(scale), params, batch,
-                                                param_shardings, packed)
-        denom = jnp.maximum(count, 1.0)
-        if scale is not None:  # the mean gradient of the unscaled loss
-            denom = denom * (scale / batch["tokens"][0].size)
-        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grad_sum, params)
-        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        grads, loss_sum, count = step_gradients(params, batch, scale)
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)

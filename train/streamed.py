@@ -44,6 +44,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from basp_jax.sharding import PARAM_SHARDINGS
+from models.layers import axis_names, stage_params
 from models.transformer import with_values
 
 from .config import Config, ConfigError
@@ -76,10 +77,17 @@ def check_offload(cfg: Config, strategy: str, compute_dtype: str, mcfg=None) -> 
     if not cfg.model.scan_layers:
         raise ConfigError(f"optimizer.offload=true streams the layers of a scanned stack; set "
                           f"model.scan_layers=true {fix}")
-    if not PARAM_SHARDINGS.get(strategy).streamed:
+    entry = PARAM_SHARDINGS.get(strategy)
+    if not entry.streamed and entry.keep_host_copy:
+        raise ConfigError(f"optimizer.offload=true copies each layer's weights in again for its "
+                          f"backward, so {strategy} (which keeps the forward's host-local copy) "
+                          f"does not apply; set parallel.param_sharding=staged (the same "
+                          f"two-stage gathers) {fix}")
+    if not entry.streamed:
         raise ConfigError(f"optimizer.offload=true keeps the weights in host memory, so {strategy} "
                           f"parameter sharding (device copies of the weights per host) does not "
-                          f"apply; set parallel.param_sharding=fsdp {fix}")
+                          f"apply; set parallel.param_sharding=staged (on several hosts) or fsdp "
+                          f"{fix}")
     if compute_dtype == "float16":
         raise ConfigError(f"optimizer.offload=true has no loss scaling for float16 compute; set "
                           f"model.dtype=bfloat16 or float32 {fix}")
@@ -122,6 +130,31 @@ def _split_layers(parts: ModelParts, params):
     return model_with, outer, layer_def, layer_state
 
 
+def _staged(model, weights):
+    """A layer's weights, on the device, as the layer uses them: under a staged strategy
+    gathered across hosts to the host-local copy (models.layers.stage_params), whose gradient
+    is reduce-scattered back onto the stored shards; else as they are."""
+    return stage_params(weights, model.options.rules, model.dtype)
+
+
+def _as_stored(model, grads):
+    """A layer's gradient placed as its weights are stored (a layer slice of the stack's
+    sharding): reduce-scattered where it is produced, not summed whole on every device and then
+    cut (which XLA otherwise picks for the stacked gradient: the 8B step on 2 x 4 GPUs
+    all-reduced 11.5 GiB across hosts)."""
+    rules = model.options.rules
+    if rules is None:
+        return grads
+
+    def place(v):
+        names = axis_names(v)
+        names = names[len(names) - v[...].ndim:]  # a slice of the stack: without 'layers'
+        return v.replace(jax.lax.with_sharding_constraint(
+            v[...], rules.sharding(names, v[...].shape)))
+
+    return jax.tree.map(place, grads, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def make_streamed_micro_loss(parts: ModelParts, loss_fn: Callable) -> Callable:
     """micro_loss(params, tokens, targets, segment_ids) -> (loss sum, token count), as
     train.step.make_micro_loss's, for parameters in host memory: a forward pass streaming the
@@ -132,7 +165,8 @@ def make_streamed_micro_loss(parts: ModelParts, loss_fn: Callable) -> Callable:
         x, positions, segs = model.embed_inputs(tokens, segment_ids)
 
         def forward(x, weights):
-            return nnx.merge(layer_def, _to_device(weights))(x, positions, segs), None
+            weights = _staged(model, _to_device(weights))
+            return nnx.merge(layer_def, weights)(x, positions, segs), None
 
         x, _ = jax.lax.scan(forward, x, layer_state)
         return model.loss_of_last_layer(x, targets, loss_fn=loss_fn)
@@ -153,9 +187,10 @@ def streamed_loss_and_grads(parts: ModelParts, params, tokens, targets, segment_
         return x, (positions, segs)
 
     x0, embed_vjp, (positions, segs) = jax.vjp(embed, outer, has_aux=True)
+    model = model_with(outer)
 
     def layer(weights, x):
-        return nnx.merge(layer_def, weights)(x, positions, segs)
+        return nnx.merge(layer_def, _staged(model, weights))(x, positions, segs)
 
     def forward(x, weights):
         return layer(_to_device(weights), x), jax.device_put(x, _HOST)
@@ -174,7 +209,7 @@ def streamed_loss_and_grads(parts: ModelParts, params, tokens, targets, segment_
         weights, x = xs
         _, vjp = jax.vjp(layer, _to_device(weights), jax.device_put(x, _DEVICE))
         g_weights, ct = vjp(ct)
-        g_weights = jax.tree.map(lambda g: g.astype(grad_dtype), g_weights)
+        g_weights = _as_stored(model, jax.tree.map(lambda g: g.astype(grad_dtype), g_weights))
         sumsq = sumsq + sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
                             for g in jax.tree.leaves(g_weights))
         return (ct, sumsq), g_weights

@@ -237,3 +237,22 @@ def test_compile_report_rows_do_not_merge_group_sizes():
     assert [(r["dtype"], r["group_size"], r["bytes"]) for r in rows] == [
         ("f32", 2, 32064 * 2048 * 4), ("f32", 8, 8)]
     assert rows[0]["inter_host_wire_bytes"] == 32064 * 2048 * 4  # 2 (n-1)/n x the shard, n = 2
+
+
+def test_collectives_in_a_loop_of_unknown_trip_count_are_flagged():
+    """A while whose backend_config records no trip count (XLA's double-buffered microbatch loop
+    at grad_accum=4): its collectives are counted once and reported as such; a loop with a
+    known trip count is not."""
+    def loop(name):
+        return (f"%body_{name} (p: f32[8]) -> f32[8] {{\n"
+                f"  %p = f32[8] parameter(0)\n"
+                f"  ROOT %ar_{name} = f32[8] all-reduce(%p), replica_groups={{{{0,1}}}}, "
+                f"to_apply=%add\n}}\n")
+    text = (loop("known") + loop("unknown") +
+            "ENTRY %main (x: f32[8]) -> f32[8] {\n  %x = f32[8] parameter(0)\n"
+            '  %w1 = f32[8] while(%x), condition=%c, body=%body_known, '
+            'backend_config={"known_trip_count":{"n":"3"}}\n'
+            '  ROOT %w2 = f32[8] while(%w1), condition=%c, body=%body_unknown, '
+            'backend_config={"known_induction_variable":{"tuple_index":"0"}}\n}\n')
+    assert sorted(c.executions for c in comm.parse_collectives(text, 2)) == [1, 3]
+    assert comm.in_unknown_loops(text) == 1

@@ -351,3 +351,28 @@ def test_plan_cli_fp8_shortens_compute_on_an_h100_only(capsys):
 
     assert compute_s("h100-80gb", "--fp8") < 0.7 * compute_s("h100-80gb")
     assert compute_s("a100-40gb", "--fp8") == compute_s("a100-40gb")
+
+
+def test_accumulation_counts_what_the_compiled_step_repeats():
+    """train.grad_accum=A, as the compiled steps run it (BENCHMARKS.md section 10): every
+    strategy's gradient crosses hosts once per microbatch (host's and hsdp's sync too), and so
+    does everything of fsdp and staged; staged_keep's cross-host layer gathers run once a step
+    (train.step). The memory formula adds the float32 gradient sum beside the microbatch's
+    gradient once there are several microbatches, however many."""
+    shape, hw = MODEL_SHAPES["llama-3.1-8b"], HARDWARE["a100-40gb"]
+    layout = cost.plan_layout(shape, num_devices=8, batch=2, seq_len=16384, groups=2,
+                              devices_per_host=4)
+
+    def inter(strategy, accum):
+        return predict(shape, layout, strategy, hw=hw, grad_accum=accum).params.inter
+
+    for strategy in ("host", "hsdp", "fsdp", "staged"):
+        assert inter(strategy, 2) == pytest.approx(2 * inter(strategy, 1)), strategy
+    keep = [inter("staged_keep", a) for a in (1, 2, 4)]
+    per_micro = keep[1] - keep[0]
+    assert 0.3 * keep[0] < per_micro < 0.7 * keep[0]  # the gathers (about half) are not repeated
+    assert keep[2] - keep[1] == pytest.approx(2 * per_micro)
+    memory = [predict(shape, layout, "staged_keep", hw=hw, grad_accum=a).memory_bytes
+              for a in (1, 2, 4)]
+    gradient = shape.num_params * 4 / 8  # one float32 gradient shard
+    assert gradient < memory[1] - memory[0] < 3 * gradient and memory[2] == memory[1]

@@ -1,6 +1,7 @@
 """optimizer.offload=true (train.streamed): master weights and optimizer state in pinned host
 memory, the layers streamed through the device. Its loss and gradients equal a single-device
-reference on BASP (2, 4), Ulysses (1, 8) and a ring; its step equals the ordinary step; a
+reference on BASP (2, 4), Ulysses (1, 8), a ring and under staged parameter sharding (each
+layer gathered across the 2 emulated hosts as pieces, then inside the host); its step equals the ordinary step; a
 non-finite step leaves the state as it was; it checkpoints and resumes; what it does not do is
 refused in one line.
 
@@ -19,6 +20,7 @@ import pytest
 from flax import nnx
 
 import models
+from basp_jax import comm
 from tests.helpers.trainer import ROOT, tiny_config, tiny_overrides
 from train import state as prog
 from train import streamed
@@ -30,7 +32,10 @@ pytestmark = pytest.mark.usefixtures("compile_cache")  # programs compiled twice
 
 LAYOUTS = {"basp (2,4)": ["parallel.mode=basp"], "ulysses (1,8)": ["parallel.mode=ulysses"],
            "ring 2 x a2a 4": ["parallel.mode=ulysses", "parallel.ring=2",
-                              "parallel.zigzag=false"]}
+                              "parallel.zigzag=false"],
+           # each layer gathered across the 2 emulated hosts, then inside the host
+           "basp (2,4) staged": ["parallel.mode=basp", "parallel.param_sharding=staged",
+                                 "parallel.devices_per_host=4"]}
 
 
 def _program(tmp_path, *extra, offload=True, **optimizer):
@@ -85,8 +90,14 @@ def test_streamed_loss_and_gradients_equal_one_device(tmp_path, layout):
         return total / count, grads, sumsq
 
     with jax.set_mesh(program.plan.mesh):
-        loss, grads, sumsq = jax.jit(loss_and_grads)(params, batch["tokens"][0],
-                                                     batch["targets"][0])
+        args = (params, batch["tokens"][0], batch["targets"][0])
+        compiled = jax.jit(loss_and_grads).lower(*args).compile()
+        loss, grads, sumsq = compiled(*args)
+    if "staged" in layout:  # each layer (gathered in the layer loops) crosses hosts as pieces
+        found = comm.parse_collectives(compiled.as_text(), 8)  # between the 2 hosts only
+        layers = [c for c in found if c.kind == "all-gather" and c.executions == mcfg.num_layers
+                  and comm.crosses_hosts(c, 4)]
+        assert layers and all(len(g) == 2 for c in layers for g in c.groups), found
     ref_loss, ref_grads = _reference(mcfg, params, np.asarray(batch["tokens"][0]),
                                      np.asarray(batch["targets"][0]))
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-6)
@@ -207,7 +218,7 @@ def test_checkpoints_move_between_the_streamed_and_the_ordinary_step(tmp_path):
     (["parallel.param_sharding=host", "parallel.devices_per_host=4"],
      "host parameter sharding (device copies of the weights per host) does not apply"),
     (["parallel.param_sharding=staged_keep", "parallel.devices_per_host=4"],
-     "staged_keep parameter sharding (device copies of the weights per host) does not apply"),
+     "set parallel.param_sharding=staged"),
     (["model.dtype=float16"], "has no loss scaling for float16 compute"),
 ])
 def test_offload_refuses_what_it_does_not_do(tmp_path, extra, message):

@@ -268,6 +268,9 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "collectives": collective_rows(collectives, layout.devices_per_host, mcfg.num_layers,
                                        cfg.train.grad_accum),
+        # collectives in a loop whose trip count XLA left unrecorded, counted once above (e.g. a
+        # microbatch loop XLA peeled and double-buffered)
+        "collectives_in_unknown_loops": comm.in_unknown_loops(text),
         "compile_s": compile_s,
         "jax_version": jax.__version__,
         **({"hlo": text} if want_hlo else {}),
@@ -372,6 +375,9 @@ def format_report(r: dict) -> str:
             f"  {c['kind']:<20}{c['dtype']:<7}{c['group_size']:>6}{c['count']:>7}"
             f"{c['per_layer']:>8.2f}{c['bytes'] / 2**20:>11.1f}{c['wire_bytes'] / 2**20:>11.1f}"
             f"{c['inter_host_wire_bytes'] / 2**20:>16.1f}")
+    if r.get("collectives_in_unknown_loops"):
+        lines.append(f"  note: {r['collectives_in_unknown_loops']} of these sit in a loop whose "
+                     f"trip count XLA did not record, counted once: the step runs them more often")
     if r.get("adaptive_layouts"):
         lines += ["", "adaptive layouts (parallel.mode=adaptive), each compiled:",
                   f"  {'groups x sp':<14}{'rows x tokens':>15}{'peak GiB':>10}{'fits':>6}"
