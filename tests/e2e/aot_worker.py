@@ -24,7 +24,7 @@ def main() -> None:
     for case in cases:
         path, *overrides = case.split(",")
         cfg = load_config(path, overrides)
-        r = aot.report(cfg, *aot.resolve_cluster(cfg, flags))
+        r = aot.report(*aot.resolve_cluster(cfg, flags, overrides))
         r["case"] = case
         reports.append(r)
         print(f"{case}: {r['peak_bytes_per_device'] / 2**30:.2f} GiB, {r['compile_s']:.0f} s",

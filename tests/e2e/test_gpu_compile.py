@@ -312,8 +312,9 @@ def test_every_gpu_config_names_its_cluster_and_fits_it(reports):
 def test_bad_input_is_one_line(cuda_plugin, tmp_path):
     cases = [
         (["--target", "b200"], "unknown target 'b200'"),
-        (["--hosts", "3"], "runtime.devices=8 GPUs but the cluster has 3 x 4"),
-        (["--hosts", "3", "runtime.devices=12"], "not divisible by sp=6"),
+        (["--hosts", "3", "runtime.devices=8"], "runtime.devices=8 disagrees with the cluster of 3 x 4"),
+        (["--gpus-per-host", "8", "parallel.devices_per_host=4"], "make them agree"),
+        (["--hosts", "3"], "not divisible by sp=6"),  # the flags' cluster: 12 GPUs
         (["--json", str(tmp_path)], "is a directory"),
         (["--hlo", str(tmp_path / "none" / "s.hlo")], "is not a writable folder"),
     ]

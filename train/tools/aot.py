@@ -614,18 +614,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_cluster(cfg, args) -> tuple[str, int, int]:
-    """(target, hosts, gpus per host) from the flags, else from the config."""
+def resolve_cluster(cfg, args, overrides=()) -> tuple[object, str, int, int]:
+    """(cfg, target, hosts, gpus per host): the cluster from the flags, else from the config.
+    Flags describe the cluster compiled for, so they win over the config file's
+    parallel.devices_per_host and runtime.devices (cfg comes back set to them); the same keys
+    given as `overrides` that disagree with the flags are refused."""
     from basp_jax import gpus
+
+    from ..config import replace
 
     target = args.target or cfg.parallel.hardware
     if target not in gpus.TARGETS:
         raise AotError(f"unknown target {target!r}; use --target with one of {', '.join(gpus.TARGETS)}")
+    given = {o.split("=", 1)[0].strip() for o in overrides if "=" in o}
     per_host = args.gpus_per_host or cfg.parallel.devices_per_host or 8
     if per_host <= 0:
         raise AotError(f"--gpus-per-host must be positive, got {per_host}")
-    if cfg.parallel.devices_per_host and cfg.parallel.devices_per_host != per_host:
-        raise AotError(f"--gpus-per-host {per_host} differs from the config's "
+    if "parallel.devices_per_host" in given and cfg.parallel.devices_per_host != per_host:
+        raise AotError(f"--gpus-per-host {per_host} differs from the override "
                        f"parallel.devices_per_host={cfg.parallel.devices_per_host}; make them agree")
     hosts = args.hosts
     if hosts is None:
@@ -637,11 +643,12 @@ def resolve_cluster(cfg, args) -> tuple[str, int, int]:
         hosts = cfg.runtime.devices // per_host
     if hosts <= 0:
         raise AotError(f"--hosts must be positive, got {hosts}")
-    if cfg.runtime.devices is not None and cfg.runtime.devices != hosts * per_host:
-        raise AotError(f"the config trains on runtime.devices={cfg.runtime.devices} GPUs but the "
-                       f"cluster has {hosts} x {per_host}; change --hosts/--gpus-per-host or "
-                       "override runtime.devices")
-    return target, hosts, per_host
+    if "runtime.devices" in given and cfg.runtime.devices != hosts * per_host:
+        raise AotError(f"the override runtime.devices={cfg.runtime.devices} disagrees with the "
+                       f"cluster of {hosts} x {per_host} GPUs; change --hosts/--gpus-per-host "
+                       "or the override")
+    cfg = replace(cfg, f"parallel.devices_per_host={per_host}", f"runtime.devices={hosts * per_host}")
+    return cfg, target, hosts, per_host
 
 
 def _write(path: str, text: str) -> None:
@@ -673,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
             raise AotError("--config is required (e.g. configs/gpu/llama-3.1-8b_basp.yaml)")
         cfg = load_config(args.config, args.overrides)
         use_plugin()  # before anything imports jax (basp_jax does)
-        target, hosts, per_host = resolve_cluster(cfg, args)
+        cfg, target, hosts, per_host = resolve_cluster(cfg, args, args.overrides)
         for path in (args.json, args.hlo):
             if path and os.path.isdir(path):
                 raise AotError(f"{path!r} is a directory; give a file name")
