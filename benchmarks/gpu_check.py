@@ -1,6 +1,7 @@
 """Check one GPU in a few minutes: versions and device, a few train steps of a Llama-3.2-1B-shaped
 model at 16K tokens (step time, tokens/s, MFU, peak memory measured against the compiled
-program's prediction), every attention kernel against a float32 reference (forward and
+program's prediction), the same steps with FP8 projections where the GPU has FP8 tensor cores
+(their step time against bf16's), every attention kernel against a float32 reference (forward and
 gradients, packed and not), and fwd+bwd attention time per kernel at 16K tokens. Writes
 everything as JSON, after each section.
 
@@ -232,8 +233,10 @@ def time_kernel(impl: str, shapes: Shapes, on_gpu: bool, repeats: int) -> dict:
 
 # ---------------------------------------------------------------------------- train steps
 
-def step_config(shapes: Shapes, steps: int, run_dir: str, seq: int | None = None):
-    """configs/gpu/llama-3.2-1b_basp.yaml on one device, synthetic data (nothing to download)."""
+def step_config(shapes: Shapes, steps: int, run_dir: str, seq: int | None = None,
+                fp8: bool = False):
+    """configs/gpu/llama-3.2-1b_basp.yaml on one device, synthetic data (nothing to download);
+    fp8: the layers' projections as FP8 GEMMs (model.fp8)."""
     from train.config import load_config
 
     return load_config(str(ROOT / "configs" / "gpu" / "llama-3.2-1b_basp.yaml"), [
@@ -242,12 +245,15 @@ def step_config(shapes: Shapes, steps: int, run_dir: str, seq: int | None = None
         f"data.seq_len={seq or shapes.step_seq}", f"train.steps={steps}", "train.microbatch_size=1",
         "train.grad_accum=1", "parallel.devices_per_host=1", "runtime.devices=1",
         "runtime.platform=auto", "runtime.cpu_devices=1", "metrics.progress=false",
+        f"model.fp8={str(fp8).lower()}",
     ])
 
 
-def train_steps(shapes: Shapes, steps: int, on_gpu: bool) -> dict:
+def train_steps(shapes: Shapes, steps: int, on_gpu: bool, fp8: bool = False,
+                seq: int | None = None) -> dict:
     """Compile the trainer's step (train.state) for one device and run it `steps` times on a
-    fixed random batch; nothing is written anywhere."""
+    fixed random batch; nothing is written anywhere. fp8: with FP8 projections; seq: this
+    sequence length (else the largest of shapes.step_seq and its halves that fits)."""
     import jax
     import numpy as np
 
@@ -258,14 +264,14 @@ def train_steps(shapes: Shapes, steps: int, on_gpu: bool) -> dict:
     from train.step import build_model, init_opt_state
 
     run_dir = os.path.join(tempfile.gettempdir(), "gpu-check-run")  # required; never written
-    cfg = step_config(shapes, steps, run_dir)
+    cfg = step_config(shapes, steps, run_dir, seq, fp8)
     mcfg = model_config(cfg)
     devices = select_devices(cfg)
-    limit = planning.device_memory(devices[0]) if on_gpu else None
+    limit = planning.device_memory(devices[0]) if on_gpu and seq is None else None
     while limit and cfg.data.seq_len > 2048 and planning.memory_estimate(
             cfg, mcfg, *planning.plan(cfg, mcfg, 1, 1))[0] > 0.9 * limit:
         # one GPU holds all 1.24B parameters and their Adam state: 16K tokens need ~40 GB
-        cfg = step_config(shapes, steps, run_dir, cfg.data.seq_len // 2)
+        cfg = step_config(shapes, steps, run_dir, cfg.data.seq_len // 2, fp8)
         print(f"  {devices[0].device_kind}: {limit / 2**30:.0f} GiB usable, so "
               f"{cfg.data.seq_len} tokens instead of {shapes.step_seq}", flush=True)
     plan = plan_run(cfg, mcfg, devices, 1)
@@ -298,7 +304,7 @@ def train_steps(shapes: Shapes, steps: int, on_gpu: bool) -> dict:
     stats = devices[0].memory_stats() if on_gpu else None
     measured = stats.get("peak_bytes_in_use") if stats else None
     out = {
-        "status": "ok" if all(np.isfinite(losses)) else "failed",
+        "status": "ok" if all(np.isfinite(losses)) else "failed", "fp8": fp8,
         "model": f"{shapes.preset} ({_count(mcfg.num_params())} params)",
         "seq_len": cfg.data.seq_len, "attn_impl": cfg.model.attn_impl, "remat": cfg.model.remat,
         "compile_s": compile_s, "step_times_s": times, "step_s": step_s,
@@ -319,6 +325,28 @@ def train_steps(shapes: Shapes, steps: int, on_gpu: bool) -> dict:
         out["measured_peak_reason"] = _skip(
             "--cpu-smoke: CPU devices keep no memory statistics" if not on_gpu
             else "this device reports no peak_bytes_in_use")["reason"]
+    return out
+
+
+def train_steps_fp8(shapes: Shapes, steps: int, on_gpu: bool, bf16: dict) -> dict:
+    """The same steps with FP8 projections (model.fp8=true), at the bf16 run's length: the step
+    time against it. On a GPU without FP8 tensor cores (before sm89) skipped; on the CPU
+    (--cpu-smoke) XLA emulates FP8, which checks the path, not its speed."""
+    import jax
+
+    from basp_jax.kernels import device_capability
+
+    if bf16.get("status") != "ok":
+        return _skip("the bf16 train steps did not run")
+    capability = device_capability(jax.devices()[0]) if on_gpu else None
+    if on_gpu and (capability is None or capability < (8, 9)):
+        return _skip(f"{jax.devices()[0].device_kind} has no FP8 tensor cores (sm89+)")
+    out = train_steps(shapes, steps, on_gpu, fp8=True, seq=bf16["seq_len"])
+    out["speedup_vs_bf16"] = bf16["step_s"] / out["step_s"]
+    drift = abs(out["losses"][-1] - bf16["losses"][-1]) / abs(bf16["losses"][-1])
+    out["final_loss_drift"] = drift
+    print(f"  FP8 step {out['step_s']:.3f} s against bf16's {bf16['step_s']:.3f} s: "
+          f"{out['speedup_vs_bf16']:.2f}x; final loss {drift:.2%} from bf16's", flush=True)
     return out
 
 
@@ -384,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     report["train"] = _section(f"train steps: {shapes.preset} at {shapes.step_seq} tokens",
                                train_steps, shapes, args.steps, on_gpu)
     save()
+    report["train_fp8"] = _section("train steps with FP8 projections (model.fp8=true)",
+                                   train_steps_fp8, shapes, args.steps, on_gpu, report["train"])
+    save()
     from basp_jax.kernels import KERNELS
 
     for impl in KERNELS:
@@ -400,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
     failed = [f"kernels: {k}" for k, v in report["kernels"].items() if v["status"] == "failed"]
     failed += [f"timing: {k}" for k, v in report["timing"].items() if v["status"] == "failed"]
-    failed += ["train"] if report["train"]["status"] == "failed" else []
+    failed += [part for part in ("train", "train_fp8") if report[part]["status"] == "failed"]
     report["failed"] = failed
     save()
     skipped = sum(v["status"] == "skipped" for part in ("kernels", "timing")

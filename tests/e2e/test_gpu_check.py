@@ -51,8 +51,12 @@ def test_the_script_runs_every_section_and_names_what_it_skipped(tmp_path):
     assert train["mfu"] is None  # no peak FLOP/s for a CPU
     assert train["measured_peak_bytes"] is None
     assert "CPU devices keep no memory statistics" in train["measured_peak_reason"]
-    # cuDNN: 2 checks and 1 timing; the memory statistics of the train steps
-    assert proc.stdout.count("skipped: --cpu-smoke") == 4
+    fp8 = r["train_fp8"]  # emulated by XLA on the CPU: the path runs, its speed means nothing
+    assert fp8["status"] == "ok" and fp8["fp8"] and not train["fp8"], fp8
+    assert fp8["seq_len"] == train["seq_len"] and fp8["speedup_vs_bf16"] > 0
+    assert fp8["final_loss_drift"] < 0.05  # 2 steps of the tiny model: FP8 rounding only
+    # cuDNN: 2 checks and 1 timing; the memory statistics of both train runs
+    assert proc.stdout.count("skipped: --cpu-smoke") == 5
     assert "0 failed, 3 skipped" in proc.stdout
 
 
