@@ -3,7 +3,8 @@
 # attention kernel (xla, cudnn, pallas, blockwise) against a float32 reference (forward and
 # gradients, packed and not), fwd+bwd attention time per kernel at 16K tokens, and a few train
 # steps of a Llama-3.2-1B-shaped model at 16K: step time, tokens/s, MFU, peak memory against the
-# compiled program's prediction. The work is benchmarks/gpu_check.py; this wraps it.
+# compiled program's prediction, and the same steps with FP8 projections on sm89+ (their step
+# time against bf16's). The work is benchmarks/gpu_check.py; this wraps it.
 #
 #   bash scripts/gpu_check.sh [OUT.json] [--steps N] [--repeats N]    # default OUT: gpu_check.json
 #
