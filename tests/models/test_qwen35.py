@@ -274,18 +274,24 @@ def _packed_batch(seed):
     return tokens, segment_ids.astype(np.int32), weights
 
 
+@pytest.fixture(scope="module")
+def one_device(checkpoints):
+    """A fresh packed batch and one device's logits and gradients for it (both layouts' reference)."""
+    directory = checkpoints[False][0]
+    batch = _packed_batch(14)
+    return batch, _logits_and_grads(models.from_pretrained(directory), *batch)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("groups,sp", [(2, 4), (1, 8)])
-def test_layouts_equal_one_device(checkpoints, groups, sp):
+def test_layouts_equal_one_device(checkpoints, one_device, groups, sp):
     """BASP (2 groups of 4) and Ulysses (8): the DeltaNet's all-to-all gives each device whole
     sequences for 1/sp of the heads (sp=8 > 4 key heads: q and k repeated to the 8 value
     heads); logits and every parameter's gradient equal one device's, packed documents too."""
     import basp_jax
 
     directory = checkpoints[False][0]
-    tokens, segment_ids, weights = _packed_batch(6 + sp)
-    want_logits, want_grads = _logits_and_grads(models.from_pretrained(directory), tokens,
-                                                segment_ids, weights)
+    (tokens, segment_ids, weights), (want_logits, want_grads) = one_device
     layout = basp_jax.Layout.plan(8, BATCH, SEQ, 8, 2, groups=groups)
     assert (layout.groups, layout.sp) == (groups, sp)
     model = models.from_pretrained(directory, mesh=basp_jax.make_mesh(layout), layout=layout)
