@@ -40,7 +40,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 # Masked scores: finite, so a row that has seen no key yet keeps exp(m - m_new) = 1 with l = 0
 # (no inf - inf); its probabilities are zeroed by the mask itself.
@@ -201,6 +200,13 @@ def _q_ranges(batch, q_seg, k_seg, shift, *, causal, bq, bk, sq_pad, sk_pad, sq)
 # The kernels. Refs arrive in the order of the pallas_call's inputs, then its outputs.
 
 
+def _dot(a, b, trans_a=False, trans_b=False):
+    """a @ b (either transposed) in float32: Triton's tensor-core dot on a GPU."""
+    from jax.experimental.pallas import triton as plgpu  # Triton bits: imported when traced
+
+    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b)
+
+
 def _scalar(ref):
     return jnp.min(ref[...])  # a (1,) block: reduce to the scalar (Triton loads tensors)
 
@@ -238,7 +244,7 @@ def _forward_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len):
         acc, m, l = carry
         ks = pl.ds(kj * bk, bk)
         k = k_ref[ks, :]
-        s = plgpu.dot(q, k, trans_b=True) * scale
+        s = _dot(q, k, trans_b=True) * scale
         k_seg = None if ks_ref is None else ks_ref[ks]
         mask = _mask(q_pos, kj * bk + jnp.arange(bk), shift, q_len, k_len, causal, q_seg, k_seg)
         s = jnp.where(mask, s, _NEG)
@@ -247,7 +253,7 @@ def _forward_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len):
         alpha = jnp.exp(m - m_new)
         l = alpha * l + jnp.sum(p, axis=1)
         v = v_ref[ks, :]
-        acc = alpha[:, None] * acc + plgpu.dot(p.astype(v.dtype), v)
+        acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
         return acc, m_new, l
 
     init = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), _NEG, jnp.float32),
@@ -273,13 +279,13 @@ def _dq_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len):
     def body(kj, dq):
         ks = pl.ds(kj * bk, bk)
         k, v = k_ref[ks, :], v_ref[ks, :]
-        s = plgpu.dot(q, k, trans_b=True) * scale
+        s = _dot(q, k, trans_b=True) * scale
         k_seg = None if ks_ref is None else ks_ref[ks]
         mask = _mask(q_pos, kj * bk + jnp.arange(bk), shift, q_len, k_len, causal, q_seg, k_seg)
         p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
-        dp = plgpu.dot(do, v, trans_b=True)
+        dp = _dot(do, v, trans_b=True)
         ds = p * (dp - delta[:, None])
-        return dq + plgpu.dot(ds.astype(k.dtype), k)
+        return dq + _dot(ds.astype(k.dtype), k)
 
     lo, hi = _scalar(lo_ref), _scalar(hi_ref)
     dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
@@ -305,15 +311,15 @@ def _dkv_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len, group, head
             q, do = q_ref[rows, cols], do_ref[rows, cols]
             at = pl.ds(gi * sq_pad + qi * bq, bq)
             lse, delta = lse_ref[at], delta_ref[at]
-            s = plgpu.dot(q, k, trans_b=True) * scale
+            s = _dot(q, k, trans_b=True) * scale
             q_seg = None if qs_ref is None else qs_ref[rows]
             mask = _mask(qi * bq + jnp.arange(bq), k_pos, shift, q_len, k_len, causal, q_seg,
                          k_seg)
             p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
-            dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True)
-            dp = plgpu.dot(do, v, trans_b=True)
+            dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
+            dp = _dot(do, v, trans_b=True)
             ds = p * (dp - delta[:, None])
-            dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True)
+            dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
             return dk, dv
 
         return lax.fori_loop(lo, hi, body, carry)
@@ -325,6 +331,8 @@ def _dkv_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len, group, head
 
 
 def _params(blocks: FlashBlocks, num_warps: int):
+    from jax.experimental.pallas import triton as plgpu
+
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=blocks.num_stages)
 
 

@@ -550,3 +550,16 @@ def test_adaptive_layouts_each_compile_for_the_gpus_and_fit(reports):
     # the memory bound is the static layout's: the same tokens per device
     assert max(x["peak_bytes_per_device"] for x in rows) <= 1.05 * rows[0]["peak_bytes_per_device"]
     assert "adaptive layouts (parallel.mode=adaptive), each compiled:" in aot.format_report(r)
+
+
+@pytest.mark.parametrize("target,ring,order", [("a100-40gb", 2, "contiguous"),
+                                                ("h100-80gb", 4, "zigzag")])
+def test_every_ring_hop_runs_the_fused_kernel(cuda_plugin, target, ring, order):
+    """Ring attention compiled for a GPU: every hop's forward and backward is a Pallas/Triton
+    kernel (basp_jax.flash), and no attention runs as an XLA while-loop."""
+    done = _run("tests/e2e/flash_gpu_worker.py", target, str(ring), order, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kernels = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(kernels) == {"triton"}, kernels
+    assert {"flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"} <= \
+        set(kernels["triton"]["targets"]), kernels
