@@ -226,3 +226,44 @@ def test_ring_of_2_with_the_pallas_hop_kernel_matches_one_device():
 @pytest.mark.parametrize("zigzag,packed,hq,hkv", [(True, True, 4, 1), (False, False, 8, 8)])
 def test_ring_of_4_with_the_pallas_hop_kernel_matches_one_device(zigzag, packed, hq, hkv):
     _ring_case(4, zigzag=zigzag, packed=packed, hq=hq, hkv=hkv, seed=4)
+
+
+@pytest.mark.slow
+def test_flash_accumulates_shares_of_the_keys_in_place():
+    """A ring's hops: the attention over the first half of the keys, then the second merged in
+    by the kernel (flash_attention_accumulate), equals the attention over all keys; the
+    backward's shares added by the kernels (accumulate=) equal the whole gradient."""
+    from basp_jax.flash import flash_attention_accumulate
+
+    q, k, v, d_out, _ = _inputs(11, 1, 32, 64, 4, 2, 16)
+    seg = packed_segment_ids(jax.random.PRNGKey(12), 1, 64)
+    q_seg = seg[:, 32:]  # the queries are the last 32 tokens; keys 0-31 then 32-63
+    kw = dict(causal=True, q_segment_ids=q_seg, blocks=BLOCKS, interpret=True)
+
+    @jax.jit
+    def run(q, k, v, d_out):
+        out = jnp.zeros(q.shape, jnp.float32)
+        lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+        for half, shift in ((slice(0, 32), -32), (slice(32, 64), 0)):
+            out, lse = flash_attention_accumulate(q, k[:, half], v[:, half], out, lse,
+                                                  k_segment_ids=seg[:, half], k_shift=shift, **kw)
+        dq, dkv = jnp.zeros(q.shape, jnp.float32), []
+        for half, shift in ((slice(0, 32), -32), (slice(32, 64), 0)):
+            zeros = jnp.zeros(k[:, half].shape, jnp.float32)
+            dq, dk, dv = flash_attention_vjp(q, k[:, half], v[:, half], out, lse, d_out,
+                                             k_segment_ids=seg[:, half], k_shift=shift,
+                                             accumulate=(dq, zeros, zeros), **kw)
+            dkv.append((dk, dv))
+        dk = jnp.concatenate([dkv[0][0], dkv[1][0]], axis=1)
+        dv = jnp.concatenate([dkv[0][1], dkv[1][1]], axis=1)
+        return out, lse, dq, dk, dv
+
+    got = run(q, k, v, d_out)
+    assert all(x.dtype == jnp.float32 for x in got)
+
+    def dense(q, k, v):
+        return dense_attention(q, k, v, causal=True, q_seg=q_seg, k_seg=seg, k_shift=-32)
+
+    (out, lse), vjp = jax.vjp(dense, q, k, v)
+    want = (out, lse, *vjp((d_out, jnp.zeros_like(lse))))
+    _compare(got, want, 2e-5, "two shares")
