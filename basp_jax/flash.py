@@ -294,7 +294,7 @@ def _dq_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len, accumulate):
     lo, hi = _scalar(lo_ref), _scalar(hi_ref)
     dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32)) * scale
     if accumulate:
-        dq = dq + accs[0][...].astype(jnp.float32)
+        dq = dq + accs[0][...]
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
@@ -336,8 +336,7 @@ def _dkv_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len, group, head
     dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
     dk = dk * scale
     if accumulate:
-        dk = dk + accs[0][...].astype(jnp.float32)
-        dv = dv + accs[1][...].astype(jnp.float32)
+        dk, dv = dk + accs[0][...], dv + accs[1][...]
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -439,7 +438,7 @@ def _backward(q, k, v, q_seg, k_seg, shift, do, lse, delta, plan: _Plan, static:
         grid=(sq_pad // bq, b, hq),
         in_specs=in_specs,
         out_specs=q_block,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype if acc is None else acc[0].dtype),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype if acc is None else jnp.float32),
         input_output_aliases=aliases,
         compiler_params=_params(static.blocks, warps),
         interpret=static.interpret,
@@ -464,18 +463,18 @@ def _backward(q, k, v, q_seg, k_seg, shift, do, lse, delta, plan: _Plan, static:
                      pl.BlockSpec((None, bk), lambda i, j, h: (j, i))]
         args += [q_seg, k_seg]
     aliases = {}
-    k_dtype, v_dtype = k.dtype, v.dtype
+    kv_dtype = k.dtype
     if acc is not None:
         aliases = {len(args): 0, len(args) + 1: 1}
         in_specs += [kv_block, kv_block]
         args += [acc[1], acc[2]]
-        k_dtype, v_dtype = acc[1].dtype, acc[2].dtype
+        kv_dtype = jnp.float32
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, **common, group=group, head_dim=d, sq_pad=sq_pad),
         grid=(sk_pad // bk, b, hkv),
         in_specs=in_specs,
         out_specs=[kv_block, kv_block],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k_dtype), jax.ShapeDtypeStruct(v.shape, v_dtype)],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, kv_dtype), jax.ShapeDtypeStruct(v.shape, kv_dtype)],
         input_output_aliases=aliases,
         compiler_params=_params(static.blocks, warps),
         interpret=static.interpret,
@@ -599,9 +598,8 @@ def flash_attention_vjp(q, k, v, out, lse, d_out, *, causal: bool, q_segment_ids
                         interpret: bool = False, accumulate=None):
     """(dq, dk, dv) through the keys k, v's share of a larger attention of q whose final output,
     log-sum-exp and output cotangent are out, lse, d_out (as basp_jax.kernels.
-    blockwise_attention_vjp: a ring sums these over its chunks). accumulate: running sums
-    (dq, dk, dv) to add them to in the kernels (float32 sums of the loaded values, stored in
-    each sum's dtype over its buffer)."""
+    blockwise_attention_vjp: a ring sums these over its chunks). accumulate: float32 (dq, dk,
+    dv) to add them to in the kernels (written over; float32 sums returned)."""
     _check(q, k, v, q_segment_ids, k_segment_ids)
     static = _Static(causal, blocks or FlashBlocks(), interpret)
     shift = jnp.asarray(k_shift, jnp.int32)

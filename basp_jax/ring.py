@@ -199,12 +199,8 @@ def _ring_attention_bwd(static: _Ring, residuals, d_out):
         source = (rank - step) % static.ring
         kv_pieces = list(zip(pieces(ks[step], source), pieces(vs[step], source),
                              pieces(chunk_seg(source), source)))
-        # a step's dk/dv sum 2 query pieces at most (zig-zag): in the Pallas kernels, in k's
-        # dtype (each kernel adds in float32 and rounds once), whose buffers wait for the
-        # hops' transposes to send them home; the blockwise path sums in float32
-        kv_dtype = jnp.float32 if static.hop_kernel is None else ks[step].dtype
-        dk = [jnp.zeros(k.shape, kv_dtype) for (k, _), _, _ in kv_pieces]
-        dv = [jnp.zeros(v.shape, kv_dtype) for _, (v, _), _ in kv_pieces]
+        dk = [jnp.zeros(k.shape, jnp.float32) for (k, _), _, _ in kv_pieces]
+        dv = [jnp.zeros(v.shape, jnp.float32) for _, (v, _), _ in kv_pieces]
         for n, ((q_piece, q_pos), (q_seg, _)) in enumerate(zip(q_pieces, q_seg_pieces)):
             for m, ((k_piece, k_pos), (v_piece, _), (k_seg, _)) in enumerate(kv_pieces):
                 dq[n], dk[m], dv[m] = _hop_backward(
