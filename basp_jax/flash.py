@@ -220,17 +220,19 @@ def _mask(q_pos, k_pos, shift, q_len, k_len, causal, q_seg, k_seg):
     return mask
 
 
-def _unpack(refs, n_main, has_seg, n_acc):
-    """(main inputs, (q segment ids, k segment ids) or Nones, accumulators or Nones, outputs)."""
-    main, refs = list(refs[:n_main]), refs[n_main:]
-    segs, refs = (refs[:2], refs[2:]) if has_seg else ((None, None), refs)
-    accs, outs = (refs[:n_acc], refs[n_acc:]) if n_acc else ((None,) * 3, refs)
-    return main, segs, accs, outs
+def _unpack(refs, has_seg, n_in):
+    ins, outs = list(refs[:n_in]), refs[n_in:]
+    if has_seg:
+        segs = ins[-2:]
+        ins = ins[:-2]
+    else:
+        segs = [None, None]
+    return ins, segs, outs
 
 
-def _forward_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len, accumulate):
-    (q_ref, k_ref, v_ref, shift_ref, lo_ref, hi_ref), (qs_ref, ks_ref), accs, (o_ref, lse_ref) = \
-        _unpack(refs, 6, has_seg, 2 if accumulate else 0)
+def _forward_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len):
+    (q_ref, k_ref, v_ref, shift_ref, lo_ref, hi_ref), (qs_ref, ks_ref), (o_ref, lse_ref) = \
+        _unpack(refs, has_seg, 8 if has_seg else 6)
     qi = pl.program_id(0)
     shift = _scalar(shift_ref)
     q = q_ref[...]
@@ -254,14 +256,8 @@ def _forward_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len, accumul
         acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
         return acc, m_new, l
 
-    if accumulate:  # an earlier share's (out, lse) is the state (out, m = lse, l = 1)
-        o_in, lse_in = accs[0][...], accs[1][...]
-        seen = lse_in > _NEG
-        init = (jnp.where(seen[:, None], o_in, 0.0), jnp.where(seen, lse_in, _NEG),
-                jnp.where(seen, 1.0, 0.0))
-    else:
-        init = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), _NEG, jnp.float32),
-                jnp.zeros((bq,), jnp.float32))
+    init = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), _NEG, jnp.float32),
+            jnp.zeros((bq,), jnp.float32))
     lo, hi = _scalar(lo_ref), _scalar(hi_ref)
     acc, m, l = lax.fori_loop(lo, hi, body, init)
     seen = l > 0.0
@@ -270,9 +266,9 @@ def _forward_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len, accumul
     lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
 
 
-def _dq_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len, accumulate):
+def _dq_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len):
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, shift_ref, lo_ref, hi_ref), \
-        (qs_ref, ks_ref), accs, (dq_ref,) = _unpack(refs, 9, has_seg, 1 if accumulate else 0)
+        (qs_ref, ks_ref), (dq_ref,) = _unpack(refs, has_seg, 11 if has_seg else 9)
     qi = pl.program_id(0)
     shift = _scalar(shift_ref)
     q, do = q_ref[...], do_ref[...]
@@ -292,17 +288,13 @@ def _dq_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len, accumulate):
         return dq + _dot(ds.astype(k.dtype), k)
 
     lo, hi = _scalar(lo_ref), _scalar(hi_ref)
-    dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32)) * scale
-    if accumulate:
-        dq = dq + accs[0][...]
-    dq_ref[...] = dq.astype(dq_ref.dtype)
+    dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len, group, head_dim, sq_pad,
-                accumulate):
+def _dkv_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len, group, head_dim, sq_pad):
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, shift_ref, lo_ref, hi_ref), \
-        (qs_ref, ks_ref), accs, (dk_ref, dv_ref) = _unpack(refs, 9, has_seg,
-                                                           2 if accumulate else 0)
+        (qs_ref, ks_ref), (dk_ref, dv_ref) = _unpack(refs, has_seg, 11 if has_seg else 9)
     kj = pl.program_id(0)
     shift = _scalar(shift_ref)
     k, v = k_ref[...], v_ref[...]
@@ -334,10 +326,7 @@ def _dkv_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len, group, head
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
-    dk = dk * scale
-    if accumulate:
-        dk, dv = dk + accs[0][...], dv + accs[1][...]
-    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
@@ -352,10 +341,7 @@ def _params(blocks: FlashBlocks, num_warps: int):
 # ids [b, s_pad] int32 or None, shift int32 scalar; lse and delta [b, hq, sq_pad] float32.
 
 
-def _forward(q, k, v, q_seg, k_seg, shift, plan: _Plan, static: _Static, q_len, k_len, scale,
-             acc=None):
-    """(out, lse); with acc = (out float32, lse) of an earlier share of the keys, the merged
-    float32 (out, lse), written over acc's buffers."""
+def _forward(q, k, v, q_seg, k_seg, shift, plan: _Plan, static: _Static, q_len, k_len, scale):
     b, sq_pad, hq, d = q.shape
     sk_pad, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
@@ -376,24 +362,16 @@ def _forward(q, k, v, q_seg, k_seg, shift, plan: _Plan, static: _Static, q_len, 
         in_specs += [pl.BlockSpec((None, bq), lambda i, j, h: (j, i)),
                      pl.BlockSpec((None, sk_pad), lambda i, j, h: (j, 0))]
         args += [q_seg, k_seg]
-    out_specs = [pl.BlockSpec((None, bq, None, d), lambda i, j, h: (j, i, h, 0)),
-                 pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i))]
-    aliases = {}
-    if acc is not None:
-        aliases = {len(args): 0, len(args) + 1: 1}
-        in_specs += out_specs
-        args += list(acc)
     kernel = functools.partial(_forward_kernel, causal=static.causal, has_seg=has_seg,
-                               scale=scale, bq=bq, bk=bk, q_len=q_len, k_len=k_len,
-                               accumulate=acc is not None)
+                               scale=scale, bq=bq, bk=bk, q_len=q_len, k_len=k_len)
     return pl.pallas_call(
         kernel,
         grid=(sq_pad // bq, b, hq),
         in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype if acc is None else jnp.float32),
+        out_specs=[pl.BlockSpec((None, bq, None, d), lambda i, j, h: (j, i, h, 0)),
+                   pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i))],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((b, hq, sq_pad), jnp.float32)],
-        input_output_aliases=aliases,
         compiler_params=_params(static.blocks, 4 if d <= 64 else 8),
         interpret=static.interpret,
         name="flash_attention_fwd",
@@ -401,9 +379,7 @@ def _forward(q, k, v, q_seg, k_seg, shift, plan: _Plan, static: _Static, q_len, 
 
 
 def _backward(q, k, v, q_seg, k_seg, shift, do, lse, delta, plan: _Plan, static: _Static,
-              q_len, k_len, scale, acc=None):
-    """(dq, dk, dv); with acc = float32 (dq, dk, dv) of earlier shares, the sums, written over
-    acc's buffers."""
+              q_len, k_len, scale):
     b, sq_pad, hq, d = q.shape
     sk_pad, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
@@ -412,7 +388,7 @@ def _backward(q, k, v, q_seg, k_seg, shift, do, lse, delta, plan: _Plan, static:
     warps = 4 if bq * bk < 128 * 128 else 8
     shift1 = jnp.reshape(shift, (1,))
     common = dict(causal=static.causal, has_seg=has_seg, scale=scale, bq=bq, bk=bk,
-                  q_len=q_len, k_len=k_len, accumulate=acc is not None)
+                  q_len=q_len, k_len=k_len)
 
     # dq: grid over query blocks x batch x query heads, like the forward
     lo, hi = _kv_ranges(b, q_seg, k_seg, shift, causal=static.causal, bq=bq, bk=bk,
@@ -428,18 +404,12 @@ def _backward(q, k, v, q_seg, k_seg, shift, do, lse, delta, plan: _Plan, static:
         in_specs += [pl.BlockSpec((None, bq), lambda i, j, h: (j, i)),
                      pl.BlockSpec((None, sk_pad), lambda i, j, h: (j, 0))]
         args += [q_seg, k_seg]
-    aliases = {}
-    if acc is not None:
-        aliases = {len(args): 0}
-        in_specs.append(q_block)
-        args.append(acc[0])
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, **common),
         grid=(sq_pad // bq, b, hq),
         in_specs=in_specs,
         out_specs=q_block,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype if acc is None else jnp.float32),
-        input_output_aliases=aliases,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_params(static.blocks, warps),
         interpret=static.interpret,
         name="flash_attention_dq",
@@ -462,20 +432,12 @@ def _backward(q, k, v, q_seg, k_seg, shift, do, lse, delta, plan: _Plan, static:
         in_specs += [pl.BlockSpec((None, sq_pad), lambda i, j, h: (j, 0)),
                      pl.BlockSpec((None, bk), lambda i, j, h: (j, i))]
         args += [q_seg, k_seg]
-    aliases = {}
-    kv_dtype = k.dtype
-    if acc is not None:
-        aliases = {len(args): 0, len(args) + 1: 1}
-        in_specs += [kv_block, kv_block]
-        args += [acc[1], acc[2]]
-        kv_dtype = jnp.float32
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, **common, group=group, head_dim=d, sq_pad=sq_pad),
         grid=(sk_pad // bk, b, hkv),
         in_specs=in_specs,
         out_specs=[kv_block, kv_block],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, kv_dtype), jax.ShapeDtypeStruct(v.shape, kv_dtype)],
-        input_output_aliases=aliases,
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=_params(static.blocks, warps),
         interpret=static.interpret,
         name="flash_attention_dkv",
@@ -510,18 +472,7 @@ def _fwd_impl(q, k, v, q_seg, k_seg, shift, static: _Static):
     return out[:, :sq, :, :d], jnp.swapaxes(lse, 1, 2)[:, :sq]
 
 
-def _acc_impl(q, k, v, q_seg, k_seg, shift, out, lse, static: _Static):
-    plan = _plan(q.shape, k.shape, static.blocks)
-    sq, d = q.shape[1], q.shape[3]
-    qp, kp, vp, qs, ks = _padded(q, k, v, q_seg, k_seg, plan)
-    acc = (_pad_heads_dim(_pad(out.astype(jnp.float32), 1, plan.sq_pad), plan.d_pad),
-           _rows(lse, plan))
-    out, lse = _forward(qp, kp, vp, qs, ks, shift, plan, static, sq, k.shape[1],
-                        1.0 / math.sqrt(d), acc=acc)
-    return out[:, :sq, :, :d], jnp.swapaxes(lse, 1, 2)[:, :sq]
-
-
-def _bwd_impl(q, k, v, q_seg, k_seg, shift, out, lse, d_out, d_lse, static: _Static, acc=None):
+def _bwd_impl(q, k, v, q_seg, k_seg, shift, out, lse, d_out, d_lse, static: _Static):
     plan = _plan(q.shape, k.shape, static.blocks)
     sq, sk, d = q.shape[1], k.shape[1], q.shape[3]
     qp, kp, vp, qs, ks = _padded(q, k, v, q_seg, k_seg, plan)
@@ -531,11 +482,8 @@ def _bwd_impl(q, k, v, q_seg, k_seg, shift, out, lse, d_out, d_lse, static: _Sta
         delta = delta - d_lse
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that see no key: their mask is empty
     dop = _pad_heads_dim(_pad(d_out.astype(q.dtype), 1, plan.sq_pad), plan.d_pad)
-    if acc is not None:
-        acc = (_pad_heads_dim(_pad(acc[0], 1, plan.sq_pad), plan.d_pad),
-               *(_pad_heads_dim(_pad(x, 1, plan.sk_pad), plan.d_pad) for x in acc[1:]))
     dq, dk, dv = _backward(qp, kp, vp, qs, ks, shift, dop, _rows(lse, plan), _rows(delta, plan),
-                           plan, static, sq, sk, 1.0 / math.sqrt(d), acc=acc)
+                           plan, static, sq, sk, 1.0 / math.sqrt(d))
     return dq[:, :sq, :, :d], dk[:, :sk, :, :d], dv[:, :sk, :, :d]
 
 
@@ -580,31 +528,16 @@ def flash_attention_with_lse(q, k, v, *, causal: bool, q_segment_ids=None, k_seg
     return _flash(q, k, v, q_segment_ids, k_segment_ids, shift, static)
 
 
-def flash_attention_accumulate(q, k, v, out, lse, *, causal: bool, q_segment_ids=None,
-                               k_segment_ids=None, k_shift=0, blocks: FlashBlocks | None = None,
-                               interpret: bool = False):
-    """The attention of q over earlier keys, out float32 [b, sq, hq, d] and lse [b, sq, hq]
-    (-inf where a query saw none), merged in the kernel with its attention over k, v: the new
-    float32 (out, lse), written over out's and lse's buffers. Not differentiable (a ring's
-    forward pass: its backward is flash_attention_vjp)."""
-    _check(q, k, v, q_segment_ids, k_segment_ids)
-    static = _Static(causal, blocks or FlashBlocks(), interpret)
-    shift = jnp.asarray(k_shift, jnp.int32)
-    return _acc_impl(q, k, v, q_segment_ids, k_segment_ids, shift, out, lse, static)
-
-
 def flash_attention_vjp(q, k, v, out, lse, d_out, *, causal: bool, q_segment_ids=None,
                         k_segment_ids=None, k_shift=0, blocks: FlashBlocks | None = None,
-                        interpret: bool = False, accumulate=None):
+                        interpret: bool = False):
     """(dq, dk, dv) through the keys k, v's share of a larger attention of q whose final output,
     log-sum-exp and output cotangent are out, lse, d_out (as basp_jax.kernels.
-    blockwise_attention_vjp: a ring sums these over its chunks). accumulate: float32 (dq, dk,
-    dv) to add them to in the kernels (written over; float32 sums returned)."""
+    blockwise_attention_vjp: a ring sums these over its chunks)."""
     _check(q, k, v, q_segment_ids, k_segment_ids)
     static = _Static(causal, blocks or FlashBlocks(), interpret)
     shift = jnp.asarray(k_shift, jnp.int32)
-    return _bwd_impl(q, k, v, q_segment_ids, k_segment_ids, shift, out, lse, d_out, None, static,
-                     acc=accumulate)
+    return _bwd_impl(q, k, v, q_segment_ids, k_segment_ids, shift, out, lse, d_out, None, static)
 
 
 def flash_attention(q, k, v, *, causal: bool, segment_ids=None, blocks: FlashBlocks | None = None,

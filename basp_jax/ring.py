@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .flash import FlashBlocks, flash_attention_accumulate, flash_attention_vjp
+from .flash import FlashBlocks, flash_attention_vjp, flash_attention_with_lse
 from .kernels import blockwise_attention_vjp, blockwise_attention_with_lse
 from .layout import Layout
 from .mesh import SEQ
@@ -94,31 +94,24 @@ class _Ring(NamedTuple):
     hop_kernel: tuple[FlashBlocks, bool] | None  # Pallas (tiles, interpret), None: blockwise
 
 
-def _hop_forward(q, k, v, acc, static: _Ring, **kw):
-    """One (query piece, k/v piece) attention merged into acc, the query piece's running
-    (out float32, lse) or None. The Pallas kernel merges in place (one float32 buffer per query
-    piece, updated hop by hop); the blockwise one's result is merged by log-sum-exp here."""
+def _hop_forward(q, k, v, static: _Ring, **kw):
+    """One (query piece, k/v piece) attention: (out, lse)."""
     if static.hop_kernel is None:
-        out_t, lse_t = blockwise_attention_with_lse(q, k, v, causal=static.causal,
-                                                    block_size=static.block_size, **kw)
-        return (out_t.astype(jnp.float32), lse_t) if acc is None else _merge(*acc, out_t, lse_t)
+        return blockwise_attention_with_lse(q, k, v, causal=static.causal,
+                                            block_size=static.block_size, **kw)
     blocks, interpret = static.hop_kernel
-    if acc is None:
-        acc = (jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:3], -jnp.inf, jnp.float32))
-    return flash_attention_accumulate(q, k, v, *acc, causal=static.causal, blocks=blocks,
-                                      interpret=interpret, **kw)
+    return flash_attention_with_lse(q, k, v, causal=static.causal, blocks=blocks,
+                                    interpret=interpret, **kw)
 
 
-def _hop_backward(q, k, v, out, lse, d_out, grads, static: _Ring, **kw):
-    """One hop's (dq, dk, dv) from the whole attention's out, lse and d_out, added to grads
-    (float32 running sums; the Pallas kernels add in place)."""
+def _hop_backward(q, k, v, out, lse, d_out, static: _Ring, **kw):
+    """One hop's (dq, dk, dv) from the whole attention's out, lse and d_out."""
     if static.hop_kernel is None:
-        new = blockwise_attention_vjp(q, k, v, out, lse, d_out, causal=static.causal,
-                                      block_size=static.block_size, **kw)
-        return tuple(g + n for g, n in zip(grads, new))
+        return blockwise_attention_vjp(q, k, v, out, lse, d_out, causal=static.causal,
+                                       block_size=static.block_size, **kw)
     blocks, interpret = static.hop_kernel
     return flash_attention_vjp(q, k, v, out, lse, d_out, causal=static.causal, blocks=blocks,
-                               interpret=interpret, accumulate=grads, **kw)
+                               interpret=interpret, **kw)
 
 
 def _plan(q, full_seg, rank, static: _Ring):
@@ -164,9 +157,13 @@ def _ring_forward(q, ks, vs, full_seg, rank, static: _Ring):
             # before anything is merged into it.
             order = kv_pieces if step else [kv_pieces[n]] + kv_pieces[:n] + kv_pieces[n + 1:]
             for (k_piece, k_pos), (v_piece, _), (k_seg, _) in order:
-                acc[n] = _hop_forward(
-                    q_piece, k_piece, v_piece, acc[n], static, q_segment_ids=q_seg,
+                out_t, lse_t = _hop_forward(
+                    q_piece, k_piece, v_piece, static, q_segment_ids=q_seg,
                     k_segment_ids=k_seg, k_shift=(k_pos - q_pos) * piece)
+                if acc[n] is None:
+                    acc[n] = (out_t.astype(jnp.float32), lse_t)
+                else:
+                    acc[n] = _merge(*acc[n], out_t, lse_t)
     return acc
 
 
@@ -203,10 +200,12 @@ def _ring_attention_bwd(static: _Ring, residuals, d_out):
         dv = [jnp.zeros(v.shape, jnp.float32) for _, (v, _), _ in kv_pieces]
         for n, ((q_piece, q_pos), (q_seg, _)) in enumerate(zip(q_pieces, q_seg_pieces)):
             for m, ((k_piece, k_pos), (v_piece, _), (k_seg, _)) in enumerate(kv_pieces):
-                dq[n], dk[m], dv[m] = _hop_backward(
-                    q_piece, k_piece, v_piece, out_pieces[n], lses[n], do_pieces[n],
-                    (dq[n], dk[m], dv[m]), static, q_segment_ids=q_seg, k_segment_ids=k_seg,
-                    k_shift=(k_pos - q_pos) * piece)
+                dq_t, dk_t, dv_t = _hop_backward(
+                    q_piece, k_piece, v_piece, out_pieces[n], lses[n], do_pieces[n], static,
+                    q_segment_ids=q_seg, k_segment_ids=k_seg, k_shift=(k_pos - q_pos) * piece)
+                dq[n] = dq[n] + dq_t
+                dk[m] = dk[m] + dk_t
+                dv[m] = dv[m] + dv_t
         dks.append(jnp.concatenate(dk, axis=1).astype(ks[step].dtype))
         dvs.append(jnp.concatenate(dv, axis=1).astype(vs[step].dtype))
     dq = jnp.concatenate(dq, axis=1).astype(q.dtype)
