@@ -571,10 +571,10 @@ _TILED_WORKING_EXCHANGED = 1.1  # per value of q, k, v and output as exchanged
 # The ring attention's working set (every ring step's and query piece's outputs and gradients,
 # each step's k/v chunk), per float32 query-sized buffer per step and piece: fitted to the
 # compiled 8B step with one 16M-token sequence on 32 x H100 (ring 4 x all-to-all 8, zig-zag,
-# offload, tiles of 4,096): 82.4 GiB with the Pallas/Triton hop kernel (basp_jax.flash), 56.8
-# without this term. The pure-JAX blockwise hops held 242.9 GiB (factor 2.9), and 271.5 GiB
+# offload, tiles of 4,096): 74.7 GiB with the Pallas/Triton hop kernel (basp_jax.flash) and the
+# state streamed (70.6 with a factor of 0.4: low), 82.4 with the state on the device. The pure-JAX blockwise hops held 242.9 GiB (factor 2.9), and 271.5 GiB
 # before the ring had its own backward pass, which keeps no step's partial output.
-_RING_WORKING = 0.4
+_RING_WORKING = 0.46
 
 
 def state_bytes_per_param(master_bytes: int, moment_bytes: int | None) -> int:
