@@ -99,8 +99,9 @@ def attention(
 
     `layout` (the one make_mesh(layout) placed; default: the mesh's plain split) may split each
     seq group into `layout.ring` runs of sp / ring devices: all-to-all inside a run, ring
-    attention across runs (basp_jax.ring), so sp may exceed the head count. The ring path always
-    uses the blockwise kernel. With layout.zigzag the sequence axis must be in
+    attention across runs (basp_jax.ring), so sp may exceed the head count. Every ring hop runs
+    the fused Pallas kernel on a GPU from sm80 (unless impl='blockwise'), the blockwise kernel
+    elsewhere (on CPU impl='pallas' asks for the Pallas one, in interpret mode). With layout.zigzag the sequence axis must be in
     layout.token_order, which balances the causal work over the ring.
     """
     _check_inputs(q, k, v, segment_ids)
@@ -116,15 +117,17 @@ def attention(
     platform = device.platform
     kernel_name = kernels.resolve_impl(impl, q, q.shape[1], platform, segment_ids is not None,
                                        kernels.device_capability(device))
-    kernel = kernels.KERNELS.get(kernel_name).bind(platform, block_size)
+    capability = kernels.device_capability(device)
+    kernel = kernels.KERNELS.get(kernel_name).bind(platform, block_size, capability)
+    hop_kernel = kernels.ring_hop_kernel(impl, platform, capability, q.shape[3], block_size)
 
     def local(q, k, v, seg):
         if copies > 1:
             k, v = jnp.repeat(k, copies, axis=2), jnp.repeat(v, copies, axis=2)
-        if layout.ring > 1:  # the ring's blockwise kernels are attention kernels too (basp_jax.hlo)
+        if layout.ring > 1:  # the ring's hop kernels are attention kernels too (basp_jax.hlo)
             with jax.named_scope(ATTENTION_SCOPE), jax.named_scope("ring_attention"):
                 return ring_local_attention(q, k, v, seg, layout=layout, causal=causal,
-                                            block_size=block_size)
+                                            block_size=block_size, hop_kernel=hop_kernel)
         q, k, v = (_seq_to_heads(x, sp) for x in (q, k, v))
         if seg is not None and sp > 1:
             seg = lax.all_gather(seg, SEQ, axis=1, tiled=True)  # small ints, never activations

@@ -619,12 +619,13 @@ _WORKING_FACTOR = 2.95  # a layer's recompute, its gathered weights and the chun
 # sequence over 64 H100 (heads padded to 64 / 64: 93.0 under 0.10.2, predicted 16% low).
 _TILED_WORKING_HIDDENS = 9.3  # values of hidden width per token
 _TILED_WORKING_EXCHANGED = 1.1  # per value of q, k, v and output as exchanged
-# The ring attention's working set (the pure-JAX blockwise kernel of every ring step and query
-# piece, its float32 outputs and gradients), per float32 query-sized buffer per step and piece:
-# fitted to the compiled 8B step with one 16M-token sequence on 32 x H100 (ring 4 x all-to-all
-# 8, zig-zag, offload, tiles of 4,096: 242.9 GiB, 56.8 without this term; 271.5 GiB before the
-# ring had its own backward pass, which keeps no step's partial output).
-_RING_WORKING = 2.9
+# The ring attention's working set (every ring step's and query piece's outputs and gradients,
+# each step's k/v chunk), per float32 query-sized buffer per step and piece: fitted to the
+# compiled 8B step with one 16M-token sequence on 32 x H100 (ring 4 x all-to-all 8, zig-zag,
+# offload, tiles of 4,096): 74.7 GiB with the Pallas/Triton hop kernel (basp_jax.flash) and the
+# state streamed (70.6 with a factor of 0.4: low), 82.4 with the state on the device. The pure-JAX blockwise hops held 242.9 GiB (factor 2.9), and 271.5 GiB
+# before the ring had its own backward pass, which keeps no step's partial output.
+_RING_WORKING = 0.46
 
 
 def state_bytes_per_param(master_bytes: int, moment_bytes: int | None) -> int:

@@ -140,6 +140,15 @@ def get(name: str) -> Gpu:
         raise ValueError(f"unknown GPU {name!r}; use one of {', '.join(TARGETS)}") from None
 
 
+def shared_memory_per_block(capability: tuple[int, int] | None) -> int | None:
+    """The shared memory one thread block may take on a GPU of this compute capability: the
+    least among the compile targets that have it (tiles that fit it fit them all), None when
+    no target has it (the Pallas kernel then takes an A100's tiles)."""
+    sizes = [g.shared_memory_per_block_optin for g in TARGETS.values()
+             if capability is not None and g.compute_capability == tuple(capability)]
+    return min(sizes) if sizes else None
+
+
 def by_device_kind(device_kind: str) -> Gpu | None:
     """The GPU whose jax device_kind is exactly `device_kind`, or None (a substring match would
     give an H100 PCIe the SXM peak)."""

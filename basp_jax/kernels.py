@@ -5,10 +5,10 @@ head h reads kv head h // (hq // hkv)) and optional segment_ids [b, s], and retu
 
 - "xla":       jax.nn.dot_product_attention with the XLA implementation (materialises S x S).
 - "cudnn":     the same API with cuDNN flash attention (GPU, bf16/fp16).
-- "pallas":    the Pallas/Triton flash attention of jax.experimental.pallas.ops.gpu (any GPU from
-               sm80), fused forward and backward, segment ids (packed documents) included. kv
-               heads are repeated to the query heads for it (that kernel has no GQA), i.e. one
-               device-local copy of k and v at q's size. On CPU it runs in interpret mode (tests).
+- "pallas":    our flash attention in Pallas/Triton (basp_jax.flash; any GPU from sm80), fused
+               forward and backward, segment ids (packed documents) and grouped-query heads read
+               in place, tiles by the GPU's shared memory. On CPU it runs in interpret mode
+               (tests). It is also the per-hop kernel of ring attention on such GPUs.
 - "blockwise": online-softmax flash attention in pure JAX with a hand-written backward pass;
                memory grows with S * block, not S^2, so long sequences run on CPU. Key blocks
                that no query of a block can see (causal future, other documents) are skipped.
@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import gpus
+from .flash import FlashBlocks, flash_attention, flash_blocks
 from .registry import Registry
 
 AUTO = "auto"  # not a kernel: resolve_impl's choice among them
@@ -50,7 +52,7 @@ def _takes_any(q, full_seq_len) -> str | None:
     return None
 
 
-def _no_options(platform: str, block_size: int) -> dict:
+def _no_options(platform: str, block_size: int, capability) -> dict:
     return {}
 
 
@@ -64,7 +66,7 @@ class Kernel:
     accepts(q, full_seq_len): None when it takes inputs of this shape, else why not.
     auto(q, full_seq_len, platform, has_segments): whether "auto" wants it where it runs and
         takes the input; auto_rank: the order "auto" asks (None: auto never picks it).
-    options(platform, block_size): the keyword arguments attention() passes fn.
+    options(platform, block_size, capability): the keyword arguments attention() passes fn.
     doc: what the config reference says of it ("" for none).
     """
 
@@ -73,13 +75,14 @@ class Kernel:
     accepts: Callable[..., str | None] = _takes_any
     auto: Callable[..., bool] = lambda q, full_seq_len, platform, has_segments: True
     auto_rank: int | None = None
-    options: Callable[[str, int], dict] = _no_options
+    options: Callable[..., dict] = _no_options
     doc: str = ""
 
-    def bind(self, platform: str, block_size: int = DEFAULT_BLOCK) -> Callable:
+    def bind(self, platform: str, block_size: int = DEFAULT_BLOCK,
+             capability: tuple[int, int] | None = None) -> Callable:
         """fn with the options it takes on `platform` (the mesh's: compiling for a GPU topology
-        from a CPU host must not fall back to Pallas's interpret mode)."""
-        options = self.options(platform, block_size)
+        from a CPU host must not fall back to Pallas's interpret mode) and GPU generation."""
+        options = self.options(platform, block_size, capability)
         return functools.partial(self.fn, **options) if options else self.fn
 
 
@@ -133,18 +136,14 @@ def cudnn_supported(q: jax.ShapeDtypeStruct, platform: str) -> bool:
     )
 
 
-# Pallas block sizes: forward query/key blocks, and the backward's smaller ones.
-PALLAS_BLOCK, PALLAS_BACKWARD_BLOCK = 128, 32
+PALLAS_MAX_HEAD_DIM = 256
 
 
 def pallas_supported(q: jax.ShapeDtypeStruct, full_seq_len: int) -> str | None:
-    """None when the Pallas kernel takes these inputs, else why not (one line)."""
-    if full_seq_len % min(PALLAS_BLOCK, full_seq_len) or full_seq_len % min(
-            PALLAS_BACKWARD_BLOCK, full_seq_len):
-        return (f"the pallas kernel needs the sequence length ({full_seq_len}) to be a multiple of "
-                f"{PALLAS_BLOCK} (or below it and a multiple of {PALLAS_BACKWARD_BLOCK})")
-    if q.shape[-1] > 256:
-        return f"the pallas kernel takes head_dim <= 256, got {q.shape[-1]}"
+    """None when the Pallas kernel takes these inputs, else why not (one line). Any sequence
+    length: the kernel pads to whole blocks."""
+    if q.shape[-1] > PALLAS_MAX_HEAD_DIM:
+        return f"the pallas kernel takes head_dim <= {PALLAS_MAX_HEAD_DIM}, got {q.shape[-1]}"
     return None
 
 
@@ -256,28 +255,27 @@ def resolve_impl(impl: str, q_shape_dtype, full_seq_len: int, platform: str, has
     return AUTO_FALLBACK
 
 
-def pallas_attention(q, k, v, *, causal: bool, segment_ids=None, interpret: bool | None = None):
-    """The Pallas/Triton flash attention (jax.experimental.pallas.ops.gpu.attention.mha).
+def pallas_blocks(platform: str, block_size: int, capability) -> FlashBlocks:
+    """The Pallas kernel's tiles: on a GPU by its shared memory (basp_jax.gpus); on CPU
+    (interpret mode, tests) `block_size` for every block."""
+    if platform != "gpu":
+        return FlashBlocks.square(block_size)
+    return flash_blocks(gpus.shared_memory_per_block(capability))
 
-    Off a GPU it runs in interpret mode (slow: for tests). kv heads are repeated to the query
-    heads, since that kernel reads kv head h for query head h.
-    """
-    from jax.experimental.pallas.ops.gpu import attention as pallas_mha  # imports Triton bits
 
+def pallas_attention(q, k, v, *, causal: bool, segment_ids=None,
+                     blocks: FlashBlocks | None = None, interpret: bool | None = None):
+    """Our Pallas/Triton flash attention (basp_jax.flash): kv heads read in place. Off a GPU it
+    runs in interpret mode (slow: for tests)."""
     if interpret is None:
         interpret = jax.devices()[0].platform != "gpu"
-    b, s, hq, d = q.shape
-    group = hq // k.shape[2]
-    if group > 1:
-        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-    blocks = pallas_mha.BlockSizes(
-        block_q=min(PALLAS_BLOCK, s), block_k=min(PALLAS_BLOCK, s),
-        block_q_dkv=min(PALLAS_BACKWARD_BLOCK, s), block_kv_dkv=min(PALLAS_BACKWARD_BLOCK, s),
-        block_q_dq=min(PALLAS_BACKWARD_BLOCK, s), block_kv_dq=min(PALLAS_BACKWARD_BLOCK, s),
-    )
-    seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
-    return pallas_mha.mha(q, k, v, seg, sm_scale=1.0 / math.sqrt(d), causal=causal,
-                          block_sizes=blocks, interpret=interpret)
+    return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, blocks=blocks,
+                           interpret=interpret)
+
+
+def _pallas_options(platform: str, block_size: int, capability) -> dict:
+    return {"interpret": platform != "gpu",
+            "blocks": pallas_blocks(platform, block_size, capability)}
 
 
 KERNELS.register("pallas", Kernel(
@@ -285,8 +283,21 @@ KERNELS.register("pallas", Kernel(
         "pallas", platform, capability),
     accepts=lambda q, full_seq_len: pallas_supported(q, full_seq_len), auto_rank=1,
     auto=lambda q, full_seq_len, platform, has_segments: platform == "gpu",  # CPU: interpret
-    options=lambda platform, block_size: {"interpret": platform != "gpu"},
-    doc="Triton, GPU, sm80+"))
+    options=_pallas_options, doc="Triton, GPU, sm80+"))
+
+
+def ring_hop_kernel(impl: str, platform: str, capability, head_dim: int,
+                    block_size: int) -> tuple[FlashBlocks, bool] | None:
+    """The Pallas kernel's (tiles, interpret) for a ring's hops, or None for the blockwise one.
+    On a GPU from sm80 every hop is the fused kernel unless impl='blockwise' asks otherwise; on
+    CPU only impl='pallas' takes it (interpret mode is slow: tests)."""
+    if impl == "blockwise" or head_dim > PALLAS_MAX_HEAD_DIM:
+        return None
+    if platform == "gpu" and _fused_runs("pallas", platform, capability) is None:
+        return pallas_blocks(platform, block_size, capability), False
+    if impl == "pallas" and platform != "gpu":
+        return pallas_blocks(platform, block_size, capability), True
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -587,6 +598,6 @@ def blockwise_attention(q, k, v, *, causal: bool, segment_ids=None, block_size: 
 KERNELS.register("blockwise", Kernel(
     blockwise_attention, auto_rank=2, doc="memory-efficient, pure JAX",
     auto=lambda q, full_seq_len, platform, has_segments: full_seq_len >= BLOCKWISE_MIN_SEQ,
-    options=lambda platform, block_size: {"block_size": block_size}))
+    options=lambda platform, block_size, capability: {"block_size": block_size}))
 # What "auto" takes when no kernel above wants the input: blockwise runs everywhere.
 AUTO_FALLBACK = "blockwise"

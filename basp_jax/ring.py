@@ -5,7 +5,8 @@ Inside a run, an all-to-all (over `inner` consecutive devices) turns sequence sh
 shards, exactly as in Ulysses; the run then holds one contiguous chunk of S / ring tokens. Across
 runs, k/v chunks travel around a ring with `ppermute` (ring - 1 hops) and each device merges the
 partial attention of its query chunk by log-sum-exp. Causal chunks entirely in the future are
-skipped by the kernel's loop bounds (no compute).
+skipped by the kernel's loop bounds (no compute). Each hop runs the fused Pallas kernel
+(basp_jax.flash) on a GPU from sm80, the blockwise one elsewhere (kernels.ring_hop_kernel).
 
 Load balance under causal masking: with contiguous chunks, the last rank of the ring attends to
 every earlier chunk while the first attends only to its own, and each ring step waits for the
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .flash import FlashBlocks, flash_attention_vjp, flash_attention_with_lse
 from .kernels import blockwise_attention_vjp, blockwise_attention_with_lse
 from .layout import Layout
 from .mesh import SEQ
@@ -41,17 +43,19 @@ def _merge(out, lse, out_t, lse_t):
     return merged, m + jnp.log(total)
 
 
-def ring_local_attention(q, k, v, seg, *, layout: Layout, causal: bool, block_size: int):
+def ring_local_attention(q, k, v, seg, *, layout: Layout, causal: bool, block_size: int,
+                         hop_kernel: tuple[FlashBlocks, bool] | None = None):
     """The per-device body inside shard_map: q [b, s/sp, h, d] -> [b, s/sp, h, d].
 
     `seg` is this device's [b, s/sp] segment ids or None. With layout.zigzag, the sequence axis
-    is in layout.token_order.
+    is in layout.token_order. hop_kernel: the Pallas kernel's (tiles, interpret) for every hop,
+    or None for the blockwise kernel (kernels.ring_hop_kernel).
 
     The k/v hops happen here, outside the attention proper (`_ring_attention`, with its own
     backward pass): their transposes send the k/v gradients back, and remat policies see them
     as the exchanges they are. The attention keeps only its final output and log-sum-exp for the
     backward pass, not every ring step's partial result (16M tokens on 32 GPUs, ring 4: 271.5 ->
-    242.9 GiB per device).
+    242.9 GiB per device with blockwise hops; 82.4 with the Pallas hop kernel).
     """
     inner = layout.a2a
     groups = layout.a2a_runs
@@ -75,7 +79,7 @@ def ring_local_attention(q, k, v, seg, *, layout: Layout, causal: bool, block_si
         ks.append(k)
         vs.append(v)
     rank = lax.axis_index(SEQ) // inner
-    static = _Ring(layout.ring, layout.zigzag, causal, block_size)
+    static = _Ring(layout.ring, layout.zigzag, causal, block_size, hop_kernel)
     out = _ring_attention(q, tuple(ks), tuple(vs), full_seg, rank, static)
     return heads_to_seq(out)
 
@@ -87,6 +91,27 @@ class _Ring(NamedTuple):
     zigzag: bool
     causal: bool
     block_size: int
+    hop_kernel: tuple[FlashBlocks, bool] | None  # Pallas (tiles, interpret), None: blockwise
+
+
+def _hop_forward(q, k, v, static: _Ring, **kw):
+    """One (query piece, k/v piece) attention: (out, lse)."""
+    if static.hop_kernel is None:
+        return blockwise_attention_with_lse(q, k, v, causal=static.causal,
+                                            block_size=static.block_size, **kw)
+    blocks, interpret = static.hop_kernel
+    return flash_attention_with_lse(q, k, v, causal=static.causal, blocks=blocks,
+                                    interpret=interpret, **kw)
+
+
+def _hop_backward(q, k, v, out, lse, d_out, static: _Ring, **kw):
+    """One hop's (dq, dk, dv) from the whole attention's out, lse and d_out."""
+    if static.hop_kernel is None:
+        return blockwise_attention_vjp(q, k, v, out, lse, d_out, causal=static.causal,
+                                       block_size=static.block_size, **kw)
+    blocks, interpret = static.hop_kernel
+    return flash_attention_vjp(q, k, v, out, lse, d_out, causal=static.causal, blocks=blocks,
+                               interpret=interpret, **kw)
 
 
 def _plan(q, full_seg, rank, static: _Ring):
@@ -132,11 +157,9 @@ def _ring_forward(q, ks, vs, full_seg, rank, static: _Ring):
             # before anything is merged into it.
             order = kv_pieces if step else [kv_pieces[n]] + kv_pieces[:n] + kv_pieces[n + 1:]
             for (k_piece, k_pos), (v_piece, _), (k_seg, _) in order:
-                out_t, lse_t = blockwise_attention_with_lse(
-                    q_piece, k_piece, v_piece, causal=static.causal, q_segment_ids=q_seg,
-                    k_segment_ids=k_seg, k_shift=(k_pos - q_pos) * piece,
-                    block_size=static.block_size,
-                )
+                out_t, lse_t = _hop_forward(
+                    q_piece, k_piece, v_piece, static, q_segment_ids=q_seg,
+                    k_segment_ids=k_seg, k_shift=(k_pos - q_pos) * piece)
                 if acc[n] is None:
                     acc[n] = (out_t.astype(jnp.float32), lse_t)
                 else:
@@ -159,7 +182,7 @@ def _ring_attention_fwd(q, ks, vs, full_seg, rank, static: _Ring):
 
 def _ring_attention_bwd(static: _Ring, residuals, d_out):
     """Flash attention's backward per (query piece, k/v piece), with the final output and
-    log-sum-exp (basp_jax.kernels.blockwise_attention_vjp): dq summed here, each step's dk/dv
+    log-sum-exp (flash_attention_vjp or blockwise_attention_vjp): dq summed here, each step's dk/dv
     returned for the hops' transposes to send home."""
     q, ks, vs, full_seg, rank, out, lses = residuals
     pieces, piece, chunk_seg = _plan(q, full_seg, rank, static)
@@ -177,10 +200,9 @@ def _ring_attention_bwd(static: _Ring, residuals, d_out):
         dv = [jnp.zeros(v.shape, jnp.float32) for _, (v, _), _ in kv_pieces]
         for n, ((q_piece, q_pos), (q_seg, _)) in enumerate(zip(q_pieces, q_seg_pieces)):
             for m, ((k_piece, k_pos), (v_piece, _), (k_seg, _)) in enumerate(kv_pieces):
-                dq_t, dk_t, dv_t = blockwise_attention_vjp(
-                    q_piece, k_piece, v_piece, out_pieces[n], lses[n], do_pieces[n],
-                    causal=static.causal, q_segment_ids=q_seg, k_segment_ids=k_seg,
-                    k_shift=(k_pos - q_pos) * piece, block_size=static.block_size)
+                dq_t, dk_t, dv_t = _hop_backward(
+                    q_piece, k_piece, v_piece, out_pieces[n], lses[n], do_pieces[n], static,
+                    q_segment_ids=q_seg, k_segment_ids=k_seg, k_shift=(k_pos - q_pos) * piece)
                 dq[n] = dq[n] + dq_t
                 dk[m] = dk[m] + dk_t
                 dv[m] = dv[m] + dv_t

@@ -302,10 +302,12 @@ def test_auto_takes_a_fused_kernel_on_gpu():
     assert resolve_impl("auto", bf16, 4096, "gpu", has_segments=False) == "cudnn"
     assert resolve_impl("auto", bf16, 4096, "gpu", has_segments=True) == "pallas"
     assert resolve_impl("auto", f32, 4096, "gpu", has_segments=False) == "pallas"
-    assert resolve_impl("auto", bf16, 4000, "gpu", has_segments=True) == "blockwise"
+    assert resolve_impl("auto", bf16, 4000, "gpu", has_segments=True) == "pallas"  # padded
     assert resolve_impl("auto", bf16, 4096, "cpu", has_segments=True) == "blockwise"
-    with pytest.raises(ValueError, match="multiple of 128"):
-        resolve_impl("pallas", bf16, 4000, "gpu", has_segments=True)
+    wide = jax.ShapeDtypeStruct((1, 4096, 8, 512), jnp.bfloat16)
+    assert resolve_impl("auto", wide, 4096, "gpu", has_segments=True) == "blockwise"
+    with pytest.raises(ValueError, match="head_dim <= 256"):
+        resolve_impl("pallas", wide, 4096, "gpu", has_segments=True)
 
 
 class _Device:

@@ -277,9 +277,10 @@ def test_a_group_across_hosts_may_ring_between_them_instead():
 
 
 def test_a_ring_is_not_planned_where_its_partial_outputs_do_not_fit():
-    """One 16M-token sequence on 32 H100s: the ring's attention working set (compiled: 242.9 GiB
-    per device) does not fit; Ulysses across the hosts does (62.2 GiB compiled) in the 90% of
-    the device the trainer and train.tools.aot let JAX take (train.process.gpu_defaults)."""
+    """One 16M-token sequence on 32 H100s: the ring's attention working set (compiled: 82.4 GiB
+    per device with the Pallas hop kernel) does not fit; Ulysses across the hosts does (62.2 GiB
+    compiled) in the 90% of the device the trainer and train.tools.aot let JAX take
+    (train.process.gpu_defaults)."""
     import dataclasses
 
     from basp_jax import gpus
@@ -295,7 +296,7 @@ def test_a_ring_is_not_planned_where_its_partial_outputs_do_not_fit():
                             devices_per_host=8, ring=4, zigzag=True)
     ringed = cost.predict(shape, ring, pred.param_sharding, hw=hw, remat="offload",
                           tile_tokens=4096, moment_bytes=2)
-    assert ringed.memory_bytes > 2 * hw.memory_bytes
+    assert ringed.memory_bytes > hw.memory_bytes
 
 
 def test_a_hybrid_is_planned_without_rings():

@@ -582,3 +582,16 @@ def test_fp8_without_fp8_tensor_cores_is_one_line_before_compiling(cuda_plugin):
         done = _run("-m", "train.tools.aot", *FP8_SMALL, "--target", target, timeout=300)
         assert done.returncode == 2 and done.stdout == "", (target, done.stdout, done.stderr)
         assert done.stderr.count("\n") == 1 and "model.fp8" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("target,ring,order", [("a100-40gb", 2, "contiguous"),
+                                                ("h100-80gb", 4, "zigzag")])
+def test_every_ring_hop_runs_the_fused_kernel(cuda_plugin, target, ring, order):
+    """Ring attention compiled for a GPU: every hop's forward and backward is a Pallas/Triton
+    kernel (basp_jax.flash), and no attention runs as an XLA while-loop."""
+    done = _run("tests/e2e/flash_gpu_worker.py", target, str(ring), order, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kernels = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(kernels) == {"triton"}, kernels
+    assert {"flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"} <= \
+        set(kernels["triton"]["targets"]), kernels
