@@ -634,9 +634,10 @@ def state_bytes_per_param(master_bytes: int, moment_bytes: int | None) -> int:
 
 
 # The streamed step's working set (train.streamed, optimizer.offload) as a share of the tiled
-# `working` term: fitted to the compiled 8B step on one H100 at 256K and 512K tokens (37.56 and
-# 59.75 GiB: 0.86 of the term once the layers' bf16 gradient is taken off; it gathers no weights).
-_STREAMED_WORKING_SHARE = 0.86
+# `working` term: fitted to the compiled 8B step on one H100 at 512K tokens (47.69 GiB once the
+# attention kernel read grouped-query heads in place, 59.75 GiB with k/v repeated, when the share
+# was 0.86; it gathers no weights).
+_STREAMED_WORKING_SHARE = 0.67
 
 
 def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, *,
