@@ -100,8 +100,13 @@ def _plugin_installed_here() -> bool:
         importlib.util.find_spec("jax_cuda13_plugin") is not None
 
 
+def _plugin_platform() -> bool:
+    """Whether JAX ships its CUDA plugin for this machine (Linux x86_64 only)."""
+    return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
+
+
 def _check_platform() -> None:
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+    if not _plugin_platform():
         raise AotError(
             f"compiling for a GPU needs JAX's CUDA plugin, which exists for Linux x86_64 only "
             f"(this is {platform.system()} {platform.machine()}); run it on a Linux x86_64 machine")
@@ -668,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
             install_plugin()
             return 0
         if args.install_if_supported:
-            if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+            if not _plugin_platform():
                 print(f"no CUDA plugin for {platform.system()} {platform.machine()}: the GPU "
                       "compile tests skip here")
             elif plugin_ready():
