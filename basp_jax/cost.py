@@ -614,11 +614,13 @@ _WORKING_FACTOR = 2.95  # a layer's recompute, its gathered weights and the chun
 # layer input and the residual stream's gradient (hidden width), and q, k, v and the output on
 # both sides of the all-to-alls with their gradients (the exchanged heads' width, padded heads
 # included). Fitted to compiled 8B steps at 512K tokens per device (offload, vocabulary-parallel
-# loss) under jax 0.10.2 and 0.12, which differ by up to 15%: 8 x H100 4M (32 q / 8 kv heads
-# exchanged: 66.8 / 58.3 GiB), one 16M sequence on 32 (heads 32 / 32: 62.2 / 53.9) and one 32M
-# sequence over 64 H100 (heads padded to 64 / 64: 93.0 under 0.10.2, predicted 16% low).
-_TILED_WORKING_HIDDENS = 9.3  # values of hidden width per token
-_TILED_WORKING_EXCHANGED = 1.1  # per value of q, k, v and output as exchanged
+# loss, the attention kernel reading grouped-query heads in place) under jax 0.10.2 and 0.12.0.1,
+# whose XLAs differ by 10-24% here: 8 x H100 4M (32 q / 8 kv heads exchanged: 57.9 / 49.8 GiB),
+# 4 x 4M on 32 H100 (57.0 / 46.0) and one 16M sequence on 32 (heads 32 / 32: 60.5 / 54.8). The
+# fit centres the two versions: each within 14% (0.10.2 under, 0.12 over). With k/v repeated to
+# the query heads (before the kernel read them in place) the same steps took 66.8 / 58.3 GiB.
+_TILED_WORKING_HIDDENS = 8.55  # values of hidden width per token
+_TILED_WORKING_EXCHANGED = 0.64  # per value of q, k, v and output as exchanged
 # The ring attention's working set (every ring step's and query piece's outputs and gradients,
 # each step's k/v chunk), per float32 query-sized buffer per step and piece: fitted to the
 # compiled 8B step with one 16M-token sequence on 32 x H100 (ring 4 x all-to-all 8, zig-zag,
@@ -634,10 +636,10 @@ def state_bytes_per_param(master_bytes: int, moment_bytes: int | None) -> int:
 
 
 # The streamed step's working set (train.streamed, optimizer.offload) as a share of the tiled
-# `working` term: fitted to the compiled 8B step on one H100 at 512K tokens (47.69 GiB once the
-# attention kernel read grouped-query heads in place, 59.75 GiB with k/v repeated, when the share
-# was 0.86; it gathers no weights).
-_STREAMED_WORKING_SHARE = 0.67
+# `working` term: fitted to the compiled 8B step on one H100 at 512K tokens (47.69 GiB under jax
+# 0.10.2, 46.64 under 0.12.0.1, the attention kernel reading grouped-query heads in place; it
+# gathers no weights). Refitted with the tiled factors above.
+_STREAMED_WORKING_SHARE = 0.78
 
 
 def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, *,
