@@ -9,6 +9,8 @@ import basp_jax
 import models
 from basp_jax.sharding import ShardingRules
 
+pytestmark = pytest.mark.usefixtures("compile_cache")  # this run's (tests/conftest.py)
+
 
 def _layout():
     return basp_jax.Layout.plan(8, 2, 64, 4, 2, groups=2, devices_per_host=4)

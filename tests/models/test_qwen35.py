@@ -327,25 +327,20 @@ def test_layouts_the_linear_layers_cannot_use_are_refused(checkpoints):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("compile_cache")
-def test_trainer_from_a_hf_directory_trains_equal_losses_under_basp_and_ulysses(checkpoints,
-                                                                                 tmp_path):
-    """train.py's run from a tiny Qwen3.5 directory: BASP (4 groups of 2) and Ulysses (one
-    group of 8) train the same losses, and the run counts the hybrid's parameters."""
+def test_trainer_from_a_hf_directory_trains_under_basp(checkpoints, tmp_path):
+    """train.py's run from a tiny Qwen3.5 directory under BASP (4 groups of 2): the loss falls.
+    (That BASP and Ulysses equal one device, logits and gradients, is
+    test_layouts_equal_one_device's.)"""
     from train.config import load_config
     from train.loop import run
 
     from tests.helpers.trainer import tiny_overrides
 
-    def train(mode):
-        overrides = [o for o in tiny_overrides(tmp_path / mode, f"parallel.mode={mode}",
-                                               "train.steps=3")
-                     if not o.startswith(("model.preset", "model.shape"))]
-        return run(load_config(None, [*overrides, f"model.hf_path={checkpoints[False][0]}"]))
-
-    basp, ulysses = train("basp"), train("ulysses")
-    assert (basp["layout"].groups, ulysses["layout"].groups) == (4, 1)
+    overrides = [o for o in tiny_overrides(tmp_path / "basp", "parallel.mode=basp", "train.steps=3")
+                 if not o.startswith(("model.preset", "model.shape"))]
+    basp = run(load_config(None, [*overrides, f"model.hf_path={checkpoints[False][0]}"]))
+    assert basp["layout"].groups == 4
     assert len(basp["losses"]) == 3 and basp["losses"][-1] < basp["losses"][0]
-    np.testing.assert_allclose(ulysses["losses"], basp["losses"], rtol=1e-5)
 
 
 @pytest.mark.parametrize("extra,word", [(("parallel.ring=2",), "ring"),

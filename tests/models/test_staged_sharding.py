@@ -18,6 +18,8 @@ import models
 from basp_jax import comm
 from train.tools.collectives import step_collectives
 
+pytestmark = pytest.mark.usefixtures("compile_cache")  # this run's (tests/conftest.py)
+
 HOST = 4  # devices per emulated host
 SEQ = 32
 

@@ -14,6 +14,8 @@ from train.process import agreement
 
 from tests.helpers.trainer import tiny_config
 
+pytestmark = pytest.mark.usefixtures("compile_cache")  # this run's (tests/conftest.py)
+
 
 class Store:
     """The two methods of jax.distributed's client that agreement calls."""

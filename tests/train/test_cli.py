@@ -6,6 +6,8 @@ import pytest
 
 from tests.helpers.trainer import tiny_overrides, train_cmd as _train
 
+pytestmark = pytest.mark.usefixtures("compile_cache")  # this run's (tests/conftest.py)
+
 
 @pytest.mark.parametrize(
     "extra, fragment",

@@ -143,6 +143,9 @@ def use_plugin() -> None:
     """Make the CUDA plugin importable and keep JAX on the CPU (must run before `import jax`).
     The XLA flags and memory fraction a GPU run of the trainer sets (train.process.gpu_defaults) are set
     here too, so the program compiled is the one a run would compile."""
+    global _plugin_started
+    if _plugin_started:  # a second command in the same process (tests/e2e/aot_worker.py)
+        return
     os.environ["JAX_PLATFORMS"] = "cpu"  # compile for the GPU topology; run nothing on a GPU
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no CUDA driver is needed
     if "jax" in sys.modules:
@@ -153,6 +156,10 @@ def use_plugin() -> None:
     if not _plugin_installed_here():
         _add_plugin_folder()
     _start_jax()
+    _plugin_started = True
+
+
+_plugin_started = False
 
 
 def _add_plugin_folder() -> None:
