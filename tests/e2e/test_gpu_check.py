@@ -10,19 +10,24 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.flags import TEST_XLA_FLAGS
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _env():
+def _env(**extra):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    return {**env, "PYTHON": sys.executable}
+    return {**env, "PYTHON": sys.executable, **extra}
 
 
 @pytest.mark.slow
 def test_the_script_runs_every_section_and_names_what_it_skipped(tmp_path):
     out = tmp_path / "check.json"
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", str(out), "--cpu-smoke", "--steps", "2",
-                           "--repeats", "1"], cwd=ROOT, env=_env(), capture_output=True,
+                           "--repeats", "1"], cwd=ROOT, capture_output=True,
+                          # the suite's CPU code generation (tests/helpers/flags.py): tiny
+                          # programs, compiled a third faster
+                          env=_env(XLA_FLAGS=TEST_XLA_FLAGS),
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
