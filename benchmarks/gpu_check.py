@@ -2,7 +2,8 @@
 model at 16K tokens (step time, tokens/s, MFU, peak memory measured against the compiled
 program's prediction), the same steps with FP8 projections where the GPU has FP8 tensor cores
 (their step time against bf16's), every attention kernel against a float32 reference (forward and
-gradients, packed and not), and fwd+bwd attention time per kernel at 16K tokens. Writes
+gradients, packed and not), and fwd+bwd attention time per kernel at 16K and 64K tokens, with
+JAX's own Pallas flash attention (jax.experimental.pallas.ops.gpu.attention) beside ours. Writes
 everything as JSON, after each section.
 
     python -m benchmarks.gpu_check --out gpu_check.json          # on a GPU (scripts/gpu_check.sh)
@@ -45,7 +46,8 @@ class Shapes:
         # attention as in Llama-3.2-1B: 32 query heads, 8 kv heads, head_dim 64
         self.heads, self.kv_heads, self.head_dim = (4, 2, 16) if smoke else (32, 8, 64)
         self.check_seq = 128 if smoke else 2048  # against the S x S float32 reference
-        self.time_seq = 256 if smoke else 16384
+        # forward + backward timed at each length (64K: where the S x S xla kernel cannot go)
+        self.time_seqs = (256,) if smoke else (16384, 65536)
         self.step_seq = 256 if smoke else 16384
         self.preset = "tiny" if smoke else "llama-3.2-1b"
         self.dtype = "float32" if smoke else "bfloat16"  # CPU computes bf16 in f32 anyway
@@ -203,18 +205,40 @@ def _timed(fn, args, repeats: int) -> list[float]:
     return times
 
 
-def time_kernel(impl: str, shapes: Shapes, on_gpu: bool, repeats: int) -> dict:
-    """Median seconds of one forward + backward pass of causal attention (unpacked)."""
+def _upstream_pallas_attention(shapes: Shapes, interpret: bool):
+    """JAX's own Pallas/Triton flash attention (jax.experimental.pallas.ops.gpu.attention.mha),
+    what our `pallas` kernel (basp_jax.flash) is timed against: it takes as many k/v heads as
+    query heads, so k and v are repeated to them (the copy our kernel avoids), default blocks."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.gpu import attention as upstream
+
+    group = shapes.heads // shapes.kv_heads
+
+    def fn(q, k, v, seg):
+        k, v = (jnp.repeat(x, group, axis=2) for x in (k, v))
+        return upstream.mha(q, k, v, None, sm_scale=shapes.head_dim ** -0.5, causal=True,
+                            interpret=interpret)
+
+    return fn
+
+
+UPSTREAM = "upstream pallas"  # the timing rows' name for _upstream_pallas_attention
+
+
+def time_kernel(impl: str, seq: int, shapes: Shapes, on_gpu: bool, repeats: int) -> dict:
+    """Median seconds of one forward + backward pass of causal attention (unpacked) at `seq`."""
     import jax.numpy as jnp
 
-    if skip := _off_gpu(impl, on_gpu):
+    if impl == UPSTREAM:
+        fn = _upstream_pallas_attention(shapes, interpret=not on_gpu)
+    elif skip := _off_gpu(impl, on_gpu):
         return _skip(skip)
-    seq = shapes.time_seq
+    else:
+        fn = _single_device_attention(impl, shapes, seq)
     q, k, v, ct, seg = _inputs(shapes, seq, False, jnp.dtype(shapes.dtype))
     t0 = time.perf_counter()
     try:
-        times = _timed(_loss_and_grads(_single_device_attention(impl, shapes, seq)),
-                       (q, k, v, ct, seg), repeats)
+        times = _timed(_loss_and_grads(fn), (q, k, v, ct, seg), repeats)
     except Exception as e:  # noqa: BLE001
         if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
             raise
@@ -424,11 +448,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"attention {name}: against the float32 reference at {shapes.check_seq} tokens",
                 check_kernel, impl, packed, shapes, on_gpu)
             save()
-    for impl in KERNELS:
-        report["timing"][impl] = _section(
-            f"attention {impl}: forward + backward at {shapes.time_seq} tokens",
-            time_kernel, impl, shapes, on_gpu, args.repeats)
-        save()
+    for seq in shapes.time_seqs:
+        for impl in (*KERNELS, UPSTREAM):
+            report["timing"][f"{impl}, {seq} tokens"] = _section(
+                f"attention {impl}: forward + backward at {seq} tokens",
+                time_kernel, impl, seq, shapes, on_gpu, args.repeats)
+            save()
     failed = [f"kernels: {k}" for k, v in report["kernels"].items() if v["status"] == "failed"]
     failed += [f"timing: {k}" for k, v in report["timing"].items() if v["status"] == "failed"]
     failed += [part for part in ("train", "train_fp8") if report[part]["status"] == "failed"]
