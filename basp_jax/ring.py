@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .flash import FlashBlocks, flash_attention_vjp, flash_attention_with_lse
+from .fp8_exchange import fp8_all_to_all
 from .kernels import blockwise_attention_vjp, blockwise_attention_with_lse
 from .layout import Layout
 from .mesh import SEQ
@@ -44,12 +45,14 @@ def _merge(out, lse, out_t, lse_t):
 
 
 def ring_local_attention(q, k, v, seg, *, layout: Layout, causal: bool, block_size: int,
-                         hop_kernel: tuple[FlashBlocks, bool] | None = None):
+                         hop_kernel: tuple[FlashBlocks, bool] | None = None,
+                         fp8_exchange: bool = False):
     """The per-device body inside shard_map: q [b, s/sp, h, d] -> [b, s/sp, h, d].
 
     `seg` is this device's [b, s/sp] segment ids or None. With layout.zigzag, the sequence axis
     is in layout.token_order. hop_kernel: the Pallas kernel's (tiles, interpret) for every hop,
-    or None for the blockwise kernel (kernels.ring_hop_kernel).
+    or None for the blockwise kernel (kernels.ring_hop_kernel). fp8_exchange: q, k, v's
+    all-to-alls in float8 (basp_jax.fp8_exchange); the hops carry them dequantized.
 
     The k/v hops happen here, outside the attention proper (`_ring_attention`, with its own
     backward pass): their transposes send the k/v gradients back, and remat policies see them
@@ -63,6 +66,8 @@ def ring_local_attention(q, k, v, seg, *, layout: Layout, causal: bool, block_si
     def seq_to_heads(x):
         if inner == 1:
             return x
+        if fp8_exchange:
+            return name_exchange(fp8_all_to_all(x, 2, 1, inner, tuple(map(tuple, groups))))
         return name_exchange(lax.all_to_all(x, SEQ, 2, 1, tiled=True, axis_index_groups=groups))
 
     def heads_to_seq(x):
