@@ -1,11 +1,11 @@
 """FP8 all-to-alls for attention's q, k and v (model.fp8_exchange): half the bytes of bf16.
 
-    x = fp8_all_to_all(x, split_axis=2, concat_axis=1, axis_size=sp, groups=None)  # in shard_map
+    q, k, v = fp8_all_to_all((q, k, v), 2, 1, sp)  # inside shard_map: seq -> heads
 
-Forward: the sender scales every (destination block, head) of its [b, s, h, d] shard by that
-head's amax over its local tokens (current scaling, no state), sends the float8_e4m3fn array
-through the all-to-all and its float32 scales ([blocks, heads per block]) through a second,
-tiny one; the receiver multiplies each (source, head) block by its scale back into the compute
+Forward: the sender scales every (destination block, head) of its [b, s, h, d] shards by that
+head's amax over its local tokens (current scaling, no state), sends each float8_e4m3fn array
+through its all-to-all and the float32 scales of all of them ([blocks, heads per block] each)
+through one more, tiny one; the receiver multiplies each (source, head) block by its scale back into the compute
 dtype, before the attention kernel. Per head, not per tensor: heads differ in magnitude (q and k
 after their norms and RoPE, v not normed at all), and one outlier head would flatten the others'
 resolution.
@@ -27,6 +27,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .mesh import SEQ
@@ -64,41 +65,49 @@ def head_scales(xb: jax.Array, block_axis: int, q_dtype) -> jax.Array:
     return lax.stop_gradient(jnp.where(jnp.isfinite(amax) & (amax > 0), scale, 1.0))
 
 
-def _exchange(x, split_axis, concat_axis, axis_size, groups, q_dtype):
-    """Quantize x per (block of split_axis, head) to q_dtype, all-to-all it and its scales,
-    dequantize into x's dtype."""
+def _exchange(xs, split_axis, concat_axis, axis_size, groups, q_dtype):
+    """Quantize each x per (block of split_axis, head) to q_dtype, all-to-all it, its scales
+    all in one; dequantize into each x's dtype."""
     a2a = functools.partial(lax.all_to_all, axis_name=SEQ, tiled=True,
                             axis_index_groups=None if groups is None else [list(g) for g in groups])
-    xb = _blocked(x, split_axis, axis_size)
-    scale = head_scales(xb, split_axis, q_dtype)
     limit = float(jnp.finfo(q_dtype).max)
-    x8 = jnp.clip(xb.astype(jnp.float32) / _broadcast(scale, split_axis), -limit, limit)
-    x8 = lax.bitcast_convert_type(x8.astype(q_dtype).reshape(x.shape), WIRE)
-    y8 = lax.bitcast_convert_type(
-        a2a(x8, split_axis=split_axis, concat_axis=concat_axis), q_dtype)
-    # row i of the received scales: source i's, for the heads of the block it sent here
-    received = a2a(scale, split_axis=0, concat_axis=0)
-    yb = _blocked(y8, concat_axis, axis_size).astype(jnp.float32)
-    return (yb * _broadcast(received, concat_axis)).astype(x.dtype).reshape(y8.shape)
+    sent, scales = [], []
+    for x in xs:
+        xb = _blocked(x, split_axis, axis_size)
+        scale = head_scales(xb, split_axis, q_dtype)
+        x8 = jnp.clip(xb.astype(jnp.float32) / _broadcast(scale, split_axis), -limit, limit)
+        x8 = lax.bitcast_convert_type(x8.astype(q_dtype).reshape(x.shape), WIRE)
+        sent.append(a2a(x8, split_axis=split_axis, concat_axis=concat_axis))
+        scales.append(scale)
+    # row i of the received scales: source i's, for the heads of the blocks it sent here
+    received = a2a(jnp.concatenate(scales, axis=1), split_axis=0, concat_axis=0)
+    bounds = np.cumsum([s.shape[1] for s in scales])[:-1]
+    out = []
+    for x, y8, scale in zip(xs, sent, jnp.split(received, bounds, axis=1)):
+        yb = _blocked(lax.bitcast_convert_type(y8, q_dtype), concat_axis, axis_size)
+        y = yb.astype(jnp.float32) * _broadcast(scale, concat_axis)
+        out.append(y.astype(x.dtype).reshape(y8.shape))
+    return tuple(out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def fp8_all_to_all(x: jax.Array, split_axis: int, concat_axis: int, axis_size: int,
-                   groups: tuple[tuple[int, ...], ...] | None = None) -> jax.Array:
-    """lax.all_to_all(x, 'seq', split_axis, concat_axis, tiled=True) of a [b, s, h, d] array
-    (split/concat axes 1 and 2, either way) carried in e4m3 with per-head scales, e5m2 for the
-    gradient backward (module docstring). axis_size: the devices of one exchange (the seq
-    degree, or the ring's a2a run with `groups`, lax.all_to_all's axis_index_groups)."""
-    return _exchange(x, split_axis, concat_axis, axis_size, groups, E4M3)
+def fp8_all_to_all(xs: tuple[jax.Array, ...], split_axis: int, concat_axis: int,
+                   axis_size: int, groups: tuple[tuple[int, ...], ...] | None = None
+                   ) -> tuple[jax.Array, ...]:
+    """lax.all_to_all(x, 'seq', split_axis, concat_axis, tiled=True) of each [b, s, h, d]
+    array of xs (split/concat axes 1 and 2, either way) carried in e4m3 with per-head scales,
+    e5m2 for the gradients backward (module docstring). axis_size: the devices of one exchange
+    (the seq degree, or the ring's a2a run with `groups`, lax.all_to_all's axis_index_groups)."""
+    return _exchange(xs, split_axis, concat_axis, axis_size, groups, E4M3)
 
 
-def _fwd(x, split_axis, concat_axis, axis_size, groups):
-    return _exchange(x, split_axis, concat_axis, axis_size, groups, E4M3), None
+def _fwd(xs, split_axis, concat_axis, axis_size, groups):
+    return _exchange(xs, split_axis, concat_axis, axis_size, groups, E4M3), None
 
 
-def _bwd(split_axis, concat_axis, axis_size, groups, _, g):
+def _bwd(split_axis, concat_axis, axis_size, groups, _, gs):
     # straight-through: the gradient of dequantize(quantize(x)) taken as the identity's
-    return (_exchange(g, concat_axis, split_axis, axis_size, groups, E5M2),)
+    return (_exchange(gs, concat_axis, split_axis, axis_size, groups, E5M2),)
 
 
 fp8_all_to_all.defvjp(_fwd, _bwd)

@@ -63,19 +63,21 @@ def ring_local_attention(q, k, v, seg, *, layout: Layout, causal: bool, block_si
     inner = layout.a2a
     groups = layout.a2a_runs
 
-    def seq_to_heads(x):
+    def seq_to_heads(xs):
         if inner == 1:
-            return x
+            return xs
         if fp8_exchange:
-            return name_exchange(fp8_all_to_all(x, 2, 1, inner, tuple(map(tuple, groups))))
-        return name_exchange(lax.all_to_all(x, SEQ, 2, 1, tiled=True, axis_index_groups=groups))
+            return tuple(map(name_exchange, fp8_all_to_all(xs, 2, 1, inner,
+                                                           tuple(map(tuple, groups)))))
+        return tuple(name_exchange(lax.all_to_all(x, SEQ, 2, 1, tiled=True,
+                                                  axis_index_groups=groups)) for x in xs)
 
     def heads_to_seq(x):
         if inner == 1:
             return x
         return name_exchange(lax.all_to_all(x, SEQ, 1, 2, tiled=True, axis_index_groups=groups))
 
-    q, k, v = (seq_to_heads(x) for x in (q, k, v))
+    q, k, v = seq_to_heads((q, k, v))
     full_seg = None if seg is None else name_exchange(lax.all_gather(seg, SEQ, axis=1, tiled=True))
     # ks[step]: the k/v chunk a device holds at ring step `step` (that of ring rank - step)
     ks, vs = [k], [v]
