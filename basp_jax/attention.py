@@ -61,16 +61,21 @@ def _unpad_heads(out, num_heads, num_kv_heads, kv_heads, group):
     return out.reshape(b, s, num_heads, d)
 
 
-def _seq_to_heads(xs, sp, fp8=False):
-    """Each [b, s/sp, h, d] sequence shard of xs -> [b, s, h/sp, d] head shard (whole
-    sequence); fp8: in float8 with per-head scales (basp_jax.fp8_exchange)."""
+def _seq_to_heads(x, sp):
+    """[b, s/sp, h, d] sequence shard -> [b, s, h/sp, d] head shard (whole sequence)."""
     if sp == 1:
-        return xs
+        return x
     with jax.named_scope("seq_to_heads"):  # named scopes: what a profiler trace calls the ops
-        if fp8:
-            return tuple(map(name_exchange, fp8_all_to_all(tuple(xs), 2, 1, sp)))
-        return tuple(name_exchange(lax.all_to_all(x, SEQ, split_axis=2, concat_axis=1, tiled=True))
-                     for x in xs)
+        return name_exchange(lax.all_to_all(x, SEQ, split_axis=2, concat_axis=1, tiled=True))
+
+
+def _qkv_to_heads(q, k, v, sp, fp8):
+    """_seq_to_heads of q, k and v; fp8: in float8 with per-head scales, all three's scales in
+    one small exchange (basp_jax.fp8_exchange)."""
+    if not fp8 or sp == 1:
+        return tuple(_seq_to_heads(x, sp) for x in (q, k, v))
+    with jax.named_scope("seq_to_heads"):
+        return tuple(map(name_exchange, fp8_all_to_all((q, k, v), 2, 1, sp)))
 
 
 def _heads_to_seq(x, sp):
@@ -139,7 +144,7 @@ def attention(
                 return ring_local_attention(q, k, v, seg, layout=layout, causal=causal,
                                             block_size=block_size, hop_kernel=hop_kernel,
                                             fp8_exchange=fp8_exchange)
-        q, k, v = _seq_to_heads((q, k, v), sp, fp8_exchange)
+        q, k, v = _qkv_to_heads(q, k, v, sp, fp8_exchange)
         if seg is not None and sp > 1:
             seg = lax.all_gather(seg, SEQ, axis=1, tiled=True)  # small ints, never activations
             seg = name_exchange(seg)

@@ -60,7 +60,8 @@ class RunOptions:
     fp8_exchange: attention's q, k and v cross its all-to-alls in float8_e4m3fn with per-head
         scales, their gradients back in float8_e5m2 (basp_jax.fp8_exchange): half the bytes of
         bf16; the kernel computes on them dequantized to `dtype`, the output's exchange stays
-        in `dtype`. Nothing changes where no all-to-all runs (no mesh, seq degree 1).
+        in `dtype`. Nothing changes where no all-to-all runs (no mesh, seq degree 1), nor in a
+        Gated DeltaNet layer's exchanges.
     rules: where parameters and activations live on the mesh (basp_jax.sharding.ShardingRules,
         None without a mesh): built from mesh, param_sharding and the layout's
         devices_per_host when not given; a run's trainer passes its own, so the run has one.
