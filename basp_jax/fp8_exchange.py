@@ -5,8 +5,8 @@
 Forward: the sender scales every (destination block, head) of its [b, s, h, d] shards by that
 head's amax over its local tokens (current scaling, no state), sends each float8_e4m3fn array
 through its all-to-all and the float32 scales of all of them ([blocks, heads per block] each)
-through one more, tiny one; the receiver multiplies each (source, head) block by its scale back into the compute
-dtype, before the attention kernel. Per head, not per tensor: heads differ in magnitude (q and k
+through one more, tiny one; the receiver multiplies each (source, head) block by its scale back
+into the compute dtype, before the attention kernel. Per head, not per tensor: heads differ in magnitude (q and k
 after their norms and RoPE, v not normed at all), and one outlier head would flatten the others'
 resolution.
 
@@ -14,7 +14,8 @@ Backward (custom_vjp, the quantization straight-through): the incoming gradient 
 inverse all-to-all the same way, in float8_e5m2 (gradients need range more than mantissa) with
 per (destination block, head) scales of its own. So both the forward and the backward exchange
 of q, k and v move one byte per value. The attention output's exchange and its gradient stay in
-the compute dtype: the output feeds the residual stream directly and is not quantized.
+the compute dtype: a quarter of the bytes (40% with Llama's grouped-query heads), and the o
+projection reads it as it is (quantized there only under model.fp8).
 
 The arithmetic is that of models.fp8 (flax's fp8_ops: scale = amax / the format's largest
 value, 1 where amax is zero or not finite; divide, clip, cast), done in float32 so that any

@@ -28,7 +28,8 @@ its step time, inter-host all-to-all bytes and loss drift. --set KEY=VALUE overr
 training config of every run (e.g. model.dtype=bfloat16):
 
     sudo python benchmarks/emulated_cluster.py --rates 80 --set model.dtype=bfloat16 \
-        --setups ulysses+host,ulysses+host/fp8x,basp+host,basp+host/fp8x --out bench/fp8x
+        --steps 10 --repeats 3 --setups ulysses+host,ulysses+host/fp8x,basp+host,basp+host/fp8x \
+        --out bench/emulated_fp8x
 """
 
 from __future__ import annotations
@@ -153,6 +154,18 @@ def train_steps(cluster: Cluster, args, run_index: int, setup: str, run_dir: Pat
     return result
 
 
+def _merge_repeat(before: dict | None, run: dict) -> dict:
+    """A setup's results over --repeats runs: the medians and means over all their timed steps,
+    each run's median (repeat_step_s), the first run's losses and collectives (the runs compute
+    the same steps)."""
+    if before is None:
+        return {**run, "repeat_step_s": [run["step_s"]]}
+    timed = before["step_times"] + run["step_times"]
+    return {**before, "step_times": timed, "step_s": statistics.median(timed),
+            "mean_step_s": statistics.mean(timed),
+            "repeat_step_s": before["repeat_step_s"] + [run["step_s"]]}
+
+
 def planner_view(args, name: str, rate: float | None) -> dict:
     """What the planner (basp_jax.cost.predict) says of one setup on this emulated link: its
     inter-host bytes per device per step and the seconds they take at `rate` Mbit/s shared by
@@ -214,6 +227,10 @@ def _a2a_inter_mib(run: dict) -> float:
     return per_kind.get("all-to-all", {}).get("inter_host_wire_bytes", 0.0) / 2**20
 
 
+def _runs(run: dict) -> str:
+    return ", ".join(f"{t:.2f}" for t in run.get("repeat_step_s", [run["step_s"]]))
+
+
 def fp8_exchange_report(results: list[dict]) -> list[str]:
     """Each /fp8x setup against the same setup without it: step time, inter-host all-to-all
     bytes (compiled program), and how far its losses drift from the other's."""
@@ -224,15 +241,17 @@ def fp8_exchange_report(results: list[dict]) -> list[str]:
         return []
     lines = ["", "FP8 exchanges (model.fp8_exchange): each setup with and without; loss drift: "
              "|loss_fp8x - loss| / loss at the last step and at most over all steps:", "",
-             "| link | setup | median step (s) | with fp8x (s) | speedup | inter-host a2a MiB "
-             "| with fp8x | last loss | with fp8x | drift last | drift max |", "|---" * 11 + "|"]
+             "| link | setup | median step (s) | with fp8x (s) | speedup | medians of each run "
+             "(s) | inter-host a2a MiB | with fp8x | last loss | with fp8x | drift last "
+             "| drift max |", "|---" * 12 + "|"]
     for r in results:
         for base, fp8x in pairs:
             a, b = r["train"][base], r["train"][fp8x]
             drift = [abs(y - x) / abs(x) for x, y in zip(a["losses"], b["losses"])]
             lines.append(
                 f"| {rate_label(r['rate'])} | {base} | {a['step_s']:.2f} | {b['step_s']:.2f} "
-                f"| {a['step_s'] / b['step_s']:.2f}x | {_a2a_inter_mib(a):.2f} "
+                f"| {a['step_s'] / b['step_s']:.2f}x | {_runs(a)} / {_runs(b)} "
+                f"| {_a2a_inter_mib(a):.2f} "
                 f"| {_a2a_inter_mib(b):.2f} | {a['losses'][-1]:.4f} | {b['losses'][-1]:.4f} "
                 f"| {drift[-1]:.2%} | {max(drift):.2%} |")
     return lines
@@ -305,6 +324,9 @@ def main() -> None:
                         help="key/value heads (grouped-query attention; default: --heads)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the setups this many times in turn (a shared machine's load "
+                             "drifts): medians over all their timed steps")
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--out", default="bench/emulated_cluster")
     parser.add_argument("--setups", default=None,
@@ -333,6 +355,8 @@ def main() -> None:
         parser.error(f"unknown setup(s) {', '.join(unknown)}; use MODE[@ringR]+SHARDING with MODE "
                      f"one of {', '.join(SETUP_MODES)} and SHARDING one of "
                      f"{', '.join(PARAM_SHARDINGS)}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if any(parse_setup(n)[0] == "adaptive" for n in names) and not args.docs:
         parser.error("an adaptive setup needs documents to repack: add --docs longtail or full")
     require_root()
@@ -358,12 +382,14 @@ def main() -> None:
                                          f"lognormal(mu={params[0]}, sigma={params[1]}) + 2 "
                                          "tokens per document, packed into rows in draw order")
             run_index += 1
-            for name in names:
-                run_dir = Path(tmp) / f"{rate}-{name}"
-                entry["train"][name] = train_steps(cluster, args, run_index, name, run_dir)
-                run_index += 1
-                print(f"{rate_label(rate)} {name}: {entry['train'][name]['step_s']:.2f} s/step "
-                      f"(mean {entry['train'][name]['mean_step_s']:.2f})", flush=True)
+            for repeat in range(args.repeats):  # the setups in turn, so slow drifts hit all
+                for name in names:
+                    run_dir = Path(tmp) / f"{rate}-{name}-{repeat}"
+                    run = train_steps(cluster, args, run_index, name, run_dir)
+                    run_index += 1
+                    print(f"{rate_label(rate)} {name}: {run['step_s']:.2f} s/step "
+                          f"(mean {run['mean_step_s']:.2f})", flush=True)
+                    entry["train"][name] = _merge_repeat(entry["train"].get(name), run)
             results.append(entry)
             (out / "results.json").write_text(json.dumps(results, indent=1))
     print(write_report(results, out))
