@@ -90,6 +90,19 @@ def test_fp8_runs_on_sm89_and_later_and_auto_on_sm90_and_later():
         models.RunOptions(fp8="auto")
 
 
+def test_model_fp8_exchange_reaches_the_model_and_takes_booleans_only(tmp_path):
+    from tests.helpers.trainer import tiny_config
+    from train.config import ConfigError
+    from train.model_setup import model_options
+
+    assert model_options(tiny_config(tmp_path, "model.fp8_exchange=true")).fp8_exchange is True
+    assert model_options(tiny_config(tmp_path)).fp8_exchange is False
+    with pytest.raises(ConfigError, match="model.fp8_exchange"):
+        tiny_config(tmp_path, "model.fp8_exchange=maybe")
+    with pytest.raises(models.ModelError, match="fp8_exchange"):
+        models.RunOptions(fp8_exchange="auto")
+
+
 def test_the_projections_and_only_they_run_in_fp8():
     config = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=1)
     model = models.Transformer(config, rngs=nnx.Rngs(0), options=models.RunOptions(fp8=True))
