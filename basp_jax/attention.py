@@ -13,6 +13,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from . import kernels
+from .fp8_exchange import fp8_all_to_all
 from .hlo import ATTENTION_SCOPE
 from .layout import Layout, LayoutError
 from .mesh import SEQ, layout_on
@@ -68,6 +69,15 @@ def _seq_to_heads(x, sp):
         return name_exchange(lax.all_to_all(x, SEQ, split_axis=2, concat_axis=1, tiled=True))
 
 
+def _qkv_to_heads(q, k, v, sp, fp8):
+    """_seq_to_heads of q, k and v; fp8: in float8 with per-head scales, all three's scales in
+    one small exchange (basp_jax.fp8_exchange)."""
+    if not fp8 or sp == 1:
+        return tuple(_seq_to_heads(x, sp) for x in (q, k, v))
+    with jax.named_scope("seq_to_heads"):
+        return tuple(map(name_exchange, fp8_all_to_all((q, k, v), 2, 1, sp)))
+
+
 def _heads_to_seq(x, sp):
     """Inverse of _seq_to_heads."""
     if sp == 1:
@@ -87,6 +97,7 @@ def attention(
     segment_ids: jax.Array | None = None,
     impl: str = "auto",
     block_size: int = kernels.DEFAULT_BLOCK,
+    fp8_exchange: bool = False,
 ) -> jax.Array:
     """Sequence-parallel multi-head attention on a ('group', 'seq') mesh.
 
@@ -103,6 +114,10 @@ def attention(
     the fused Pallas kernel on a GPU from sm80 (unless impl='blockwise'), the blockwise kernel
     elsewhere (on CPU impl='pallas' asks for the Pallas one, in interpret mode). With layout.zigzag the sequence axis must be in
     layout.token_order, which balances the causal work over the ring.
+
+    fp8_exchange: q, k and v cross the all-to-alls in float8_e4m3fn with per-head scales, their
+    gradients back in float8_e5m2 (basp_jax.fp8_exchange; half the bytes of bf16); the output's
+    exchange stays in q's dtype. The ring's k/v hops carry the dequantized values.
     """
     _check_inputs(q, k, v, segment_ids)
     hq, hkv = q.shape[2], k.shape[2]
@@ -127,8 +142,9 @@ def attention(
         if layout.ring > 1:  # the ring's hop kernels are attention kernels too (basp_jax.hlo)
             with jax.named_scope(ATTENTION_SCOPE), jax.named_scope("ring_attention"):
                 return ring_local_attention(q, k, v, seg, layout=layout, causal=causal,
-                                            block_size=block_size, hop_kernel=hop_kernel)
-        q, k, v = (_seq_to_heads(x, sp) for x in (q, k, v))
+                                            block_size=block_size, hop_kernel=hop_kernel,
+                                            fp8_exchange=fp8_exchange)
+        q, k, v = _qkv_to_heads(q, k, v, sp, fp8_exchange)
         if seg is not None and sp > 1:
             seg = lax.all_gather(seg, SEQ, axis=1, tiled=True)  # small ints, never activations
             seg = name_exchange(seg)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .flash import FlashBlocks, flash_attention_vjp, flash_attention_with_lse
+from .fp8_exchange import fp8_all_to_all
 from .kernels import blockwise_attention_vjp, blockwise_attention_with_lse
 from .layout import Layout
 from .mesh import SEQ
@@ -44,12 +45,14 @@ def _merge(out, lse, out_t, lse_t):
 
 
 def ring_local_attention(q, k, v, seg, *, layout: Layout, causal: bool, block_size: int,
-                         hop_kernel: tuple[FlashBlocks, bool] | None = None):
+                         hop_kernel: tuple[FlashBlocks, bool] | None = None,
+                         fp8_exchange: bool = False):
     """The per-device body inside shard_map: q [b, s/sp, h, d] -> [b, s/sp, h, d].
 
     `seg` is this device's [b, s/sp] segment ids or None. With layout.zigzag, the sequence axis
     is in layout.token_order. hop_kernel: the Pallas kernel's (tiles, interpret) for every hop,
-    or None for the blockwise kernel (kernels.ring_hop_kernel).
+    or None for the blockwise kernel (kernels.ring_hop_kernel). fp8_exchange: q, k, v's
+    all-to-alls in float8 (basp_jax.fp8_exchange); the hops carry them dequantized.
 
     The k/v hops happen here, outside the attention proper (`_ring_attention`, with its own
     backward pass): their transposes send the k/v gradients back, and remat policies see them
@@ -60,17 +63,21 @@ def ring_local_attention(q, k, v, seg, *, layout: Layout, causal: bool, block_si
     inner = layout.a2a
     groups = layout.a2a_runs
 
-    def seq_to_heads(x):
+    def seq_to_heads(xs):
         if inner == 1:
-            return x
-        return name_exchange(lax.all_to_all(x, SEQ, 2, 1, tiled=True, axis_index_groups=groups))
+            return xs
+        if fp8_exchange:
+            return tuple(map(name_exchange, fp8_all_to_all(xs, 2, 1, inner,
+                                                           tuple(map(tuple, groups)))))
+        return tuple(name_exchange(lax.all_to_all(x, SEQ, 2, 1, tiled=True,
+                                                  axis_index_groups=groups)) for x in xs)
 
     def heads_to_seq(x):
         if inner == 1:
             return x
         return name_exchange(lax.all_to_all(x, SEQ, 1, 2, tiled=True, axis_index_groups=groups))
 
-    q, k, v = (seq_to_heads(x) for x in (q, k, v))
+    q, k, v = seq_to_heads((q, k, v))
     full_seg = None if seg is None else name_exchange(lax.all_gather(seg, SEQ, axis=1, tiled=True))
     # ks[step]: the k/v chunk a device holds at ring step `step` (that of ring rank - step)
     ks, vs = [k], [v]

@@ -21,6 +21,15 @@ table compares mean step times (tokens per second) and lists the layouts each ru
 
     sudo python benchmarks/emulated_cluster.py --docs longtail --batch 1 --seq-len 4096 \
         --rates 80 --out bench/adaptive_b1
+
+A setup named with the suffix /fp8x runs with model.fp8_exchange=true (q, k, v through the
+all-to-alls in FP8, basp_jax.fp8_exchange); next to the same setup without it, the report adds
+its step time, inter-host all-to-all bytes and loss drift. --set KEY=VALUE overrides the
+training config of every run (e.g. model.dtype=bfloat16):
+
+    sudo python benchmarks/emulated_cluster.py --rates 80 --set model.dtype=bfloat16 \
+        --steps 10 --repeats 3 --setups ulysses+host,ulysses+host/fp8x,basp+host,basp+host/fp8x \
+        --out bench/emulated_fp8x
 """
 
 from __future__ import annotations
@@ -92,16 +101,23 @@ def time_all_to_alls(cluster: Cluster, args, run_index: int) -> dict:
 
 # the layouts a setup may name: Layout modes and the trainer's adaptive choice
 SETUP_MODES = ("ulysses", "basp", "adaptive")
+FP8_EXCHANGE = "/fp8x"  # a setup's suffix: model.fp8_exchange=true
 DOC_SETUPS = {1: "ulysses+host,ulysses@ring2+host,adaptive+host,adaptive@ring2+host",
               2: "ulysses+host,basp+host,basp+hsdp,adaptive+host"}  # --docs defaults by --batch
 
 
 def parse_setup(name: str) -> tuple[str, int, str]:
     """'ulysses+fsdp' -> ('ulysses', 1, 'fsdp'); 'ulysses@ring2+host' -> ('ulysses', 2, 'host'):
-    the mode, its ring split (parallel.ring) and the parameter sharding."""
-    mode, _, sharding = name.partition("+")
+    the mode, its ring split (parallel.ring) and the parameter sharding (a /fp8x suffix is
+    setup_overrides')."""
+    mode, _, sharding = name.removesuffix(FP8_EXCHANGE).partition("+")
     mode, _, ring = mode.partition("@ring")
     return mode, int(ring or 1), sharding
+
+
+def setup_overrides(name: str) -> list[str]:
+    """The config overrides a setup's suffix asks for."""
+    return ["model.fp8_exchange=true"] if name.endswith(FP8_EXCHANGE) else []
 
 
 def train_steps(cluster: Cluster, args, run_index: int, setup: str, run_dir: Path) -> dict:
@@ -118,6 +134,7 @@ def train_steps(cluster: Cluster, args, run_index: int, setup: str, run_dir: Pat
         "model.scan_layers=false",  # unrolled: collectives.json then counts every layer's traffic
         *(["data.pack=true", f"data.documents={args.docs}"] if args.docs else []),
         f"runtime.distributed.coordinator={_port(run_index)}", "runtime.distributed.num_processes=2",
+        *args.set, *setup_overrides(setup),
     ]
 
     def argv(host):
@@ -137,6 +154,18 @@ def train_steps(cluster: Cluster, args, run_index: int, setup: str, run_dir: Pat
     return result
 
 
+def _merge_repeat(before: dict | None, run: dict) -> dict:
+    """A setup's results over --repeats runs: the medians and means over all their timed steps,
+    each run's median (repeat_step_s), the first run's losses and collectives (the runs compute
+    the same steps)."""
+    if before is None:
+        return {**run, "repeat_step_s": [run["step_s"]]}
+    timed = before["step_times"] + run["step_times"]
+    return {**before, "step_times": timed, "step_s": statistics.median(timed),
+            "mean_step_s": statistics.mean(timed),
+            "repeat_step_s": before["repeat_step_s"] + [run["step_s"]]}
+
+
 def planner_view(args, name: str, rate: float | None) -> dict:
     """What the planner (basp_jax.cost.predict) says of one setup on this emulated link: its
     inter-host bytes per device per step and the seconds they take at `rate` Mbit/s shared by
@@ -148,8 +177,9 @@ def planner_view(args, name: str, rate: float | None) -> dict:
     from basp_jax import Layout, cost
 
     mode, ring, sharding = parse_setup(name)
-    if mode == "adaptive":
-        return None  # its layouts change per step; the planner's --docs line predicts it
+    if mode == "adaptive" or setup_overrides(name):
+        return None  # adaptive: its layouts change per step (the planner's --docs line predicts
+        # it); the planner counts no FP8 exchange
     mcfg = dataclasses.replace(
         models.ModelConfig.preset("tiny"), num_layers=args.layers, hidden_size=args.hidden,
         intermediate_size=4 * args.hidden, num_heads=args.heads,
@@ -192,6 +222,41 @@ def docs_report(results: list[dict]) -> list[str]:
     return lines
 
 
+def _a2a_inter_mib(run: dict) -> float:
+    per_kind = run.get("collectives", {}).get("per_kind", {})
+    return per_kind.get("all-to-all", {}).get("inter_host_wire_bytes", 0.0) / 2**20
+
+
+def _runs(run: dict) -> str:
+    return ", ".join(f"{t:.2f}" for t in run.get("repeat_step_s", [run["step_s"]]))
+
+
+def fp8_exchange_report(results: list[dict]) -> list[str]:
+    """Each /fp8x setup against the same setup without it: step time, inter-host all-to-all
+    bytes (compiled program), and how far its losses drift from the other's."""
+    setups = list(results[0]["train"])
+    pairs = [(n.removesuffix(FP8_EXCHANGE), n) for n in setups
+             if n.endswith(FP8_EXCHANGE) and n.removesuffix(FP8_EXCHANGE) in setups]
+    if not pairs:
+        return []
+    lines = ["", "FP8 exchanges (model.fp8_exchange): each setup with and without; loss drift: "
+             "|loss_fp8x - loss| / loss at the last step and at most over all steps:", "",
+             "| link | setup | median step (s) | with fp8x (s) | speedup | medians of each run "
+             "(s) | inter-host a2a MiB | with fp8x | last loss | with fp8x | drift last "
+             "| drift max |", "|---" * 12 + "|"]
+    for r in results:
+        for base, fp8x in pairs:
+            a, b = r["train"][base], r["train"][fp8x]
+            drift = [abs(y - x) / abs(x) for x, y in zip(a["losses"], b["losses"])]
+            lines.append(
+                f"| {rate_label(r['rate'])} | {base} | {a['step_s']:.2f} | {b['step_s']:.2f} "
+                f"| {a['step_s'] / b['step_s']:.2f}x | {_runs(a)} / {_runs(b)} "
+                f"| {_a2a_inter_mib(a):.2f} "
+                f"| {_a2a_inter_mib(b):.2f} | {a['losses'][-1]:.4f} | {b['losses'][-1]:.4f} "
+                f"| {drift[-1]:.2%} | {max(drift):.2%} |")
+    return lines
+
+
 def write_report(results: list[dict], out: Path) -> str:
     setups = list(results[0]["train"])  # "mode+sharding", the first is the baseline
     head = [f"step {name} (s)" for name in setups] + [f"speedup {name}" for name in setups[1:]]
@@ -202,7 +267,8 @@ def write_report(results: list[dict], out: Path) -> str:
         runs = [r["train"][name] for name in setups]
         base = runs[0]
         a2a_u, a2a_b = r["a2a"]["ulysses"], r["a2a"]["basp"]
-        same = all(max(abs(a - b) for a, b in zip(base["losses"], x["losses"])) < 1e-4 for x in runs[1:])
+        same = all(max(abs(a - b) for a, b in zip(base["losses"], x["losses"])) < 1e-4
+                   for name, x in zip(setups[1:], runs[1:]) if not setup_overrides(name))
         cells = [f"{x['step_s']:.2f}" for x in runs] + [f"{base['step_s'] / x['step_s']:.2f}x" for x in runs[1:]]
         lines.append(
             f"| {rate_label(r['rate'])} | " + " | ".join(cells)
@@ -239,6 +305,7 @@ def write_report(results: list[dict], out: Path) -> str:
                          f"| {measured.index(name) + 1} | {predicted.index(name) + 1} |")
     if results[0].get("docs"):
         lines += docs_report(results)
+    lines += fp8_exchange_report(results)
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     return table
@@ -257,14 +324,21 @@ def main() -> None:
                         help="key/value heads (grouped-query attention; default: --heads)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the setups this many times in turn (a shared machine's load "
+                             "drifts): medians over all their timed steps")
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--out", default="bench/emulated_cluster")
     parser.add_argument("--setups", default=None,
                         help="comma-separated mode+sharding to time (mode@ringR+sharding: "
                              "parallel.ring=R, e.g. ulysses@ring2+host; mode adaptive: "
-                             "parallel.mode=adaptive); the first is the baseline. Default: "
+                             "parallel.mode=adaptive; suffix /fp8x: model.fp8_exchange=true); "
+                             "the first is the baseline. Default: "
                              f"{','.join(f'{m}+{s}' for m, s in SETUPS)}; with --docs, by "
                              f"--batch: {DOC_SETUPS}")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a training config override for every run (repeatable), e.g. "
+                             "model.dtype=bfloat16")
     parser.add_argument("--docs", choices=("longtail", "full"), default=None,
                         help="train on synthetic documents of this length distribution "
                              "(data.documents; basp_jax.adaptive.DISTRIBUTIONS)")
@@ -281,6 +355,8 @@ def main() -> None:
         parser.error(f"unknown setup(s) {', '.join(unknown)}; use MODE[@ringR]+SHARDING with MODE "
                      f"one of {', '.join(SETUP_MODES)} and SHARDING one of "
                      f"{', '.join(PARAM_SHARDINGS)}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if any(parse_setup(n)[0] == "adaptive" for n in names) and not args.docs:
         parser.error("an adaptive setup needs documents to repack: add --docs longtail or full")
     require_root()
@@ -306,12 +382,14 @@ def main() -> None:
                                          f"lognormal(mu={params[0]}, sigma={params[1]}) + 2 "
                                          "tokens per document, packed into rows in draw order")
             run_index += 1
-            for name in names:
-                run_dir = Path(tmp) / f"{rate}-{name}"
-                entry["train"][name] = train_steps(cluster, args, run_index, name, run_dir)
-                run_index += 1
-                print(f"{rate_label(rate)} {name}: {entry['train'][name]['step_s']:.2f} s/step "
-                      f"(mean {entry['train'][name]['mean_step_s']:.2f})", flush=True)
+            for repeat in range(args.repeats):  # the setups in turn, so slow drifts hit all
+                for name in names:
+                    run_dir = Path(tmp) / f"{rate}-{name}-{repeat}"
+                    run = train_steps(cluster, args, run_index, name, run_dir)
+                    run_index += 1
+                    print(f"{rate_label(rate)} {name}: {run['step_s']:.2f} s/step "
+                          f"(mean {run['mean_step_s']:.2f})", flush=True)
+                    entry["train"][name] = _merge_repeat(entry["train"].get(name), run)
             results.append(entry)
             (out / "results.json").write_text(json.dumps(results, indent=1))
     print(write_report(results, out))

@@ -297,7 +297,8 @@ class Attention(nnx.Module):
         else:
             out = basp_jax.attention(q, k, v, mesh=self.mesh, layout=self.options.layout,
                                      causal=True, segment_ids=segment_ids,
-                                     impl=self.options.attn_impl)
+                                     impl=self.options.attn_impl,
+                                     fp8_exchange=self.options.fp8_exchange)
         return constrain(out.reshape(b, s, self.num_heads * self.head_dim), self.mesh)
 
     def decode(self, x, index, cache_k, cache_v):

@@ -57,6 +57,11 @@ class RunOptions:
     fp8: the layers' projections (q, k, v, o, gate, up, down; a Gated DeltaNet's qkv, z and
         out) as FP8 matmuls, e4m3 forward and e5m2 gradients with per-tensor current scales
         (models.fp8); attention, norms, the embedding and the LM head stay in `dtype`.
+    fp8_exchange: attention's q, k and v cross its all-to-alls in float8_e4m3fn with per-head
+        scales, their gradients back in float8_e5m2 (basp_jax.fp8_exchange): half the bytes of
+        bf16; the kernel computes on them dequantized to `dtype`, the output's exchange stays
+        in `dtype`. Nothing changes where no all-to-all runs (no mesh, seq degree 1), nor in a
+        Gated DeltaNet layer's exchanges.
     rules: where parameters and activations live on the mesh (basp_jax.sharding.ShardingRules,
         None without a mesh): built from mesh, param_sharding and the layout's
         devices_per_host when not given; a run's trainer passes its own, so the run has one.
@@ -73,6 +78,7 @@ class RunOptions:
     scan_layers: bool = True
     param_sharding: str = DEFAULT_STRATEGY
     fp8: bool = False
+    fp8_exchange: bool = False
     rules: ShardingRules | None = None
 
     def __post_init__(self):
@@ -91,6 +97,8 @@ class RunOptions:
         if not isinstance(self.fp8, bool):
             raise ModelError(f"fp8 must be True or False, got {self.fp8!r} (resolve 'auto' for "
                              "the device first: models.fp8.enabled)")
+        if not isinstance(self.fp8_exchange, bool):
+            raise ModelError(f"fp8_exchange must be True or False, got {self.fp8_exchange!r}")
         if self.param_sharding not in PARAM_SHARDINGS:
             raise ModelError(f"unknown param_sharding {self.param_sharding!r}; use one of "
                              f"{', '.join(PARAM_SHARDINGS)}")

@@ -105,6 +105,10 @@ class ModelSection:
     # scales; attention, norms, embedding and LM head stay in model.dtype): true needs FP8 tensor
     # cores (sm89+) on a GPU (the CPU emulates them); auto: on sm90+ GPUs (H100, H200, B200)
     fp8: Union[bool, Literal["auto"]] = False
+    # attention's q, k and v through its all-to-alls in FP8 (e4m3, per-head scales; their
+    # gradients back in e5m2): half the bytes of bf16 across the seq groups; any GPU or the CPU
+    # (the bytes travel as uint8); the output's exchange stays in model.dtype
+    fp8_exchange: bool = False
 
     def validate(self) -> None:
         if (self.preset is None) == (self.hf_path is None):

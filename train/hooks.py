@@ -124,6 +124,7 @@ def log_start(run: Run, logger: MetricsLogger) -> None:
         + (" and optimizer state in host memory (optimizer.offload)" if run.plan.offload_state
            else "")
         + ("; FP8 projections (model.fp8)" if fp8_enabled(cfg, run.devices[0]) else "")
+        + ("; q, k, v exchanged in FP8 (model.fp8_exchange)" if cfg.model.fp8_exchange else "")
         + f"; data: {run.data.name}"
     )
     if run.latest is not None:
