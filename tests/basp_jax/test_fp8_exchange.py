@@ -105,7 +105,7 @@ def _value_and_grads(fn):
 
 
 @pytest.mark.parametrize("groups,ring", [  # BASP (2,4), Ulysses (1,8), Ulysses in 2 ring runs
-    (2, 1), (1, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
+    (2, 1), pytest.param(1, 1, marks=pytest.mark.slow), pytest.param(1, 2, marks=pytest.mark.slow)])
 def test_attention_with_fp8_exchange_matches_the_reference(groups, ring):
     hq, hkv = 8, 4  # Ulysses: kv heads replicated to the seq degree before the exchange
     layout = Layout.plan(8, batch=4, seq_len=32, num_heads=hq, num_kv_heads=hkv, groups=groups,
