@@ -117,10 +117,10 @@ def test_auto_remat_picks_the_fastest_policy_that_fits(overrides, want):
 
 
 def test_host_transfers_are_read_from_the_async_copies_between_memory_spaces():
-    """basp_jax.comm.host_transfers on the two async copies a GPU program of the offload policy
+    """basp_jax.compiled.comm.host_transfers on the two async copies a GPU program of the offload policy
     has (copied from a compiled 8B step): a dynamic-update-slice into a pinned-host (S(5))
     buffer moves its device operand to the host, a dynamic-slice out of one moves its result back."""
-    from basp_jax import comm
+    from basp_jax.compiled import comm
 
     text = """
   %a = ((bf16[32,1,64,16]{3,2,1,0:S(5)}, bf16[1,1,64,16]{3,2,1,0}, s32[], s32[]), bf16[32,1,64,16]{3,2,1,0:S(5)}, u32[]) fusion-start(%buf, %x, %i, %j), kind=kCustom

@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 import models
-from basp_jax import comm
+from basp_jax.compiled import comm
 from tests.helpers.trainer import ROOT, tiny_config, tiny_overrides
 from train import state as prog
 from train import streamed
