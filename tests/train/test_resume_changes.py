@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from train import resume
-from train.process import cli
+from train import cli
 from train.config import ConfigError
 from train.loop import run
 

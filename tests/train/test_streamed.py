@@ -262,7 +262,7 @@ def test_offloaded_state_beyond_the_machine_memory_is_refused_before_run_dir(tmp
     import math
 
     from train.planning import host_memory_available
-    from train.process import cli
+    from train import cli
 
     available = host_memory_available()
     one, two = (model_config(tiny_config(tmp_path / "run", _wide_shape(n))).num_params()
