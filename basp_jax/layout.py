@@ -359,6 +359,11 @@ class Layout:
         """True when every seq group lies inside one host, so its all-to-all never leaves it."""
         return self.sp <= self.devices_per_host and self.devices_per_host % self.sp == 0
 
+    @property
+    def short_name(self) -> str:
+        """(groups, sp) as the trainer's metrics and logs name it: "2x4", "1x8/ring2"."""
+        return f"{self.groups}x{self.sp}" + (f"/ring{self.ring}" if self.ring > 1 else "")
+
     def describe(self) -> str:
         where = "inside one host" if self.group_within_host else "across hosts"
         ring = f" (ring {self.ring} x all-to-all {self.a2a})" if self.ring > 1 else ""

@@ -298,6 +298,7 @@ def train_steps(shapes: Shapes, steps: int, on_gpu: bool, fp8: bool = False,
         cfg = step_config(shapes, steps, run_dir, cfg.data.seq_len // 2, fp8)
         print(f"  {devices[0].device_kind}: {limit / 2**30:.0f} GiB usable, so "
               f"{cfg.data.seq_len} tokens instead of {shapes.step_seq}", flush=True)
+    cfg = planning.resolve_offload(cfg, mcfg, 1, 1)  # optimizer.offload=auto decided
     plan = plan_run(cfg, mcfg, devices, 1)
     parts = build_model(model_factory(cfg, mcfg, plan), plan.rules, init_params=True)
     program = build_program(cfg, plan, parts)

@@ -1,11 +1,12 @@
-"""`run(config)`: prepare the run (train.prepare), then a short step loop with hooks (train.hooks):
-metrics, evaluation, profiling, checkpoints, the stop protocol (train.process.stop), the export."""
+"""`run(config)`: check the run (train.prepare), take run.dir's lock, build the state and compile
+its step (train.state), then the step loop: metrics (train.report), evaluation, profiling,
+checkpoints, the stop protocol (train.process.stop), the export."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-import sys
 import time
 from typing import Any
 
@@ -14,17 +15,18 @@ import jax
 from basp_jax.adaptive import relabel
 
 from . import evaluate, profiling, writers
-from .data.batches import for_run
-from .process import agreement, runtime
 from .checkpoint import checkpoint_dir, complete_steps, storage_error
 from .config import Config
-from .hooks import NonFiniteError, StepReport, compile_step, export, log_start, save_checkpoint
-from .process.lock import RunDirLock
+from .data.batches import for_run
 from .metrics import MetricsLogger
-from .process.outputs import write_config
+from .prepare import Run, check, model_config, select_devices
+from .process import agreement, runtime
+from .process.lock import RunDirLock
+from .process.outputs import export_hf, write_config
 from .process.peers import PeerWatchdog
-from .prepare import Run, model_config, prepare, select_devices
 from .process.stop import StopRequest
+from .report import NonFiniteError, StepReport, log_start
+from .state import TrainState, build_state, compile_steps
 
 __all__ = ["run", "model_config", "select_devices", "NonFiniteError", "PeerFailure"]
 
@@ -78,86 +80,105 @@ class PeerFailure(RuntimeError):
 
 
 def _run(cfg: Config, stop_at: int | None) -> dict[str, Any]:
-    # process 0 owns run.dir (the lock is taken once the checks have passed)
-    owner = RunDirLock(os.path.abspath(cfg.run.dir)) if jax.process_index() == 0 else None
-    try:
-        return _run_owned(cfg, stop_at, owner)
-    finally:
-        if owner is not None:
-            owner.__exit__(*sys.exc_info())
+    """Check, then (process 0 owning run.dir from its first write to the end) build the state,
+    compile and train."""
+    run = check(cfg, is_writer=jax.process_index() == 0)  # nothing compiled or written before
+    owner = RunDirLock(run.run_dir) if run.is_writer else contextlib.nullcontext()
+    with owner:
+        state = build_state(cfg, run.mcfg, run.plan, run_dir=run.run_dir, latest=run.latest,
+                            saved_dtype=run.saved_dtype)
+        try:
+            return _train(run, state, stop_at)
+        finally:
+            state.ckpt.close()
 
 
-def _run_owned(cfg: Config, stop_at: int | None, owner: RunDirLock | None) -> dict[str, Any]:
-    run = prepare(cfg, owner)  # every check, then the state: nothing compiled or written before
+def _train(run: Run, state: TrainState, stop_at: int | None) -> dict[str, Any]:
+    """The steps of this invocation with their metrics, evaluations, profile, checkpoints and the
+    export, from a built state."""
+    cfg = run.cfg
     end = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
-    idle = run.state.start >= end  # nothing to train: run.dir is left as it is
+    idle = state.start >= end  # nothing to train: run.dir is left as it is
     # ---- the checks passed and the state is in place: only now is run.dir written
     if run.is_writer and not idle:
         write_config(cfg, run.run_dir)
     logger = MetricsLogger(run.run_dir, cfg.metrics, total_steps=cfg.train.steps,
-                           start_step=run.state.start, is_writer=run.is_writer, files=not idle)
-    log_start(run, logger)
+                           start_step=state.start, is_writer=run.is_writer, files=not idle)
+    log_start(run, state, logger)
     wall0 = time.perf_counter()
     stop = StopRequest()
     writer = None
     profiler = profiling.Profiler(cfg, run.run_dir, is_writer=run.is_writer, log=logger.message)
-    evaluator = evaluate.Evaluator(cfg, run.state.program, run.state.parts, run.eval_data)
+    evaluator = evaluate.Evaluator(cfg, state.program, state.parts, run.eval_data)
     try:
-        writer = writers.Writers(cfg, run.run_dir, start_step=run.state.start,
+        writer = writers.Writers(cfg, run.run_dir, start_step=state.start,
                                  is_writer=run.is_writer and not idle, devices=run.devices)
-        report = StepReport(run, logger, writer, evaluator)
+        report = StepReport(run, state, logger, writer, evaluator)
         with stop:  # to the end: a signal while saving or exporting waits for them
             with jax.set_mesh(run.plan.mesh):
-                collectives = train_steps(run, end, report, profiler, stop)
+                collectives = train_steps(run, state, end, report, profiler, stop)
             stop.take_over()  # (done after the compile; here when no step ran)
-            run.state.ckpt.wait()
+            state.ckpt.wait()
             if cfg.checkpoint.export_hf and not stop.stopped:
-                export(run, logger.message)
+                export(run, state, logger.message)
     finally:
         run.data.close()
         profiler.close()
         if writer is not None:
             writer.close()
-        run.state.ckpt.close()
         logger.close()
     return report.summary(time.perf_counter() - wall0, collectives)
 
 
-def train_steps(run: Run, end: int, report: StepReport, profiler, stop: StopRequest) -> list:
-    """Steps run.state.start .. end - 1, advancing its params and opt_state; returns the compiled
+def save_checkpoint(run: Run, state: TrainState, step: int, force: bool) -> None:
+    """The state after `step` (1-based), with what a resume checks and reads."""
+    meta = {"step": step, "data_step": step, "seed": run.cfg.run.seed,
+            "layout": run.layout.describe(), "resume": run.record}
+    state.ckpt.save(step, state.params, state.opt_state, meta, force=force)
+
+
+def export(run: Run, state: TrainState, log) -> None:
+    """checkpoint.export_hf: the final weights as a Hugging Face directory."""
+    export_dir = os.path.realpath(run.cfg.checkpoint.export_hf)
+    export_hf(state.parts.module(state.params), export_dir, run.run_dir, run.is_writer, run.cfg)
+    log(f"exported Hugging Face weights to {export_dir}")
+
+
+def train_steps(run: Run, state: TrainState, end: int, report: StepReport, profiler,
+                stop: StopRequest) -> list:
+    """Steps state.start .. end - 1, advancing its params and opt_state; returns the compiled
     (static layout's) step's collectives (none when no step ran). Step k's metrics are read after
     step k + 1 is dispatched, so the host's work overlaps the devices' (except before a save or
     a stop). Under parallel.mode=adaptive each step runs the program of the layout its batch was
     packed for (train.data.batches); between steps the parameters and optimizer state are placed as
     the static layout's program takes them, so evaluation, checkpoints and the export see one
     placement, and a switch only relabels them (basp_jax.adaptive.relabel: nothing is copied)."""
-    batches = for_run(run.data, run.state.programs)
+    if state.start >= end:
+        return []
+    batches = for_run(run.data, state.programs)
     try:
-        return _steps(run, end, report, profiler, stop, batches)
+        return _steps(run, state, end, report, profiler, stop, batches)
     finally:
         batches.close()
 
 
-def _steps(run: Run, end: int, report: StepReport, profiler, stop: StopRequest, batches) -> list:
-    state = run.state
+def _steps(run: Run, state: TrainState, end: int, report: StepReport, profiler,
+           stop: StopRequest, batches) -> list:
     cfg, ckpt = run.cfg, state.ckpt
     evaluator, log = report.evaluator, report.logger.message
     # each call hands over a batch built in the background and starts the next one's
-    index, batch = batches.get(state.start, prefetch=state.start + 1 < end) \
-        if state.start < end else (0, None)
-    compiled, collectives, step_arr = None, [[]], None
+    index, batch = batches.get(state.start, prefetch=state.start + 1 < end)
+    compiled, collectives = compile_steps(cfg, state, run.devices, log,
+                                          record_dir=run.run_dir if run.is_writer else None)
+    report.describe_layouts(state.programs, collectives)
+    stop.take_over()  # until now a signal ended the process at once (train.process.stop)
+    # placed once, then the step returns the next one: a device_put per step would be a
+    # cross-process check (assert_equal) in multi-process runs
+    step_arr = state.program.step_index(state.start)
     pending = None  # (step, metrics, evaluation) read after the next dispatch
-    last_end = None  # when the previous step was seen to end
+    last_end = time.perf_counter()  # when the previous step was seen to end
     for step in range(state.start, end):
         done = step + 1
-        if compiled is None:
-            compiled, collectives = compile_step(run, log)
-            report.describe_layouts(state.programs, collectives)
-            stop.take_over()  # until now a signal ended the process at once (train.process.stop)
-            # placed once, then the step returns the next one: a device_put per step
-            # would be a cross-process check (assert_equal) in multi-process runs
-            step_arr = state.program.step_index(step)
-            last_end = time.perf_counter()
         profiler.before_step(done)
         if index:  # another layout of the adaptive set: its mesh's names for the same placement
             program = state.programs[index]
@@ -193,7 +214,7 @@ def _steps(run: Run, end: int, report: StepReport, profiler, stop: StopRequest, 
         # under on_nonfinite=stop is never saved), then its state, before the next dispatch
         # takes (donates) it
         last_end = report.finish(step, metrics, evaluation, last_end)
-        save_checkpoint(run, done, force)
+        save_checkpoint(run, state, done, force)
         if stopping and not last:
             log(f"received {stop.requested or 'a stop signal on another process'}: finished step "
                 f"{done} and saved a checkpoint; run the same command again to resume")

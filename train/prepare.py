@@ -1,9 +1,10 @@
-"""`prepare(cfg, owner) -> Run`: every check, then the state built or restored (train.state), all
-before the train step compiles; run.dir is first written (its lock, then checkpoints/) once the
-checks have passed.
+"""`check(cfg, is_writer) -> Run`: every check a run's config, devices, data and checkpoints can
+fail, before anything compiles or is written; the Run holds what they found (the resolved
+config, the plan, the data pipelines, the checkpoint to resume from). train.loop then takes
+run.dir's lock and builds the state (train.state).
 
-    run = prepare(cfg, owner)   # owner: process 0's train.process.lock.RunDirLock, else None
-    run.state.params, run.state.opt_state, run.state.start, run.state.program, run.data, ...
+    run = check(cfg, is_writer=jax.process_index() == 0)
+    run.plan, run.data, run.latest, ...
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from .process import runtime
 from .checkpoint import checkpoint_dir, complete_steps, inspect_latest
 from .config import Config, ConfigError, replace
 from .data import Pipeline
-from .process.lock import RunDirLock, check_free
+from .process.lock import check_free
 from .metrics import peak_flops
 from .model_setup import fp8_enabled, model_config, model_options
 from .process.outputs import check_output_paths
-from .state import RunPlan, TrainState, build_state, plan_run
+from .state import RunPlan, plan_run
 from .step import compute_dtype, loss_scaling, make_optimizer
 
 
@@ -118,7 +119,7 @@ def check_fp8(cfg: Config, device) -> None:
 
 @dataclasses.dataclass
 class Run:
-    """One invocation of the trainer: what the checks found, then the state the loop advances."""
+    """One invocation of the trainer, as the checks found it (complete when made)."""
 
     cfg: Config
     run_dir: str  # absolute
@@ -133,11 +134,16 @@ class Run:
     latest: int | None  # the checkpoint step to resume from (None: a fresh start)
     record: dict  # what each checkpoint's meta records of the config (train.resume)
     changes: dict  # key -> (checkpoint's value, this config's): allowed changes on resume
-    state: TrainState | None = None  # filled by prepare (train.state.build_state)
 
     @property
     def layout(self) -> Layout:
         return self.plan.layout
+
+    @property
+    def saved_dtype(self) -> str | None:
+        """The compute dtype the checkpoint to resume was written in, where a resume changes it
+        (checkpoint.allow_changed=model.dtype); None otherwise."""
+        return self.changes.get("model.dtype", (None,))[0]
 
     @property
     def tokens_per_step(self) -> int:
@@ -147,16 +153,6 @@ class Run:
     def flops_per_token(self) -> float:
         # basp_jax.planner.cost's count, the planner's too: 6N plus the causal half of the S x S scores
         return self.mcfg.shape.train_flops_per_token(self.cfg.data.seq_len)
-
-
-def prepare(cfg: Config, owner: RunDirLock | None) -> Run:
-    """The checked run with its state in place; a checkpoint that fails to restore (damaged array
-    data, which no metadata shows) still stops here, before the train step compiles."""
-    run = check(cfg, is_writer=owner is not None)
-    saved_dtype = run.changes.get("model.dtype", (None,))[0]  # allowed: checkpoint.allow_changed
-    run.state = build_state(cfg, run.mcfg, run.plan, run_dir=run.run_dir, latest=run.latest,
-                            owner=owner, saved_dtype=saved_dtype)
-    return run
 
 
 def check(cfg: Config, *, is_writer: bool) -> Run:

@@ -1,11 +1,11 @@
-"""The state a config describes, built one way for training (train.loop, through train.prepare)
-and for compiling without running it (train.tools.aot): the run plan (layout, mesh, strategy,
-memory policy), the model, the optimizer, the shardings, the train step, and the parameters
-and optimizer state (restored, loaded, initialised, or abstract).
+"""The state a config describes, built one way for training (train.loop) and for compiling
+without running it (train.tools.aot): the run plan (layout, mesh, strategy, memory policy), the
+model, the optimizer, the shardings, the train step, the parameters and optimizer state
+(restored, loaded, initialised, or abstract), and the compiled step of each layout.
 
-    plan = plan_run(cfg, mcfg, devices, devices_per_host)
-    state = build_state(cfg, mcfg, plan, run_dir=..., latest=None, owner=lock)  # or abstract=True
-    compiled = state.program.lower(state.params, state.opt_state).compile()
+    plan = plan_run(cfg, mcfg, devices, devices_per_host)    # cfg: train.prepare.check's
+    state = build_state(cfg, mcfg, plan, run_dir=..., latest=None)   # or abstract=True
+    compiled = compile_programs(cfg, state, devices)
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
 from basp_jax import Layout, make_mesh
+from basp_jax.compiled import comm
 from basp_jax.sharding import ShardingRules, abstract_arrays
 
 from . import dtypes, planning, streamed
 from .checkpoint import Checkpointer, first_non_finite
 from .model_setup import model_config, model_options
+from .process.outputs import write_collectives
 from .config import Config
 from .step import (build_model, compute_dtype, from_module, init_opt_state, initial_loss_scale,
                    loss_scaling, make_optimizer, make_train_step, opt_state_shardings)
@@ -55,8 +57,11 @@ class RunPlan:
 
 
 def plan_run(cfg: Config, mcfg, devices, devices_per_host: int) -> RunPlan:
-    """The layout and mesh for `devices`; raises LayoutError/ConfigError before anything compiles."""
-    cfg = planning.resolve_offload(cfg, mcfg, len(devices), devices_per_host)
+    """The layout and mesh for `devices`; raises LayoutError/ConfigError before anything compiles.
+    optimizer.offload=auto must be decided first (train.planning.resolve_offload)."""
+    if cfg.optimizer.offload == "auto":
+        raise ValueError("plan_run needs optimizer.offload decided: "
+                         "cfg = train.planning.resolve_offload(cfg, ...) first")
     layout, strategy = planning.plan(cfg, mcfg, len(devices), devices_per_host)
     remat, tile = planning.memory_policy(cfg, mcfg, layout, strategy, devices_per_host)
     streamed.check_offload(cfg, strategy, compute_dtype(cfg.model.dtype, devices[0]), mcfg)
@@ -108,6 +113,12 @@ class TrainProgram:
     def abstract_step_index(self):
         return jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(self.plan.mesh, P()))
 
+    def abstract_state(self, params, opt_state):
+        """ShapeDtypeStructs of parameters and optimizer state shaped like these (arrays or
+        ShapeDtypeStructs), placed as this program takes them."""
+        return (abstract_arrays(params, self.param_shardings),
+                abstract_arrays(opt_state, self.opt_shardings))
+
     def lower(self, params, opt_state):
         """Lower the step for these parameters and optimizer state (arrays or ShapeDtypeStructs
         with shardings) and an abstract batch: compile() it to run or to inspect."""
@@ -156,12 +167,6 @@ def layout_programs(cfg: Config, mcfg, plan: RunPlan, program: TrainProgram
     return (program,) + others
 
 
-def abstract_state(program: TrainProgram, parts):
-    """ShapeDtypeStructs (with shardings) of the parameters and the optimizer state."""
-    return (abstract_arrays(parts.params, program.param_shardings),
-            abstract_arrays(program.abstract_opt_state, program.opt_shardings))
-
-
 def compile_program(cfg: Config, devices, devices_per_host: int, mcfg=None, *,
                     layout_index: int = 0):
     """Compile the train step of `cfg` for `devices` from shapes alone (nothing is initialised,
@@ -170,11 +175,12 @@ def compile_program(cfg: Config, devices, devices_per_host: int, mcfg=None, *,
     `layout_index` picks the layout of the set (the plan returned is that layout's)."""
 
     mcfg = model_config(cfg) if mcfg is None else mcfg
+    cfg = planning.resolve_offload(cfg, mcfg, len(devices), devices_per_host)
     run_plan = plan_run(cfg, mcfg, devices, devices_per_host)
     state = build_state(cfg, mcfg, run_plan, abstract=True)
     program = state.programs[layout_index]
     t0 = time.perf_counter()
-    compiled = program.lower(*abstract_state(program, state.parts)).compile()
+    compiled = program.lower(*program.abstract_state(state.params, state.opt_state)).compile()
     return compiled, program.plan, mcfg, time.perf_counter() - t0
 
 
@@ -195,19 +201,20 @@ class TrainState:
 
 
 def build_state(cfg: Config, mcfg, plan: RunPlan, *, run_dir: str | None = None,
-                latest: int | None = None, owner=None, abstract: bool = False,
+                latest: int | None = None, abstract: bool = False,
                 saved_dtype: str | None = None) -> TrainState:
     """The one state builder, for training and for compiling without running (train.tools.aot,
-    compile_program): the model and train step (not yet compiled), then (unless `abstract`)
-    run.dir's lock (`owner`, a train.process.lock.RunDirLock of process 0) and checkpointer,
-    then the parameters and optimizer state: restored from checkpoint step `latest`, else loaded
+    compile_program): the model and train step (not yet compiled), then (unless `abstract`) the
+    checkpointer (it makes run.dir/checkpoints: the caller holds run.dir's lock) and the
+    parameters and optimizer state: restored from checkpoint step `latest`, else loaded
     (model.hf_path) or initialised. abstract: ShapeDtypeStructs with shardings, nothing read,
     initialised or written. saved_dtype: the compute dtype checkpoint `latest` was written in,
     where it differs from model.dtype (checkpoint.allow_changed=model.dtype)."""
     if abstract:
         parts = build_model(model_factory(cfg, mcfg, plan), plan.rules, init_params=False)
         program = build_program(cfg, plan, parts)
-        return TrainState(parts, program, None, 0, *abstract_state(program, parts),
+        return TrainState(parts, program, None, 0,
+                          *program.abstract_state(parts.params, program.abstract_opt_state),
                           layout_programs(cfg, mcfg, plan, program))
     ckpt = None
     try:
@@ -217,8 +224,6 @@ def build_state(cfg: Config, mcfg, plan: RunPlan, *, run_dir: str | None = None,
             parts = build_model(model_factory(cfg, mcfg, plan), plan.rules,
                                 init_params=latest is None)
         program = build_program(cfg, plan, parts)
-        if owner is not None:
-            owner.__enter__()  # the first write: run.dir (if new) and its lock
         ckpt = Checkpointer(run_dir, cfg.checkpoint, cfg.train.steps)  # makes checkpoints/
         start = 0
         if latest is not None:
@@ -238,13 +243,64 @@ def build_state(cfg: Config, mcfg, plan: RunPlan, *, run_dir: str | None = None,
         raise
 
 
+def compile_steps(cfg: Config, state: TrainState, devices, log: Callable[[str], None],
+                  record_dir: str | None = None) -> tuple[list, list]:
+    """The compiled train step of each layout the run may take (state.programs: one unless
+    parallel.mode=adaptive), each checked against device memory, and each one's collectives
+    (logged, and written to record_dir/collectives.json: the static layout's, with the others'
+    under "layouts"; None: not written)."""
+    per_host = state.program.plan.layout.devices_per_host
+    compiled, collectives, lines, t0 = [], [], [], time.perf_counter()
+    for i, program in enumerate(state.programs):
+        t = time.perf_counter()
+        if i == 0:
+            lowered = program.lower(state.params, state.opt_state)
+        else:  # placed like the static layout's: shapes on this layout's mesh (adaptive.relabel)
+            lowered = program.lower(*program.abstract_state(state.params, state.opt_state))
+        compiled.append(lowered.compile())
+        planning.check_compiled_memory(cfg, compiled[-1], devices)
+        try:  # a diagnostic: an HLO printing the parser does not know never stops a run
+            found = comm.parse_collectives(compiled[-1].as_text(), len(devices))
+            described = describe_collectives(found, per_host)
+        except Exception as e:  # noqa: BLE001
+            found, described = [], f"(not parsed: {type(e).__name__}: {e})"
+        collectives.append(found)
+        seconds = time.perf_counter() - t
+        if len(state.programs) == 1:
+            lines.append(f"compiled the train step in {seconds:.1f}s; per step: " + described)
+        else:
+            lines.append(f"compiled the step of layout {program.plan.layout.short_name} in "
+                         f"{seconds:.1f}s; per step: " + described)
+    if len(state.programs) > 1:
+        lines.insert(0, f"adaptive layouts: compiled {len(compiled)} steps in "
+                        f"{time.perf_counter() - t0:.1f}s")
+    if record_dir is not None:
+        write_collectives(record_dir, collectives[0], state.program.plan.layout,
+                          others=[(p.plan.layout, c) for p, c in
+                                  zip(state.programs[1:], collectives[1:])])
+    for line in lines:
+        log(line)
+    return compiled, collectives
+
+
+def describe_collectives(collectives, devices_per_host: int) -> str:
+    """One line: per kind, the count and MiB per device (inter-host MiB where any)."""
+    parts = []
+    for kind, row in comm.summarize(collectives, devices_per_host).items():
+        text = f"{kind} {row['count']} ({row['bytes'] / 2**20:.2f} MiB"
+        if row["inter_host_wire_bytes"]:
+            text += f", {row['inter_host_wire_bytes'] / 2**20:.2f} MiB inter-host"
+        parts.append(text + ")")
+    return ", ".join(parts) or "none"
+
+
 def _restore(cfg: Config, ckpt: Checkpointer, step: int, program: TrainProgram, parts,
              saved_dtype: str | None):
     """(params, opt_state, meta) of checkpoint `step`. float16 keeps its loss scale as the first
     state of the optimizer chain (train.step.make_optimizer): a checkpoint written in another
     compute dtype (saved_dtype) has it where this run keeps none, or lacks the one this run
     keeps, so it is restored as written and the scale dropped, or started afresh."""
-    target_params, target_opt = abstract_state(program, parts)
+    target_params, target_opt = program.abstract_state(parts.params, program.abstract_opt_state)
     now = loss_scaling(compute_dtype(cfg.model.dtype, program.plan.mesh.devices.flat[0]))
     then = now if saved_dtype is None else loss_scaling(saved_dtype)
     if (now is None) == (then is None):

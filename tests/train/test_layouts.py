@@ -54,7 +54,7 @@ def test_batch_that_does_not_divide_the_devices(tmp_path, capsys, batch, groups)
 ])
 def test_basp_names_a_layout_of_fewer_groups_than_rows(tmp_path, extra, note):
     """B=3 on 8 devices shares no factor with them: basp's gcd rule gives one group of 8 (what
-    Ulysses runs); the start-up note (train.hooks.log_start) says so, with what would split more."""
+    Ulysses runs); the start-up note (train.report.log_start) says so, with what would split more."""
     import models
     from train.planning import layout_note, plan
 

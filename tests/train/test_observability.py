@@ -180,7 +180,7 @@ def test_named_scopes_reach_the_train_step_hlo(tmp_path):
     the compiled program keeps as op_name metadata and a profiler trace shows."""
     import re
 
-    from train.state import abstract_state, build_model, build_program, model_factory, plan_run
+    from train.state import build_model, build_program, model_factory, plan_run
 
     cfg = tiny_config(tmp_path / "r")
     mcfg = model_config(cfg)
@@ -188,7 +188,8 @@ def test_named_scopes_reach_the_train_step_hlo(tmp_path):
     parts = build_model(model_factory(cfg, mcfg, plan), plan.rules,
                         init_params=False)
     program = build_program(cfg, plan, parts)
-    text = program.lower(*abstract_state(program, parts)).as_text(debug_info=True)
+    text = program.lower(*program.abstract_state(parts.params, program.abstract_opt_state)
+                         ).as_text(debug_info=True)
     names = set(re.findall(r'loc\("([^"]+)"', text))
     for scope in ("seq_to_heads/all_to_all", "heads_to_seq/all_to_all", "attention_kernel/",
                   "attention/", "mlp/", "loss"):

@@ -353,13 +353,13 @@ def test_checkpoints_removed_under_a_running_trainer_is_one_line(tmp_path, capsy
 
     save = loop.save_checkpoint
 
-    def save_then_remove(run_, step, force):
-        started = save(run_, step, force)
+    def save_then_remove(run_, state, step, force):
+        started = save(run_, state, step, force)
         if step == 2:
             t = time.monotonic()
             while time.monotonic() - t < 0.5:  # while orbax's threads write it, and after
-                shutil.rmtree(run_.state.ckpt.directory, ignore_errors=True)
-            shutil.rmtree(run_.state.ckpt.directory, ignore_errors=True)
+                shutil.rmtree(state.ckpt.directory, ignore_errors=True)
+            shutil.rmtree(state.ckpt.directory, ignore_errors=True)
         return started
 
     monkeypatch.setattr(loop, "save_checkpoint", save_then_remove)

@@ -217,8 +217,9 @@ def test_a_compute_dtype_changed_to_float16_and_back_resumes(good_run, data_dir,
     """checkpoint.allow_changed=model.dtype, float32 -> float16: float16 keeps its loss scale in
     the optimizer state, which the checkpoint lacks; the run resumes with a fresh one (2**15 in
     metrics.jsonl from the first resumed step). Back to float32 the checkpoint's scale is
-    dropped on restore (train.prepare restores without compiling)."""
-    from train.prepare import prepare
+    dropped on restore (train.state restores without compiling)."""
+    from train.prepare import check
+    from train.state import build_state
     from train.step import LossScaleState
 
     run_dir = _copy(good_run, tmp_path)
@@ -231,16 +232,18 @@ def test_a_compute_dtype_changed_to_float16_and_back_resumes(good_run, data_dir,
 
     back = tiny_config(run_dir, *_base(data_dir), "train.steps=6",
                        "checkpoint.allow_changed=model.dtype,train.steps")
-    restored = prepare(back, owner=None)
+    checked = check(back, is_writer=False)
+    restored = build_state(checked.cfg, checked.mcfg, checked.plan, run_dir=checked.run_dir,
+                           latest=checked.latest, saved_dtype=checked.saved_dtype)
     try:
-        assert restored.changes["model.dtype"] == ("float16", "float32")
-        assert restored.state.start == 4
-        state = restored.state.opt_state
+        assert checked.changes["model.dtype"] == ("float16", "float32")
+        assert restored.start == 4
+        state = restored.opt_state
         assert not any(isinstance(s, LossScaleState) for s in state)
         assert jax.tree.structure(state) == \
-            jax.tree.structure(restored.state.program.abstract_opt_state)
+            jax.tree.structure(restored.program.abstract_opt_state)
     finally:
-        restored.state.ckpt.close()
+        restored.ckpt.close()
 
 
 # ------------------------------------------------------------------ a token file's sidecar

@@ -273,7 +273,7 @@ def test_offloaded_state_beyond_the_machine_memory_is_refused_before_run_dir(tmp
     def allocate(*args, **kwargs):  # should the check fail, fail here rather than allocate
         raise AssertionError("the checks passed a state larger than the machine's memory")
 
-    monkeypatch.setattr("train.prepare.build_state", allocate)
+    monkeypatch.setattr("train.loop.build_state", allocate)
     capsys.readouterr()
     status = cli.main(tiny_overrides(run_dir, _wide_shape(layers), "optimizer.offload=true",
                                      "model.remat=auto", "parallel.param_sharding=fsdp"))

@@ -1,6 +1,6 @@
 """The batch of each step and the layout it runs on: (index into the run's programs, arrays).
 
-    batches = for_run(run.data, run.state.programs)
+    batches = for_run(run.data, state.programs)
     index, batch = batches.get(step, prefetch=True)   # batch on programs[index].batch_sharding
 
 A static run has one program and takes train.data.Pipeline's batches as they are (index 0).

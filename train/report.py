@@ -1,17 +1,16 @@
-"""The step loop's hooks (train.loop): compile the step on first use, report each finished step
-(metrics, evaluation, the non-finite policy), save a checkpoint, export, say what a run starts and
-ends with.
+"""What a run tells its user (train.loop): what it starts with, each finished step (metrics,
+evaluation, the non-finite policy) and how it ended.
 
-    report = StepReport(run, logger, writer, evaluator)
+    log_start(run, state, logger)
+    report = StepReport(run, state, logger, writer, evaluator)
     last_end = report.finish(step, metrics, evaluation, last_end)   # step k, after k+1 dispatched
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
 
@@ -21,93 +20,15 @@ from . import planning, resume
 from .checkpoint import complete_steps
 from .metrics import MetricsLogger
 from .model_setup import fp8_enabled
-from .process.outputs import export_hf, write_collectives
 from .prepare import Run
+from .state import TrainState
 
 
 class NonFiniteError(RuntimeError):
     """The loss or gradients became NaN/Inf and the config says to stop."""
 
 
-def describe_collectives(collectives, devices_per_host: int) -> str:
-    """One line: per kind, the count and MiB per device (inter-host MiB where any)."""
-    parts = []
-    for kind, row in comm.summarize(collectives, devices_per_host).items():
-        text = f"{kind} {row['count']} ({row['bytes'] / 2**20:.2f} MiB"
-        if row["inter_host_wire_bytes"]:
-            text += f", {row['inter_host_wire_bytes'] / 2**20:.2f} MiB inter-host"
-        parts.append(text + ")")
-    return ", ".join(parts) or "none"
-
-
-def compile_step(run: Run, log: Callable[[str], None]) -> tuple[list, list]:
-    """The compiled train step of each layout the run may take (run.state.programs: one unless
-    parallel.mode=adaptive), checked against device memory, and each one's collectives (logged,
-    and written to collectives.json: the static layout's, with the others' under "layouts")."""
-    state, per_host = run.state, run.layout.devices_per_host
-    compiled, collectives, lines, t0 = [], [], [], time.perf_counter()
-    for i, program in enumerate(state.programs):
-        t = time.perf_counter()
-        if i == 0:
-            lowered = program.lower(state.params, state.opt_state)
-        else:  # placed like the static layout's: shapes on this layout's mesh (adaptive.relabel)
-            lowered = program.lower(*abstract_state(program, state.params, state.opt_state))
-        compiled.append(lowered.compile())
-        planning.check_compiled_memory(run.cfg, compiled[-1], run.devices)
-        try:  # a diagnostic: an HLO printing the parser does not know never stops a run
-            found = comm.parse_collectives(compiled[-1].as_text(), len(run.devices))
-            described = describe_collectives(found, per_host)
-        except Exception as e:  # noqa: BLE001
-            found, described = [], f"(not parsed: {type(e).__name__}: {e})"
-        collectives.append(found)
-        seconds = time.perf_counter() - t
-        if len(state.programs) == 1:
-            lines.append(f"compiled the train step in {seconds:.1f}s; per step: " + described)
-        else:
-            lines.append(f"compiled the step of layout {layout_name(program.plan.layout)} in "
-                         f"{seconds:.1f}s; per step: " + described)
-    if len(state.programs) > 1:
-        lines.insert(0, f"adaptive layouts: compiled {len(compiled)} steps in "
-                        f"{time.perf_counter() - t0:.1f}s")
-    if run.is_writer:
-        write_collectives(run.run_dir, collectives[0], run.layout,
-                          others=[(p.plan.layout, c) for p, c in
-                                  zip(state.programs[1:], collectives[1:])])
-    for line in lines:
-        log(line)
-    return compiled, collectives
-
-
-def layout_name(layout) -> str:
-    """(groups, sp) as metrics.jsonl and the logs name a layout: "2x4", "1x8/ring2"."""
-    return f"{layout.groups}x{layout.sp}" + (f"/ring{layout.ring}" if layout.ring > 1 else "")
-
-
-def abstract_state(program, params, opt_state):
-    """ShapeDtypeStructs of params and opt_state as `program` takes them (its shardings)."""
-    def shaped(x, sharding):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    return (jax.tree.map(shaped, params, program.param_shardings),
-            jax.tree.map(shaped, opt_state, program.opt_shardings))
-
-
-def save_checkpoint(run: Run, step: int, force: bool) -> None:
-    """The state after `step` (1-based), with what a resume checks and reads."""
-    meta = {"step": step, "data_step": step, "seed": run.cfg.run.seed,
-            "layout": run.layout.describe(), "resume": run.record}
-    run.state.ckpt.save(step, run.state.params, run.state.opt_state, meta, force=force)
-
-
-def export(run: Run, log: Callable[[str], None]) -> None:
-    """checkpoint.export_hf: the final weights as a Hugging Face directory."""
-    export_dir = os.path.realpath(run.cfg.checkpoint.export_hf)
-    state = run.state
-    export_hf(state.parts.module(state.params), export_dir, run.run_dir, run.is_writer, run.cfg)
-    log(f"exported Hugging Face weights to {export_dir}")
-
-
-def log_start(run: Run, logger: MetricsLogger) -> None:
+def log_start(run: Run, state: TrainState, logger: MetricsLogger) -> None:
     """The layout, the model, where the run resumes and what mfu is measured against."""
     cfg = run.cfg
     logger.message(f"layout: {run.layout.describe()}")
@@ -116,7 +37,7 @@ def log_start(run: Run, logger: MetricsLogger) -> None:
         logger.message(note)
     if run.plan.adaptive:
         logger.message("adaptive layouts (groups x sp): " + ", ".join(
-            layout_name(p.layout) for p in run.plan.adaptive) + "; each step runs the one with "
+            p.layout.short_name for p in run.plan.adaptive) + "; each step runs the one with "
             "the most groups whose rows hold its documents")
     logger.message(
         f"model: {run.mcfg.model_type} {run.mcfg.num_params() / 1e6:.2f}M params, "
@@ -128,7 +49,7 @@ def log_start(run: Run, logger: MetricsLogger) -> None:
         + f"; data: {run.data.name}"
     )
     if run.latest is not None:
-        logger.message(f"resumed from {run.state.ckpt.directory} at step {run.state.start}")
+        logger.message(f"resumed from {state.ckpt.directory} at step {state.start}")
     if run.changes:
         logger.message(f"resumed with changes ({resume.ALLOW_KEY}): "
                        f"{resume.describe(run.changes)}")
@@ -143,8 +64,9 @@ class StepReport:
     """Reads a finished step's metrics, logs them (metrics.jsonl, the progress bar, the writers)
     and applies train.on_nonfinite; keeps the losses and step times for the summary."""
 
-    def __init__(self, run: Run, logger: MetricsLogger, writer, evaluator):
-        self.run, self.logger, self.writer, self.evaluator = run, logger, writer, evaluator
+    def __init__(self, run: Run, state: TrainState, logger: MetricsLogger, writer, evaluator):
+        self.run, self.state, self.logger = run, state, logger
+        self.writer, self.evaluator = writer, evaluator
         self.losses: list[float] = []
         self.step_times: list[float] = []
         self.layouts: list[dict] = []  # adaptive: what metrics.jsonl records of each layout
@@ -158,7 +80,7 @@ class StepReport:
         per_host = self.run.layout.devices_per_host
         for program, found in zip(programs, collectives):
             a2a = comm.summarize(found, per_host).get("all-to-all", {})
-            self.layouts.append({"layout": layout_name(program.plan.layout),
+            self.layouts.append({"layout": program.plan.layout.short_name,
                                  "a2a_bytes": int(a2a.get("bytes", 0)),
                                  "a2a_inter_host_bytes": int(a2a.get("inter_host_wire_bytes", 0))})
 
@@ -221,7 +143,7 @@ class StepReport:
         if loss_scale is not None:
             message += f" and the float16 loss scale {loss_scale:g} is halved"
         if self.run.cfg.train.on_nonfinite == "stop":
-            ckpt = self.run.state.ckpt
+            ckpt = self.state.ckpt
             ckpt.wait()  # an async save of an earlier step completes first
             saved = complete_steps(ckpt.directory)
             where = (f"the last checkpoint (step {saved[-1]}) holds finite state"
@@ -236,15 +158,16 @@ class StepReport:
         run, losses = self.run, self.losses
         if run.is_writer:
             print(self.done_line(wall), flush=True)
-        start = run.state.start
+        start = self.state.start
         return {"steps": start + len(losses), "start_step": start, "losses": losses,
-                "wall_s": wall, "params": run.state.params, "layout": run.layout,
+                "wall_s": wall, "params": self.state.params, "layout": run.layout,
                 "collectives": collectives}
 
     def done_line(self, wall: float) -> str:
         run, losses, steps = self.run, self.losses, self.run.cfg.train.steps
+        start = self.state.start
         if not losses:
-            return f"done: {run.run_dir} already holds step {run.state.start} of {steps}"
+            return f"done: {run.run_dir} already holds step {start} of {steps}"
         steady = self.step_times[1:] or self.step_times
         mean_tps = run.tokens_per_step / (sum(steady) / len(steady))
         mfu = f", mfu {self.mfu(mean_tps):.1%}" if run.peak else ""
@@ -252,6 +175,6 @@ class StepReport:
         if self.layout_steps:
             shares = "; layouts " + ", ".join(f"{name} {n / len(losses):.0%}"
                                               for name, n in self.layout_steps.items())
-        return (f"done: steps {run.state.start + 1}-{run.state.start + len(losses)} of {steps} in "
+        return (f"done: steps {start + 1}-{start + len(losses)} of {steps} in "
                 f"{wall:.1f}s, loss {losses[0]:.4f} -> {losses[-1]:.4f}, {mean_tps:,.0f} "
                 f"tokens/s{mfu}{shares}; outputs in {run.run_dir}")
