@@ -19,7 +19,7 @@ axes parameters are split:
                 recomputed backward (ZeRO++'s hpZ): the backward gathers inside the host
                 only, for 1/(devices per host) of the layers' parameters more memory. With
                 several microbatches the step gathers the copies once for all of them
-                (train.step); their gradients still cross hosts once per microbatch.
+                (train.program.step); their gradients still cross hosts once per microbatch.
     replicated: nowhere: every device holds everything (small models, debugging); never the default
 
 ShardingRules(strategy, mesh) turns names into PartitionSpecs and NamedShardings; it refuses a
@@ -64,12 +64,12 @@ class Strategy:
     sync: the gradient reduction per microbatch beyond the shard group's, as basp_jax.planner.cost prices
         it: "groups" (the 1/sp shard all-reduced across groups), "hosts" (each element crosses
         hosts once), None.
-    applies(layout): whether the planner (train.planning, basp_jax.planner.cost) tries it for this
+    applies(layout): whether the planner (train.program.planning, basp_jax.planner.cost) tries it for this
         split; auto_rank: the order it tries them in (fewest inter-host bytes first; on a fixed
         layout the last that applies is taken when none fits; None: never tried).
     same_as_another(layout): whether it shards exactly as another that applies (basp_jax.planner.cost
         then leaves it out of its candidates).
-    streamed: whether the streamed step (train.streamed: weights in host memory) can use it.
+    streamed: whether the streamed step (train.program.streamed: weights in host memory) can use it.
     use_axes: the axes of `placement` a split parameter axis is gathered to, across hosts, before
         a layer uses it (ShardingRules.stage; a per-host strategy's use placement), or None:
         used from where it is stored.

@@ -35,7 +35,7 @@ def main() -> None:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from train.config import DataConfig
+    from train.config.schema import DataConfig
     from train.data import Pipeline
 
     cfg = DataConfig(source="tokens", path=args.path, seq_len=args.seq_len, pack=True, eos_id=0)

@@ -261,7 +261,7 @@ def step_config(shapes: Shapes, steps: int, run_dir: str, seq: int | None = None
                 fp8: bool = False):
     """configs/gpu/llama-3.2-1b_basp.yaml on one device, synthetic data (nothing to download);
     fp8: the layers' projections as FP8 GEMMs (model.fp8)."""
-    from train.config import load_config
+    from train.config.schema import load_config
 
     return load_config(str(ROOT / "configs" / "gpu" / "llama-3.2-1b_basp.yaml"), [
         f"run.dir={run_dir}", f"model.preset={shapes.preset}", f"model.dtype={shapes.dtype}",
@@ -275,17 +275,17 @@ def step_config(shapes: Shapes, steps: int, run_dir: str, seq: int | None = None
 
 def train_steps(shapes: Shapes, steps: int, on_gpu: bool, fp8: bool = False,
                 seq: int | None = None) -> dict:
-    """Compile the trainer's step (train.state) for one device and run it `steps` times on a
+    """Compile the trainer's step (train.program.state) for one device and run it `steps` times on a
     fixed random batch; nothing is written anywhere. fp8: with FP8 projections; seq: this
     sequence length (else the largest of shapes.step_seq and its halves that fits)."""
     import jax
     import numpy as np
 
-    from train import planning
+    from train.program import planning
     from train.loop import model_config, select_devices
-    from train.metrics import peak_flops
-    from train.state import build_program, model_factory, plan_run
-    from train.step import build_model, init_opt_state
+    from train.observe.metrics import peak_flops
+    from train.program.state import build_program, model_factory, plan_run
+    from train.program.step import build_model, init_opt_state
 
     run_dir = os.path.join(tempfile.gettempdir(), "gpu-check-run")  # required; never written
     cfg = step_config(shapes, steps, run_dir, seq, fp8)

@@ -30,7 +30,7 @@ GiB, MiB = 2**30, 2**20
 
 
 def case_config(model, mode, sharding, args, seq_len=None):
-    from train.config import load_config
+    from train.config.schema import load_config
 
     overrides = [f"parallel.mode={mode}", f"parallel.param_sharding={sharding}",
                  f"parallel.hardware={args.target}", f"parallel.devices_per_host={args.gpus_per_host}",
@@ -49,10 +49,10 @@ def compile_case(model, mode, sharding, args, seq_len=None):
 
 
 def formula(r, args) -> float:
-    """The planner's memory formula (train.planning.memory_estimate) for a stored report."""
+    """The planner's memory formula (train.program.planning.memory_estimate) for a stored report."""
     from basp_jax import Layout
     from train.loop import model_config
-    from train.planning import memory_estimate
+    from train.program.planning import memory_estimate
 
     c, lay = r["case"], r["layout"]
     cfg = case_config(c["model"], c["mode"], c["sharding"], args, c["seq_len"])

@@ -48,7 +48,7 @@ def worker(args) -> None:
 
     import jax
 
-    from train import state as program
+    from train.program import state as program
     from train import cli
 
     dispatches, ends, waits = [], {}, []

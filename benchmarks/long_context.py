@@ -31,7 +31,7 @@ SHORT = ["model.remat=full", "model.tile_tokens=null"]  # the 16K config's memor
 
 # (name, target, hosts, gpus per host, overrides): B=1, and one sequence per host
 CASES = [
-    # optimizer.offload=auto (configs/gpu/_base.yaml): the state in host memory (train.streamed)
+    # optimizer.offload=auto (configs/gpu/_base.yaml): the state in host memory (train.program.streamed)
     # only where nothing else fits; the "state on device" / "streamed" rows force it
     ("1xH100 B=1 512K", "h100-80gb", 1, 1, ["data.seq_len=524288"]),
     ("1xH100 B=1 512K (state on device)", "h100-80gb", 1, 1,
@@ -54,7 +54,7 @@ CASES = [
 
 
 def _config(target, hosts, per_host, overrides):
-    from train.config import load_config
+    from train.config.schema import load_config
 
     return load_config(str(ROOT / LONG), [
         f"parallel.hardware={target}", f"parallel.devices_per_host={per_host}",
@@ -66,9 +66,8 @@ def planner_figures(target, hosts, per_host, overrides, offload_state: bool) -> 
     (optimizer.offload=auto resolved to `offload_state`): cheap, so --table recomputes them
     with today's formulas."""
     from basp_jax.planner import cost
-    from train.config import replace
-    from train.planning import (host_memory_estimate, memory_estimate, memory_policy,
-                                model_shape, plan, state_bytes)
+    from train.config.schema import replace
+    from train.program.planning import (host_memory_estimate, memory_estimate, memory_policy, model_shape, plan, state_bytes)
     from train.prepare import model_config
 
     cfg = replace(_config(target, hosts, per_host, overrides),

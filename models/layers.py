@@ -69,7 +69,7 @@ def stage_layer_params(params: dict, names: dict, rules: ShardingRules | None, d
     stage_params stages them inside the layer loop, every other parameter as it is; `names`:
     param_names of the same tree. Staging them again in the loop then moves nothing: a train
     step that gathers the layers across hosts once for all its microbatches passes this to the
-    model (train.step)."""
+    model (train.program.step)."""
     if rules is None or not rules.staged or "layers" not in params:
         return params
 

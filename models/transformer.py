@@ -58,7 +58,7 @@ class Block(nnx.Module):
         x = name_layer_input(x)
         if self.tile_tokens is not None:
             return self._tiled(x, positions, segment_ids)
-        # named scopes: a profiler trace (train.profiling) shows each op under its part
+        # named scopes: a profiler trace (train.observe.profiling) shows each op under its part
         with jax.named_scope("attention"):
             x = x + self.mixer(self.input_layernorm(x), positions, segment_ids)
         x = constrain(x, self.mesh)
@@ -196,7 +196,7 @@ class Transformer(nnx.Module):
     def embed_inputs(self, tokens, segment_ids=None, positions=None, _table=None):
         """(the first layer's input [B, S, hidden], positions, segment_ids), placed on the mesh:
         what every layer reads (the layers' own loop is hidden_states', or
-        train.streamed's where the layers' weights stream from host memory)."""
+        train.program.streamed's where the layers' weights stream from host memory)."""
         if tokens.ndim != 2:
             raise ModelError(f"tokens must be [batch, seq], got shape {tokens.shape}")
         b, s = tokens.shape
@@ -297,7 +297,7 @@ class Transformer(nnx.Module):
     def loss_of_last_layer(self, x, targets, *, loss_fn=causal_lm_loss,
                            chunk_tokens: int = LOSS_CHUNK_TOKENS):
         """`loss` from the last layer's output [B, S, hidden] (the final norm, then the chunked
-        loss), for a caller that runs the layers itself (train.streamed)."""
+        loss), for a caller that runs the layers itself (train.program.streamed)."""
         weight, _ = self._head_weight()
         return self._loss_of_hidden(self.norm(x), targets, weight, loss_fn, chunk_tokens)
 
@@ -364,7 +364,7 @@ def build_sharded(make: Callable[[], nnx.Module], rules: ShardingRules, *,
 
     With init_params=False the params are ShapeDtypeStructs carrying their shardings (a restore
     target); only the non-parameter state is computed. The one builder of sharded models:
-    init_model and the trainer (train.step.build_model) both use it.
+    init_model and the trainer (train.program.step.build_model) both use it.
     """
     graphdef, abs_params, abs_rest = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
     pure_params, pure_rest = nnx.to_pure_dict(abs_params), nnx.to_pure_dict(abs_rest)

@@ -3,7 +3,7 @@
     check(cfg)          # ConfigError "model.attn_impl: expected one of auto, xla, ..., got 'x'"
     CHOICES[key].names()  # what the config reference (train.tools.config_doc) lists for the key
 
-train/config.py types these keys as `str`: it stays free of JAX, which the CLI and train.tools.aot
+train/config/schema.py types these keys as `str`: it stays free of JAX, which the CLI and train.tools.aot
 start only after reading the config (runtime.cpu_devices, the CUDA plugin), while the registries
 live beside the code that imports JAX (basp_jax.kernels, ...). So they are checked here, once JAX
 may be imported: by train.prepare and train.tools.aot, before anything compiles or is written.
@@ -19,7 +19,7 @@ from basp_jax.layout import MODES
 from basp_jax.remat import REMAT_POLICIES
 from basp_jax.sharding import PARAM_SHARDINGS
 
-from .config import Config, ConfigError
+from .config.schema import Config, ConfigError
 from .data.synthetic import DISTRIBUTIONS
 
 
@@ -38,15 +38,15 @@ class Choice:
 
 
 CHOICES = {
-    # auto: train.planning.plan
-    # auto: train.planning.plan; adaptive: train.planning.adaptive_set
+    # auto: train.program.planning.plan
+    # auto: train.program.planning.plan; adaptive: train.program.planning.adaptive_set
     "parallel.mode": Choice(lambda: (*MODES, "auto", "adaptive"),
                             lambda: MODES.describe() + f", auto ({AUTO_MODE_DOC}), "
                             f"adaptive ({ADAPTIVE_MODE_DOC})"),
     "model.attn_impl": Choice(kernels.impl_names, kernels.describe),
-    # auto: train.planning's pick
+    # auto: train.program.planning's pick
     "parallel.param_sharding": Choice(lambda: ("auto", *PARAM_SHARDINGS.names())),
-    # auto: train.planning.memory_policy
+    # auto: train.program.planning.memory_policy
     "model.remat": Choice(lambda: (*REMAT_POLICIES, "auto"),
                           lambda: REMAT_POLICIES.describe() + f", auto ({AUTO_REMAT_DOC})"),
     "data.documents": Choice(lambda: tuple(DISTRIBUTIONS), optional=True),

@@ -19,7 +19,7 @@ import os
 import sys
 import traceback
 
-from .config import ConfigError, load_config
+from .config.schema import ConfigError, load_config
 
 USAGE = "python train.py --config configs/NAME.yaml [key.sub=value ...]"
 NO_CONFIG = "no config given: pass --config FILE (e.g. --config configs/demo_cpu.yaml)"
@@ -127,13 +127,13 @@ def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
     from basp_jax import LayoutError
     from models import ModelError
 
-    from .checkpoint import CheckpointError, SaveFailed, StorageError
+    from .checkpoint.store import CheckpointError, SaveFailed, StorageError
     from .data import DataError
     from .process.lock import RunDirInUse
     from .process.outputs import ExportError
     from .loop import NonFiniteError, PeerFailure, run
     from .process.peers import PEER_FAILURE_STATUS
-    from .planning import ResourceError
+    from .program.planning import ResourceError
 
     # each error that ends the run with one line: its label and the exit status
     one_line = ((ConfigError, "config", 2), (LayoutError, "layout", 2), (ModelError, "model", 2),

@@ -1,5 +1,5 @@
 """`run(config)`: check the run (train.prepare), take run.dir's lock, build the state and compile
-its step (train.state), then the step loop: metrics (train.report), evaluation, profiling,
+its step (train.program.state), then the step loop: metrics (train.observe.report), evaluation, profiling,
 checkpoints, the stop protocol (train.process.stop), the export."""
 
 from __future__ import annotations
@@ -14,19 +14,21 @@ import jax
 
 from basp_jax.adaptive import relabel
 
-from . import evaluate, profiling, writers
-from .checkpoint import checkpoint_dir, complete_steps, storage_error
-from .config import Config
+from .observe import evaluate
+from .observe import profiling
+from .observe import writers
+from .checkpoint.store import checkpoint_dir, complete_steps, storage_error
+from .config.schema import Config
 from .data.batches import for_run
-from .metrics import MetricsLogger
+from .observe.metrics import MetricsLogger
 from .prepare import Run, check, model_config, select_devices
 from .process import agreement, runtime
 from .process.lock import RunDirLock
 from .process.outputs import export_hf, write_config
 from .process.peers import PeerWatchdog
 from .process.stop import StopRequest
-from .report import NonFiniteError, StepReport, log_start
-from .state import TrainState, build_state, compile_steps
+from .observe.report import NonFiniteError, StepReport, log_start
+from .program.state import TrainState, build_state, compile_steps
 
 __all__ = ["run", "model_config", "select_devices", "NonFiniteError", "PeerFailure"]
 

@@ -1,7 +1,7 @@
 """`check(cfg, is_writer) -> Run`: every check a run's config, devices, data and checkpoints can
 fail, before anything compiles or is written; the Run holds what they found (the resolved
 config, the plan, the data pipelines, the checkpoint to resume from). train.loop then takes
-run.dir's lock and builds the state (train.state).
+run.dir's lock and builds the state (train.program.state).
 
     run = check(cfg, is_writer=jax.process_index() == 0)
     run.plan, run.data, run.latest, ...
@@ -21,17 +21,22 @@ from models import fp8 as model_fp8
 from basp_jax import Layout
 from basp_jax import kernels as basp_kernels
 
-from . import choices, dtypes, evaluate, planning, resume, writers
+from . import choices
+from .config import dtypes
+from .observe import evaluate
+from .program import planning
+from .config import resume
+from .observe import writers
 from .process import runtime
-from .checkpoint import checkpoint_dir, complete_steps, inspect_latest
-from .config import Config, ConfigError, replace
+from .checkpoint.store import checkpoint_dir, complete_steps, inspect_latest
+from .config.schema import Config, ConfigError, replace
 from .data import Pipeline
 from .process.lock import check_free
-from .metrics import peak_flops
-from .model_setup import fp8_enabled, model_config, model_options
+from .observe.metrics import peak_flops
+from .program.model_setup import fp8_enabled, model_config, model_options
 from .process.outputs import check_output_paths
-from .state import RunPlan, plan_run
-from .step import compute_dtype, loss_scaling, make_optimizer
+from .program.state import RunPlan, plan_run
+from .program.step import compute_dtype, loss_scaling, make_optimizer
 
 
 def select_devices(cfg: Config) -> list:
@@ -69,7 +74,7 @@ def select_devices(cfg: Config) -> list:
 
 
 def with_compute_dtype(cfg: Config, device) -> Config:
-    """cfg with model.dtype=auto resolved for `device` (train.step.compute_dtype)."""
+    """cfg with model.dtype=auto resolved for `device` (train.program.step.compute_dtype)."""
     if cfg.model.dtype != "auto":
         return cfg
     return replace(cfg, f"model.dtype={compute_dtype('auto', device)}")
@@ -132,7 +137,7 @@ class Run:
     data: Pipeline
     eval_data: Pipeline | None  # None: no evaluation
     latest: int | None  # the checkpoint step to resume from (None: a fresh start)
-    record: dict  # what each checkpoint's meta records of the config (train.resume)
+    record: dict  # what each checkpoint's meta records of the config (train.config.resume)
     changes: dict  # key -> (checkpoint's value, this config's): allowed changes on resume
 
     @property
@@ -193,9 +198,9 @@ def check(cfg: Config, *, is_writer: bool) -> Run:
 
 def check_resume(cfg: Config, mcfg, run_dir: str, record: dict) -> tuple[int | None, dict]:
     """The checkpoint step to resume from (None: start fresh) and the config's changes since
-    that checkpoint (those checkpoint.allow_changed allows; train.resume refuses the others),
+    that checkpoint (those checkpoint.allow_changed allows; train.config.resume refuses the others),
     after checking that it fits this config (checkpoint metadata only: no array is read;
-    record: this config's train.resume.record)."""
+    record: this config's train.config.resume.record)."""
     # its state's structure, for inspection (cfg.model.dtype is resolved: check())
     tx, _ = make_optimizer(cfg.optimizer, cfg.train.steps, loss_scaling(cfg.model.dtype))
     if not cfg.checkpoint.resume:
@@ -212,8 +217,8 @@ def check_resume(cfg: Config, mcfg, run_dir: str, record: dict) -> tuple[int | N
 
     def expected_opt_state(meta: dict):
         """The optimizer state the checkpoint should hold: float16 keeps its loss scale there,
-        so the checkpoint's compute dtype decides (a changed model.dtype is train.resume's to
-        refuse or allow; the state is converted on restore, train.state)."""
+        so the checkpoint's compute dtype decides (a changed model.dtype is train.config.resume's to
+        refuse or allow; the state is converted on restore, train.program.state)."""
         saved = (meta.get("resume") or {}).get("model.dtype", cfg.model.dtype)
         saved_tx = tx if saved == cfg.model.dtype else make_optimizer(
             cfg.optimizer, cfg.train.steps, loss_scaling(saved))[0]

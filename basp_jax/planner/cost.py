@@ -379,7 +379,7 @@ def predict(
     """Predicted per-step time and memory of a layout (for `shape`'s heads; its batch with its
     pad rows, its devices per host) under a parameter sharding strategy, on `hw`'s links. With
     offload_state the master weights and moments live in host memory and stream through the
-    device a layer at a time (train.streamed: remat is then "offload" whatever it says). fp8:
+    device a layer at a time (train.program.streamed: remat is then "offload" whatever it says). fp8:
     the layers' projections run at hw's FP8 peak (model.fp8)."""
     if offload_state:
         remat = "offload"
@@ -498,7 +498,7 @@ def _staged_traffic(layer_bytes: float, layout: Layout, keep_host_copy: bool,
     """A staged strategy's layers for one step of grad_accum microbatches (basp_jax.sharding):
     the host-local copy (1/devices per host of each layer) gathered across hosts forward, and
     again for the recomputed backward unless it is kept, where the step gathers it once for all
-    its microbatches (train.step); the whole layer gathered inside the host forward and
+    its microbatches (train.program.step); the whole layer gathered inside the host forward and
     backward; the gradient reduce-scattered inside the host, then its host-local shard across
     hosts, once per microbatch (XLA's partitioner finishes each microbatch's reduction)."""
     dph = layout.devices_per_host
@@ -539,7 +539,7 @@ def _host_traffic(shape: ModelShape, layout: Layout, shard_group: int, hw: Hardw
         state = shape.num_params * state_bytes_per_param(master_bytes, moment_bytes) / shard_group
         host += state
         # master weights in forward and backward, every state read by the finiteness check of the
-        # update (train.streamed), then read and written by the update
+        # update (train.program.streamed), then read and written by the update
         host_s += (2 * shape.num_params * master_bytes / shard_group + 3 * state) / hw.host_bw
     return host, host_s
 
@@ -616,7 +616,7 @@ def state_bytes_per_param(master_bytes: int, moment_bytes: int | None) -> int:
     return 2 * master_bytes + (moment_bytes or master_bytes)
 
 
-# The streamed step's working set (train.streamed, optimizer.offload) as a share of the tiled
+# The streamed step's working set (train.program.streamed, optimizer.offload) as a share of the tiled
 # `working` term: fitted to the compiled 8B step on one H100 at 512K tokens (47.69 GiB under jax
 # 0.10.2, 46.64 under 0.12.0.1, the attention kernel reading grouped-query heads in place; it
 # gathers no weights). Refitted with the tiled factors above.

@@ -127,7 +127,7 @@ def test_embedding_gradient_is_not_reduced_one_mesh_axis_at_a_time():
 
     import models
     from basp_jax.sharding import ShardingRules
-    from train.step import build_model
+    from train.program.step import build_model
 
     config = models.ModelConfig.preset("tiny")
     layout = Layout.plan(8, 2, 2048, config.num_heads, config.num_kv_heads, devices_per_host=4)

@@ -359,7 +359,7 @@ def test_accumulation_counts_what_the_compiled_step_repeats():
     """train.grad_accum=A, as the compiled steps run it (BENCHMARKS.md section 10): every
     strategy's gradient crosses hosts once per microbatch (host's and hsdp's sync too), and so
     does everything of fsdp and staged; staged_keep's cross-host layer gathers run once a step
-    (train.step). The memory formula adds the float32 gradient sum beside the microbatch's
+    (train.program.step). The memory formula adds the float32 gradient sum beside the microbatch's
     gradient once there are several microbatches, however many."""
     shape, hw = MODEL_SHAPES["llama-3.1-8b"], HARDWARE["a100-40gb"]
     layout = cost.plan_layout(shape, num_devices=8, batch=2, seq_len=16384, groups=2,

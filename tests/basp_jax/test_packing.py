@@ -120,7 +120,7 @@ def test_a_step_over_the_static_rows_is_refused():
 
 
 def _pipeline(path, accum=1):
-    from train.config import DataConfig
+    from train.config.schema import DataConfig
     from train.data import Pipeline
 
     return Pipeline(DataConfig(source="tokens", path=str(path), seq_len=S, pack=True, eos_id=0),

@@ -97,8 +97,8 @@ def test_activations_rows_over_groups_sequence_over_a_group():
 def test_optimizer_moments_are_placed_like_their_parameters():
     """The trainer's shardings: every Adam moment like its parameter (bf16 first moment
     included), the step counts replicated."""
-    from train.config import OptimizerConfig
-    from train.step import build_model, make_optimizer, opt_state_shardings
+    from train.config.schema import OptimizerConfig
+    from train.program.step import build_model, make_optimizer, opt_state_shardings
 
     config = models.ModelConfig.preset("tiny")
     rules = ShardingRules("hsdp", _mesh())

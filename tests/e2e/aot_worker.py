@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from train.tools import aot  # noqa: E402
-from train.config import load_config  # noqa: E402
+from train.config.schema import load_config  # noqa: E402
 
 
 def compile_cases(cases: list[str]) -> list[dict]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from train import checkpoint  # noqa: E402
+from train.checkpoint import store as checkpoint  # noqa: E402
 from train.cli import main  # noqa: E402
 
 CRASH_STEP = int(os.environ["CRASH_AT_SAVE_STEP"])

@@ -282,7 +282,7 @@ def test_host_sharding_gradients_cross_hosts_once_as_shards_on_gpu(host_1b):
 
 
 def test_ulysses_configs_are_their_basp_twins():
-    from train.config import load_config, to_dict
+    from train.config.schema import load_config, to_dict
 
     for path in glob.glob(str(ROOT / "configs/gpu/*_ulysses.yaml")):
         ulysses = to_dict(load_config(path))
@@ -447,7 +447,7 @@ def test_long_context_config_fits_with_its_layer_inputs_in_host_memory(long_8b):
 
 def test_one_gpu_holds_512k_tokens_with_the_state_in_host_memory(long_8b):
     """Llama-3.1-8B, one 524,288-token sequence on one H100-80GB (optimizer.offload=auto picks
-    the streamed step, train.streamed): its float32 master weights and Adam moments (75 GiB: more than the device
+    the streamed step, train.program.streamed): its float32 master weights and Adam moments (75 GiB: more than the device
     may take beside any activation) and every layer's input (4 GiB each) in pinned host memory
     within one GPU's share of a DGX H100's; the device holds the layers' bf16 gradient and one
     layer's work. The planner's device and host memory within 15%."""

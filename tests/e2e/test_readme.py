@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from train.tools import plan
-from train import config
+from train.config import schema as config
 from train.tools import plot
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from train.config import ConfigError, load_config
+from train.config.schema import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted((ROOT / "scripts").glob("*.sh")) + sorted((ROOT / "scripts").glob("*.sbatch"))

@@ -47,7 +47,7 @@ def tiny_overrides(run_dir, *extra: str) -> list[str]:
 
 
 def tiny_config(run_dir, *extra: str):
-    from train.config import load_config
+    from train.config.schema import load_config
 
     return load_config(None, tiny_overrides(run_dir, *extra))
 

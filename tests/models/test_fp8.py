@@ -92,8 +92,8 @@ def test_fp8_runs_on_sm89_and_later_and_auto_on_sm90_and_later():
 
 def test_model_fp8_exchange_reaches_the_model_and_takes_booleans_only(tmp_path):
     from tests.helpers.trainer import tiny_config
-    from train.config import ConfigError
-    from train.model_setup import model_options
+    from train.config.schema import ConfigError
+    from train.program.model_setup import model_options
 
     assert model_options(tiny_config(tmp_path, "model.fp8_exchange=true")).fp8_exchange is True
     assert model_options(tiny_config(tmp_path)).fp8_exchange is False
@@ -237,7 +237,7 @@ def test_fine_tuning_a_hf_checkpoint_with_fp8_tracks_bf16(tmp_path):
     pytest.importorskip("transformers")
     from tests.helpers import hf_tiny
     from tests.helpers.trainer import tiny_overrides
-    from train.config import load_config
+    from train.config.schema import load_config
     from train.loop import run
 
     hf_tiny.save("llama", tmp_path / "hf")

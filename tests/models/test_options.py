@@ -39,8 +39,8 @@ def test_given_rules_are_the_options_own_and_must_agree():
 
 
 def test_the_trainer_and_the_model_share_one_rules_object(tmp_path):
-    from train import state
-    from train.model_setup import model_config, model_options
+    from train.program import state
+    from train.program.model_setup import model_config, model_options
 
     from tests.helpers.trainer import tiny_config
 

@@ -331,7 +331,7 @@ def test_trainer_from_a_hf_directory_trains_under_basp(checkpoints, tmp_path):
     """train.py's run from a tiny Qwen3.5 directory under BASP (4 groups of 2): the loss falls.
     (That BASP and Ulysses equal one device, logits and gradients, is
     test_layouts_equal_one_device's.)"""
-    from train.config import load_config
+    from train.config.schema import load_config
     from train.loop import run
 
     from tests.helpers.trainer import tiny_overrides

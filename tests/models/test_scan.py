@@ -57,7 +57,7 @@ def test_checkpoint_with_per_layer_parameters_is_refused(tmp_path):
     the change, before anything compiles."""
     import orbax.checkpoint as ocp
 
-    from train.checkpoint import CheckpointError, checkpoint_dir, inspect_latest
+    from train.checkpoint.store import CheckpointError, checkpoint_dir, inspect_latest
 
     config = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=2)
     old = nnx.to_pure_dict(nnx.state(models.abstract_model(config, scan_layers=False), nnx.Param))

@@ -142,9 +142,9 @@ def _accumulated(tmp_path, strategy: str, accum: int, *extra: str):
     """(model config, parameters, a batch of `accum` microbatches of 2 rows, jit(step_gradients)
     compiled for them) of the trainer's step on the emulated 2 hosts x 4, float32."""
     from tests.helpers.trainer import tiny_config
-    from train import state as prog
+    from train.program import state as prog
     from train.prepare import model_config
-    from train.step import build_model, make_step_gradients
+    from train.program.step import build_model, make_step_gradients
 
     cfg = tiny_config(tmp_path / f"{strategy}_{accum}", "model.dtype=float32",
                       "model.remat=full", "train.microbatch_size=2", f"train.grad_accum={accum}",
@@ -175,7 +175,7 @@ def _accumulated(tmp_path, strategy: str, accum: int, *extra: str):
 def test_accumulated_gradients_equal_one_device(tmp_path, strategy, extra):
     """train.grad_accum=2: the step's loss and every gradient (the mean over both microbatches)
     equal one device's on all 4 rows. staged_keep gathers the layers across hosts once for both
-    microbatches (train.step; a stack of layers or a list), staged once per microbatch."""
+    microbatches (train.program.step; a stack of layers or a list), staged once per microbatch."""
     mcfg, params, batch, compiled = _accumulated(tmp_path, strategy, 2, *extra)
     grads, loss_sum, count = compiled(params, batch)
     options = models.RunOptions(dtype=jnp.float32,

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from train.config import ConfigError, load_config
+from train.config.schema import ConfigError, load_config
 from train.loop import run
 
 from tests.helpers.trainer import adaptive_documents, tiny_config, tiny_overrides

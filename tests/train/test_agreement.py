@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from train.config import ConfigError
+from train.config.schema import ConfigError
 from train.process import agreement
 
 from tests.helpers.trainer import tiny_config

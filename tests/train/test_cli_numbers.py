@@ -145,7 +145,7 @@ def test_a_config_file_of_aliases_expanding_to_billions_is_refused_at_once(tmp_p
 
 def test_aliases_that_expand_to_a_config_still_load(tmp_path):
     """What aliases are for (one value written once, used twice) is untouched by the bound."""
-    from train.config_tree import yaml_load
+    from train.config.tree import yaml_load
 
     loaded = yaml_load("a: &a {x: 1}\nb: {<<: *a, y: 2}\nc: &c [1, 2]\nd: [*c, *c]\n")
     assert loaded == {"a": {"x": 1}, "b": {"x": 1, "y": 2}, "c": [1, 2], "d": [[1, 2], [1, 2]]}

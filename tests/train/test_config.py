@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from train.config import ConfigError, Config, load_config, replace, to_yaml
+from train.config.schema import ConfigError, Config, load_config, replace, to_yaml
 
 from tests.helpers.trainer import shipped_configs, tiny_overrides
 
@@ -77,7 +77,7 @@ def test_bad_values_one_line(tmp_path, override, fragment):
     ("model.remat=some", "none, full, dots, offload, offload_exchanges, auto"),
 ])
 def test_registry_choices_are_checked_with_one_line_naming_them(tmp_path, override, names):
-    """Keys that take a registry's names are `str` in train/config.py (no JAX there) and
+    """Keys that take a registry's names are `str` in train/config/schema.py (no JAX there) and
     checked by train.choices, which train.prepare and train.tools.aot run first."""
     from train import choices
 
@@ -91,10 +91,10 @@ def test_registry_choices_are_checked_with_one_line_naming_them(tmp_path, overri
 
 def test_ulysses_with_groups_rejected_by_the_layouts_own_rule(tmp_path):
     """The config leaves the split's rules to Layout.plan, which the trainer asks before
-    anything compiles (train.planning.plan)."""
+    anything compiles (train.program.planning.plan)."""
     import models
     from basp_jax import LayoutError
-    from train.planning import plan
+    from train.program.planning import plan
 
     cfg = load_config(None, tiny_overrides(tmp_path / "r", "parallel.mode=ulysses",
                                            "parallel.groups=2"))
@@ -111,7 +111,7 @@ def test_shipped_configs_load_and_plan():
     """Every config in configs/ parses; the GPU ones plan their layout for their model on 8 devices."""
     import models
     from basp_jax import Layout
-    from train import planning
+    from train.program import planning
 
     paths = shipped_configs()
     assert len(paths) >= 11
@@ -170,8 +170,8 @@ def test_duplicate_yaml_keys_are_an_error(tmp_path):
 
 
 def test_warmup_longer_than_the_run_is_clamped():
-    from train.config import OptimizerConfig
-    from train.step import make_schedule
+    from train.config.schema import OptimizerConfig
+    from train.program.step import make_schedule
 
     schedule = make_schedule(OptimizerConfig(lr=1.0, warmup_steps=20), steps=4)
     assert float(schedule(4)) == pytest.approx(1.0)  # reaches the peak within the run
@@ -194,7 +194,7 @@ def test_a_compiled_step_larger_than_the_device_is_refused(tmp_path):
 
     import jax
 
-    from train import planning
+    from train.program import planning
 
     cfg = load_config(None, tiny_overrides(tmp_path / "run"))
     limit = planning.device_memory(jax.devices()[0])
@@ -263,7 +263,7 @@ def test_bad_includes_are_one_line_errors(tmp_path, text, others, fragment):
 def test_gpu_configs_state_only_what_differs_from_what_they_include():
     """configs/gpu: every config resolves through its include chain (to _base.yaml), and no key
     a file sets repeats the value it already has from the files it includes."""
-    from train.config_tree import load_tree, read_yaml
+    from train.config.tree import load_tree, read_yaml
 
     paths = shipped_configs("gpu/*.yaml")
     assert len(paths) == 12  # five models x basp/ulysses, the 8B's long-context and adaptive ones

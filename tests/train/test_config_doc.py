@@ -1,4 +1,4 @@
-"""configs/README.md's reference table is generated from train/config.py and kept up to date."""
+"""configs/README.md's reference table is generated from train/config/schema.py and kept up to date."""
 
 import dataclasses
 import typing
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from train.tools import config_doc
-from train.config import Config
+from train.config.schema import Config
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "configs" / "README.md"
@@ -26,7 +26,7 @@ def leaf_keys(cls=Config, prefix=""):
 def test_committed_reference_is_what_the_generator_makes_now():
     text = README.read_text()
     assert text == config_doc.replace_reference(text, config_doc.reference()), (
-        f"configs/README.md is out of date with train/config.py; run `{config_doc.COMMAND}`")
+        f"configs/README.md is out of date with train/config/schema.py; run `{config_doc.COMMAND}`")
 
 
 def test_every_field_appears_with_a_meaning():

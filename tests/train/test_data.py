@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from train.config import DataConfig
+from train.config.schema import DataConfig
 from train.data import DataError, Pipeline
 
 
@@ -185,7 +185,7 @@ def test_mixture_weights_are_respected(tmp_path):
     (dict(source="tokens", mix={"b.txt": 1}), "token files must end in .bin or .npy"),
 ])
 def test_bad_mixtures_are_one_line_errors(cfg, fragment):
-    from train.config import ConfigError
+    from train.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match=fragment):
         DataConfig(seq_len=8, **cfg).validate()
@@ -249,7 +249,7 @@ def test_global_batch_places_rows_on_the_mesh():
 
 
 def test_mixture_paths_expand_the_home_directory(tmp_path, monkeypatch):
-    from train.config import load_config
+    from train.config.schema import load_config
 
     monkeypatch.setenv("HOME", str(tmp_path))
     from tests.helpers.trainer import tiny_overrides

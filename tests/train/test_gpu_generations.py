@@ -7,9 +7,9 @@ import pytest
 
 from basp_jax import gpus
 from train.tools import aot
-from train.config import ConfigError, load_config, replace
+from train.config.schema import ConfigError, load_config, replace
 from train.prepare import check_kernel, with_compute_dtype
-from train.step import compute_dtype
+from train.program.step import compute_dtype
 
 
 class FakeDevice:
@@ -85,7 +85,7 @@ def test_would_fit_names_the_shortest_change_by_the_planners_formula():
     ("t4-16gb", False), ("a100-40gb", False), ("a10g-24gb", False), ("l4-24gb", False),
     ("h100-80gb", True), ("h200-141gb", True), (None, False)])
 def test_fp8_true_needs_fp8_tensor_cores_and_auto_takes_sm90(gpu, auto):
-    from train.model_setup import fp8_enabled
+    from train.program.model_setup import fp8_enabled
     from train.prepare import check_fp8
 
     device = FakeDevice(gpu)

@@ -78,7 +78,7 @@ def test_the_extra_named_follows_the_driver(tmp_path, driver, advice):
 
 
 def test_cpu_devices_are_needed_only_off_the_gpu():
-    from train.config import ConfigError, load_config
+    from train.config.schema import ConfigError, load_config
 
     cfg = load_config(CONFIG, ["run.dir=r"])
     assert (cfg.runtime.platform, cfg.runtime.cpu_devices) == ("gpu", None)  # unset: not needed

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from train.config import ConfigError
+from train.config.schema import ConfigError
 from train.loop import run
 
 from tests.helpers.trainer import packed_stream, tiny_config
@@ -54,9 +54,9 @@ def test_batch_that_does_not_divide_the_devices(tmp_path, capsys, batch, groups)
 ])
 def test_basp_names_a_layout_of_fewer_groups_than_rows(tmp_path, extra, note):
     """B=3 on 8 devices shares no factor with them: basp's gcd rule gives one group of 8 (what
-    Ulysses runs); the start-up note (train.report.log_start) says so, with what would split more."""
+    Ulysses runs); the start-up note (train.observe.report.log_start) says so, with what would split more."""
     import models
-    from train.planning import layout_note, plan
+    from train.program.planning import layout_note, plan
 
     cfg = tiny_config(tmp_path / "r", *extra)
     layout, _ = plan(cfg, models.ModelConfig.preset("tiny"), 8, 8)
@@ -86,7 +86,7 @@ def test_a_replicated_head_trains_the_single_device_losses(tmp_path, sharding, b
 def test_param_sharding_auto_prefers_staged_then_hsdp_where_they_fit(tmp_path):
     """On several hosts staged_keep (fsdp's shards, each layer crossing hosts once); on one host
     hsdp where it applies, else fsdp, which is also taken where nothing else fits."""
-    from train import planning
+    from train.program import planning
     from train.loop import model_config
 
     cfg = tiny_config(tmp_path / "plan", "train.microbatch_size=2", "parallel.devices_per_host=4")
@@ -104,7 +104,7 @@ def test_param_sharding_auto_prefers_staged_then_hsdp_where_they_fit(tmp_path):
 
 
 def test_auto_takes_the_papers_layout_in_the_papers_case(tmp_path):
-    from train import planning
+    from train.program import planning
     from train.loop import model_config
 
     cfg = tiny_config(tmp_path / "auto", "parallel.mode=auto", "train.microbatch_size=2",
@@ -118,7 +118,7 @@ def test_auto_refuses_manual_layout_keys(tmp_path):
     with pytest.raises(ConfigError, match="parallel.mode=auto chooses groups, ring and head padding"):
         tiny_config(tmp_path / "x", "parallel.mode=auto", "parallel.ring=2")
     with pytest.raises(ConfigError, match="parallel.hardware='tpu' is unknown"):
-        from train import planning
+        from train.program import planning
         from train.loop import model_config
 
         cfg = tiny_config(tmp_path / "y", "parallel.hardware=tpu")

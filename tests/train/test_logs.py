@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from tests.helpers.trainer import tiny_config
-from train.config import MetricsConfig
-from train.metrics import MetricsLogger
+from train.config.schema import MetricsConfig
+from train.observe.metrics import MetricsLogger
 
 
 def _record(step):

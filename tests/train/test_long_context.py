@@ -105,8 +105,8 @@ def test_offload_policies_repeat_only_what_they_drop(remat, tile_tokens, per_lay
 def test_auto_remat_picks_the_fastest_policy_that_fits(overrides, want):
     """model.remat=auto (configs/gpu/llama-3.1-8b_basp.yaml): the planner's fastest predicted
     policy whose device memory fits parallel.hardware and whose offload fits its host."""
-    from train.config import load_config
-    from train.planning import memory_policy, plan
+    from train.config.schema import load_config
+    from train.program.planning import memory_policy, plan
     from train.prepare import model_config
 
     cfg = load_config("configs/gpu/llama-3.1-8b_basp.yaml", overrides)

@@ -42,7 +42,7 @@ def test_ring_and_padded_heads_match_single_device(tmp_path):
 
 
 # Gradient accumulation is a scan over microbatches around the same sharded step
-# (train.step._accumulate), whatever the layout: with 2 microbatches, the layout that splits both
+# (train.program.step._accumulate), whatever the layout: with 2 microbatches, the layout that splits both
 # rows and sequence stands for the others.
 @pytest.mark.parametrize("accum, layouts", [(1, list(LAYOUTS)), (2, ["single", "basp(2,4)"])],
                          ids=["1", "2"])
@@ -107,7 +107,7 @@ def test_checkpoint_from_ulysses_resumes_under_basp(tmp_path):
     cfg = tiny_config(tmp_path / "cross", "train.steps=6", "parallel.mode=ulysses")
     first = run(cfg, stop_at=3)
     assert first["layout"].groups == 1
-    from train.config import replace
+    from train.config.schema import replace
 
     second = run(replace(cfg, "parallel.mode=basp", "parallel.groups=2"))
     assert (second["layout"].groups, second["layout"].sp) == (2, 4)
@@ -117,7 +117,7 @@ def test_checkpoint_from_ulysses_resumes_under_basp(tmp_path):
 def test_checkpoint_restores_onto_fewer_devices(tmp_path):
     cfg = tiny_config(tmp_path / "r", "train.steps=4")
     first = run(cfg, stop_at=2)
-    from train.config import replace
+    from train.config.schema import replace
 
     second = run(replace(cfg, "runtime.cpu_devices=2"))
     straight = run(tiny_config(tmp_path / "s", "train.steps=4"))
@@ -173,7 +173,7 @@ def test_export_then_train_from_hf_dir(tmp_path):
 
 def test_gpu_config_runs_scaled_down(tmp_path):
     """configs/gpu/*: the same keys (bf16, remat, packed uint32 token file) on a tiny model."""
-    from train.config import load_config
+    from train.config.schema import load_config
 
     stream = np.random.default_rng(0).integers(1, 512, size=20000).astype(np.uint32)
     stream[::50] = 0

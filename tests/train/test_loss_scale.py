@@ -1,4 +1,4 @@
-"""float16 compute: dynamic loss scaling in the train step (train.step.LossScale). An overflowing
+"""float16 compute: dynamic loss scaling in the train step (train.program.step.LossScale). An overflowing
 step is skipped and halves the scale, growth_interval finite steps in a row double it, and the
 scale is part of the optimizer state, so a resume goes on with the scale the run had reached."""
 
@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from train import state as program
+from train.program import state as program
 from train.loop import run
-from train.step import LossScale, LossScaleState, loss_scaling, make_optimizer
+from train.program.step import LossScale, LossScaleState, loss_scaling, make_optimizer
 from tests.helpers.trainer import tiny_config
 
 pytestmark = pytest.mark.usefixtures("compile_cache")  # this run's (tests/conftest.py)
@@ -36,7 +36,7 @@ def _expected(records, ls=START):
 
 
 def test_only_float16_scales_and_the_scale_lives_in_the_optimizer_state():
-    from train.config import OptimizerConfig
+    from train.config.schema import OptimizerConfig
 
     assert loss_scaling("float16") == LossScale() and loss_scaling("bfloat16") is None
     tx, _ = make_optimizer(OptimizerConfig(lr=1e-3), 10, START)

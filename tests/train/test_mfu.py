@@ -5,8 +5,8 @@ import pytest
 from basp_jax import gpus
 from basp_jax.kernels import gpu_kernels
 from basp_jax.planner import cost
-from train.config import ConfigError, MetricsConfig
-from train.metrics import peak_flops
+from train.config.schema import ConfigError, MetricsConfig
+from train.observe.metrics import peak_flops
 
 # device_kind as JAX reports it on each GPU (the CUDA device name) -> bf16 dense peak, TFLOP/s
 KINDS = {

@@ -14,10 +14,10 @@ import pytest
 from flax import nnx
 
 import models
-from train.config import ConfigError
+from train.config.schema import ConfigError
 from train.data import DataError
 from train.loop import model_config, run
-from train.writers import Writers, memory_in_use
+from train.observe.writers import Writers, memory_in_use
 
 from tests.helpers.trainer import packed_stream, tiny_config
 
@@ -180,7 +180,7 @@ def test_named_scopes_reach_the_train_step_hlo(tmp_path):
     the compiled program keeps as op_name metadata and a profiler trace shows."""
     import re
 
-    from train.state import build_model, build_program, model_factory, plan_run
+    from train.program.state import build_model, build_program, model_factory, plan_run
 
     cfg = tiny_config(tmp_path / "r")
     mcfg = model_config(cfg)
@@ -243,7 +243,7 @@ import builtins, sys
 from tensorboardX import record_writer
 # every byte written to the event file goes to /dev/full
 record_writer.open = lambda path, mode: builtins.open("/dev/full", mode)
-from train.writers import TensorBoardFile
+from train.observe.writers import TensorBoardFile
 tb = TensorBoardFile(sys.argv[1], start_step=0)
 try:
     for step in range(1, 200):  # (far more events than its default queue of 10 holds)

@@ -182,7 +182,7 @@ def test_checkpoints_are_written_only_when_asked(finished, tmp_path):
 def test_yaml_merge_keys_are_accepted(tmp_path):
     """`<<: *anchor` (and `<<: {...}`) is valid YAML: the merged keys apply, explicit keys win,
     and a key written twice is still refused."""
-    from train.config import ConfigError, load_config
+    from train.config.schema import ConfigError, load_config
 
     path = tmp_path / "c.yaml"
     path.write_text(
@@ -202,7 +202,7 @@ def test_yaml_merge_keys_are_accepted(tmp_path):
 def test_tilde_is_the_home_directory(tmp_path, monkeypatch):
     """In every path key, in --config and in an include (a shell leaves `key=~/x` as typed)."""
     monkeypatch.setenv("HOME", str(tmp_path))
-    from train.config import load_config
+    from train.config.schema import load_config
 
     (tmp_path / "base.yaml").write_text("train: {steps: 3}\n")
     (tmp_path / "c.yaml").write_text("include: ~/base.yaml\n")
@@ -276,7 +276,7 @@ def test_generate_reads_the_next_newest_step_when_the_one_it_reads_is_pruned(
     import orbax.checkpoint as ocp
 
     from train.tools import generate
-    from train.checkpoint import PRUNED
+    from train.checkpoint.store import PRUNED
 
     run_dir = tmp_path / "run"
     shutil.copytree(finished, run_dir)
@@ -310,7 +310,7 @@ def test_a_read_given_up_leaves_no_tracebacks_behind(monkeypatch):
     import sys
     import types
 
-    from train import checkpoint
+    from train.checkpoint import store as checkpoint
 
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", seen.append)
@@ -328,8 +328,8 @@ def test_the_trainer_prunes_by_renaming_then_deletes(tmp_path, monkeypatch):
     background and at close), so no reader ever lists a step that is half deleted."""
     import jax.numpy as jnp
 
-    import train.checkpoint as checkpoint
-    from train.config import CheckpointConfig
+    import train.checkpoint.store as checkpoint
+    from train.config.schema import CheckpointConfig
 
     monkeypatch.setattr(checkpoint, "_purge", lambda directory: None)  # keep what it renamed
     ckpt = checkpoint.Checkpointer(str(tmp_path), CheckpointConfig(every=1, keep=1), 3)

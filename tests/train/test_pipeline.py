@@ -8,7 +8,8 @@ import os
 import jax
 import pytest
 
-from train import metrics as metrics_module, state as program
+from train.observe import metrics as metrics_module
+from train.program import state as program
 from train.loop import model_config, run
 
 from tests.helpers.trainer import tiny_config

@@ -1,4 +1,4 @@
-"""A resume that would change the run's meaning: every key of train.resume.RULES that
+"""A resume that would change the run's meaning: every key of train.config.resume.RULES that
 changed since the checkpoint is refused with one line and exit 2, before anything compiles and
 without touching run.dir or the data, unless checkpoint.allow_changed names it; then the run goes
 on, says so in the log and records the change in metrics.jsonl. The data file's identity (size,
@@ -17,9 +17,9 @@ import jax
 import numpy as np
 import pytest
 
-from train import resume
+from train.config import resume
 from train import cli
-from train.config import ConfigError
+from train.config.schema import ConfigError
 from train.loop import run
 
 from tests.helpers.trainer import snapshot, tiny_config, tiny_overrides
@@ -217,10 +217,10 @@ def test_a_compute_dtype_changed_to_float16_and_back_resumes(good_run, data_dir,
     """checkpoint.allow_changed=model.dtype, float32 -> float16: float16 keeps its loss scale in
     the optimizer state, which the checkpoint lacks; the run resumes with a fresh one (2**15 in
     metrics.jsonl from the first resumed step). Back to float32 the checkpoint's scale is
-    dropped on restore (train.state restores without compiling)."""
+    dropped on restore (train.program.state restores without compiling)."""
     from train.prepare import check
-    from train.state import build_state
-    from train.step import LossScaleState
+    from train.program.state import build_state
+    from train.program.step import LossScaleState
 
     run_dir = _copy(good_run, tmp_path)
     to16 = ("model.dtype=float16", "checkpoint.allow_changed=model.dtype")
@@ -291,7 +291,7 @@ def test_a_sidecar_whose_claims_were_edited_is_not_trusted(tokenized, tmp_path, 
     """A sidecar claiming a smaller largest id (or any other edit) fails its seal: the file is
     scanned as if it had no sidecar; an untouched one replaces the scan."""
     import train.data.pipeline
-    from train.config import DataConfig
+    from train.config.schema import DataConfig
     from train.data import Pipeline
 
     path = _sealed_copy(tokenized, tmp_path)
@@ -362,7 +362,7 @@ def test_every_data_key_is_in_the_table():
     data.mix_files beside data.mix)."""
     import dataclasses
 
-    from train.config import DataConfig
+    from train.config.schema import DataConfig
 
     by_contents = {"path": "data.file", "tokenizer": "data.tokenizer_file"}
     for field in dataclasses.fields(DataConfig):

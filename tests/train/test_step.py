@@ -7,8 +7,8 @@ import numpy as np
 from flax import nnx
 
 import models
-from train.config import OptimizerConfig
-from train.step import decay_mask, make_schedule
+from train.config.schema import OptimizerConfig
+from train.program.step import decay_mask, make_schedule
 
 
 def test_schedule_warmup_then_cosine_to_min():

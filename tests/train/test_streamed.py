@@ -1,4 +1,4 @@
-"""optimizer.offload=true (train.streamed): master weights and optimizer state in pinned host
+"""optimizer.offload=true (train.program.streamed): master weights and optimizer state in pinned host
 memory, the layers streamed through the device. Its loss and gradients equal a single-device
 reference on BASP (2, 4), Ulysses (1, 8), a ring and under staged parameter sharding (each
 layer gathered across the 2 emulated hosts as pieces, then inside the host); its step equals the ordinary step; a
@@ -22,11 +22,11 @@ from flax import nnx
 import models
 from basp_jax.compiled import comm
 from tests.helpers.trainer import ROOT, tiny_config, tiny_overrides
-from train import state as prog
-from train import streamed
-from train.config import ConfigError
+from train.program import state as prog
+from train.program import streamed
+from train.config.schema import ConfigError
 from train.prepare import model_config
-from train.step import build_model, init_opt_state
+from train.program.step import build_model, init_opt_state
 
 pytestmark = pytest.mark.usefixtures("compile_cache")  # programs compiled twice: read once
 
@@ -237,8 +237,8 @@ def test_offload_refuses_what_it_does_not_do(tmp_path, extra, message):
 ])
 def test_offload_auto_streams_only_where_nothing_else_fits(overrides, cluster, offload):
     """optimizer.offload=auto (the shipped GPU configs') from the planner's estimates alone."""
-    from train.config import load_config
-    from train.planning import resolve_offload
+    from train.config.schema import load_config
+    from train.program.planning import resolve_offload
 
     cfg = load_config(str(ROOT / "configs/gpu/llama-3.1-8b_basp.yaml"), overrides)
     assert cfg.optimizer.offload == "auto"
@@ -261,7 +261,7 @@ def test_offloaded_state_beyond_the_machine_memory_is_refused_before_run_dir(tmp
     allocated: the checks come first."""
     import math
 
-    from train.planning import host_memory_available
+    from train.program.planning import host_memory_available
     from train import cli
 
     available = host_memory_available()
@@ -295,7 +295,7 @@ def test_host_memory_without_proc_meminfo_is_the_physical_memory(monkeypatch):
     import builtins
     import os
 
-    from train.planning import host_memory_available
+    from train.program.planning import host_memory_available
 
     real_open, real_sysconf = builtins.open, os.sysconf
 

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from train.config import DataConfig
+from train.config.schema import DataConfig
 from train.data import DataError, Pipeline
 from train.loop import run
 from train.tools.tokenize import main, tokenize
@@ -173,7 +173,7 @@ def test_an_export_records_the_end_of_document_id_of_the_sidecar(tmp_path):
     generation_config.json name the id its sidecar records (the run's documents ended with it),
     not null; a sidecar whose seal fails is not trusted for it."""
     import models
-    from train import hf_export
+    from train.checkpoint import hf_export
 
     from tests.helpers.trainer import tiny_config
 

@@ -81,7 +81,7 @@ class AdaptiveBatches:
 
 
 def for_run(data: Pipeline, programs) -> StaticBatches | AdaptiveBatches:
-    """The batches of a run with these programs (train.state.layout_programs)."""
+    """The batches of a run with these programs (train.program.state.layout_programs)."""
     if len(programs) == 1:
         return StaticBatches(data, programs[0].batch_sharding)
     return AdaptiveBatches(data, programs)

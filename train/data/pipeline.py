@@ -35,8 +35,8 @@ import numpy as np
 
 from basp_jax.packing import Piece
 
-from ..config import DataConfig
-from ..fingerprint import sample_sha256
+from ..config.schema import DataConfig
+from ..config.fingerprint import sample_sha256
 from . import sources
 from .synthetic import MarkovSource
 
@@ -243,7 +243,7 @@ def checked_sidecar(path: str, cfg: DataConfig, vocab_size: int) -> dict | None:
 class Pipeline:
     """Builds the rows of each step for this process; `global_batch` places them on the mesh.
 
-    held_out=True gives evaluation rows (train.evaluate): consecutive windows from the start of a
+    held_out=True gives evaluation rows (train.observe.evaluate): consecutive windows from the start of a
     file, or synthetic rows no training step draws."""
 
     def __init__(self, cfg: DataConfig, *, vocab_size: int, grad_accum: int, microbatch: int,

@@ -7,7 +7,7 @@ jax.distributed key-value store (train.process.peers.distributed_client):
 
     its resolved config as JSON, less the keys that differ per process on purpose
     (runtime.distributed.process_id), with each input file (data.path, data.mix, data.tokenizer,
-    eval.path) as its size and sampled sha256 (train.fingerprint) instead of its path: a copy on
+    eval.path) as its size and sampled sha256 (train.config.fingerprint) instead of its path: a copy on
     another host's disk is the same data, another file under the same name is not
 
 and reads every other process's. All see the same set, so all reach the same verdict: a mismatch
@@ -22,8 +22,8 @@ import json
 import os
 import time
 
-from ..config import Config, ConfigError, to_dict
-from ..fingerprint import sample_sha256
+from ..config.schema import Config, ConfigError, to_dict
+from ..config.fingerprint import sample_sha256
 from . import peers
 
 PER_PROCESS_KEYS = (("runtime", "distributed", "process_id"),)

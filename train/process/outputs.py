@@ -15,9 +15,10 @@ from models.safetensors_io import INDEX_FILE
 from basp_jax import Layout
 from basp_jax.compiled import comm
 
-from .. import hf_export, paths
-from ..config import INPUT_PATHS, Config, ConfigError, from_dict, to_yaml
-from ..config_tree import yaml_load
+from ..checkpoint import hf_export
+from ..config import paths
+from ..config.schema import INPUT_PATHS, Config, ConfigError, from_dict, to_yaml
+from ..config.tree import yaml_load
 from .lock import LOCK_NAME
 
 # files the trainer writes in run.dir, and what each must be when it exists already
@@ -131,7 +132,7 @@ def _check_owned_links_apart(run_dir: str, inputs: list[tuple[str, str]]) -> Non
 
 
 def check_overlaps(cfg: Config, run_dir: str) -> None:
-    """No output over, into or around an input or another output (train.paths, symlinks
+    """No output over, into or around an input or another output (train.config.paths, symlinks
     resolved): an export replaces its whole directory, so it stays apart from run.dir and from
     every input; run.dir stays off the inputs (_check_run_dir_apart)."""
     inputs = _inputs(cfg)
@@ -227,7 +228,7 @@ def _foreign(export_dir: str, run_dir: str) -> ExportError:
 
 
 def _checkpoints(run_dir: str) -> str:
-    from ..checkpoint import checkpoint_dir, complete_steps
+    from ..checkpoint.store import checkpoint_dir, complete_steps
 
     steps = complete_steps(checkpoint_dir(run_dir))
     return (f"the run's checkpoints are kept (newest: step {steps[-1]} in "

@@ -30,7 +30,7 @@ import threading
 
 from . import gpu_defaults
 from .peers import PEER_FAILURE_STATUS
-from ..config import Config, ConfigError
+from ..config.schema import Config, ConfigError
 
 CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")
 NVIDIA_DRIVER_VERSION = "/proc/driver/nvidia/version"

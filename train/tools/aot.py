@@ -9,7 +9,7 @@ kernels, collectives, compile time.
     python -m train.tools.aot --install      # once: the CUDA compiler plugin (about 1.5 GB)
     python -m train.tools.aot --install-if-supported   # the same where JAX ships it, when missing
 
-The step is built by the trainer's own code (train.state: layout, model, optimizer, shardings)
+The step is built by the trainer's own code (train.program.state: layout, model, optimizer, shardings)
 from shapes alone: no weights, no data and nothing under run.dir are read or written. XLA compiles
 it through JAX's CUDA plugin for a deviceless topology of `hosts x gpus-per-host` GPUs described by
 basp_jax.gpus. The plugin is either installed in this environment (jax[cuda12] on a GPU host) or
@@ -228,9 +228,9 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False,
 
     from basp_jax.compiled import comm, hlo
 
-    from ..model_setup import fp8_enabled
-    from ..planning import host_memory_estimate, memory_estimate, predicted_step_s
-    from ..state import compile_program
+    from ..program.model_setup import fp8_enabled
+    from ..program.planning import host_memory_estimate, memory_estimate, predicted_step_s
+    from ..program.state import compile_program
 
     compiled, run_plan, mcfg, compile_s = compile_program(cfg, devices, devices_per_host,
                                                           layout_index=layout_index)
@@ -416,7 +416,7 @@ def report(cfg, target: str, hosts: int, gpus_per_host: int, *, want_hlo: bool =
     from basp_jax.planner import cost
     from models import ModelError
 
-    from ..config import ConfigError, replace
+    from ..config.schema import ConfigError, replace
     from ..prepare import check_fp8, check_kernel, with_compute_dtype
 
     gpu = gpus.get(target)
@@ -426,7 +426,7 @@ def report(cfg, target: str, hosts: int, gpus_per_host: int, *, want_hlo: bool =
     check_fp8(cfg, devices[0])  # FP8 without FP8 tensor cores: likewise
     # the planner's choices (mode=auto, param_sharding=auto, remat=auto) for the target's memory
     cfg = replace(cfg, f"parallel.hardware={target}")
-    from ..planning import resolve_offload
+    from ..program.planning import resolve_offload
     from ..prepare import model_config
 
     try:
@@ -464,8 +464,8 @@ def report(cfg, target: str, hosts: int, gpus_per_host: int, *, want_hlo: bool =
 
 
 def adaptive_set_size(cfg, num_devices: int, devices_per_host: int) -> int:
-    """How many layouts parallel.mode=adaptive compiles for this cluster (train.planning)."""
-    from ..planning import adaptive_set, plan
+    """How many layouts parallel.mode=adaptive compiles for this cluster (train.program.planning)."""
+    from ..program.planning import adaptive_set, plan
     from ..prepare import model_config
 
     layout, strategy = plan(cfg, model_config(cfg), num_devices, devices_per_host)
@@ -493,8 +493,8 @@ def would_fit(cfg, r: dict, num_devices: int, devices_per_host: int) -> str:
     this length, by the planner's formula scaled to what this compile measured (the formula is
     within 15% of compiled programs; the scale takes this one's error out). A suggestion, not a
     compiled result."""
-    from ..config import replace
-    from ..planning import memory_estimate, memory_policy, plan
+    from ..config.schema import replace
+    from ..program.planning import memory_estimate, memory_policy, plan
     from ..prepare import model_config
 
     mcfg = model_config(cfg)
@@ -546,9 +546,9 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
     parallel.param_sharding other than auto keeps the candidates of that strategy alone."""
     from basp_jax.planner import cost
 
-    from ..config import replace
+    from ..config.schema import replace
     from ..prepare import model_config
-    from ..planning import fp8_planned, memory_policy, resolve_offload, state_bytes
+    from ..program.planning import fp8_planned, memory_policy, resolve_offload, state_bytes
 
     devices = hosts * gpus_per_host
     cfg = replace(cfg, f"parallel.hardware={target}")
@@ -634,7 +634,7 @@ def resolve_cluster(cfg, args, overrides=()) -> tuple[object, str, int, int]:
     given as `overrides` that disagree with the flags are refused."""
     from basp_jax import gpus
 
-    from ..config import replace
+    from ..config.schema import replace
 
     target = args.target or cfg.parallel.hardware
     if target not in gpus.TARGETS:
@@ -674,7 +674,7 @@ def _write(path: str, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)
-    from ..config import ConfigError, load_config
+    from ..config.schema import ConfigError, load_config
 
     try:
         if args.install:

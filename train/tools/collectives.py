@@ -1,7 +1,7 @@
 """Compile (never run) the trainer's step for a model shape and layout, and list its collectives.
 
 Used by benchmarks/comm_table.py and the collective tests: the trainer's own step
-(train.state: forward, backward, AdamW update, parameter sharding) with abstract parameters, so
+(train.program.state: forward, backward, AdamW update, parameter sharding) with abstract parameters, so
 even 8B shapes compile on a laptop.
 """
 
@@ -12,8 +12,8 @@ import jax
 from basp_jax import Layout
 from basp_jax.compiled import comm
 
-from ..config import from_dict
-from ..state import compile_program
+from ..config.schema import from_dict
+from ..program.state import compile_program
 
 
 def step_collectives(mcfg, *, mode: str, strategy: str, batch: int, seq_len: int,

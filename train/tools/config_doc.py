@@ -1,10 +1,10 @@
-"""The config reference, generated from the dataclasses in train/config.py so it is written once.
+"""The config reference, generated from the dataclasses in train/config/schema.py so it is written once.
 
     python -m train.tools.config_doc                            # print the Markdown table
     python -m train.tools.config_doc --write configs/README.md  # replace the table between the markers
 
 Every field of Config's sections appears, recursively, with its type and default from the
-dataclass and its meaning from the `# comment` on its line in train/config.py (or the comment lines
+dataclass and its meaning from the `# comment` on its line in train/config/schema.py (or the comment lines
 right above it). A comment that starts with "required" makes the default column say so. A field
 without a comment is an error naming it; EXTRA_MEANINGS covers the fields that had none when this
 was written (config.py belongs to the trainer; a comment there is better than an entry here).
@@ -22,15 +22,16 @@ import tokenize
 import typing
 from pathlib import Path
 
-from .. import config, config_tree
+from ..config import schema as config
+from ..config import tree as config_tree
 from ..choices import CHOICES
-from ..config import Config
+from ..config.schema import Config
 
 START = "<!-- config-reference:start -->"
 END = "<!-- config-reference:end -->"
 COMMAND = "python -m train.tools.config_doc --write configs/README.md"
 
-# Meanings of fields whose line in train/config.py has no comment (or only "required").
+# Meanings of fields whose line in train/config/schema.py has no comment (or only "required").
 # A test fails when an entry here shadows a comment, so each meaning is still written once.
 EXTRA_MEANINGS = {
     "run.seed": "initialisation and data order; 0 to 2**32 - 1",
@@ -60,7 +61,7 @@ class Row:
     type: str
     default: str
     meaning: str
-    commented: bool  # the meaning comes from a comment in train/config.py
+    commented: bool  # the meaning comes from a comment in train/config/schema.py
 
 
 def field_comments(source: str) -> dict[tuple[str, str], str]:
@@ -149,14 +150,14 @@ def check(table_rows: list[Row]) -> None:
         if not row.meaning:
             raise DocError(
                 f"config key {row.key} has no meaning: add a `# comment` on its field in "
-                f"train/config.py, then run {COMMAND}"
+                f"train/config/schema.py, then run {COMMAND}"
             )
     uncommented = {row.key for row in table_rows if not row.commented}
     for key in EXTRA_MEANINGS:
         if key not in uncommented:
             raise DocError(
                 f"train/tools/config_doc.py EXTRA_MEANINGS[{key!r}]: the field now has a comment in "
-                f"train/config.py (or no longer exists); delete the entry"
+                f"train/config/schema.py (or no longer exists); delete the entry"
             )
 
 
@@ -169,7 +170,7 @@ def reference() -> str:
     table_rows = rows()
     check(table_rows)
     lines = [
-        f"<!-- generated from train/config.py by `{COMMAND}`; edit the comments there, not here -->",
+        f"<!-- generated from train/config/schema.py by `{COMMAND}`; edit the comments there, not here -->",
         "| key | type | default | meaning |",
         "|---|---|---|---|",
     ]

@@ -20,7 +20,7 @@ import argparse
 import os
 import sys
 
-from train.dtypes import COMPUTE as DTYPES  # float32, bfloat16, float16 (no JAX import)
+from train.config.dtypes import COMPUTE as DTYPES  # float32, bfloat16, float16 (no JAX import)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -141,9 +141,9 @@ def restore_model(run_dir: str, *, dtype: str | None = None):
 
     import models
     from basp_jax.sharding import abstract_arrays
-    from train import checkpoint
-    from train.config import load_config
-    from train.model_setup import model_config, model_options
+    from train.checkpoint import store as checkpoint
+    from train.config.schema import load_config
+    from train.program.model_setup import model_config, model_options
 
     config_path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(config_path):
@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
 
     errors: tuple[type, ...] = (ModelError,)
     if args.run_dir:
-        from train.checkpoint import CheckpointError
-        from train.config import ConfigError
+        from train.checkpoint.store import CheckpointError
+        from train.config.schema import ConfigError
 
         errors += (CheckpointError, ConfigError)
     try:

@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from .. import paths
+from ..config import paths
 
 try:
     import matplotlib

@@ -37,7 +37,7 @@ import threading
 
 import numpy as np
 
-from .. import paths
+from ..config import paths
 from ..data import DataError, parse_lines, sidecar_seal
 
 FORMAT = "basp-jax tokens"

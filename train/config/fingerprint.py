@@ -1,5 +1,5 @@
 """A cheap fingerprint of a file, for noticing one rewritten or replaced under the same name: the
-resume record (train.resume) and the token files' sidecars (train.data, train.tools.tokenize) use it.
+resume record (train.config.resume) and the token files' sidecars (train.data, train.tools.tokenize) use it.
 """
 
 from __future__ import annotations

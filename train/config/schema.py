@@ -8,7 +8,7 @@ key and what would work. Nothing here imports JAX: the CLI must read the config
 (runtime.cpu_devices, runtime.distributed) before JAX initialises its backends.
 
 A config file may start from others (`include: base.yaml`); how files, includes and overrides
-become one tree, and that tree typed values: train/config_tree.py.
+become one tree, and that tree typed values: train/config/tree.py.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from . import config_tree, dtypes, paths
+from . import tree as config_tree
+from . import dtypes
+from . import paths
 from .errors import ConfigError  # noqa: F401 (train.config.ConfigError, as callers import it)
 
 
-# dtype keys take train.dtypes' names: model.dtype and checkpoint.export_dtype any (model.dtype
+# dtype keys take train.config.dtypes' names: model.dtype and checkpoint.export_dtype any (model.dtype
 # also auto), model.param_dtype and optimizer.mu_dtype those that store parameters
 ComputeDtype = Literal[dtypes.COMPUTE]
 ComputeDtypeOrAuto = Literal[(*dtypes.COMPUTE, "auto")]
@@ -258,7 +260,7 @@ class OptimizerConfig:
     # (second moment and master weights stay in param_dtype)
     mu_dtype: Optional[StorageDtype] = None
     # master weights and optimizer state in pinned host memory, streamed through the device a
-    # layer at a time (train.streamed): for a model whose state does not fit beside its
+    # layer at a time (train.program.streamed): for a model whose state does not fit beside its
     # activations (an 8B model on one GPU); auto: only where the ordinary step's planned memory
     # does not fit parallel.hardware and the streamed step's does
     offload: Union[bool, Literal["auto"]] = False
@@ -299,7 +301,7 @@ class ParallelConfig:
     groups: Optional[int] = None  # force a group count (basp); default gcd(microbatch, devices)
     devices_per_host: Optional[int] = None  # default: devices per process
     # auto: on several hosts staged_keep (fsdp's shards, gathered across hosts once a step)
-    # where it fits in memory, else host, staged, hsdp, fsdp (train.planning; the choices:
+    # where it fits in memory, else host, staged, hsdp, fsdp (train.program.planning; the choices:
     # basp_jax.sharding.PARAM_SHARDINGS)
     param_sharding: str = "auto"
     hardware: str = "h100-80gb"  # the GPU (basp_jax.gpus) the planner assumes for mode=auto and param_sharding=auto
@@ -323,7 +325,7 @@ class ParallelConfig:
         if self.devices_per_host is not None and self.devices_per_host <= 0:  # sizes the cluster
             raise ConfigError(
                 f"parallel.devices_per_host must be positive, got {self.devices_per_host}")
-        # groups and ring: Layout.plan's rules, asked by train.planning before anything compiles
+        # groups and ring: Layout.plan's rules, asked by train.program.planning before anything compiles
         # (not here: this module stays free of jax, which train.tools.aot must start itself)
 
 
@@ -339,7 +341,7 @@ class CheckpointConfig:
     export_dtype: Optional[ComputeDtype] = None
     # keys a resume may find changed on purpose (e.g. optimizer.lr,train.steps; model.shape.*
     # for all of model.shape), logged and recorded in metrics.jsonl; any other change of a key
-    # that alters the run (train/resume.py RULES) is refused
+    # that alters the run (train/config/resume.py RULES) is refused
     allow_changed: list = dataclasses.field(default_factory=list)
 
     def validate(self) -> None:
@@ -551,7 +553,7 @@ def load_config(path: Optional[str], overrides: list[str] | tuple[str, ...] = ()
     return cfg
 
 
-# the keys that hold a path (train.paths.local: `~` expanded, no URL); which the run reads or writes
+# the keys that hold a path (train.config.paths.local: `~` expanded, no URL); which the run reads or writes
 INPUT_PATHS = ("model.hf_path", "data.path", "data.tokenizer", "eval.path")
 OUTPUT_PATHS = ("run.dir", "checkpoint.export_hf")
 

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .config import Config, ConfigError, to_dict
+from ..config.schema import Config, ConfigError, to_dict
 
 STEP_WINDOW = 100  # step times the percentiles cover
 PERCENTILES = (50, 90, 99)

@@ -29,7 +29,7 @@ from models.hf import is_stacked
 from models.layers import param_names, stage_layer_params
 from models.transformer import build_sharded, with_values
 
-from .config import OptimizerConfig
+from ..config.schema import OptimizerConfig
 
 BATCH_SPEC = activation_spec(None, "batch", "sequence")  # [accum, B, S]
 
@@ -200,7 +200,7 @@ def init_opt_state(tx, params, shardings):
 
 def all_finite(tree) -> jax.Array:
     """Whether every floating-point element of `tree` is finite (a scalar bool): the check of the
-    updated state that every step variant applies before keeping it (train.streamed too)."""
+    updated state that every step variant applies before keeping it (train.program.streamed too)."""
     checks = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree)
               if jnp.issubdtype(x.dtype, jnp.inexact)]
     return jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
@@ -208,7 +208,7 @@ def all_finite(tree) -> jax.Array:
 
 def make_micro_loss(parts: ModelParts, loss_fn: Callable) -> Callable:
     """micro_loss(params, tokens, targets, segment_ids) -> (loss sum, token count) of one
-    microbatch: what the train step differentiates and the eval step (train.evaluate) sums.
+    microbatch: what the train step differentiates and the eval step (train.observe.evaluate) sums.
     The model's positions follow its layout's token order (models.Transformer)."""
     graphdef, (abs_params, abs_rest), rest = parts.graphdef, parts.abstract_state, parts.rest
 

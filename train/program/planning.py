@@ -25,8 +25,8 @@ from basp_jax.planner import cost
 from basp_jax.remat import auto_policies
 from basp_jax.sharding import PARAM_SHARDINGS
 
-from . import dtypes
-from .config import Config, ConfigError, replace
+from ..config import dtypes
+from ..config.schema import Config, ConfigError, replace
 
 
 def model_shape(mcfg) -> cost.ModelShape:
@@ -165,7 +165,7 @@ def adaptive_set(cfg: Config, layout: Layout, strategy: str) -> tuple[Layout, ..
 def resolve_offload(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> Config:
     """cfg with optimizer.offload=auto decided: false where the ordinary step's planned device
     and host memory fit parallel.hardware (it moves no state over PCIe), else true where the
-    streamed step (train.streamed) applies and fits, else false (check_memory or train.tools.aot then
+    streamed step (train.program.streamed) applies and fits, else false (check_memory or train.tools.aot then
     say it does not fit)."""
     if cfg.optimizer.offload != "auto":
         return cfg

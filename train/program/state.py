@@ -26,13 +26,14 @@ from basp_jax import Layout, make_mesh
 from basp_jax.compiled import comm
 from basp_jax.sharding import ShardingRules, abstract_arrays
 
-from . import dtypes, planning, streamed
-from .checkpoint import Checkpointer, first_non_finite
+from ..config import dtypes
+from . import planning
+from . import streamed
+from ..checkpoint.store import Checkpointer, first_non_finite
 from .model_setup import model_config, model_options
-from .process.outputs import write_collectives
-from .config import Config
-from .step import (build_model, compute_dtype, from_module, init_opt_state, initial_loss_scale,
-                   loss_scaling, make_optimizer, make_train_step, opt_state_shardings)
+from ..process.outputs import write_collectives
+from ..config.schema import Config
+from .step import (build_model, compute_dtype, from_module, init_opt_state, initial_loss_scale, loss_scaling, make_optimizer, make_train_step, opt_state_shardings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +47,7 @@ class RunPlan:
     remat: str = "none"  # the rematerialisation policy (model.remat, auto resolved)
     tile_tokens: int | None = None  # model.tile_tokens (auto resolved)
     offload_state: bool = False  # optimizer.offload (auto resolved): the streamed step
-    # parallel.mode=adaptive: one plan per layout of the set (train.planning.adaptive_set), the
+    # parallel.mode=adaptive: one plan per layout of the set (train.program.planning.adaptive_set), the
     # first this plan's own layout; each on its mesh over the same devices. () when static
     adaptive: tuple["RunPlan", ...] = ()
 
@@ -58,10 +59,10 @@ class RunPlan:
 
 def plan_run(cfg: Config, mcfg, devices, devices_per_host: int) -> RunPlan:
     """The layout and mesh for `devices`; raises LayoutError/ConfigError before anything compiles.
-    optimizer.offload=auto must be decided first (train.planning.resolve_offload)."""
+    optimizer.offload=auto must be decided first (train.program.planning.resolve_offload)."""
     if cfg.optimizer.offload == "auto":
         raise ValueError("plan_run needs optimizer.offload decided: "
-                         "cfg = train.planning.resolve_offload(cfg, ...) first")
+                         "cfg = train.program.planning.resolve_offload(cfg, ...) first")
     layout, strategy = planning.plan(cfg, mcfg, len(devices), devices_per_host)
     remat, tile = planning.memory_policy(cfg, mcfg, layout, strategy, devices_per_host)
     streamed.check_offload(cfg, strategy, compute_dtype(cfg.model.dtype, devices[0]), mcfg)
@@ -129,13 +130,13 @@ class TrainProgram:
 
 def build_program(cfg: Config, plan: RunPlan, parts) -> TrainProgram:
     """The optimizer, the shardings and the jitted train step for the model `parts`
-    (train.step.ModelParts, with real or abstract parameters)."""
+    (train.program.step.ModelParts, with real or abstract parameters)."""
     loss_scale = loss_scaling(compute_dtype(cfg.model.dtype, plan.mesh.devices.flat[0]))
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps, loss_scale)
     rules = plan.rules
     param_sh = parts.shardings(rules)
     abs_opt, opt_sh = opt_state_shardings(tx, parts.params, param_sh, rules.replicated)
-    if plan.offload_state:  # master weights and moments in host memory (train.streamed)
+    if plan.offload_state:  # master weights and moments in host memory (train.program.streamed)
         param_sh = streamed.in_host_memory(param_sh)
         opt_sh = jax.tree.map(lambda s, a: streamed.in_host_memory(s) if a.ndim else s,
                               opt_sh, abs_opt)
@@ -190,7 +191,7 @@ class TrainState:
     parameters and optimizer state at step `start` (the step donates them; the loop replaces
     them after each step)."""
 
-    parts: Any  # train.step.ModelParts
+    parts: Any  # train.program.step.ModelParts
     program: TrainProgram
     ckpt: Checkpointer | None  # None for an abstract state (nothing is written)
     start: int  # the first step this invocation runs (0-based)
@@ -297,7 +298,7 @@ def describe_collectives(collectives, devices_per_host: int) -> str:
 def _restore(cfg: Config, ckpt: Checkpointer, step: int, program: TrainProgram, parts,
              saved_dtype: str | None):
     """(params, opt_state, meta) of checkpoint `step`. float16 keeps its loss scale as the first
-    state of the optimizer chain (train.step.make_optimizer): a checkpoint written in another
+    state of the optimizer chain (train.program.step.make_optimizer): a checkpoint written in another
     compute dtype (saved_dtype) has it where this run keeps none, or lacks the one this run
     keeps, so it is restored as written and the scale dropped, or started afresh."""
     target_params, target_opt = program.abstract_state(parts.params, program.abstract_opt_state)

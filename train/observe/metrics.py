@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from .config import ConfigError, MetricsConfig
+from ..config.schema import ConfigError, MetricsConfig
 
 
 def peak_flops(cfg: MetricsConfig, device_kind: str | None = None, *,

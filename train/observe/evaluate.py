@@ -1,14 +1,14 @@
 """Held-out evaluation: loss and perplexity of the current parameters on the same batches each time.
 
     data = eval_data(cfg, vocab_size, pad_rows, seq_order)   # None when eval.every == 0
-    evaluator = Evaluator(cfg, program, parts, data)          # program: train.state.TrainProgram
+    evaluator = Evaluator(cfg, program, parts, data)          # program: train.program.state.TrainProgram
     if evaluator.due(step):
         record.update(evaluator.run(params))                  # eval_loss, eval_perplexity, ...
     # a loop that reads step k's metrics after dispatching step k+1: pending = start(params)
     # before that dispatch (it donates params), finish(pending) when step k's record is made
 
-The eval step is built like the train step, from the same micro-loss (train.step.make_micro_loss:
-layout, shardings, token order, chunked loss; under optimizer.offload train.streamed's, which
+The eval step is built like the train step, from the same micro-loss (train.program.step.make_micro_loss:
+layout, shardings, token order, chunked loss; under optimizer.offload train.program.streamed's, which
 streams the layers from host memory), without gradients: jit(eval_step)(params, batch)
 sums the loss and the token count over eval.batches microbatches under lax.scan. It is compiled
 once, at the first evaluation, and its batch is built once and kept on the devices.
@@ -26,10 +26,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import models
 
-from . import streamed
-from .config import Config
-from .data import DataError, Pipeline
-from .step import make_micro_loss
+from ..program import streamed
+from ..config.schema import Config
+from ..data import DataError, Pipeline
+from ..program.step import make_micro_loss
 
 
 def eval_data(cfg: Config, vocab_size: int, *, pad_rows: int = 0,

@@ -91,7 +91,7 @@ def check_allowed(names: list[str]) -> None:
 
 def file_identity(path: str) -> dict[str, Any]:
     """Size, modification time and a sampled sha256 of a file: a file replaced under the same
-    name is seen without reading all of it (train.fingerprint.sample_sha256)."""
+    name is seen without reading all of it (train.config.fingerprint.sample_sha256)."""
     st = os.stat(path)
     return {"path": os.path.abspath(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
             "sample_sha256": sample_sha256(path)}

@@ -28,7 +28,7 @@ transformation on views of the state (a layer's slice, zero-size stand-ins for e
 else), so the optimizer state keeps the layout of the ordinary step and checkpoints move between
 the two. Gradient clipping uses the global norm of the whole step (the sum of the backward's
 squared norms); the step is kept only if the loss, that norm, the learning rate and the updated
-state are finite (train.step.all_finite, the ordinary step's check). The state is written a
+state are finite (train.program.step.all_finite, the ordinary step's check). The state is written a
 layer at a time, so the updated state is checked first, by a pass over the layers that computes
 their update and writes nothing: the weights and moments cross to the device once more per step.
 """
@@ -47,7 +47,7 @@ from basp_jax.sharding import PARAM_SHARDINGS
 from models.layers import axis_names, stage_params
 from models.transformer import with_values
 
-from .config import Config, ConfigError
+from ..config.schema import Config, ConfigError
 from .step import ModelParts, all_finite, jit_train_step
 
 HOST_MEMORY = "pinned_host"
@@ -95,7 +95,7 @@ def check_offload(cfg: Config, strategy: str, compute_dtype: str, mcfg=None) -> 
 
 def in_host_memory(shardings):
     """The same shardings in pinned host memory (the caller leaves scalars such as step counts
-    on the device: train.state.build_program)."""
+    on the device: train.program.state.build_program)."""
     return jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), shardings)
 
 
@@ -157,7 +157,7 @@ def _as_stored(model, grads):
 
 def make_streamed_micro_loss(parts: ModelParts, loss_fn: Callable) -> Callable:
     """micro_loss(params, tokens, targets, segment_ids) -> (loss sum, token count), as
-    train.step.make_micro_loss's, for parameters in host memory: a forward pass streaming the
+    train.program.step.make_micro_loss's, for parameters in host memory: a forward pass streaming the
     layers in one at a time (what the evaluation of an optimizer.offload run sums)."""
     def micro_loss(params, tokens, targets, segment_ids):
         model_with, outer, layer_def, layer_state = _split_layers(parts, params)
@@ -240,7 +240,7 @@ def make_streamed_update(tx: optax.GradientTransformation):
     """update(grads, opt_state, params, clip_scale, keep) -> (params, opt_state, kept): the optax
     update of the whole model applied to the layer stack one layer at a time (state and
     weights in host memory) and to the other parameters once. The state is written a layer at a
-    time, so the updated state's finiteness (train.step.all_finite, the ordinary step's check)
+    time, so the updated state's finiteness (train.program.step.all_finite, the ordinary step's check)
     is found first, by a pass over the layers that writes nothing; where `keep` is false or the
     updated state is not finite (e.g. a finite gradient times a huge learning rate), the old
     values are written back and `kept` is false."""
@@ -326,7 +326,7 @@ def make_streamed_train_step(parts: ModelParts, tx, schedule, mesh: Mesh, param_
                              opt_shardings, *, loss_fn: Callable, packed: bool, grad_dtype,
                              clip_norm: float | None):
     """jit(train_step)(params, opt_state, batch, step) -> (params, opt_state, metrics), as
-    train.step.make_train_step's, for parameters and optimizer state in host memory
+    train.program.step.make_train_step's, for parameters and optimizer state in host memory
     (param_shardings / opt_shardings: in_host_memory of the ordinary ones). One microbatch per
     step (train.grad_accum=1)."""
     update = make_streamed_update(tx)

@@ -14,9 +14,9 @@ import jax
 
 import models
 
-from .config import Config, ConfigError
-from .config_tree import coerce, yaml_load
-from . import dtypes
+from ..config.schema import Config, ConfigError
+from ..config.tree import coerce, yaml_load
+from ..config import dtypes
 from .step import compute_dtype
 
 

@@ -19,7 +19,7 @@ from typing import Callable
 
 import jax
 
-from .config import Config
+from ..config.schema import Config
 
 
 class Profiler:

@@ -1,4 +1,4 @@
-"""The floating-point dtypes the config names, defined once; no JAX import (train/config.py reads
+"""The floating-point dtypes the config names, defined once; no JAX import (train/config/schema.py reads
 this before JAX starts).
 
     DTYPES["bfloat16"].bytes    # 2

@@ -1,5 +1,5 @@
 """The generic config plumbing: YAML files (with `include:`) and `key.sub=value` overrides into
-one tree of plain values, and that tree into typed dataclasses; train/config.py is the schema.
+one tree of plain values, and that tree into typed dataclasses; train/config/schema.py is the schema.
 
 Ours, not OmegaConf 2.4 (measured): it would replace only the typed values (~150 of
 these ~360 lines; not include:, duplicate-key lines, depth, override parsing or the null-section

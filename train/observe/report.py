@@ -1,5 +1,6 @@
 """What a run tells its user (train.loop): what it starts with, each finished step (metrics,
-evaluation, the non-finite policy) and how it ended.
+evaluation, the non-finite policy) and how it ended. `run` is the checked run
+(train.prepare.Run), `state` what the loop advances (train.program.state.TrainState).
 
     log_start(run, state, logger)
     report = StepReport(run, state, logger, writer, evaluator)
@@ -16,19 +17,19 @@ import jax
 
 from basp_jax.compiled import comm
 
-from . import planning, resume
-from .checkpoint import complete_steps
+from ..program import planning
+from ..config import resume
+from ..checkpoint.store import complete_steps
 from .metrics import MetricsLogger
-from .model_setup import fp8_enabled
-from .prepare import Run
-from .state import TrainState
+from ..program.model_setup import fp8_enabled
+from ..program.state import TrainState
 
 
 class NonFiniteError(RuntimeError):
     """The loss or gradients became NaN/Inf and the config says to stop."""
 
 
-def log_start(run: Run, state: TrainState, logger: MetricsLogger) -> None:
+def log_start(run, state: TrainState, logger: MetricsLogger) -> None:
     """The layout, the model, where the run resumes and what mfu is measured against."""
     cfg = run.cfg
     logger.message(f"layout: {run.layout.describe()}")
@@ -64,7 +65,7 @@ class StepReport:
     """Reads a finished step's metrics, logs them (metrics.jsonl, the progress bar, the writers)
     and applies train.on_nonfinite; keeps the losses and step times for the summary."""
 
-    def __init__(self, run: Run, state: TrainState, logger: MetricsLogger, writer, evaluator):
+    def __init__(self, run, state: TrainState, logger: MetricsLogger, writer, evaluator):
         self.run, self.state, self.logger = run, state, logger
         self.writer, self.evaluator = writer, evaluator
         self.losses: list[float] = []
@@ -133,7 +134,7 @@ class StepReport:
     def non_finite(self, step: int, loss: float, grad_norm: float,
                    loss_scale: float | None = None) -> None:
         """train.on_nonfinite: the step left the parameters unchanged; go on, or stop the run.
-        Under float16 an overflow also halves the loss scale (train.step.LossScale)."""
+        Under float16 an overflow also halves the loss scale (train.program.step.LossScale)."""
         if math.isfinite(loss) and math.isfinite(grad_norm):
             what = (f"the update (loss {loss}, grad norm {grad_norm}) "
                     "made the parameters or optimizer state non-finite")

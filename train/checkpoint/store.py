@@ -30,7 +30,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from .config import CheckpointConfig
+from ..config.schema import CheckpointConfig
 
 
 ITEMS = ("params", "opt_state", "meta")
@@ -222,7 +222,7 @@ def _step_metadata(path: str) -> None:
 
 def _check_meta(meta, step: int) -> None:
     """The values a resume uses: data_step in [0, step], seed a valid run.seed."""
-    from .config import MAX_SEED
+    from ..config.schema import MAX_SEED
 
     if not isinstance(meta, dict):
         raise ValueError(f"meta holds {type(meta).__name__}, not an object")
@@ -231,7 +231,7 @@ def _check_meta(meta, step: int) -> None:
         raise ValueError(f"meta data_step={data_step!r}, expected an integer in [0, {step}]")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
         raise ValueError(f"meta seed={seed!r}, expected an integer in [0, {MAX_SEED}]")
-    if not isinstance(meta.get("resume", {}), dict):  # train.resume.record's values
+    if not isinstance(meta.get("resume", {}), dict):  # train.config.resume.record's values
         raise ValueError(f"meta resume holds {type(meta['resume']).__name__}, not an object")
 
 
