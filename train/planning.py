@@ -11,7 +11,8 @@
                                      that fits, else fsdp; on one host: hsdp or fsdp
     parallel.zigzag                  with a ring, the layout's zig-zag token order (Layout.zigzag)
     model.remat = auto               the fastest predicted remat policy (and tiling) that fits
-                                     parallel.hardware's device and host memory (memory_policy)
+                                     parallel.hardware's device and host memory, or a leaner
+                                     one that leaves headroom for 1% of step time (memory_policy)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import os
 
 from basp_jax import Layout, LayoutError
 from basp_jax import adaptive, cost
-from basp_jax.remat import auto_policies
+from basp_jax.remat import REMAT_POLICIES, auto_policies
 from basp_jax.sharding import PARAM_SHARDINGS
 
 from . import dtypes
@@ -238,33 +239,47 @@ def host_memory_available() -> float | None:
 # last), and the chunk size tried when no untiled one fits
 AUTO_REMAT = auto_policies()
 AUTO_TILE_TOKENS = 4096
+# Where the fastest policy that fits leaves less than AUTO_HEADROOM of the device free by the
+# formula's prediction (within 15% of the compiled programs: tests/e2e/test_gpu_compile.py),
+# model.remat=auto takes the fastest that leaves it, if that one is predicted at most
+# AUTO_HEADROOM_COST slower. Llama-3.1-8B at 128K tokens on 8 x H100: full, predicted at 97% of
+# the device, compiles to 60.19 GiB; full_kv, 0.3% slower, to 44.57.
+AUTO_HEADROOM = 0.15
+AUTO_HEADROOM_COST = 0.01
 
 
 def memory_policy(cfg: Config, mcfg, layout: Layout, strategy: str,
                   devices_per_host: int) -> tuple[str, int | None]:
     """(model.remat, model.tile_tokens) the step runs with: the configured ones, or with
     model.remat=auto the fastest predicted (basp_jax.cost.predict) of AUTO_REMAT whose device
-    memory fits parallel.hardware and whose offloaded residuals fit its host's share per GPU;
-    untiled where one fits (model.tile_tokens, when set, is kept), else with AUTO_TILE_TOKENS.
-    Nothing fits: the leanest (offload, tiled), which check_memory or train.tools.aot then refuse."""
+    memory fits parallel.hardware and whose offloaded residuals fit its host's share per GPU
+    (or a leaner one, AUTO_HEADROOM); untiled where one fits (model.tile_tokens, when set, is
+    kept), else with AUTO_TILE_TOKENS. Nothing fits: the leanest (offload, tiled), which
+    check_memory or train.tools.aot then refuse."""
     if cfg.optimizer.offload is True:  # the streamed step keeps each layer's input on the host
         return "offload", cfg.model.tile_tokens or AUTO_TILE_TOKENS
     if cfg.model.remat != "auto":
         return cfg.model.remat, cfg.model.tile_tokens
     hw = hardware(cfg, devices_per_host)
     tiles = [cfg.model.tile_tokens] if cfg.model.tile_tokens else [None, AUTO_TILE_TOKENS]
+    # without all-to-alls some policies are another one (full_kv is full): that one is named
+    policies = [r for r in AUTO_REMAT
+                if layout.a2a > 1 or REMAT_POLICIES.get(r).without_all_to_all is None]
     for tile in tiles:
         fitting = []
-        for remat in AUTO_REMAT:
+        for remat in policies:
             pred = cost.predict(model_shape(mcfg), layout, strategy, hw=hw, remat=remat,
                                 fp8=fp8_planned(cfg),
                                 tile_tokens=tile, grad_accum=cfg.train.grad_accum,
                                 act_bytes=_act_bytes(cfg), **state_bytes(cfg))
             if pred.memory_bytes <= hw.memory_bytes and \
                     pred.host_memory_bytes <= hw.host_memory_bytes:
-                fitting.append((pred.step_s, remat))
+                fitting.append((pred.step_s, remat, pred.memory_bytes))
         if fitting:
-            return min(fitting)[1], tile
+            fastest = min(fitting)
+            roomy = [f for f in fitting if f[2] <= (1 - AUTO_HEADROOM) * hw.memory_bytes
+                     and f[0] <= (1 + AUTO_HEADROOM_COST) * fastest[0]]
+            return min(roomy or fitting)[1], tile
     return AUTO_REMAT[-1], tiles[-1]
 
 
