@@ -27,7 +27,7 @@ AUTO_MODE_DOC = "the planner's fastest predicted layout for parallel.hardware"
 ADAPTIVE_MODE_DOC = ("per step, the layout with the most groups whose rows hold the step's "
                      "documents (basp_jax.adaptive; data.pack=true)")
 AUTO_REMAT_DOC = ("the planner's fastest that fits parallel.hardware's device and host memory, "
-                  "or a leaner one that leaves 15% of the device free for at most 1% of step "
+                  "or a leaner one that leaves a quarter of the device free for at most 1% of step "
                   "time, with model.tile_tokens=4096 where nothing untiled fits")
 
 
