@@ -88,16 +88,16 @@ class RematPolicy:
     layer is not wrapped), which TENSORS each layer keeps on the device (`saves`) and in pinned
     host memory (`offloads`), auto_rank: its place in the order model.remat=auto tries (None:
     never chosen; the last is the leanest, the planner's fallback when nothing fits), doc:
-    what the config reference says of it, and without_all_to_all: the policy whose program it
-    compiles to where attention runs no all-to-all (one device per sequence, or a ring alone),
-    which the planner then names instead (None: itself)."""
+    what the config reference says of it, and without_exchanges: the policy whose program it
+    compiles to where attention exchanges nothing (one device per sequence), which the planner
+    then names instead (None: itself)."""
 
     policy: Any
     saves: tuple[str, ...]
     offloads: tuple[str, ...] = ()
     auto_rank: int | None = None
     doc: str = ""
-    without_all_to_all: str | None = None
+    without_exchanges: str | None = None
 
     def __post_init__(self):
         for kind in (*self.saves, *self.offloads):
@@ -116,8 +116,9 @@ class RematPolicy:
 
 
 # Every policy keeps the outputs of attention's exchanges (save_exchanges) or offloads them,
-# except "offload": the backward pass never repeats the all-to-alls BASP exists to cut unless
-# the policy says so. The price: per layer q, k, v in the head layout and the attention output.
+# except "full_kv", "inputs" and "offload": the backward pass never repeats the all-to-alls BASP
+# exists to cut unless the policy says so. The price: per layer q, k, v in the head layout and
+# the attention output.
 REMAT_POLICIES: Registry[RematPolicy] = Registry("remat policy")
 REMAT_POLICIES.register("none", RematPolicy(
     None, tuple(t for t in TENSORS if t != "exchanged_kv"), doc="keep everything"))
@@ -131,7 +132,13 @@ REMAT_POLICIES.register("full", RematPolicy(
 REMAT_POLICIES.register("full_kv", RematPolicy(
     save_exchanges(kv_only=True), ("input", "exchanged_kv"), auto_rank=1,
     doc="as full, keeping only k's and v's all-to-all outputs (q's and the output's repeat)",
-    without_all_to_all="full"))
+    without_exchanges="full"))
+# The same from each layer's input alone: all four all-to-alls repeat backward (12 per layer), and
+# k's and v's projections with q's; the device keeps hidden values per token per layer.
+REMAT_POLICIES.register("inputs", RematPolicy(
+    jax.checkpoint_policies.nothing_saveable, ("input",), auto_rank=2,
+    doc="recompute each layer from its input alone (the all-to-alls repeat backward)",
+    without_exchanges="full"))
 # Save the projections (dots without batch dims); recompute attention scores and elementwise ops.
 REMAT_POLICIES.register("dots", RematPolicy(
     save_exchanges(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
@@ -141,10 +148,10 @@ REMAT_POLICIES.register("dots", RematPolicy(
 # repeats the layer's all-to-alls backward (12 per layer); "offload_exchanges" offloads their
 # outputs too (8 per layer, ~3.5x the host memory for Llama-3.1-8B).
 REMAT_POLICIES.register("offload", RematPolicy(
-    offload_layer_inputs(exchanges=False), (), ("input",), auto_rank=3,
+    offload_layer_inputs(exchanges=False), (), ("input",), auto_rank=4,
     doc="each layer's input in pinned host memory; the all-to-alls repeat backward"))
 REMAT_POLICIES.register("offload_exchanges", RematPolicy(
-    offload_layer_inputs(exchanges=True), (), ("input", "exchanged"), auto_rank=2,
+    offload_layer_inputs(exchanges=True), (), ("input", "exchanged"), auto_rank=3,
     doc="as offload, the all-to-alls' outputs offloaded too"))
 
 
