@@ -1,11 +1,18 @@
-"""Rematerialisation that never repeats a collective, and that can park residuals in host memory.
+"""Rematerialisation that repeats only the collectives a policy lets go, and that can park
+residuals in host memory.
 
 Every all-to-all result inside basp_jax.attention (and the ring's k/v hops and the gathered segment
-ids) is tagged with `jax.ad_checkpoint.checkpoint_name(x, EXCHANGE_NAME)`. A model that wraps its
+ids) is tagged with `jax.ad_checkpoint.checkpoint_name` (name_exchange: EXCHANGE_NAME for q's and
+the output's, KV_EXCHANGE_NAME for k's, v's and the rest). A model that wraps its
 layers in `jax.checkpoint(..., policy=save_exchanges(policy))` then recomputes only local work in
 the backward pass: 4 all-to-alls per layer forward and 4 backward, as basp_jax.cost counts, instead
 of 12 with plain full rematerialisation. The price is memory: per layer q, k, v in the head layout
 and the attention output (~(2 + 2 * kv_heads / heads) x hidden values per token) are kept.
+
+Inside one host the repeated all-to-alls are cheap beside long sequences' attention, and those
+residuals are most of what the step holds: "full_kv" keeps only k's and v's exchanges (a
+quarter of q's width each under Llama's grouped-query heads), "inputs" none (plain full
+rematerialisation, 12 all-to-alls per layer).
 
 For long sequences those residuals do not fit on the device. A model that also tags each layer's
 input (`name_layer_input`, the first thing its layer does with it; every later use must read the
