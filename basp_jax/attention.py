@@ -14,12 +14,16 @@ from jax.sharding import Mesh
 
 from . import kernels
 from .fp8_exchange import fp8_all_to_all
-from .hlo import ATTENTION_SCOPE
 from .layout import Layout, LayoutError
 from .mesh import SEQ, layout_on
 from .remat import name_exchange
 from .ring import ring_local_attention
 from .sharding import ACTIVATION_SPEC
+
+# The named scope around whichever local kernel runs (here and in models.layers): XLA keeps it in
+# each instruction's op_name, so readers of compiled programs (basp_jax.compiled.hlo) find the
+# attention kernels by it, forward, backward and rematerialised alike.
+ATTENTION_SCOPE = "attention_kernel"
 
 
 def _check_inputs(q, k, v, segment_ids) -> None:
@@ -142,7 +146,7 @@ def attention(
     def local(q, k, v, seg):
         if copies > 1:
             k, v = jnp.repeat(k, copies, axis=2), jnp.repeat(v, copies, axis=2)
-        if layout.ring > 1:  # the ring's hop kernels are attention kernels too (basp_jax.hlo)
+        if layout.ring > 1:  # the ring's hop kernels are attention kernels too (basp_jax.compiled.hlo)
             with jax.named_scope(ATTENTION_SCOPE), jax.named_scope("ring_attention"):
                 return ring_local_attention(q, k, v, seg, layout=layout, causal=causal,
                                             block_size=block_size, hop_kernel=hop_kernel,

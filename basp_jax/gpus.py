@@ -8,7 +8,7 @@
     gpus.GPUS["t4-16gb"].bf16, gpus.GPUS["t4-16gb"].half_dtype   # False, "float16"
     gpus.GPUS["h100-80gb"].fp8_peak_flops        # dense FP8 peak (None: no FP8 tensor cores)
 
-The planner (basp_jax.cost), the compile-for-GPU command (train.tools.aot) and the trainer's peak FLOP/s
+The planner (basp_jax.planner.cost), the compile-for-GPU command (train.tools.aot) and the trainer's peak FLOP/s
 (MFU) read this table, so a GPU's memory and speed are written once. Every GPU has its exact
 device kind, compute capability and peak; the compile targets (TARGETS) also have what XLA needs
 to compile for them. Memory sizes are the totals the CUDA driver reports (a little less than the
@@ -57,13 +57,6 @@ class Gpu:
     def half_dtype(self) -> str:
         """The half-precision dtype its tensor cores run (and peak_flops counts)."""
         return "bfloat16" if self.bf16 else "float16"
-
-    @property
-    def attention_kernels(self) -> tuple[str, ...]:
-        """The attention kernels (basp_jax.kernels.KERNELS) it runs: fused ones from sm80."""
-        from .kernels import gpu_kernels  # kernels imports jax; this table does not need it
-
-        return gpu_kernels(self.compute_capability)
 
 
 def _target(name, device_kind, cc, memory_bytes, peak, bandwidth, sms, clock, l2, fp32, smem,

@@ -28,7 +28,7 @@ from .registry import Registry
 class Mode:
     """A way to choose the split: `groups` fixes the group count (None: any that divides both the
     batch and the devices, gcd(batch, devices) by default); auto: whether the planner
-    (basp_jax.cost, parallel.mode=auto) may plan layouts under it; doc: what the config reference
+    (basp_jax.planner.cost, parallel.mode=auto) may plan layouts under it; doc: what the config reference
     says of it."""
 
     groups: int | None

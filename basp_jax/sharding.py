@@ -61,13 +61,13 @@ class Strategy:
         its gathers never leave a host.
     vocab_parallel: the embedding and LM head can be used where they are stored (split on the
         vocabulary over the compute mesh's axes: basp_jax.vocab).
-    sync: the gradient reduction per microbatch beyond the shard group's, as basp_jax.cost prices
+    sync: the gradient reduction per microbatch beyond the shard group's, as basp_jax.planner.cost prices
         it: "groups" (the 1/sp shard all-reduced across groups), "hosts" (each element crosses
         hosts once), None.
-    applies(layout): whether the planner (train.planning, basp_jax.cost) tries it for this
+    applies(layout): whether the planner (train.planning, basp_jax.planner.cost) tries it for this
         split; auto_rank: the order it tries them in (fewest inter-host bytes first; on a fixed
         layout the last that applies is taken when none fits; None: never tried).
-    same_as_another(layout): whether it shards exactly as another that applies (basp_jax.cost
+    same_as_another(layout): whether it shards exactly as another that applies (basp_jax.planner.cost
         then leaves it out of its candidates).
     streamed: whether the streamed step (train.streamed: weights in host memory) can use it.
     use_axes: the axes of `placement` a split parameter axis is gathered to, across hosts, before

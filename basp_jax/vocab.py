@@ -47,7 +47,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from . import cost
 from .mesh import GROUP, SEQ
 from .sharding import ACTIVATION_SPEC, HOST, LOCAL, TOKENS, ShardingRules, activation_spec
 from .tiling import chunk_len, token_chunks
@@ -60,6 +59,25 @@ FLAT = activation_spec(TOKENS)  # a flat token axis over the whole mesh, group-m
 # 1,024 the 8B step at 16K held 1.5 GiB of chunk buffers, at 256 0.06 GiB more than at 128
 # (compiled GPU program); more, smaller chunks cost no FLOPs, only more (small) collectives.
 LOSS_CHUNK_TOKENS = 128
+
+# Tokens per device above which the gathering embedding and loss cost too much memory whatever
+# they save in bytes: their float32 [tokens, hidden] rows and whole float32 tables and gradients
+# (the 8B step at 512K tokens per device: 82.3 GiB gathering, 66.8 vocabulary-parallel).
+GATHER_MAX_TOKENS_PER_DEVICE = 65536
+
+
+def prefer_vocab_parallel(tokens_per_device: float, shard_group: int, vocab_size: int,
+                          tied: bool) -> bool:
+    """Whether the embedding and loss should move the tokens' rows (this module) rather than
+    gather the vocabulary tables: where that sends fewer bytes, or where the gathering path's
+    memory would grow too large (GATHER_MAX_TOKENS_PER_DEVICE). Rows: ~12 x
+    tokens x hidden bytes over the shard group (the embedding's rows and cotangent, the loss's
+    hidden states gathered forward and again rematerialised, their f32 cotangent); tables: ~8 x
+    vocab x hidden bytes per table (bf16 gathers forward and backward, an f32 gradient). Rows
+    send less below 2/3 x vocab tokens per shard group with a tied table, 4/3 x vocab untied."""
+    tables = 1 if tied else 2
+    return (12 * tokens_per_device * shard_group < 8 * vocab_size * tables
+            or tokens_per_device > GATHER_MAX_TOKENS_PER_DEVICE)
 
 
 def vocab_axes(names: tuple[str, ...], shape: tuple[int, ...],
@@ -95,7 +113,7 @@ MODES = ("auto", "always", "never")
 def active_axes(axes: tuple[str, ...] | None, mesh: Mesh, num_tokens: int, vocab_size: int, *,
                 tied: bool, mode: str) -> tuple[str, ...] | None:
     """`axes` when the vocabulary-parallel path should run for `num_tokens` tokens of the whole
-    mesh, else None (gather the table instead). "auto": basp_jax.cost.prefer_vocab_parallel
+    mesh, else None (gather the table instead). "auto": prefer_vocab_parallel
     (where it moves fewer bytes, up to ~2/3 x vocab tokens per shard group tied, and at long
     sequences, where the gathering path's float32 rows and tables would cost the most memory)."""
     if axes is None or mode == "never":
@@ -104,7 +122,7 @@ def active_axes(axes: tuple[str, ...] | None, mesh: Mesh, num_tokens: int, vocab
         return axes
     shard_group = _shard_count(mesh, axes)
     per_device = num_tokens / mesh.size
-    return axes if cost.prefer_vocab_parallel(per_device, shard_group, vocab_size, tied) else None
+    return axes if prefer_vocab_parallel(per_device, shard_group, vocab_size, tied) else None
 
 
 def _shard_count(mesh: Mesh, axes: tuple[str, ...]) -> int:

@@ -1,5 +1,5 @@
 """Time the train loop's thread spends in data.global_batch per step, the step emulated by a
-sleep: with the prefetch (train/data.py) it only takes the batch built in the background.
+sleep: with the prefetch (train/data/pipeline.py) it only takes the batch built in the background.
 
     python benchmarks/batch_build.py TOKENS.bin --seq-len 256 --accum 2 --micro 2
     PYTHONPATH=/path/to/before python benchmarks/batch_build.py ...   # another version's

@@ -3,7 +3,7 @@
 Compiles (never runs) the real train step (forward, backward, AdamW update, parameter sharding) for
 the paper's model shapes with a few layers (float32), on 8 emulated CPU devices treated as 2 hosts x 4, and
 prints per-device bytes per step of each collective kind, total and inter-host, next to the
-closed-form all-to-all count of basp_jax.cost.
+closed-form all-to-all count of basp_jax.planner.cost.
 
     python benchmarks/comm_table.py --models llama-3.2-1b,llama-3.1-8b --batches 1,2,4,8
 """
@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 import models  # noqa: E402
-from basp_jax import comm, cost  # noqa: E402
+from basp_jax.compiled import comm  # noqa: E402
+from basp_jax.planner import cost
 from models.config import MODEL_SHAPES  # noqa: E402
 from train.tools.collectives import step_collectives  # noqa: E402
 

@@ -14,7 +14,7 @@ and writes a JSON of everything, a markdown table and a PNG plot into --out.
     sudo python benchmarks/emulated_cluster.py --rates none,400,160,80 --out bench/cluster
 
 --docs longtail|full trains on synthetic documents whose lengths follow that distribution
-(basp_jax.adaptive.DISTRIBUTIONS, data.documents) and adds the adaptive layouts
+(train.data.synthetic.DISTRIBUTIONS, data.documents) and adds the adaptive layouts
 (parallel.mode=adaptive, setup "adaptive+SHARDING") to the setups: each step on the layout with
 the most groups whose rows hold its documents. Layouts change from step to step there, so the
 table compares mean step times (tokens per second) and lists the layouts each run took:
@@ -167,14 +167,15 @@ def _merge_repeat(before: dict | None, run: dict) -> dict:
 
 
 def planner_view(args, name: str, rate: float | None) -> dict:
-    """What the planner (basp_jax.cost.predict) says of one setup on this emulated link: its
+    """What the planner (basp_jax.planner.cost.predict) says of one setup on this emulated link: its
     inter-host bytes per device per step and the seconds they take at `rate` Mbit/s shared by
     a host's 4 devices (compute and in-host copies left out: they are the same for every
     setup of one batch and sequence length, and the planner knows no CPU's speed)."""
     import dataclasses
 
     import models
-    from basp_jax import Layout, cost
+    from basp_jax import Layout
+    from basp_jax.planner import cost
 
     mode, ring, sharding = parse_setup(name)
     if mode == "adaptive" or setup_overrides(name):
@@ -288,7 +289,7 @@ def write_report(results: list[dict], out: Path) -> str:
         lines.append(f"| {name} | {mib('all-to-all'):.2f} | {mib('all-gather'):.2f} "
                      f"| {mib('all-reduce', 'reduce-scatter'):.2f} "
                      f"| {mib('collective-permute'):.2f} |")
-    lines += ["", "The planner's view (basp_jax.cost.predict at each link rate: inter-host MiB per device "
+    lines += ["", "The planner's view (basp_jax.planner.cost.predict at each link rate: inter-host MiB per device "
               "per step and the seconds they take; its ranking against the measured one):", "",
               "| link | setup | measured step (s) | predicted inter-host MiB | predicted inter-host s "
               "| measured rank | predicted rank |", "|---|---|---|---|---|---|---|"]
@@ -341,7 +342,7 @@ def main() -> None:
                              "model.dtype=bfloat16")
     parser.add_argument("--docs", choices=("longtail", "full"), default=None,
                         help="train on synthetic documents of this length distribution "
-                             "(data.documents; basp_jax.adaptive.DISTRIBUTIONS)")
+                             "(data.documents; train.data.synthetic.DISTRIBUTIONS)")
     args = parser.parse_args()
     if args.setups is None:
         args.setups = DOC_SETUPS.get(args.batch, DOC_SETUPS[2]) if args.docs else \
@@ -373,7 +374,7 @@ def main() -> None:
                      "planner": {name: view for name in names
                                  if (view := planner_view(args, name, rate)) is not None}}
             if args.docs:
-                from basp_jax.adaptive import DISTRIBUTIONS
+                from train.data.synthetic import DISTRIBUTIONS
 
                 params = DISTRIBUTIONS[args.docs]
                 entry["docs"] = args.docs

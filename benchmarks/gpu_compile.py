@@ -1,6 +1,6 @@
 """The shipped GPU configs compiled for a GPU cluster without a GPU (train.tools.aot): memory per device,
 attention kernel, collectives, compile time, for BASP and Ulysses with FSDP and HSDP parameters,
-next to the planner's memory formula (basp_jax.cost).
+next to the planner's memory formula (basp_jax.planner.cost).
 
     python benchmarks/gpu_compile.py --target a100-40gb --hosts 2 --gpus-per-host 4 \\
         --out bench/gpu_compile/a100-40gb_2x4.json          # prints a Markdown table

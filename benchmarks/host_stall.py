@@ -4,7 +4,7 @@
     python benchmarks/host_stall.py --processes 2         # 2 processes x 4 CPU devices
     PYTHONPATH=/path/to/other/checkout python benchmarks/host_stall.py   # another version's loop
 
-Each process runs `train.py` (train.process.cli.main) with two wrappers and nothing else changed: the
+Each process runs `train.py` (train.cli.main) with two wrappers and nothing else changed: the
 compiled train step records when each step is dispatched and how long the call takes, and
 jax.device_get how long the host blocks on the devices; a watcher thread records when each step's
 outputs are ready. Per step (medians over the steps after the first few, checkpoint steps
@@ -49,7 +49,7 @@ def worker(args) -> None:
     import jax
 
     from train import state as program
-    from train.process import cli
+    from train import cli
 
     dispatches, ends, waits = [], {}, []
     watch: queue.Queue = queue.Queue()

@@ -65,7 +65,7 @@ def planner_figures(target, hosts, per_host, overrides, offload_state: bool) -> 
     """The planner's device and host memory and step time for a case, as the step compiled
     (optimizer.offload=auto resolved to `offload_state`): cheap, so --table recomputes them
     with today's formulas."""
-    from basp_jax import cost
+    from basp_jax.planner import cost
     from train.config import replace
     from train.planning import (host_memory_estimate, memory_estimate, memory_policy,
                                 model_shape, plan, state_bytes)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from basp_jax import cost  # noqa: E402
+from basp_jax.planner import cost  # noqa: E402
 from models.config import MODEL_SHAPES  # noqa: E402
 
 GB = 1e9

@@ -23,7 +23,7 @@ import os
 import struct
 from typing import Any
 
-from basp_jax import cost
+from basp_jax.planner import cost
 
 log = logging.getLogger(__name__)
 
@@ -425,7 +425,7 @@ def _qwen3_5_fields(data: dict, rope: dict, source: str) -> dict[str, Any]:
 
 
 # Shapes of the paper's models (as in their Hugging Face config.json): what the planner
-# (basp_jax.cost) is given for them; PRESETS adds the model-only fields (RoPE, norms' epsilon,
+# (basp_jax.planner.cost) is given for them; PRESETS adds the model-only fields (RoPE, norms' epsilon,
 # token ids) to these, so each shape is written once.
 MODEL_SHAPES = {
     "llama-3.2-1b": cost.ModelShape(16, 2048, 8192, 32, 8, 64, 128256, tie_word_embeddings=True),

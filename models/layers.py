@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 
 import basp_jax
 from basp_jax import kernels as basp_kernels
-from basp_jax.hlo import ATTENTION_SCOPE
+from basp_jax.attention import ATTENTION_SCOPE
 from basp_jax.sharding import ShardingRules, activation_spec
 from basp_jax.vocab import Table
 
@@ -222,7 +222,7 @@ def local_attention(q, k, v, *, segment_ids, impl: str):
     device = jax.devices()[0]
     name = basp_kernels.resolve_impl(impl, q, q.shape[1], device.platform, segment_ids is not None,
                                      basp_kernels.device_capability(device))
-    with jax.named_scope(ATTENTION_SCOPE):  # as basp_jax.attention names it (basp_jax.hlo)
+    with jax.named_scope(ATTENTION_SCOPE):  # as basp_jax.attention names it
         return basp_kernels.KERNELS.get(name).fn(q, k, v, causal=True, segment_ids=segment_ids)
 
 

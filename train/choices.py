@@ -15,12 +15,12 @@ import dataclasses
 from typing import Callable
 
 from basp_jax import kernels
-from basp_jax.adaptive import DISTRIBUTIONS
 from basp_jax.layout import MODES
 from basp_jax.remat import REMAT_POLICIES
 from basp_jax.sharding import PARAM_SHARDINGS
 
 from .config import Config, ConfigError
+from .data.synthetic import DISTRIBUTIONS
 
 
 AUTO_MODE_DOC = "the planner's fastest predicted layout for parallel.hardware"

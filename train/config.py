@@ -142,7 +142,7 @@ class DataConfig:
     pack: bool = False
     branching: int = 4  # synthetic: successors per token of the Markov chain (probabilities halve)
     # synthetic with pack=true: rows of documents whose lengths follow a named distribution
-    # (basp_jax.adaptive.DISTRIBUTIONS: longtail, full), each a walk of the Markov chain
+    # (train.data.synthetic.DISTRIBUTIONS: longtail, full), each a walk of the Markov chain
     documents: Optional[str] = None
     # tokens: several token files mixed by weight, {path: weight} (instead of data.path)
     mix: dict = dataclasses.field(default_factory=dict)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import jax
 
-from basp_jax import comm
+from basp_jax.compiled import comm
 
 from . import planning, resume
 from .checkpoint import complete_steps

@@ -14,7 +14,7 @@ import jax
 from basp_jax.adaptive import relabel
 
 from . import evaluate, profiling, writers
-from .batches import for_run
+from .data.batches import for_run
 from .process import agreement, runtime
 from .checkpoint import checkpoint_dir, complete_steps, storage_error
 from .config import Config
@@ -128,7 +128,7 @@ def train_steps(run: Run, end: int, report: StepReport, profiler, stop: StopRequ
     (static layout's) step's collectives (none when no step ran). Step k's metrics are read after
     step k + 1 is dispatched, so the host's work overlaps the devices' (except before a save or
     a stop). Under parallel.mode=adaptive each step runs the program of the layout its batch was
-    packed for (train.batches); between steps the parameters and optimizer state are placed as
+    packed for (train.data.batches); between steps the parameters and optimizer state are placed as
     the static layout's program takes them, so evaluation, checkpoints and the export see one
     placement, and a switch only relabels them (basp_jax.adaptive.relabel: nothing is copied)."""
     batches = for_run(run.data, run.state.programs)

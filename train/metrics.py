@@ -21,7 +21,7 @@ def peak_flops(cfg: MetricsConfig, device_kind: str | None = None, *,
     not reported): metrics.peak_flops, else the GPU metrics.device names, else the GPU whose
     device kind is exactly `device_kind` (basp_jax.gpus, bf16 dense; fp16 without bf16).
     fp8_share: the share of the step's FLOPs model.fp8 runs as FP8 matmuls; on a GPU with an
-    FP8 peak those count at it (basp_jax.cost.mixed_peak_flops), the rest at the bf16 one."""
+    FP8 peak those count at it (basp_jax.planner.cost.mixed_peak_flops), the rest at the bf16 one."""
     from basp_jax import gpus
 
     if cfg.peak_flops is not None:
@@ -41,7 +41,7 @@ def peak_flops(cfg: MetricsConfig, device_kind: str | None = None, *,
 
 
 def _gpu_peak(gpu, fp8_share: float) -> tuple[float, str]:
-    from basp_jax import cost
+    from basp_jax.planner import cost
 
     line = (f"{gpu.peak_flops / 1e12:g} TFLOP/s per device, the {_half(gpu)} dense peak of "
             f"{gpu.device_kind}")

@@ -21,7 +21,8 @@ import dataclasses
 import os
 
 from basp_jax import Layout, LayoutError
-from basp_jax import adaptive, cost
+from basp_jax import adaptive
+from basp_jax.planner import cost
 from basp_jax.remat import REMAT_POLICIES, auto_policies
 from basp_jax.sharding import PARAM_SHARDINGS
 
@@ -66,7 +67,7 @@ def fp8_planned(cfg: Config) -> bool:
 
 
 def predicted_step_s(cfg: Config, mcfg, run_plan) -> float:
-    """basp_jax.cost's step time for a run plan on parallel.hardware (train.tools.aot's report)."""
+    """basp_jax.planner.cost's step time for a run plan on parallel.hardware (train.tools.aot's report)."""
     hw = hardware(cfg, run_plan.layout.devices_per_host)
     return cost.predict(model_shape(mcfg), run_plan.layout, run_plan.strategy, hw=hw,
                         grad_accum=cfg.train.grad_accum, remat=run_plan.remat,
@@ -253,11 +254,11 @@ AUTO_HEADROOM_COST = 0.01
 def memory_policy(cfg: Config, mcfg, layout: Layout, strategy: str,
                   devices_per_host: int) -> tuple[str, int | None]:
     """(model.remat, model.tile_tokens) the step runs with: the configured ones, or with
-    model.remat=auto the fastest predicted (basp_jax.cost.predict) of AUTO_REMAT whose device
-    memory fits parallel.hardware and whose offloaded residuals fit its host's share per GPU
-    (or the leanest nearly as fast, AUTO_HEADROOM); untiled where one fits (model.tile_tokens,
-    when set, is kept), else with AUTO_TILE_TOKENS. Nothing fits: the leanest (offload, tiled),
-    which check_memory or train.tools.aot then refuse."""
+    model.remat=auto the fastest predicted (basp_jax.planner.cost.predict) of AUTO_REMAT whose
+    device memory fits parallel.hardware and whose offloaded residuals fit its host's share per
+    GPU (or the leanest nearly as fast, AUTO_HEADROOM); untiled where one fits
+    (model.tile_tokens, when set, is kept), else with AUTO_TILE_TOKENS. Nothing fits: the
+    leanest (offload, tiled), which check_memory or train.tools.aot then refuse."""
     if cfg.optimizer.offload is True:  # the streamed step keeps each layer's input on the host
         return "offload", cfg.model.tile_tokens or AUTO_TILE_TOKENS
     if cfg.model.remat != "auto":
@@ -304,7 +305,7 @@ def _act_bytes(cfg: Config) -> int:
 def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,
                     remat: str | None = None, tile_tokens: int | None = None
                     ) -> tuple[float, str]:
-    """The bytes per device a train step holds (basp_jax.cost.memory_terms, the planner's
+    """The bytes per device a train step holds (basp_jax.planner.cost.memory_terms, the planner's
     formula: within 15% of the compiled GPU programs of the paper's models) and a breakdown.
     remat / tile_tokens: the plan's (memory_policy), else the config's."""
     q_heads, kv_heads = layout.exchanged_heads
@@ -320,7 +321,7 @@ def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,
 
 def host_memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,
                          remat: str | None = None) -> float:
-    """Pinned host memory per device the remat policy fills per step (basp_jax.cost.
+    """Pinned host memory per device the remat policy fills per step (basp_jax.planner.cost.
     host_memory_bytes; 0 unless it offloads), with optimizer.offload the state it holds too."""
     q_heads, kv_heads = layout.exchanged_heads
     shape = model_shape(mcfg)

@@ -1,4 +1,4 @@
-"""Adaptive layouts (basp_jax.adaptive): the set, the packer, the predicted gain, and on 8 CPU
+"""Adaptive layouts (basp_jax.adaptive): the set, the predicted gain, and on 8 CPU
 devices a tiny Transformer whose packed step gives the same loss and gradients on every layout
 of the set, and whose parameters switch layouts without moving.
 
@@ -6,7 +6,6 @@ Tolerances (float32): loss sums rtol 1e-6 (observed ~7e-8 between layouts); grad
 mean loss atol 1e-6 + rtol 1e-4, as tests/models/test_parallel.py.
 """
 
-import collections
 import dataclasses
 import re
 
@@ -16,9 +15,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from basp_jax import Layout, LayoutError, activation_sharding, adaptive, comm, cost, make_mesh
-from basp_jax.adaptive import Piece
+from basp_jax import Layout, LayoutError, activation_sharding, adaptive, make_mesh, packing
+from basp_jax.compiled import comm
+from basp_jax.planner import cost, gain
 from basp_jax.sharding import host_mesh
+from tests.helpers.documents import SET_WIDTHS, documents
 
 N, HOST = 8, 4  # devices, devices per emulated host
 S = 128  # the static layout's row: 1 row of 128 tokens on (1, 8)
@@ -82,173 +83,6 @@ def test_layout_steps_builds_each_layout_once():
     assert built == list(layouts) and len(steps) == len(layouts)
 
 
-# ------------------------------------------------------------------------------------ packing
-
-def _documents(lengths, seed=0, vocab=None):
-    """Documents of these lengths whose tokens are unique in the step (so each prediction can
-    be traced; below `vocab` instead when given), the last token of each an eos (0)."""
-    rng = np.random.default_rng(seed)
-    values = rng.permutation(np.arange(1, sum(lengths) + 1)).astype(np.int32)
-    if vocab is not None:
-        values = values % (vocab - 1) + 1
-    docs, at = [], 0
-    for n in lengths:
-        docs.append(np.concatenate([values[at:at + n - 1], [0]]).astype(np.int32))
-        at += n
-    return docs
-
-
-def _live(tokens, targets, segment_ids, order=None):
-    """The multiset of (token, target, position in its segment) of every prediction."""
-    if order is not None:
-        back = np.argsort(order)
-        tokens, targets, segment_ids = tokens[:, back], targets[:, back], segment_ids[:, back]
-    out = collections.Counter()
-    for tok, tgt, seg in zip(tokens, targets, segment_ids):
-        start = np.concatenate([[True], seg[1:] != seg[:-1]])
-        pos = np.arange(len(seg)) - np.maximum.accumulate(np.where(start, np.arange(len(seg)), 0))
-        out.update((int(a), int(b), int(p)) for a, b, p in zip(tok, tgt, pos) if b >= 0)
-    return out
-
-
-def _expected(docs, seq_len):
-    pieces = adaptive.pieces_of_documents(docs, seq_len)
-    return collections.Counter((int(a), int(b), i) for p in pieces
-                               for i, (a, b) in enumerate(zip(p.tokens, p.targets)))
-
-
-# rows of 16 that first-fit decreasing fills exactly (but not 4 rows of 32: below)
-EXACT_WIDTHS = [16, 12, 4, 10, 6, 8, 8, 15, 1, 9, 7, 11, 5, 13, 3]
-# the same without 1 and 3: every layout of the set holds them
-SET_WIDTHS = [16, 12, 4, 10, 6, 8, 8, 15, 9, 7, 11, 5, 13]
-
-
-def test_first_fit_decreasing_is_not_monotone_in_the_row_count():
-    """Why the chooser tries every layout from the most groups down instead of stopping at the
-    first that fails: 8 rows of 16 hold EXACT_WIDTHS, 4 rows of 32 (the same positions) do not."""
-    assert adaptive.first_fit_decreasing(EXACT_WIDTHS, 8, 16) is not None
-    assert adaptive.first_fit_decreasing(EXACT_WIDTHS, 4, 32) is None
-    assert all(adaptive.first_fit_decreasing(SET_WIDTHS, 8 // k, 16 * k) is not None
-               for k in (1, 2, 4, 8))
-
-
-@pytest.mark.parametrize("lengths, batch, groups", [
-    ([w + 1 for w in EXACT_WIDTHS], 1, 8),
-    ([17] * 6 + [18], 1, 4),              # one document of 17 predictions: rows of 32
-    ([60, 50, 10], 1, 2),
-    ([129], 1, 1),                        # fills the context
-    ([25] * 4, 1, 4),                     # one document per row of 32
-    ([25] * 5, 1, 1),                     # ... but a fifth has no row of 32 or 64 left
-    ([300, 20], 4, 4),                    # cut into 128, 128, 43 (overlapping by one): 4 rows
-    ([60] * 8, 4, 8),                     # 4 rows of 128 as 8 of 64
-])
-def test_packer_keeps_every_prediction_once_and_takes_the_most_groups(lengths, batch, groups):
-    layouts = adaptive.layout_set(N, batch, S, HEADS, KV, HOST)
-    docs = _documents(lengths)
-    packed = adaptive.pack_step(adaptive.pieces_of_documents(docs, S), layouts)
-    assert packed.layout.groups == groups and layouts[packed.index] is packed.layout
-    assert adaptive.choose_layout(lengths, layouts) == packed.index
-    assert packed.tokens.shape == (packed.layout.batch, packed.layout.seq_len)
-    assert packed.tokens.dtype == packed.targets.dtype == packed.segment_ids.dtype == np.int32
-    assert _live(packed.tokens, packed.targets, packed.segment_ids) == _expected(docs, S)
-    # whole documents: a document that fits a row is one run of one segment
-    for doc in docs:
-        if len(doc) - 1 <= packed.layout.seq_len:
-            hits = np.argwhere(np.isin(packed.tokens, doc[:-1]))
-            assert len(set(hits[:, 0])) == 1, len(doc)
-            row = hits[0, 0]
-            assert len(set(packed.segment_ids[row, hits[:, 1]])) == 1
-            assert np.all(np.diff(hits[:, 1]) == 1)
-    # the most groups: every layout with more fails first-fit decreasing (or a piece is too wide)
-    widths = [p.width for p in adaptive.pieces_of_documents(docs, S)]
-    for lay in layouts[packed.index + 1:]:
-        assert adaptive.first_fit_decreasing(widths, lay.batch, lay.seq_len) is None
-    # deterministic
-    again = adaptive.pack_step(adaptive.pieces_of_documents(docs, S), layouts)
-    for name, x in packed.arrays().items():
-        np.testing.assert_array_equal(again.arrays()[name], x)
-
-
-def test_padding_is_its_own_segment_and_takes_no_loss():
-    lay = _set()[1]  # 2 rows of 64
-    packed = adaptive.pack(adaptive.pieces_of_documents(_documents([11, 21]), S), lay, 1)
-    assert packed is not None
-    # widest first: the 20-prediction document opens row 0, the 10 joins it; row 1 empty
-    np.testing.assert_array_equal(packed.segment_ids[0, :32], [0] * 20 + [1] * 10 + [2] * 2)
-    assert set(packed.segment_ids[0, 30:]) == {2} and set(packed.segment_ids[1]) == {0}
-    assert np.all(packed.targets[0, 30:] == -1) and np.all(packed.targets[1] == -1)
-    assert np.all(packed.tokens[0, 30:] == 0)
-
-
-def test_pieces_are_the_static_pipelines_cuts():
-    """pieces_of_documents cuts like train.sources.document_pieces (rows of S + 1 tokens
-    overlapping by one); piece_widths counts them without building them."""
-    from train.sources import document_pieces
-
-    docs = _documents([5, 129, 130, 300, 257, 2])
-    stream = np.concatenate(docs)
-    starts, lengths = document_pieces(np.cumsum([len(d) for d in docs]), S + 1)
-    ours = adaptive.pieces_of_documents(docs, S)
-    assert len(ours) == len(starts)
-    for piece, start, n in zip(ours, starts, lengths):
-        np.testing.assert_array_equal(piece.tokens, stream[start:start + n - 1])
-        np.testing.assert_array_equal(piece.targets, stream[start + 1:start + n])
-    assert sorted(adaptive.piece_widths([len(d) for d in docs], S).tolist()) == \
-        sorted(p.width for p in ours)
-    with pytest.raises(ValueError, match="at least 2 tokens"):
-        adaptive.pieces_of_documents([np.array([0])], S)
-
-
-def test_a_step_over_the_static_rows_is_refused():
-    with pytest.raises(LayoutError, match="do not fit 1 rows of 128"):
-        adaptive.pack_step([Piece(np.zeros(100, np.int32), np.zeros(100, np.int32))] * 2, _set())
-
-
-def test_repacked_static_pipeline_rows_keep_every_prediction(tmp_path):
-    """The trainer's path: train.data.Pipeline's packed rows of a step (the static layout,
-    resumable from (seed, step)) repacked; every (token, target, position in its document) is
-    kept, and a step whose documents all fit smaller rows moves to more groups."""
-    from train.config import DataConfig
-    from train.data import Pipeline
-
-    rng = np.random.default_rng(1)
-    lengths = np.where(rng.random(60) < 0.85, rng.integers(2, 15, 60), rng.integers(40, 400, 60))
-    docs = _documents(lengths.tolist(), seed=1)
-    path = tmp_path / "docs.npy"
-    np.save(path, np.concatenate(docs).astype(np.uint16) % 60000)
-    pipe = Pipeline(DataConfig(source="tokens", path=str(path), seq_len=S, pack=True, eos_id=0),
-                    vocab_size=65536, grad_accum=1, microbatch=1, seed=0)
-    layouts = _set()
-    chosen = set()
-    for step in range(12):
-        rows = pipe.rows(step, np.arange(1))
-        packed = adaptive.pack_rows(rows["tokens"], rows["targets"], rows["segment_ids"], layouts)
-        chosen.add(packed.layout.groups)
-        assert _live(*packed.arrays().values()) == _live(*rows.values()), step
-        if packed.index == 0:
-            np.testing.assert_array_equal(packed.tokens, rows["tokens"])
-    assert 1 in chosen and len(chosen) > 1, chosen
-    # resume: a new pipeline (a resumed run's) repacks step t into the same layout and rows
-    again = Pipeline(DataConfig(source="tokens", path=str(path), seq_len=S, pack=True, eos_id=0),
-                     vocab_size=65536, grad_accum=1, microbatch=1, seed=0).rows(11, np.arange(1))
-    repacked = adaptive.pack_rows(again["tokens"], again["targets"], again["segment_ids"], layouts)
-    assert repacked.index == packed.index
-    for name, x in packed.arrays().items():
-        np.testing.assert_array_equal(repacked.arrays()[name], x)
-
-
-def test_zigzag_rows_are_read_and_written_in_token_order():
-    layouts = adaptive.layout_set(N, 1, S, HEADS, KV, HOST, host_rings=True, zigzag=True)
-    assert layouts[0].zigzag and layouts[0].ring == 2
-    docs = _documents([40, 30, 20])
-    static = adaptive.fill_rows(adaptive.pieces_of_documents(docs, S), [[0, 1, 2]], layouts[0])
-    packed = adaptive.pack_rows(static.tokens, static.targets, static.segment_ids, layouts)
-    assert packed.layout.groups == 2
-    order = packed.layout.token_order
-    assert _live(packed.tokens, packed.targets, packed.segment_ids, order) == \
-        _live(static.tokens, static.targets, static.segment_ids, layouts[0].token_order)
-
-
 # ------------------------------------------------------------------------------ predicted gain
 
 SHAPE = cost.ModelShape(32, 4096, 14336, 32, 8, 128, 128256)  # Llama-3.1-8B's sizes
@@ -275,14 +109,14 @@ def test_predicted_gain_of_a_long_tail_across_hosts_and_none_at_full_context():
     layouts = adaptive.layout_set(N, 1, LONG, 32, 8, devices_per_host=hw.devices_per_host)
     rng = np.random.default_rng(0)
     tail = _steps(rng, 64, lambda r: r.lognormal(6.5, 1.2) + 2)  # median ~670 tokens
-    gain = adaptive.predicted_gain(SHAPE, layouts, tail, hw=hw, remat="full")
-    assert gain.gain > 1.0, gain
-    assert gain.share(0) < 1.0
-    assert gain.step_s[1] < gain.step_s[0]  # (2, 4): all-to-alls inside one host
-    full = adaptive.predicted_gain(SHAPE, layouts, [[LONG + 1]] * 8, hw=hw, remat="full")
+    tail_gain = gain.predicted_gain(SHAPE, layouts, tail, hw=hw, remat="full")
+    assert tail_gain.gain > 1.0, tail_gain
+    assert tail_gain.share(0) < 1.0
+    assert tail_gain.step_s[1] < tail_gain.step_s[0]  # (2, 4): all-to-alls inside one host
+    full = gain.predicted_gain(SHAPE, layouts, [[LONG + 1]] * 8, hw=hw, remat="full")
     assert full.gain == pytest.approx(1.0, rel=0.03) and full.chosen == (0,) * 8
     with pytest.raises(LayoutError, match="hsdp"):
-        adaptive.predicted_gain(SHAPE, layouts, tail, hw=hw, param_sharding="hsdp")
+        gain.predicted_gain(SHAPE, layouts, tail, hw=hw, param_sharding="hsdp")
 
 
 # ------------------------------------------------------------- a tiny Transformer on the set
@@ -361,12 +195,12 @@ def on_the_set():
     """Each layout of the set with its model, its step, and the step's packing of the same
     documents (SET_WIDTHS: every layout holds them)."""
     layouts = _set()
-    docs = _documents([w + 1 for w in SET_WIDTHS], vocab=_tiny().vocab_size)
-    pieces = adaptive.pieces_of_documents(docs, S)
+    docs = documents([w + 1 for w in SET_WIDTHS], vocab=_tiny().vocab_size)
+    pieces = packing.pieces_of_documents(docs, S)
     out = []
     for i, lay in enumerate(layouts):
         graphdef, params, rest = _built(lay)
-        packed = adaptive.pack(pieces, lay, i)
+        packed = packing.pack(pieces, lay, i)
         assert packed is not None, lay
         out.append((lay, graphdef, params, rest, packed))
     return out
@@ -455,15 +289,15 @@ def test_a_ring_static_layout_and_its_sibling_give_the_same_loss_and_gradients()
     relabelled from the ring layout's placement."""
     layouts = adaptive.layout_set(N, 1, S, HEADS, KV, HOST, host_rings=True, zigzag=True)
     assert (layouts[0].ring, layouts[0].zigzag) == (2, True) and layouts[1].ring == 1
-    docs = _documents([w + 1 for w in SET_WIDTHS], vocab=_tiny().vocab_size)
-    pieces = adaptive.pieces_of_documents(docs, S)
+    docs = documents([w + 1 for w in SET_WIDTHS], vocab=_tiny().vocab_size)
+    pieces = packing.pieces_of_documents(docs, S)
     params_a, results = None, []
     for i, lay in enumerate(layouts[:2]):
         graphdef, params, rest = _built(lay)
         params_a = params if params_a is None else params_a
         shardings = _shardings(params)
         (total, count), grads = _step(graphdef, rest, shardings)(
-            adaptive.relabel(params_a, shardings), *_batch(adaptive.pack(pieces, lay, i)))
+            adaptive.relabel(params_a, shardings), *_batch(packing.pack(pieces, lay, i)))
         results.append((float(total), float(count), jax.tree.leaves(grads)))
     (total_a, count_a, grads_a), (total_b, count_b, grads_b) = results
     assert count_a == count_b == sum(SET_WIDTHS)

@@ -216,7 +216,7 @@ def test_rematerialisation_repeats_no_exchange(ring, zigzag, packed):
     pass recomputes no all-to-all, ring hop or segment gather: two checkpointed layers compile to
     exactly the collectives they have without remat. (That plain full remat repeats them shows in
     the train step, tests/train/test_collectives.py; here XLA merges the copies.)"""
-    from basp_jax import comm
+    from basp_jax.compiled import comm
     from basp_jax.remat import save_exchanges
 
     layout = Layout.plan(num_devices=8, batch=2, seq_len=S, num_heads=HQ, num_kv_heads=HQ, groups=2,
@@ -322,7 +322,7 @@ def test_the_kernel_follows_the_gpu_generation():
     input is bf16 (XLA has no bf16 dot there); an explicit kernel the GPU cannot run is refused
     with one line naming what would run."""
     from basp_jax import gpus
-    from basp_jax.kernels import device_capability, resolve_impl
+    from basp_jax.kernels import device_capability, gpu_kernels, resolve_impl
 
     t4 = device_capability(_Device("gpu", "7.5"))
     assert t4 == (7, 5) and device_capability(_Device("cpu")) is None
@@ -351,5 +351,5 @@ def test_the_kernel_follows_the_gpu_generation():
     assert resolve_impl("auto", f16_short, 1024, "gpu", False, t4) == "xla"
     with pytest.raises(ValueError, match="impl='xla' in float16 does not compile on CPU"):
         resolve_impl("xla", f16_short, 1024, "cpu", False)
-    assert gpus.GPUS["t4-16gb"].attention_kernels == ("xla", "blockwise")
-    assert "cudnn" in gpus.GPUS["a10g-24gb"].attention_kernels
+    assert gpu_kernels(gpus.GPUS["t4-16gb"].compute_capability) == ("xla", "blockwise")
+    assert "cudnn" in gpu_kernels(gpus.GPUS["a10g-24gb"].compute_capability)

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from basp_jax import Layout, activation_sharding, attention, comm, hlo, make_mesh
+from basp_jax import Layout, activation_sharding, attention, make_mesh
+from basp_jax.compiled import comm, hlo
 
 B, S, HQ, HKV, D = 2, 64, 8, 2, 16
 

@@ -4,10 +4,11 @@ import re
 
 import pytest
 
-from basp_jax import adaptive, cost
-from train.tools import plan
-from basp_jax.cost import HARDWARE, predict
+from basp_jax.planner import cost
+from basp_jax.planner.cost import HARDWARE, predict
 from models.config import MODEL_SHAPES
+from train.data import synthetic
+from train.tools import plan
 
 
 def _layout(shape, groups, *, batch=2, seq_len=16384, hw=HARDWARE["a100-40gb"], **kwargs):
@@ -130,15 +131,15 @@ def test_plan_cli_predicts_the_adaptive_choice_for_a_document_distribution(capsy
 
 
 def test_sampled_steps_fill_their_rows_and_are_seeded():
-    steps = adaptive.sample_steps("longtail", 50, rows=2, seq_len=4096, seed=3)
-    assert steps == adaptive.sample_steps("longtail", 50, rows=2, seq_len=4096, seed=3)
+    steps = synthetic.sample_steps("longtail", 50, rows=2, seq_len=4096, seed=3)
+    assert steps == synthetic.sample_steps("longtail", 50, rows=2, seq_len=4096, seed=3)
     for step in steps:
         assert all(2 <= n <= 4097 for n in step)
         assert sum(step) <= 2 * 4097  # two rows of seq_len + 1 tokens at most
     assert len({len(s) for s in steps}) > 1  # lengths vary
-    assert adaptive.sample_steps("full", 3, rows=2, seq_len=64) == [[65, 65]] * 3
+    assert synthetic.sample_steps("full", 3, rows=2, seq_len=64) == [[65, 65]] * 3
     with pytest.raises(ValueError, match="unknown document distribution 'zipf'"):
-        adaptive.sample_steps("zipf", 1, rows=1, seq_len=64)
+        synthetic.sample_steps("zipf", 1, rows=1, seq_len=64)
 
 
 @pytest.mark.parametrize("flags, fragment", [

@@ -17,7 +17,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from basp_jax import Layout, activation_sharding, attention, fp8_exchange, make_mesh
-from basp_jax.comm import parse_collectives
+from basp_jax.compiled.comm import parse_collectives
 from basp_jax.mesh import SEQ
 from tests.helpers.reference import reference_attention
 

@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from train import checkpoint  # noqa: E402
-from train.process.cli import main  # noqa: E402
+from train.cli import main  # noqa: E402
 
 CRASH_STEP = int(os.environ["CRASH_AT_SAVE_STEP"])
 _save = checkpoint.Checkpointer.save

@@ -22,7 +22,8 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    from basp_jax import Layout, activation_sharding, attention, hlo, make_mesh
+    from basp_jax import Layout, activation_sharding, attention, make_mesh
+    from basp_jax.compiled import hlo
 
     b, s, hq, hkv, d = 1, 8192, 32, 8, 128
     layout = Layout.plan(8, batch=b, seq_len=s, num_heads=hq, num_kv_heads=hkv, groups=1,

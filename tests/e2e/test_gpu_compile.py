@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from basp_jax import comm, cost, gpus
+from basp_jax import gpus
+from basp_jax.compiled import comm
+from basp_jax.planner import cost
 from models.config import MODEL_SHAPES
 from train.tools import aot
 from tests.helpers.flags import TEST_XLA_FLAGS
@@ -75,7 +77,7 @@ def _twin(path: str) -> str:
 
 
 # The GPU defaults' overlap flags, switched off the way a user would (XLA_FLAGS wins over
-# train.process.gpu_defaults): the program the planner's memory formula (basp_jax.cost) was fitted to.
+# train.process.gpu_defaults): the program the planner's memory formula (basp_jax.planner.cost) was fitted to.
 # With them on, the latency-hiding scheduler spends spare device memory on prefetching
 # collectives: +20% on a 4-layer Llama-3.2-1B step, +2.5 GiB (+11%) on the 8B one (basp_8b).
 NO_OVERLAP = " ".join(f"--{name}=false" for name in (

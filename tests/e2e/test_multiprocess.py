@@ -234,7 +234,7 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resumes(tmp_p
     np.testing.assert_allclose(losses, reference, rtol=2e-5)
 
 
-# Start-up as python train.py does it (train.process.cli): signals end the process at once, then
+# Start-up as python train.py does it (train.cli): signals end the process at once, then
 # runtime.configure joins the run; "joined" says jax.distributed.initialize has returned.
 _JOIN_THEN_WAIT = """
 import sys, time

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from train.process import cli
+from train import cli
 from train.loop import run
 from tests.helpers.trainer import ROOT, tiny_config, tiny_overrides, train_cmd, train_env
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import models
-from basp_jax import comm, cost
+from basp_jax.compiled import comm
+from basp_jax.planner import cost
 from train.tools.collectives import step_collectives
 from train.loop import run
 
@@ -34,7 +35,7 @@ def _inter_host(found, *kinds):
 @pytest.mark.parametrize("batch", [1, 2, 4, 8])
 def test_gradient_crosses_hosts_once_at_the_minimum(batch):
     """The compiled step's cross-host gradient bytes per device equal the closed form of
-    basp_jax.cost (one all-reduce of a 1/4 shard between the hosts) for every seq group size,
+    basp_jax.planner.cost (one all-reduce of a 1/4 shard between the hosts) for every seq group size,
     sp = 8 (groups across hosts) to sp = 1 (data parallel), the token embedding included; no
     parameter gather leaves a host."""
     mcfg = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=2)

@@ -20,7 +20,7 @@ from flax import nnx
 
 import basp_jax
 import models
-from basp_jax import adaptive
+from basp_jax import adaptive, packing
 
 N, HOST = 8, 4  # devices, devices per emulated host
 SEQ = 64
@@ -117,10 +117,10 @@ def test_an_adaptive_layout_equals_one_device():
     layouts = adaptive.layout_set(N, 1, SEQ, HEADS, KV, devices_per_host=HOST)
     rng = np.random.default_rng(7)
     docs = [rng.integers(0, 128, width + 1).astype(np.int32) for width in (15, 14, 16, 12)]
-    pieces = adaptive.pieces_of_documents(docs, SEQ)
+    pieces = packing.pieces_of_documents(docs, SEQ)
     target = next(i for i, lay in enumerate(layouts) if lay.groups == 4)
-    static = adaptive.pack(pieces, layouts[0], 0)
-    packed = adaptive.pack(pieces, layouts[target], target)
+    static = packing.pack(pieces, layouts[0], 0)
+    packed = packing.pack(pieces, layouts[target], target)
     assert packed is not None and packed.tokens.shape == (4, SEQ // 4)
 
     def rows(p):

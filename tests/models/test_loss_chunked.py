@@ -51,7 +51,7 @@ def test_vocab_sharded_lookup_and_loss_equal_the_gathering_ones_and_move_no_tabl
     fsdp/hsdp): loss and every parameter gradient equal the same model computed by gathering the
     tables (vocab_parallel "never"), on the (2, 4) mesh; and no collective of the compiled step
     carries a whole [vocab, hidden] table, where the gathering program does."""
-    from basp_jax import comm
+    from basp_jax.compiled import comm
 
     # A vocabulary large enough that a whole table (2 MiB) outweighs the layer's collectives.
     config = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=1,
@@ -97,7 +97,7 @@ def test_a_replicated_heads_gradient_is_reduced_once_not_once_per_chunk(strategy
     on 8 devices), the gathering loss's chunks accumulate the head's gradient on each device and
     the compiled step all-reduces it once, where it used to all-reduce the [vocab, hidden] table
     once per chunk (8 times here, twice each: over seq, then over group)."""
-    from basp_jax import comm
+    from basp_jax.compiled import comm
 
     config = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=1, vocab_size=4096)
     groups = 2 if strategy == "replicated" else 8

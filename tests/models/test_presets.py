@@ -98,7 +98,7 @@ def test_flops_per_token():
 def test_the_shape_is_the_configs_sizes():
     """ModelConfig.shape carries every field the cost model shares with the config, so a
     model.shape override reaches the planner and the FLOP count."""
-    from basp_jax import cost
+    from basp_jax.planner import cost
 
     config = dataclasses.replace(models.ModelConfig.preset("qwen2.5-3b"), num_layers=3,
                                  attention_out_bias=True)

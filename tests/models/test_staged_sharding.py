@@ -15,7 +15,7 @@ from flax import nnx, traverse_util
 
 import basp_jax
 import models
-from basp_jax import comm
+from basp_jax.compiled import comm
 from train.tools.collectives import step_collectives
 
 pytestmark = pytest.mark.usefixtures("compile_cache")  # this run's (tests/conftest.py)
@@ -207,7 +207,7 @@ def _layer_gathers(found):
 def test_staged_keep_gathers_the_layers_across_hosts_once_per_step(tmp_path):
     """In the compiled step, staged_keep's layers cross hosts as many bytes with 2 microbatches
     as with 1 (gathered once a step); staged's twice as many. The gradients' reduction across
-    hosts still runs once per microbatch under both (docs/limitations.md), as basp_jax.cost
+    hosts still runs once per microbatch under both (docs/limitations.md), as basp_jax.planner.cost
     counts it."""
     sent = {}
     for strategy in ("staged_keep", "staged"):

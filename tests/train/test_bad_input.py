@@ -1,7 +1,7 @@
 """Bad input: one line on stderr (what is wrong, what would work), exit status 2, no traceback,
 nothing compiled, and nothing in run.dir written, overwritten or deleted.
 
-Each case runs the real command line (train.process.cli.main) in-process against a copy of a run
+Each case runs the real command line (train.cli.main) in-process against a copy of a run
 directory that already holds checkpoints, metrics and a config from an earlier good run, and
 compares every file's bytes and mtime before and after. XLA compilations are counted with
 jax.monitoring. A few cases also run as a subprocess (python train.py) to show the same from a shell.
@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from train.process import cli
+from train import cli
 from train.loop import run
 
 from tests.helpers.flags import TEST_XLA_FLAGS

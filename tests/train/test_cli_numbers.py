@@ -15,7 +15,7 @@ import pytest
 from basp_jax import layout
 from train.tools import plan
 from train.tools import generate
-from train.process import cli
+from train import cli
 from train.tools import plot, tokenize
 
 from tests.helpers.trainer import snapshot, tiny_overrides

@@ -1,4 +1,4 @@
-"""The compiled train step's collectives (basp_jax.comm), on an emulated 2-host x 4-device cluster.
+"""The compiled train step's collectives (basp_jax.compiled.comm), on an emulated 2-host x 4-device cluster.
 
 At a realistic activation/weight ratio (S=2048 against d=128) so XLA partitions like it would at
 scale: weights are gathered, activations stay sharded.
@@ -6,7 +6,7 @@ scale: weights are gathered, activations stay sharded.
 
 import pytest
 
-from basp_jax import comm
+from basp_jax.compiled import comm
 from train.loop import run
 
 from tests.helpers.trainer import tiny_config
@@ -59,12 +59,12 @@ def test_every_collective_has_device_groups(tmp_path, strategy):
 
 def test_compiled_step_all_to_alls_equal_the_closed_form():
     """The trainer's step for a small Llama shape: the attention all-to-alls are exactly the
-    closed form of basp_jax.cost (BENCHMARKS.md section 1), there are no others, and under HSDP no
+    closed form of basp_jax.planner.cost (BENCHMARKS.md section 1), there are no others, and under HSDP no
     parameter gather leaves a host. A change that adds a collective to the step fails here."""
     import dataclasses
 
     import models
-    from basp_jax import cost
+    from basp_jax.planner import cost
     from train.tools.collectives import step_collectives
 
     mcfg = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=2)
@@ -86,8 +86,8 @@ def test_compiled_step_all_to_alls_equal_the_closed_form():
 def test_rematerialised_step_repeats_no_all_to_all(remat, scan_layers):
     """full and dots keep the all-to-all outputs (basp_jax.remat): the backward pass recomputes
     none, so the step has exactly 8 per layer per microbatch (4 forward, 4 backward), as without
-    remat and as basp_jax.cost counts. Plain full remat (model.remat=inputs) has 12 (24 for these
-    2 layers: tests/train/test_long_context.py).
+    remat and as basp_jax.planner.cost counts. Plain full remat (model.remat=inputs) has 12 (24
+    for these 2 layers: tests/train/test_long_context.py).
     With the layers under a scan the program holds one layer's 8, run once per layer."""
     import dataclasses
 

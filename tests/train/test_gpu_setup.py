@@ -12,7 +12,8 @@ import pytest
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 
-from train.process import cli, gpu_defaults, runtime
+from train import cli
+from train.process import gpu_defaults, runtime
 
 from tests.helpers.trainer import tiny_overrides
 

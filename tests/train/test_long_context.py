@@ -141,7 +141,7 @@ def test_auto_remat_names_full_where_another_policy_would_compile_to_it():
     """configs/colab.yaml (one GPU: nothing exchanged): full_kv's and inputs' programs are full's,
     though the formula predicts them leaner (it counts exchanged widths) and as fast, so the
     headroom rule would take one: the planner names full."""
-    from basp_jax import cost
+    from basp_jax.planner import cost
     from train.config import load_config
     from train.planning import hardware, memory_policy, model_shape, plan, state_bytes
     from train.prepare import model_config
@@ -161,10 +161,10 @@ def test_auto_remat_names_full_where_another_policy_would_compile_to_it():
 
 
 def test_host_transfers_are_read_from_the_async_copies_between_memory_spaces():
-    """basp_jax.comm.host_transfers on the two async copies a GPU program of the offload policy
+    """basp_jax.compiled.comm.host_transfers on the two async copies a GPU program of the offload policy
     has (copied from a compiled 8B step): a dynamic-update-slice into a pinned-host (S(5))
     buffer moves its device operand to the host, a dynamic-slice out of one moves its result back."""
-    from basp_jax import comm
+    from basp_jax.compiled import comm
 
     text = """
   %a = ((bf16[32,1,64,16]{3,2,1,0:S(5)}, bf16[1,1,64,16]{3,2,1,0}, s32[], s32[]), bf16[32,1,64,16]{3,2,1,0:S(5)}, u32[]) fusion-start(%buf, %x, %i, %j), kind=kCustom

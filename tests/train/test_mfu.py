@@ -2,7 +2,9 @@
 
 import pytest
 
-from basp_jax import cost, gpus
+from basp_jax import gpus
+from basp_jax.kernels import gpu_kernels
+from basp_jax.planner import cost
 from train.config import ConfigError, MetricsConfig
 from train.metrics import peak_flops
 
@@ -54,7 +56,8 @@ def test_one_table_serves_mfu_the_planner_and_the_compile_targets():
     # bf16 tensor cores and the fused attention kernels from sm80 only
     assert [n for n, g in gpus.GPUS.items() if not g.bf16] == ["t4-16gb"]
     assert gpus.GPUS["t4-16gb"].half_dtype == "float16"
-    assert [n for n, g in gpus.GPUS.items() if "pallas" not in g.attention_kernels] == ["t4-16gb"]
+    assert [n for n, g in gpus.GPUS.items()
+            if "pallas" not in gpu_kernels(g.compute_capability)] == ["t4-16gb"]
     t4 = gpus.target_config("t4-16gb")  # what XLA is told about a T4 (sm75: 1024 threads per SM)
     assert "core_count: 40" in t4 and "threads_per_core_limit: 1024" in t4
     assert "major: 7\n    minor: 5" in t4 and 'device_description_str: "Tesla T4"' in t4

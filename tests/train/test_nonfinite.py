@@ -126,7 +126,7 @@ def test_a_checkpoint_holding_a_nan_is_refused_and_kept(tmp_path, capsys):
     compiles; every checkpoint keeps its bytes (was: every step skipped, exit 0, and the final
     checkpoint saved the NaN again)."""
     from tests.helpers.trainer import set_checkpoint_value, snapshot
-    from train.process import cli
+    from train import cli
 
     run_dir = tmp_path / "run"
     overrides = tiny_overrides(run_dir, "train.steps=6", "checkpoint.every=2")

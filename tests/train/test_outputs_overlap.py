@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train.process import cli
+from train import cli
 from train.loop import run
 
 from tests.helpers.trainer import (ROOT, enable_compile_cache, snapshot, tiny_config,

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from train import resume
-from train.process import cli
+from train import cli
 from train.config import ConfigError
 from train.loop import run
 
@@ -287,14 +287,14 @@ def test_a_file_changed_under_its_sidecar_is_scanned_and_refused(tokenized, tmp_
 def test_a_sidecar_whose_claims_were_edited_is_not_trusted(tokenized, tmp_path, monkeypatch):
     """A sidecar claiming a smaller largest id (or any other edit) fails its seal: the file is
     scanned as if it had no sidecar; an untouched one replaces the scan."""
-    import train.data
+    import train.data.pipeline
     from train.config import DataConfig
     from train.data import Pipeline
 
     path = _sealed_copy(tokenized, tmp_path)
     cfg = DataConfig(source="tokens", path=str(path), seq_len=8, eos_id=0)
     scans = []
-    monkeypatch.setattr(train.data, "_check_ids", lambda *a: scans.append(a[2]))
+    monkeypatch.setattr(train.data.pipeline, "_check_ids", lambda *a: scans.append(a[2]))
 
     def pipe():
         return Pipeline(cfg, vocab_size=VOCAB, grad_accum=1, microbatch=2, seed=0)

@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 import models
-from basp_jax import comm
+from basp_jax.compiled import comm
 from tests.helpers.trainer import ROOT, tiny_config, tiny_overrides
 from train import state as prog
 from train import streamed
@@ -262,7 +262,7 @@ def test_offloaded_state_beyond_the_machine_memory_is_refused_before_run_dir(tmp
     import math
 
     from train.planning import host_memory_available
-    from train.process import cli
+    from train import cli
 
     available = host_memory_available()
     one, two = (model_config(tiny_config(tmp_path / "run", _wide_shape(n))).num_params()

@@ -107,7 +107,7 @@ def test_tokenize_then_train_gives_the_text_paths_losses(tmp_path):
 
 
 def test_a_checked_sidecar_replaces_the_scan(tmp_path, monkeypatch):
-    import train.data
+    import train.data.pipeline
 
     tok = _tokenizer(tmp_path)
     (tmp_path / "d.txt").write_text("\n".join(_docs(50, 4)) + "\n")
@@ -118,7 +118,7 @@ def test_a_checked_sidecar_replaces_the_scan(tmp_path, monkeypatch):
     def no_scan(*args):
         raise AssertionError("scanned despite a checked sidecar")
 
-    monkeypatch.setattr(train.data, "_check_ids", no_scan)
+    monkeypatch.setattr(train.data.pipeline, "_check_ids", no_scan)
     assert "checked sidecar" in _pipe(cfg).name
 
     def refused(cfg, vocab=256, *match):

@@ -12,7 +12,8 @@ import tempfile
 
 import models
 from models.safetensors_io import INDEX_FILE
-from basp_jax import Layout, comm
+from basp_jax import Layout
+from basp_jax.compiled import comm
 
 from .. import hf_export, paths
 from ..config import INPUT_PATHS, Config, ConfigError, from_dict, to_yaml

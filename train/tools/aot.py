@@ -226,7 +226,7 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False,
     under parallel.mode=adaptive, that of layout `layout_index` of the set."""
     import jax
 
-    from basp_jax import comm, hlo
+    from basp_jax.compiled import comm, hlo
 
     from ..model_setup import fp8_enabled
     from ..planning import host_memory_estimate, memory_estimate, predicted_step_s
@@ -273,7 +273,7 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False,
         "attention_kernels": hlo.attention_kernels(text),
         # model.fp8: the FP8 GEMMs the program runs per step (cuBLASLt calls and GEMM fusions)
         "fp8": fp8_enabled(cfg, devices[0]), "fp8_gemms": hlo.fp8_gemms(text),
-        # the planner's step time for this layout (basp_jax.cost.predict; FP8 FLOPs at the FP8 peak)
+        # the planner's step time for this layout (basp_jax.planner.cost.predict; FP8 FLOPs at the FP8 peak)
         "predicted_step_s": predicted_step_s(cfg, mcfg, run_plan),
         # async collectives with compute between start and done: the latency-hiding scheduler's work
         "overlapped_collectives": hlo.overlapped_collectives(text),
@@ -294,7 +294,7 @@ def collective_rows(collectives, devices_per_host: int, num_layers: int, grad_ac
     per device. The group size is part of the key: a row merged over sizes would print one size
     beside bytes of another (the loss's 8-byte f32 sum over all devices beside a 250 MiB f32
     gradient all-reduce between two hosts read as a 250 MiB all-reduce over every device)."""
-    from basp_jax import comm
+    from basp_jax.compiled import comm
 
     rows = {}
     for c in collectives:
@@ -364,7 +364,7 @@ def format_report(r: dict) -> str:
     else:
         lines.append("attention kernel: none found")
     if r.get("fp8") or r.get("fp8_gemms", {}).get("total"):
-        from basp_jax.hlo import CUBLASLT_FP8
+        from basp_jax.compiled.hlo import CUBLASLT_FP8
 
         g = r["fp8_gemms"]
         per_layer = g["total"] / (r["model"]["num_layers"] * r["grad_accum"])
@@ -373,7 +373,7 @@ def format_report(r: dict) -> str:
                      f"layer per microbatch ({g['cublaslt']} cuBLASLt {CUBLASLT_FP8}, "
                      f"{g['fusion']} GEMM fusions of FP8 operands)")
     if r.get("predicted_step_s") is not None:
-        lines.append(f"predicted step: {r['predicted_step_s']:.3f} s (basp_jax.cost at "
+        lines.append(f"predicted step: {r['predicted_step_s']:.3f} s (basp_jax.planner.cost at "
                      "parallel.hardware's peak and efficiency)")
     overlap = r["overlapped_collectives"]
     pairs = sum(v["pairs"] for v in overlap.values())
@@ -412,7 +412,8 @@ def report(cfg, target: str, hosts: int, gpus_per_host: int, *, want_hlo: bool =
     """Compile `cfg` for `hosts` x `gpus_per_host` GPUs of `target`: the report as a dict."""
     import jax
 
-    from basp_jax import LayoutError, cost, gpus
+    from basp_jax import LayoutError, gpus
+    from basp_jax.planner import cost
     from models import ModelError
 
     from ..config import ConfigError, replace
@@ -540,10 +541,10 @@ def would_fit(cfg, r: dict, num_devices: int, devices_per_host: int) -> str:
 
 def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict]:
     """Every layout the planner would consider for `cfg` on this cluster, each compiled: rows
-    with the prediction (basp_jax.cost) and the compiled report, fastest fitting first. On
+    with the prediction (basp_jax.planner.cost) and the compiled report, fastest fitting first. On
     several hosts the candidates include host parameter sharding beside fsdp and hsdp; a
     parallel.param_sharding other than auto keeps the candidates of that strategy alone."""
-    from basp_jax import cost
+    from basp_jax.planner import cost
 
     from ..config import replace
     from ..prepare import model_config

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import jax
 
-from basp_jax import Layout, comm
+from basp_jax import Layout
+from basp_jax.compiled import comm
 
 from ..config import from_dict
 from ..state import compile_program

@@ -15,7 +15,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from basp_jax import Layout, activation_sharding, attention, comm, make_mesh, mesh_groups  # noqa: E402
+from basp_jax import Layout, activation_sharding, attention, make_mesh, mesh_groups  # noqa: E402
+from basp_jax.compiled import comm
 from basp_jax.kernels import xla_attention  # noqa: E402
 
 B, S, HQ, HKV, D = 2, 1024, 8, 4, 32

@@ -3,7 +3,7 @@
     python -m train.tools.plan --model llama-3.1-8b --seq 16384 --batch 2 --devices 8 \
         --devices-per-host 4 --hardware a100-40gb [--docs longtail]
 
---docs adds the adaptive choice (basp_jax.adaptive): per step, the layout with the most groups
+--docs adds the adaptive choice (basp_jax.adaptive, basp_jax.planner.gain): per step, the layout with the most groups
 whose rows hold that step's documents, drawn from a named length distribution; its predicted
 step time is the mean over sampled steps, against the static layout it expands. Every document of
 a sampled step is drawn and packed: 256 steps, fewer when they would hold more than 2**26 tokens
@@ -16,9 +16,12 @@ import argparse
 import sys
 
 from basp_jax import adaptive
-from basp_jax.cost import HARDWARE, Prediction, default_pad_rows, plan_table
+from basp_jax.planner.cost import HARDWARE, Prediction, default_pad_rows, plan_table
 from basp_jax.remat import REMAT_POLICIES
+from basp_jax.planner.gain import predicted_gain
 from models.config import MODEL_SHAPES
+
+from ..data.synthetic import DISTRIBUTIONS, sample_steps
 
 GB = 1e9
 # The largest value of each integer flag: far beyond any real run, small enough that every
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                              "each ring step then waits for its busiest device")
     parser.add_argument("--fp8", action="store_true",
                         help="the layers' projections at the GPU's FP8 peak (model.fp8)")
-    parser.add_argument("--docs", choices=sorted(adaptive.DISTRIBUTIONS), default=None,
+    parser.add_argument("--docs", choices=sorted(DISTRIBUTIONS), default=None,
                         help="also predict the adaptive choice for documents of this length "
                              "distribution (longtail: lognormal(6.5, 1.2); full: each fills a row)")
     args = parser.parse_args(argv)
@@ -170,11 +173,9 @@ def adaptive_line(shape, preds: list[Prediction], args, hw) -> str:
         return "adaptive: no candidate keeps its parameters in place across layouts (fsdp/host)"
     layouts = adaptive.expand(base.layout, param_sharding=base.param_sharding)
     count = sampled_steps(base.layout.batch, base.layout.seq_len)
-    steps = adaptive.sample_steps(args.docs, count, rows=base.layout.batch,
-                                  seq_len=base.layout.seq_len)
-    gain = adaptive.predicted_gain(shape, layouts, steps, hw=hw, param_sharding=base.param_sharding,
-                                   grad_accum=args.grad_accum, remat=args.remat,
-                                   overlap=args.overlap)
+    steps = sample_steps(args.docs, count, rows=base.layout.batch, seq_len=base.layout.seq_len)
+    gain = predicted_gain(shape, layouts, steps, hw=hw, param_sharding=base.param_sharding,
+                          grad_accum=args.grad_accum, remat=args.remat, overlap=args.overlap)
     shares = ", ".join(f"{lay.groups}x{lay.sp} {gain.share(i):.0%}"
                        for i, lay in enumerate(layouts) if gain.share(i))
     return (f"adaptive over {base.name} (--docs {args.docs}, {count} sampled steps): "

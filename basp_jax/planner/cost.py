@@ -17,10 +17,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from . import gpus
-from .layout import Layout, LayoutError, _divisors, auto_mode, mode_of
-from .remat import REMAT_POLICIES, RematPolicy
-from .sharding import PARAM_SHARDINGS
+from .. import gpus
+from ..layout import Layout, LayoutError, _divisors, auto_mode, mode_of
+from ..remat import REMAT_POLICIES, RematPolicy
+from ..sharding import PARAM_SHARDINGS
+from ..vocab import prefer_vocab_parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,7 +323,7 @@ def _gradient_sync(sync: str | None, layout: Layout, all_params: float) -> Traff
     if sync == "hosts" and n > dph:  # host: every element crosses hosts once
         return Traffic(inter=min_inter_host_gradient_bytes(all_params, n, dph), launches=1)
     if sync not in (None, "groups", "hosts"):
-        raise ValueError(f"unknown gradient sync {sync!r}; basp_jax.cost prices groups, hosts")
+        raise ValueError(f"unknown gradient sync {sync!r}; basp_jax.planner.cost prices groups, hosts")
     return Traffic()
 
 
@@ -343,26 +344,6 @@ class Prediction:
     @property
     def name(self) -> str:
         return layout_name(self.layout, self.param_sharding)
-
-
-# Tokens per device above which the gathering embedding and loss cost too much memory whatever
-# they save in bytes: their float32 [tokens, hidden] rows and whole float32 tables and gradients
-# (the 8B step at 512K tokens per device: 82.3 GiB gathering, 66.8 vocabulary-parallel).
-GATHER_MAX_TOKENS_PER_DEVICE = 65536
-
-
-def prefer_vocab_parallel(tokens_per_device: float, shard_group: int, vocab_size: int,
-                          tied: bool) -> bool:
-    """Whether the embedding and loss should move the tokens' rows (basp_jax.vocab)
-    rather than gather the vocabulary tables: where that sends fewer bytes, or where the
-    gathering path's memory would grow too large (GATHER_MAX_TOKENS_PER_DEVICE). Rows: ~12 x
-    tokens x hidden bytes over the shard group (the embedding's rows and cotangent, the loss's
-    hidden states gathered forward and again rematerialised, their f32 cotangent); tables: ~8 x
-    vocab x hidden bytes per table (bf16 gathers forward and backward, an f32 gradient). Rows
-    send less below 2/3 x vocab tokens per shard group with a tied table, 4/3 x vocab untied."""
-    tables = 1 if tied else 2
-    return (12 * tokens_per_device * shard_group < 8 * vocab_size * tables
-            or tokens_per_device > GATHER_MAX_TOKENS_PER_DEVICE)
 
 
 def vocab_parallel(shape: ModelShape, param_sharding: str, shard_group: int,

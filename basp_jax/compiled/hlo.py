@@ -5,7 +5,7 @@
 
 A while loop with a known trip count (XLA writes `"known_trip_count":{"n":"32"}` into its
 backend_config, e.g. for a scan over layers or microbatches) runs its body that many times; a
-computation called from several places adds up. Collectives (basp_jax.comm) and kernels
+computation called from several places adds up. Collectives (basp_jax.compiled.comm) and kernels
 (`attention_kernels`) are counted with these multiplicities, so a scanned program reports what it
 executes, not how it is written. Kernels are found by the `attention_kernel` named scope
 (jax.named_scope) that basp_jax.attention puts around whichever local kernel runs: XLA keeps it in
@@ -18,6 +18,8 @@ import dataclasses
 import re
 from collections import defaultdict
 from functools import cached_property
+
+from ..attention import ATTENTION_SCOPE
 
 _COMPUTATION_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTRUCTION_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
@@ -120,9 +122,8 @@ KERNEL_TRITON = "triton"  # a Pallas/Triton kernel (custom call __gpu$xla.gpu.tr
 KERNEL_LOOP = "pure-JAX loop"  # the blockwise kernel: while loops over key/query blocks
 KERNEL_XLA = "xla"  # jax.nn.dot_product_attention's XLA path: materialised scores
 
-# The named scope around every local kernel (basp_jax.attention, models.layers.local_attention):
-# what an instruction's op_name holds as one path component when attention computed it.
-ATTENTION_SCOPE = "attention_kernel"
+# The named scope around every local kernel (basp_jax.attention.ATTENTION_SCOPE): what an
+# instruction's op_name holds as one path component when attention computed it.
 _SCOPE_RE = re.compile(r'op_name="(?:[^"]*/)?' + ATTENTION_SCOPE + r'[/"]')
 
 

@@ -19,7 +19,7 @@ import os
 import sys
 import traceback
 
-from ..config import ConfigError, load_config
+from .config import ConfigError, load_config
 
 USAGE = "python train.py --config configs/NAME.yaml [key.sub=value ...]"
 NO_CONFIG = "no config given: pass --config FILE (e.g. --config configs/demo_cpu.yaml)"
@@ -46,7 +46,7 @@ def install_signal_handlers() -> None:
     """From the first instruction of `python train.py`: SIGINT/SIGTERM end the process at once
     with one line, also in the middle of a compile, until the training loop takes them over
     (train.process.stop)."""
-    from .stop import exit_at_once_outside_the_loop
+    from .process.stop import exit_at_once_outside_the_loop
 
     exit_at_once_outside_the_loop()
 
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
         return _fail("config", e)
 
     # CPU device count and distributed init must precede every JAX backend use.
-    from . import runtime
+    from .process import runtime
 
     try:
         runtime.configure(cfg)
@@ -127,13 +127,13 @@ def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
     from basp_jax import LayoutError
     from models import ModelError
 
-    from ..checkpoint import CheckpointError, SaveFailed, StorageError
-    from ..data import DataError
-    from .lock import RunDirInUse
-    from .outputs import ExportError
-    from ..loop import NonFiniteError, PeerFailure, run
-    from .peers import PEER_FAILURE_STATUS
-    from ..planning import ResourceError
+    from .checkpoint import CheckpointError, SaveFailed, StorageError
+    from .data import DataError
+    from .process.lock import RunDirInUse
+    from .process.outputs import ExportError
+    from .loop import NonFiniteError, PeerFailure, run
+    from .process.peers import PEER_FAILURE_STATUS
+    from .planning import ResourceError
 
     # each error that ends the run with one line: its label and the exit status
     one_line = ((ConfigError, "config", 2), (LayoutError, "layout", 2), (ModelError, "model", 2),

@@ -10,7 +10,8 @@ resumed run needs only the step (which the checkpoint holds), and a process read
 
 Why not grain's FirstFitPackIterDataset: it is an IterDataset (its position is iterator state,
 checkpointed and restored per process), which would lose the (seed, step) -> batch property; the
-packing here is planned once, at start-up, from the documents' lengths (`_first_fit`).
+packing here is planned once, at start-up, from the documents' lengths (basp_jax.packing:
+the one cutter and first-fit packer, which adaptive layouts use too).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import grain
 import numpy as np
 
-PACKING_BINS = 16  # open bins of the first-fit packer: more pack tighter, each piece checks all
+from basp_jax.packing import document_pieces, first_fit
 
 
 class Windows:
@@ -32,46 +33,6 @@ class Windows:
     def row(self, i: int) -> tuple[np.ndarray, None]:
         start = i * (self.length - 1)
         return np.asarray(self.stream[start:start + self.length], dtype=np.int64), None
-
-
-def document_pieces(ends: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, lengths) of the pieces of documents ending (exclusive) at `ends`: a document of
-    up to `length` tokens is one piece; a longer one is cut into rows of `length` overlapping by
-    one token (no prediction lost), its last piece shorter. Only documents that cannot fit are
-    split."""
-    begins = np.concatenate([[0], ends[:-1]])
-    sizes = ends - begins
-    step = length - 1
-    count = np.maximum(1, -(-(sizes - 1) // step))  # pieces per document
-    first = np.repeat(np.cumsum(count) - count, count)
-    k = np.arange(count.sum()) - first  # piece number within its document
-    doc = np.repeat(np.arange(len(sizes)), count)
-    starts = begins[doc] + k * step
-    lengths = np.minimum(length, ends[doc] - starts)
-    return starts, lengths
-
-
-def _first_fit(lengths: np.ndarray, order: np.ndarray, capacity: int) -> list[list[int]]:
-    """Bins of piece indices (in `order`): each piece goes to the first open bin with room; when
-    none has room the fullest bin is closed and the piece opens a new one in its place."""
-    closed: list[list[int]] = []
-    room = np.full(PACKING_BINS, capacity, dtype=np.int64)
-    bins: list[list[int]] = [[] for _ in range(PACKING_BINS)]
-    for i in order:
-        size = int(lengths[i])
-        if size == capacity:  # a full row: a bin of its own
-            closed.append([int(i)])
-            continue
-        fits = np.flatnonzero(room >= size)
-        if len(fits):
-            b = int(fits[0])
-        else:
-            b = int(np.argmin(room))
-            closed.append(bins[b])
-            bins[b], room[b] = [], capacity
-        bins[b].append(int(i))
-        room[b] -= size
-    return closed + [b for b in bins if b]
 
 
 class Packed:
@@ -89,21 +50,32 @@ class Packed:
         self.documents = len(ends)
         self.starts, self.lengths = document_pieces(ends, length)
         order = np.random.default_rng([seed, 0xFAC]).permutation(len(self.starts))
-        bins = _first_fit(self.lengths, order, length)
+        bins = first_fit(self.lengths, length, order=order)
         self.offsets = np.cumsum([0] + [len(b) for b in bins])
         self.pieces = np.fromiter((p for b in bins for p in b), dtype=np.int64)
         self.count = len(bins)
 
+    def row_tokens(self, i: int) -> list[np.ndarray]:
+        """The pieces of row i, each its tokens (a document or a cut of one), in row order."""
+        return [np.asarray(self.stream[s:s + n], dtype=np.int64) for s, n in
+                ((int(self.starts[p]), int(self.lengths[p]))
+                 for p in self.pieces[self.offsets[i]:self.offsets[i + 1]])]
+
     def row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        raw = np.zeros(self.length, dtype=np.int64)
-        seg = np.full(self.length, -1, dtype=np.int64)
-        at = 0
-        for s, p in enumerate(self.pieces[self.offsets[i]:self.offsets[i + 1]]):
-            start, n = int(self.starts[p]), int(self.lengths[p])
-            raw[at:at + n] = self.stream[start:start + n]
-            seg[at:at + n] = s
-            at += n
-        return raw, seg
+        return row_of(self.row_tokens(i), self.length)
+
+
+def row_of(pieces: list[np.ndarray], length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, segment ids) of one row of `length`: the pieces one after the other, segment ids
+    numbering them, then padding (token 0, segment -1)."""
+    raw = np.zeros(length, dtype=np.int64)
+    seg = np.full(length, -1, dtype=np.int64)
+    at = 0
+    for s, tokens in enumerate(pieces):
+        raw[at:at + len(tokens)] = tokens
+        seg[at:at + len(tokens)] = s
+        at += len(tokens)
+    return raw, seg
 
 
 def epochs(sources: list, weights: list[float] | None, seed: int) -> grain.MapDataset:

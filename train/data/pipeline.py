@@ -2,7 +2,7 @@
 
 The batch of step t is [grad_accum, microbatch, seq_len] and a pure function of (seed, t): global
 row r = a * microbatch + b of step t is row g = t * grad_accum * microbatch + r of an endless
-sequence of seeded epochs (train.sources, on Grain), so any process builds exactly the rows its
+sequence of seeded epochs (train.data.sources, on Grain), so any process builds exactly the rows its
 devices hold and nothing else, and a resumed run continues from step t with the same rows (the
 checkpoint's step is the whole iterator state). Sources:
 
@@ -33,72 +33,16 @@ from typing import Callable
 
 import numpy as np
 
+from basp_jax.packing import Piece
+
+from ..config import DataConfig
+from ..fingerprint import sample_sha256
 from . import sources
-from .fingerprint import sample_sha256
-from .config import DataConfig
+from .synthetic import MarkovSource
 
 
 class DataError(ValueError):
     """Data that cannot be used as configured; the message is one line."""
-
-
-HELD_OUT = 0xE7A1  # the extra key of held-out synthetic rows (Pipeline(held_out=True))
-DOCUMENTS = 0xD0C5  # the extra key of a synthetic row's document lengths (data.documents)
-
-
-def _rng(*keys: int) -> np.random.Generator:
-    return np.random.default_rng([int(k) for k in keys])
-
-
-class MarkovSource:
-    """Rows walked on a fixed random Markov chain; each token has `branching` likely successors."""
-
-    def __init__(self, vocab_size: int, branching: int, seed: int, held_out: bool = False,
-                 documents: str | None = None):
-        self.doc_lengths = documents  # a basp_jax.adaptive.DISTRIBUTIONS name: rows of documents
-        branching = min(branching, vocab_size)
-        table_rng = _rng(seed, 0x5EED)
-        self.table = np.stack(
-            [table_rng.choice(vocab_size, size=branching, replace=False) for _ in range(vocab_size)]
-        )
-        weights = 0.5 ** np.arange(branching, dtype=np.float64)  # skewed: lower entropy
-        self.probs = weights / weights.sum()
-        self.entropy = float(-(self.probs * np.log(self.probs)).sum())
-        self.vocab_size = vocab_size
-        self.seed = seed
-        # held-out rows come from streams keyed (seed, step, row, HELD_OUT): no training row uses
-        # a 4-element key, so they never coincide with one
-        self.tag = (HELD_OUT,) if held_out else ()
-
-    def rows(self, step: int, row_ids: np.ndarray, length: int) -> np.ndarray:
-        out = np.empty((len(row_ids), length), dtype=np.int64)
-        for i, r in enumerate(row_ids):
-            rng = _rng(self.seed, step, r, *self.tag)
-            choice = rng.choice(len(self.probs), size=length - 1, p=self.probs)
-            tok = int(rng.integers(self.vocab_size))
-            out[i, 0] = tok
-            for j in range(1, length):
-                tok = self.table[tok, choice[j - 1]]
-                out[i, j] = tok
-        return out
-
-    def document_rows(self, step: int, row_ids: np.ndarray, length: int
-                      ) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens, segment ids) [len(row_ids), length]: each row walked as `rows` walks it,
-        cut into documents whose lengths (keyed (seed, step, row)) follow self.doc_lengths as a
-        packing pipeline fills a row (basp_jax.adaptive.row_documents); segment ids number
-        them, -1 the padding after the last (token 0), as train.sources.Packed's rows."""
-        from basp_jax.adaptive import row_documents
-
-        raw = self.rows(step, row_ids, length)
-        seg = np.full(raw.shape, -1, np.int64)
-        for i, r in enumerate(row_ids):
-            lengths = row_documents(_rng(self.seed, step, r, DOCUMENTS, *self.tag),
-                                    self.doc_lengths, length)
-            ends = np.cumsum(lengths)
-            seg[i, :ends[-1]] = np.repeat(np.arange(len(lengths)), lengths)
-        raw[seg < 0] = 0
-        return raw, seg
 
 
 class StreamSource:
@@ -324,7 +268,7 @@ class Pipeline:
                 f"data.eos_id={cfg.eos_id} is not below the model's vocab_size={vocab_size}"
             )
         self.held_out = held_out
-        self.epochs = None  # global row index -> (source, row): train.sources
+        self.epochs = None  # global row index -> (source, row): train.data.sources
         if cfg.source == "synthetic":
             self.source = MarkovSource(vocab_size, cfg.branching, seed, held_out, cfg.documents)
             self.name = f"synthetic Markov chain (branching {cfg.branching})" + (
@@ -422,6 +366,24 @@ class Pipeline:
         if self.seq_order is not None:
             out = {name: x[:, self.seq_order] for name, x in out.items()}
         return out
+
+    def row_pieces(self, step: int, row_ids: np.ndarray) -> list[list[Piece]]:
+        """Each row's documents (or cuts of one) as the start-up packing put them in the row,
+        each a piece of inputs and targets (packed data: data.pack=true): what adaptive layouts
+        pack into their own rows (basp_jax.packing.pack_microbatches), no row built first. A
+        piece of one token (no prediction) is left out. The same predictions as `rows`."""
+        if not self.pack:
+            raise DataError("row pieces need packed documents (data.pack=true)")
+        length = self.seq_len + 1
+        if isinstance(self.source, MarkovSource) and self.source.doc_lengths:
+            docs = self.source.documents(step, np.asarray(row_ids), length)
+        elif self.epochs is None:  # synthetic rows: documents end at each eos
+            docs = [np.split(raw, np.flatnonzero(raw[:-1] == self.eos_id) + 1)
+                    for raw in self.source.rows(step, np.asarray(row_ids), length)]
+        else:
+            docs = [self.sources[k].row_tokens(i) for k, i in
+                    (self.epochs[step * self.num_rows + int(r)] for r in row_ids)]
+        return [[Piece.of_tokens(d) for d in row if len(d) > 1] for row in docs]
 
     def global_batch(self, step: int, sharding, prefetch: bool = False) -> dict:
         """The step's [accum, B + pad_rows, S] arrays on `sharding`; this process builds only its

@@ -4,10 +4,11 @@
     index, batch = batches.get(step, prefetch=True)   # batch on programs[index].batch_sharding
 
 A static run has one program and takes train.data.Pipeline's batches as they are (index 0).
-Under parallel.mode=adaptive every process builds all the step's rows (Pipeline.rows), repacks
-them with basp_jax.adaptive.pack_microbatches into the layout with the most groups that holds
-them, and keeps the part its devices hold: every process then picks the same layout, because
-the choice is a pure function of the step's rows, and a resumed run repeats it. Building rows a
+Under parallel.mode=adaptive every process takes all the step's documents as the start-up
+packing placed them in the static rows (Pipeline.row_pieces), packs them once with
+basp_jax.packing.pack_microbatches into the layout with the most groups that holds them, and
+keeps the part its devices hold: every process then picks the same layout, because the choice
+is a pure function of the step's documents, and a resumed run repeats it. Reading documents a
 process does not hold costs host time only (B * grad_accum rows a step); the next step's batch
 is built on a background thread while a step runs.
 """
@@ -19,9 +20,9 @@ import concurrent.futures
 import jax
 import numpy as np
 
-from basp_jax import adaptive
+from basp_jax.packing import PackedStep, pack_microbatches
 
-from .data import Pipeline
+from .pipeline import Pipeline
 
 
 class StaticBatches:
@@ -38,11 +39,11 @@ class StaticBatches:
 
 
 class AdaptiveBatches:
-    """Each step's rows repacked for the layout with the most groups that holds them."""
+    """Each step's documents packed for the layout with the most groups that holds them."""
 
     def __init__(self, data: Pipeline, programs):
         if data.pad_rows or data.seq_order is not None:  # (prepare builds it without either)
-            raise ValueError("adaptive batches repack natural-order rows without pad rows")
+            raise ValueError("adaptive batches pack natural-order rows without pad rows")
         self.data = data
         self.layouts = [p.plan.layout for p in programs]
         self.shardings = [p.batch_sharding for p in programs]
@@ -58,14 +59,12 @@ class AdaptiveBatches:
             self._ahead = (step + 1, self._pool.submit(self.build, step + 1))
         return out
 
-    def packed(self, step: int) -> adaptive.PackedStep:
-        """The step's rows, all of them, packed for its layout (numpy, [accum, rows, S'])."""
+    def packed(self, step: int) -> PackedStep:
+        """The step's documents, all of them, packed for its layout (numpy, [accum, rows, S'])."""
         data = self.data
-        rows = data.rows(step, np.arange(data.num_rows))
-        shape = (data.accum, data.batch, data.seq_len)
-        return adaptive.pack_microbatches(
-            *(rows[name].reshape(shape) for name in ("tokens", "targets", "segment_ids")),
-            self.layouts)
+        rows = data.row_pieces(step, np.arange(data.num_rows))
+        micro = [rows[a * data.batch:(a + 1) * data.batch] for a in range(data.accum)]
+        return pack_microbatches(micro, self.layouts)
 
     def build(self, step: int) -> tuple[int, dict]:
         packed = self.packed(step)

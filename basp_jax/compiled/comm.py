@@ -190,7 +190,7 @@ def _buffers(kind: str, async_start: bool, shape: str) -> tuple[list[tuple[str, 
 def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Collective]:
     """Every collective in an HLO module's text, CPU (synchronous) or GPU (async start/done pairs,
     counted once at the start), each with how often it runs per program execution (loop bodies
-    with a known trip count run that many times, see basp_jax.hlo)."""
+    with a known trip count run that many times, see basp_jax.compiled.hlo)."""
     found = []
     for inst in hlo.instructions(hlo_text):
         m = _OP_RE.match(inst.op)
