@@ -65,21 +65,24 @@ def _unpad_heads(out, num_heads, num_kv_heads, kv_heads, group):
     return out.reshape(b, s, num_heads, d)
 
 
-def _seq_to_heads(x, sp):
-    """[b, s/sp, h, d] sequence shard -> [b, s, h/sp, d] head shard (whole sequence)."""
+def _seq_to_heads(x, sp, kv=False):
+    """[b, s/sp, h, d] sequence shard -> [b, s, h/sp, d] head shard (whole sequence); kv: k or
+    v, tagged apart (basp_jax.remat.name_exchange)."""
     if sp == 1:
         return x
     with jax.named_scope("seq_to_heads"):  # named scopes: what a profiler trace calls the ops
-        return name_exchange(lax.all_to_all(x, SEQ, split_axis=2, concat_axis=1, tiled=True))
+        return name_exchange(lax.all_to_all(x, SEQ, split_axis=2, concat_axis=1, tiled=True),
+                             kv=kv)
 
 
 def _qkv_to_heads(q, k, v, sp, fp8):
     """_seq_to_heads of q, k and v; fp8: in float8 with per-head scales, all three's scales in
     one small exchange (basp_jax.fp8_exchange)."""
     if not fp8 or sp == 1:
-        return tuple(_seq_to_heads(x, sp) for x in (q, k, v))
+        return _seq_to_heads(q, sp), _seq_to_heads(k, sp, kv=True), _seq_to_heads(v, sp, kv=True)
     with jax.named_scope("seq_to_heads"):
-        return tuple(map(name_exchange, fp8_all_to_all((q, k, v), 2, 1, sp)))
+        q, k, v = fp8_all_to_all((q, k, v), 2, 1, sp)
+        return name_exchange(q), name_exchange(k, kv=True), name_exchange(v, kv=True)
 
 
 def _heads_to_seq(x, sp):
@@ -151,7 +154,7 @@ def attention(
         q, k, v = _qkv_to_heads(q, k, v, sp, fp8_exchange)
         if seg is not None and sp > 1:
             seg = lax.all_gather(seg, SEQ, axis=1, tiled=True)  # small ints, never activations
-            seg = name_exchange(seg)
+            seg = name_exchange(seg, kv=True)
         with jax.named_scope(ATTENTION_SCOPE):
             out = kernel(q, k, v, causal=causal, segment_ids=seg)
         return _heads_to_seq(out, sp)

@@ -67,10 +67,12 @@ def ring_local_attention(q, k, v, seg, *, layout: Layout, causal: bool, block_si
         if inner == 1:
             return xs
         if fp8_exchange:
-            return tuple(map(name_exchange, fp8_all_to_all(xs, 2, 1, inner,
-                                                           tuple(map(tuple, groups)))))
-        return tuple(name_exchange(lax.all_to_all(x, SEQ, 2, 1, tiled=True,
-                                                  axis_index_groups=groups)) for x in xs)
+            xs = fp8_all_to_all(xs, 2, 1, inner, tuple(map(tuple, groups)))
+        else:
+            xs = tuple(lax.all_to_all(x, SEQ, 2, 1, tiled=True, axis_index_groups=groups)
+                       for x in xs)
+        q, k, v = xs  # k and v tagged apart (basp_jax.remat.name_exchange)
+        return name_exchange(q), name_exchange(k, kv=True), name_exchange(v, kv=True)
 
     def heads_to_seq(x):
         if inner == 1:
@@ -78,11 +80,12 @@ def ring_local_attention(q, k, v, seg, *, layout: Layout, causal: bool, block_si
         return name_exchange(lax.all_to_all(x, SEQ, 1, 2, tiled=True, axis_index_groups=groups))
 
     q, k, v = seq_to_heads((q, k, v))
-    full_seg = None if seg is None else name_exchange(lax.all_gather(seg, SEQ, axis=1, tiled=True))
+    full_seg = None if seg is None else name_exchange(
+        lax.all_gather(seg, SEQ, axis=1, tiled=True), kv=True)
     # ks[step]: the k/v chunk a device holds at ring step `step` (that of ring rank - step)
     ks, vs = [k], [v]
     for _ in range(layout.ring - 1):
-        k, v = (name_exchange(lax.ppermute(x, SEQ, layout.ring_hops)) for x in (k, v))
+        k, v = (name_exchange(lax.ppermute(x, SEQ, layout.ring_hops), kv=True) for x in (k, v))
         ks.append(k)
         vs.append(v)
     rank = lax.axis_index(SEQ) // inner

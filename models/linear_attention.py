@@ -315,7 +315,7 @@ class GatedDeltaNet(nnx.Module):
             g, beta = (_seq_to_heads(t[..., None], sp)[..., 0] for t in (g, beta))
             conv = tuple(_heads_slice(w, sp) for w in conv)
             if seg is not None and sp > 1:
-                seg = name_exchange(lax.all_gather(seg, SEQ, axis=1, tiled=True))
+                seg = name_exchange(lax.all_gather(seg, SEQ, axis=1, tiled=True), kv=True)
             return _heads_to_seq(_whole_sequence_mix(q, k, v, g, beta, conv, seg), sp)
 
         q, k, v, g, beta = (constrain(t, self.mesh) for t in (q, k, v, g, beta))

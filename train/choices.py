@@ -26,8 +26,9 @@ from .data.synthetic import DISTRIBUTIONS
 AUTO_MODE_DOC = "the planner's fastest predicted layout for parallel.hardware"
 ADAPTIVE_MODE_DOC = ("per step, the layout with the most groups whose rows hold the step's "
                      "documents (basp_jax.adaptive; data.pack=true)")
-AUTO_REMAT_DOC = ("the planner's fastest that fits parallel.hardware's device and host memory, "
-                  "with model.tile_tokens=4096 where nothing untiled fits")
+AUTO_REMAT_DOC = ("the planner's fastest that fits parallel.hardware's device and host memory "
+                  "(where that leaves less than a quarter of the device free, the leanest within "
+                  "1% of its step time), with model.tile_tokens=4096 where nothing untiled fits")
 
 
 @dataclasses.dataclass(frozen=True)

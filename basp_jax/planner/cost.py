@@ -414,13 +414,14 @@ def _attention_traffic(shape: ModelShape, layout: Layout, policy: RematPolicy,
     degree, tokens = layout.a2a, layout.tokens_per_device
     q_heads, kv_heads = layout.exchanged_heads
     share = _remote_share(degree, layout.devices_per_host)
-    # forward, backward; a policy that keeps no exchange repeats the forward's in the backward
-    passes = 3 if policy.repeats_exchanges else 2
+    # forward, backward, and the forward's that the policy keeps no result of, repeated
+    width = {"q": q_heads, "k": kv_heads, "v": kv_heads, "out": q_heads}
+    exchanges = 2 * ("q", "k", "v", "out") + policy.repeated_exchanges
+    passes = 3 if "k" in policy.repeated_exchanges else 2  # the ring's k/v hops
     a2a = Traffic()
-    for _ in range(passes):
-        for heads in (q_heads, kv_heads, kv_heads, q_heads):
-            buf = tokens * heads * shape.head_dim * act_bytes
-            a2a = a2a + collective_traffic("all-to-all", buf, degree, share)
+    for part in exchanges:
+        buf = tokens * width[part] * shape.head_dim * act_bytes
+        a2a = a2a + collective_traffic("all-to-all", buf, degree, share)
     if layout.ring > 1:
         # k and v chunks hop ring - 1 times forward (again in the backward when the exchanges
         # are repeated), and their gradients hop back as many times.
@@ -550,6 +551,7 @@ def _tensor_widths(shape: ModelShape, q_heads: int, kv_heads: int) -> dict[str, 
     hd, hidden, inter = shape.head_dim, shape.hidden_size, shape.intermediate_size
     return {"input": hidden,
             "exchanged": (2 * q_heads + 2 * kv_heads) * hd,
+            "exchanged_kv": 2 * kv_heads * hd,
             "projections": (q_heads + 2 * kv_heads) * hd + 2 * hidden + 3 * inter,
             "elementwise": 2 * hidden + 2 * inter}
 

@@ -30,6 +30,28 @@ def test_all_to_all_traffic_closed_form():
         assert p.all_to_all.inter == pytest.approx(total * inter_share)
 
 
+def test_each_remat_policy_pays_for_the_all_to_alls_it_repeats():
+    """The backward pass repeats what a policy keeps of no exchange: full keeps all four (8 per
+    layer), full_kv k and v (10: q's and the output's again, each Hq wide), inputs and offload
+    none (12); what full_kv keeps is the k/v width only, a fifth of full's exchanged values."""
+    shape = MODEL_SHAPES["llama-3.1-8b"]
+    hw = HARDWARE["h100-80gb"]
+    layout = _layout(shape, 2, seq_len=131072, hw=hw)
+    tokens = 2 * 131072 / 8
+    one = tokens * 128 * 2 * 3 / 4 * shape.num_layers  # one head's exchange, every layer
+    a2a = {remat: predict(shape, layout, "fsdp", hw=hw, remat=remat).all_to_all.intra
+           for remat in ("full", "full_kv", "inputs", "offload", "offload_exchanges")}
+    assert a2a["full"] == pytest.approx(2 * (2 * 32 + 2 * 8) * one)
+    assert a2a["offload_exchanges"] == pytest.approx(a2a["full"])
+    assert a2a["full_kv"] - a2a["full"] == pytest.approx(2 * 32 * one)
+    assert a2a["offload"] - a2a["full"] == pytest.approx((2 * 32 + 2 * 8) * one)
+    assert a2a["inputs"] == pytest.approx(a2a["offload"])
+    saved = {remat: cost.memory_terms(shape, tokens, 8, q_heads=32, kv_heads=8,
+                                      remat=remat)["saved"] for remat in ("full", "full_kv", "inputs")}
+    assert saved["inputs"] == pytest.approx(saved["full"] * 4096 / (4096 + (2 * 32 + 2 * 8) * 128))
+    assert saved["full_kv"] - saved["inputs"] == pytest.approx((saved["full"] - saved["inputs"]) / 5)
+
+
 def test_hsdp_moves_only_a_shard_across_hosts():
     shape = MODEL_SHAPES["llama-3.2-1b"]
     hw = HARDWARE["a100-40gb"]

@@ -84,9 +84,10 @@ def test_compiled_step_all_to_alls_equal_the_closed_form():
 
 @pytest.mark.parametrize("remat,scan_layers", [("full", False), ("dots", False), ("full", True)])
 def test_rematerialised_step_repeats_no_all_to_all(remat, scan_layers):
-    """Every remat policy keeps the all-to-all outputs (basp_jax.remat): the backward pass
-    recomputes none, so the step has exactly 8 per layer per microbatch (4 forward, 4 backward), as
-    without remat and as basp_jax.planner.cost counts. Plain full remat had 12 (24 for these 2 layers).
+    """full and dots keep the all-to-all outputs (basp_jax.remat): the backward pass recomputes
+    none, so the step has exactly 8 per layer per microbatch (4 forward, 4 backward), as without
+    remat and as basp_jax.planner.cost counts. Plain full remat (model.remat=inputs) has 12 (24
+    for these 2 layers: tests/train/test_long_context.py).
     With the layers under a scan the program holds one layer's 8, run once per layer."""
     import dataclasses
 
