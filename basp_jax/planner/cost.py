@@ -385,8 +385,12 @@ def predict(
         remat = "offload"
     q_heads, kv_heads = layout.exchanged_heads
     shard_group = shard_devices(layout, param_sharding)
-    a2a = _attention_traffic(shape, layout, REMAT_POLICIES.get(remat), act_bytes)
-    a2a = a2a.scale(shape.num_layers * grad_accum)
+    policy = REMAT_POLICIES.get(remat)
+    a2a = _attention_traffic(shape, layout, policy, act_bytes).scale(shape.attention_layers)
+    if shape.linear_layers:
+        a2a = a2a + _linear_exchange_traffic(shape, layout, policy, act_bytes).scale(
+            shape.linear_layers)
+    a2a = a2a.scale(grad_accum)
     params = _param_traffic(shape, layout, param_sharding, grad_accum=grad_accum,
                             act_bytes=act_bytes, param_bytes=param_bytes,
                             master_bytes=master_bytes)
@@ -429,6 +433,26 @@ def _attention_traffic(shape: ModelShape, layout: Layout, policy: RematPolicy,
         crossing = _ring_crossing_share(layout)
         hop = Traffic(kv_chunk * (1 - crossing), kv_chunk * crossing, 1)
         a2a = a2a + hop.scale(2 * passes * (layout.ring - 1))
+    return a2a
+
+
+def _linear_exchange_traffic(shape: ModelShape, layout: Layout, policy: RematPolicy,
+                             act_bytes: int) -> Traffic:
+    """One Gated DeltaNet layer's exchanges for one microbatch (models.linear_attention): q, k,
+    v and the output in the compute dtype, the decay and beta gates in float32, forward and
+    their gradients backward, among sp devices. (Where sp does not divide the key heads, q and
+    k are repeated to the value heads first: not counted.)"""
+    degree, tokens = layout.sp, layout.tokens_per_device
+    share = _remote_share(degree, layout.devices_per_host)
+    key_dim = shape.linear_num_key_heads * shape.linear_key_head_dim
+    value_dim = shape.linear_num_value_heads * shape.linear_value_head_dim
+    passes = 3 if policy.repeats_exchanges else 2
+    buffers = [tokens * width * act_bytes for width in (key_dim, key_dim, value_dim, value_dim)]
+    buffers += [tokens * shape.linear_num_value_heads * 4] * 2
+    a2a = Traffic()
+    for _ in range(passes):
+        for buf in buffers:
+            a2a = a2a + collective_traffic("all-to-all", buf, degree, share)
     return a2a
 
 
@@ -556,6 +580,26 @@ def _tensor_widths(shape: ModelShape, q_heads: int, kv_heads: int) -> dict[str, 
             "elementwise": 2 * hidden + 2 * inter}
 
 
+def _linear_tensor_widths(shape: ModelShape) -> dict[str, float]:
+    """_tensor_widths of a hybrid's Gated DeltaNet layer (models.linear_attention): its exchanged
+    q, k, v and output, and the float32 gates and decays (two values of the compute dtype each);
+    its projections qkv, z, beta and decay. (Where the layout's sp does not divide the key heads,
+    q and k are repeated to the value heads: not counted.)"""
+    hidden, inter, heads = shape.hidden_size, shape.intermediate_size, shape.linear_num_value_heads
+    key_dim = shape.linear_num_key_heads * shape.linear_key_head_dim
+    value_dim = heads * shape.linear_value_head_dim
+    return {"input": hidden,
+            "exchanged": 2 * key_dim + 2 * value_dim + 2 * 2 * heads,
+            "projections": 2 * key_dim + 2 * value_dim + 2 * heads + 2 * hidden + 3 * inter,
+            "elementwise": 2 * hidden + 2 * inter}
+
+
+def _linear_saved_per_token(shape: ModelShape, remat: str) -> float:
+    """_saved_per_token of a Gated DeltaNet layer."""
+    widths = _linear_tensor_widths(shape)
+    return sum(widths[t] for t in REMAT_POLICIES.get(remat).saves)
+
+
 def _saved_per_token(shape: ModelShape, remat: str, q_heads: int, kv_heads: int) -> float:
     """Values per token per layer the backward pass keeps on the device under a remat policy
     (basp_jax.remat.REMAT_POLICIES: its `saves`; the offload policies keep nothing there)."""
@@ -591,6 +635,14 @@ _GRADIENT_BUFFERS = 0.85  # the float32 gradient and what the update holds besid
 _ACCUMULATE_BUFFERS = 2.0
 _SAVED_SHARE = 0.55  # of _saved_per_token that XLA keeps
 _WORKING_FACTOR = 2.95  # a layer's recompute, its gathered weights and the chunked loss's buffers
+# A hybrid's (Qwen3.5) layers run as a Python list, not under a scan (models.transformer): XLA's
+# scheduler then recomputes many layers' forward passes ahead of their backward ones and holds
+# their outputs together (at the peak of the 9B hybrid's step at 16K on 2 x 4 A100-40GB: ~117
+# [tokens, intermediate] and ~115 [tokens, hidden] bf16 buffers, 14.6 GiB, where one layer's
+# working set holds a few). Per layer, this share of the working set's per-token values (hidden
+# x 6 + intermediate x 4): fitted to that step's three compiled programs (BENCHMARKS.md
+# section 6), at 16K only.
+_UNSCANNED_RECOMPUTE = 0.68
 
 
 # A tiled layer (models.tiling, tile_tokens) keeps per token only what attention needs whole: the
@@ -637,19 +689,22 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
       `moment_bytes` (default: the master dtype), over the devices that shard them (exactly the
       compiled program's arguments);
     - grads: the float32 gradient sum and the update's working copy, sharded alike;
-    - saved: what the backward pass keeps of every layer (by remat policy, _saved_per_token);
+    - saved: what the backward pass keeps of every layer (by remat policy, _saved_per_token;
+      a hybrid's Gated DeltaNet layers their own tensors, _linear_tensor_widths);
     - working: one layer being recomputed and differentiated (its gathered weights, twice,
       and ~ (hidden x 6 + intermediate x 4) values per token), with what the loss holds; with
       tile_tokens the intermediate's share is one chunk's and the per-token share the
       attention's whole-shard tensors (_TILED_WORKING_HIDDENS, _TILED_WORKING_EXCHANGED);
     - ring (ring > 1): the ring attention's working set, in float32 buffers the size of the
       device's queries per ring step and query piece (2 pieces in zig-zag order; _RING_WORKING).
+    - recompute (hybrids): the layers' recomputed outputs XLA holds ahead of their backward
+      pass when the layers are a Python list (_UNSCANNED_RECOMPUTE);
     - kept: the layers' weights in the compute dtype that the forward keeps for the backward,
       kept_share of them per device (staged_keep: 1/devices per host, its host-local copies).
     - accumulate (grad_accum > 1): the float32 gradient sum of the microbatches and the
       microbatch's gradient beside it, sharded as the parameters (_ACCUMULATE_BUFFERS: with
       one microbatch XLA folds the sum away).
-    The last four carry factors fitted to compiled programs (above). What an offload policy
+    The last five carry factors fitted to compiled programs (above). What an offload policy
     keeps in host memory is host_memory_bytes, not a term here. With offload_state (the
     streamed step) the state is in host memory, the gradient is the layers' in the compute
     dtype, nothing is saved on the device, and the working set is _STREAMED_WORKING_SHARE of
@@ -658,14 +713,21 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
     p = shape.num_params
     per_token = _saved_per_token(shape, remat, q_heads, kv_heads)
     exchanged = (2 * q_heads + 2 * kv_heads) * shape.head_dim
+    layer_per_token = 6 * shape.hidden_size + 4 * shape.intermediate_size
+    # a hybrid's Gated DeltaNet layers keep their own exchanged tensors, and the largest of its
+    # two kinds of layer is the one being recomputed at the peak
+    saved_per_token = (shape.attention_layers * per_token
+                       + shape.linear_layers * _linear_saved_per_token(shape, remat))
+    layer_params = max(shape.layer_params, shape.linear_layer_params if shape.linear_layers else 0)
+    recompute = (_UNSCANNED_RECOMPUTE * shape.num_layers * tokens_per_device * layer_per_token
+                 * act_bytes) if shape.linear_layers else 0.0
     if tile_tokens is None:
         working = _WORKING_FACTOR * act_bytes * (
-            2 * shape.layer_params
-            + tokens_per_device * (6 * shape.hidden_size + 4 * shape.intermediate_size))
+            2 * layer_params + tokens_per_device * layer_per_token)
     else:
         chunk = min(tile_tokens, tokens_per_device)
         working = act_bytes * (
-            _WORKING_FACTOR * (2 * shape.layer_params + chunk * 4 * shape.intermediate_size)
+            _WORKING_FACTOR * (2 * layer_params + chunk * 4 * shape.intermediate_size)
             + tokens_per_device * (_TILED_WORKING_HIDDENS * shape.hidden_size
                                    + _TILED_WORKING_EXCHANGED * exchanged))
     pieces = 2 if zigzag else 1
@@ -679,8 +741,9 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
         "ring": ring_working,
         "state": p * state_bytes_per_param(master_bytes, moment_bytes) / shard_group,
         "grads": _GRADIENT_BUFFERS * p * 4 / shard_group,
-        "saved": _SAVED_SHARE * shape.num_layers * tokens_per_device * per_token * act_bytes,
+        "saved": _SAVED_SHARE * tokens_per_device * saved_per_token * act_bytes,
         "working": working,
+        "recompute": recompute,
         "kept": kept_share * act_bytes * (  # the layers: every parameter but tables, final norm
             shape.num_params - shape.embedding_params - shape.hidden_size),
         "accumulate": (_ACCUMULATE_BUFFERS * p * 4 / shard_group) if grad_accum > 1 else 0.0,

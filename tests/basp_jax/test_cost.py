@@ -336,6 +336,52 @@ def test_a_hybrid_is_planned_without_rings():
         assert all(shape.linear_num_value_heads % layout.sp == 0 for layout, _ in found)
 
 
+def test_a_hybrids_linear_layers_have_their_own_memory_terms():
+    """The Gated DeltaNet layers keep their own exchanged tensors (q, k, v, output, gates), not
+    attention's; the recomputation XLA holds ahead of a Python list of layers is a hybrid's
+    only, and grows with depth and tokens."""
+    import dataclasses
+
+    from models import ModelConfig
+
+    hybrid = ModelConfig.preset("qwen3.5-9b").shape
+    kw = dict(q_heads=16, kv_heads=4, remat="full")
+    terms = cost.memory_terms(hybrid, 4096, 8, **kw)
+    as_attention = dataclasses.replace(hybrid, linear_layers=0)  # every layer counted as attention
+    plain = cost.memory_terms(as_attention, 4096, 8, **kw)
+    assert plain["recompute"] == 0 and terms["recompute"] > 0
+    assert cost.memory_terms(hybrid, 8192, 8, **kw)["recompute"] == pytest.approx(
+        2 * terms["recompute"])
+    # saved: one more linear layer adds its own widths, not an attention layer's
+    wider = dataclasses.replace(hybrid, linear_value_head_dim=2 * hybrid.linear_value_head_dim)
+    assert cost.memory_terms(wider, 4096, 8, **kw)["saved"] > terms["saved"]
+    narrower = dataclasses.replace(hybrid, linear_num_key_heads=hybrid.linear_num_key_heads // 2)
+    assert cost.memory_terms(narrower, 4096, 8, **kw)["saved"] < terms["saved"]
+    assert terms["saved"] != plain["saved"]
+    more_heads = dict(kw, q_heads=32)  # attention's heads: only its 8 layers change
+    grown = cost.memory_terms(hybrid, 4096, 8, **more_heads)["saved"] - terms["saved"]
+    grown_plain = cost.memory_terms(as_attention, 4096, 8, **more_heads)["saved"] - plain["saved"]
+    assert grown == pytest.approx(grown_plain * hybrid.attention_layers / hybrid.num_layers)
+
+
+def test_a_hybrids_linear_layers_exchange_their_own_tensors():
+    """Per Gated DeltaNet layer and pass: q, k, v and output in bf16, the two float32 gates;
+    none crosses hosts under BASP, Ulysses sends the same share across as attention's."""
+    from models import ModelConfig
+
+    hybrid = ModelConfig.preset("qwen3.5-9b").shape
+    hw = HARDWARE["a100-40gb"]
+    basp, ulysses = (predict(hybrid, _layout(hybrid, g), "fsdp", hw=hw) for g in (2, 1))
+    linear_layer = cost._linear_exchange_traffic(
+        hybrid, _layout(hybrid, 2), cost.REMAT_POLICIES.get("full"), 2)
+    assert linear_layer.launches == 2 * 6
+    key, value = 16 * 128, 32 * 128
+    one_pass = 4096 * (2 * 2 * key + 2 * 2 * value + 2 * 4 * 32)  # bytes per device
+    assert linear_layer.intra == pytest.approx(2 * one_pass * 3 / 4)
+    assert basp.all_to_all.inter == 0 and basp.all_to_all.launches == 8 * 8 + 24 * 12
+    assert ulysses.all_to_all.inter > 0
+
+
 @pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen2.5-3b", "qwen3-8b"])
 def test_fp8_params_are_the_layers_matrices(name):
     """Everything but the embedding tables, the norms and the biases runs in FP8 under model.fp8."""

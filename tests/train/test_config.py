@@ -124,8 +124,11 @@ def test_shipped_configs_load_and_plan():
         adaptive = cfg.parallel.mode == "adaptive"  # basp's layout and its siblings
         devices, per_host = cfg.runtime.devices, cfg.parallel.devices_per_host
         strategy = planning.plan(cfg, mc, devices, per_host)[1]
-        # on several hosts the planner's choice: FSDP's shards, each layer across hosts once
-        assert strategy == ("staged_keep" if devices > per_host else "fsdp"), path
+        # on several hosts the planner's choice: FSDP's shards, each layer across hosts once;
+        # a config that names a sharding (the hybrid: no room for the host-local copies) gets it
+        planned = "staged_keep" if devices > per_host else "fsdp"
+        named = cfg.parallel.param_sharding
+        assert strategy == (planned if named == "auto" else named), path
         layout = Layout.plan(num_devices=8, batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len,
                              num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
                              mode="basp" if adaptive else cfg.parallel.mode, devices_per_host=4)
@@ -266,7 +269,7 @@ def test_gpu_configs_state_only_what_differs_from_what_they_include():
     from train.config.tree import load_tree, read_yaml
 
     paths = shipped_configs("gpu/*.yaml")
-    assert len(paths) == 12  # five models x basp/ulysses, the 8B's long-context and adaptive ones
+    assert len(paths) == 14  # six models x basp/ulysses, the 8B's long-context and adaptive ones
     for path in paths:
         own = read_yaml(str(path))
         included = load_tree(str(path.parent / own.pop("include")))
