@@ -446,7 +446,7 @@ def _linear_exchange_traffic(shape: ModelShape, layout: Layout, policy: RematPol
     share = _remote_share(degree, layout.devices_per_host)
     key_dim = shape.linear_num_key_heads * shape.linear_key_head_dim
     value_dim = shape.linear_num_value_heads * shape.linear_value_head_dim
-    passes = 3 if policy.repeats_exchanges else 2
+    passes = 3 if policy.repeated_exchanges else 2  # (its exchanges are not tagged k/v apart)
     buffers = [tokens * width * act_bytes for width in (key_dim, key_dim, value_dim, value_dim)]
     buffers += [tokens * shape.linear_num_value_heads * 4] * 2
     a2a = Traffic()
@@ -590,6 +590,8 @@ def _linear_tensor_widths(shape: ModelShape) -> dict[str, float]:
     value_dim = heads * shape.linear_value_head_dim
     return {"input": hidden,
             "exchanged": 2 * key_dim + 2 * value_dim + 2 * 2 * heads,
+            # its exchanges are not named k/v apart (basp_jax.remat): full_kv keeps none of them
+            "exchanged_kv": 0,
             "projections": 2 * key_dim + 2 * value_dim + 2 * heads + 2 * hidden + 3 * inter,
             "elementwise": 2 * hidden + 2 * inter}
 

@@ -11,7 +11,7 @@ import pytest
 
 import models
 from basp_jax.planner import cost
-from train import planning
+from train.program import planning
 from train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
