@@ -379,7 +379,20 @@ def _forward(q, k, v, q_seg, k_seg, shift, plan: _Plan, static: _Static, q_len, 
 
 
 def _backward(q, k, v, q_seg, k_seg, shift, do, lse, delta, plan: _Plan, static: _Static,
-              q_len, k_len, scale):
+              q_len, k_len, scale, wrt: str = "qkv"):
+    """(dq, dk, dv); wrt "q": only the dq kernel runs (dk, dv None), "kv": only the dk/dv one
+    (dq None)."""
+    common = dict(causal=static.causal, has_seg=q_seg is not None, scale=scale,
+                  bq=plan.bq_bwd, bk=plan.bk_bwd, q_len=q_len, k_len=k_len)
+    args = (q, k, v, q_seg, k_seg, shift, do, lse, delta, plan, static, common)
+    dq = _backward_dq(*args) if wrt != "kv" else None
+    dk, dv = _backward_dkv(*args) if wrt != "q" else (None, None)
+    return dq, dk, dv
+
+
+def _backward_dq(q, k, v, q_seg, k_seg, shift, do, lse, delta, plan: _Plan, static: _Static,
+                 common):
+    """dq: grid over query blocks x batch x query heads, like the forward."""
     b, sq_pad, hq, d = q.shape
     sk_pad, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
@@ -387,10 +400,7 @@ def _backward(q, k, v, q_seg, k_seg, shift, do, lse, delta, plan: _Plan, static:
     has_seg = q_seg is not None
     warps = 4 if bq * bk < 128 * 128 else 8
     shift1 = jnp.reshape(shift, (1,))
-    common = dict(causal=static.causal, has_seg=has_seg, scale=scale, bq=bq, bk=bk,
-                  q_len=q_len, k_len=k_len)
-
-    # dq: grid over query blocks x batch x query heads, like the forward
+    k_len = common["k_len"]
     lo, hi = _kv_ranges(b, q_seg, k_seg, shift, causal=static.causal, bq=bq, bk=bk,
                         sq_pad=sq_pad, sk_pad=sk_pad, sk=k_len)
     q_block = pl.BlockSpec((None, bq, None, d), lambda i, j, h: (j, i, h, 0))
@@ -404,7 +414,7 @@ def _backward(q, k, v, q_seg, k_seg, shift, do, lse, delta, plan: _Plan, static:
         in_specs += [pl.BlockSpec((None, bq), lambda i, j, h: (j, i)),
                      pl.BlockSpec((None, sk_pad), lambda i, j, h: (j, 0))]
         args += [q_seg, k_seg]
-    dq = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_dq_kernel, **common),
         grid=(sq_pad // bq, b, hq),
         in_specs=in_specs,
@@ -415,8 +425,19 @@ def _backward(q, k, v, q_seg, k_seg, shift, do, lse, delta, plan: _Plan, static:
         name="flash_attention_dq",
     )(*args)
 
-    # dk, dv: grid over key blocks x batch x kv heads; the group's query heads side by side in
-    # the last axis of q and dO, and their lse/delta rows one after another (free reshapes)
+
+def _backward_dkv(q, k, v, q_seg, k_seg, shift, do, lse, delta, plan: _Plan, static: _Static,
+                  common):
+    """dk, dv: grid over key blocks x batch x kv heads; the group's query heads side by side in
+    the last axis of q and dO, and their lse/delta rows one after another (free reshapes)."""
+    b, sq_pad, hq, d = q.shape
+    sk_pad, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    bq, bk = plan.bq_bwd, plan.bk_bwd
+    has_seg = q_seg is not None
+    warps = 4 if bq * bk < 128 * 128 else 8
+    shift1 = jnp.reshape(shift, (1,))
+    q_len = common["q_len"]
     lo, hi = _q_ranges(b, q_seg, k_seg, shift, causal=static.causal, bq=bq, bk=bk,
                        sq_pad=sq_pad, sk_pad=sk_pad, sq=q_len)
     qg, dog = (x.reshape(b, sq_pad, hkv, group * d) for x in (q, do))
@@ -442,7 +463,7 @@ def _backward(q, k, v, q_seg, k_seg, shift, do, lse, delta, plan: _Plan, static:
         interpret=static.interpret,
         name="flash_attention_dkv",
     )(*args)
-    return dq, dk, dv
+    return dk, dv
 
 
 # ----------------------------------------------------------------------------------------------
@@ -472,7 +493,8 @@ def _fwd_impl(q, k, v, q_seg, k_seg, shift, static: _Static):
     return out[:, :sq, :, :d], jnp.swapaxes(lse, 1, 2)[:, :sq]
 
 
-def _bwd_impl(q, k, v, q_seg, k_seg, shift, out, lse, d_out, d_lse, static: _Static):
+def _bwd_impl(q, k, v, q_seg, k_seg, shift, out, lse, d_out, d_lse, static: _Static,
+              wrt: str = "qkv"):
     plan = _plan(q.shape, k.shape, static.blocks)
     sq, sk, d = q.shape[1], k.shape[1], q.shape[3]
     qp, kp, vp, qs, ks = _padded(q, k, v, q_seg, k_seg, plan)
@@ -483,8 +505,11 @@ def _bwd_impl(q, k, v, q_seg, k_seg, shift, out, lse, d_out, d_lse, static: _Sta
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that see no key: their mask is empty
     dop = _pad_heads_dim(_pad(d_out.astype(q.dtype), 1, plan.sq_pad), plan.d_pad)
     dq, dk, dv = _backward(qp, kp, vp, qs, ks, shift, dop, _rows(lse, plan), _rows(delta, plan),
-                           plan, static, sq, sk, 1.0 / math.sqrt(d))
-    return dq[:, :sq, :, :d], dk[:, :sk, :, :d], dv[:, :sk, :, :d]
+                           plan, static, sq, sk, 1.0 / math.sqrt(d), wrt)
+    dq = None if dq is None else dq[:, :sq, :, :d]
+    if dk is not None:
+        dk, dv = dk[:, :sk, :, :d], dv[:, :sk, :, :d]
+    return dq, dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -530,14 +555,19 @@ def flash_attention_with_lse(q, k, v, *, causal: bool, q_segment_ids=None, k_seg
 
 def flash_attention_vjp(q, k, v, out, lse, d_out, *, causal: bool, q_segment_ids=None,
                         k_segment_ids=None, k_shift=0, blocks: FlashBlocks | None = None,
-                        interpret: bool = False):
+                        interpret: bool = False, wrt: str = "qkv"):
     """(dq, dk, dv) through the keys k, v's share of a larger attention of q whose final output,
     log-sum-exp and output cotangent are out, lse, d_out (as basp_jax.kernels.
-    blockwise_attention_vjp: a ring sums these over its chunks)."""
+    blockwise_attention_vjp: a ring sums these over its chunks). wrt="q" runs only the dq
+    kernel (dk, dv are None), wrt="kv" only the dk/dv one (dq is None): a ring that sums dq
+    over all its hops before it sums any dk/dv holds one running sum at a time."""
     _check(q, k, v, q_segment_ids, k_segment_ids)
+    if wrt not in ("qkv", "q", "kv"):
+        raise ValueError(f"wrt must be 'qkv', 'q' or 'kv', not {wrt!r}")
     static = _Static(causal, blocks or FlashBlocks(), interpret)
     shift = jnp.asarray(k_shift, jnp.int32)
-    return _bwd_impl(q, k, v, q_segment_ids, k_segment_ids, shift, out, lse, d_out, None, static)
+    return _bwd_impl(q, k, v, q_segment_ids, k_segment_ids, shift, out, lse, d_out, None, static,
+                     wrt)
 
 
 def flash_attention(q, k, v, *, causal: bool, segment_ids=None, blocks: FlashBlocks | None = None,

@@ -58,7 +58,8 @@ def ring_local_attention(q, k, v, seg, *, layout: Layout, causal: bool, block_si
     backward pass): their transposes send the k/v gradients back, and remat policies see them
     as the exchanges they are. The attention keeps only its final output and log-sum-exp for the
     backward pass, not every ring step's partial result (16M tokens on 32 GPUs, ring 4: 271.5 ->
-    242.9 GiB per device with blockwise hops; 82.4 with the Pallas hop kernel).
+    242.9 GiB per device with blockwise hops; 82.4 with the Pallas hop kernel, 71.25 once each
+    hop is merged and summed before the next runs, `_after`).
     """
     inner = layout.a2a
     groups = layout.a2a_runs
@@ -114,14 +115,27 @@ def _hop_forward(q, k, v, static: _Ring, **kw):
                                     interpret=interpret, **kw)
 
 
-def _hop_backward(q, k, v, out, lse, d_out, static: _Ring, **kw):
-    """One hop's (dq, dk, dv) from the whole attention's out, lse and d_out."""
+def _hop_backward(q, k, v, out, lse, d_out, static: _Ring, *, wrt: str = "qkv", **kw):
+    """One hop's (dq, dk, dv) from the whole attention's out, lse and d_out; with the Pallas
+    kernel wrt="q" or "kv" runs only dq's kernel or dk/dv's (the others None)."""
     if static.hop_kernel is None:
+        if wrt != "qkv":
+            raise ValueError("the blockwise hop computes dq, dk and dv together")
         return blockwise_attention_vjp(q, k, v, out, lse, d_out, causal=static.causal,
                                        block_size=static.block_size, **kw)
     blocks, interpret = static.hop_kernel
     return flash_attention_vjp(q, k, v, out, lse, d_out, causal=static.causal, blocks=blocks,
-                               interpret=interpret, **kw)
+                               interpret=interpret, wrt=wrt, **kw)
+
+
+def _after(inputs, sums):
+    """(inputs, sums) through one optimization barrier: the next hop's kernel inputs, released
+    only once the running sums (the merged outputs, the gradient sums) are computed, and those
+    sums as values later merges start from. Without it XLA runs every hop's kernel first and
+    fuses all the merges or additions into one computation at the end, holding every hop's
+    output at once: at 16M tokens on 32 GPUs (ring 4, zig-zag) 16 outputs of 2 GiB in the
+    forward pass and 16 dq pieces of 2 GiB in the backward."""
+    return lax.optimization_barrier((inputs, sums))
 
 
 def _plan(q, full_seg, rank, static: _Ring):
@@ -152,29 +166,39 @@ def _plan(q, full_seg, rank, static: _Ring):
 
 
 def _ring_forward(q, ks, vs, full_seg, rank, static: _Ring):
-    """[(out float32, lse)] per query piece: every step's chunk merged by log-sum-exp."""
+    """(outs in q's dtype, lses float32) per query piece: every step's chunk merged by
+    log-sum-exp into a float32 sum, one query piece after the other (so one such sum exists at a
+    time, each hop merged before the next one runs: `_after`)."""
     pieces, piece, chunk_seg = _plan(q, full_seg, rank, static)
     q_pieces = pieces(q, rank)
     q_seg_pieces = pieces(chunk_seg(rank), rank)
-    acc = [None] * len(q_pieces)  # (out, lse) per query piece
+    kv_pieces = []  # per step: [(k piece, v piece, segment ids)] of the chunk held then
     for step in range(static.ring):
         source = (rank - step) % static.ring  # whose k/v chunk this device holds now
-        kv_pieces = list(zip(pieces(ks[step], source), pieces(vs[step], source),
-                             pieces(chunk_seg(source), source)))
-        for n, ((q_piece, q_pos), (q_seg, _)) in enumerate(zip(q_pieces, q_seg_pieces)):
+        kv_pieces.append(list(zip(pieces(ks[step], source), pieces(vs[step], source),
+                                  pieces(chunk_seg(source), source))))
+    outs, lses = [], []
+    for n, ((q_piece, q_pos), (q_seg, _)) in enumerate(zip(q_pieces, q_seg_pieces)):
+        acc = None  # (out, lse)
+        for step in range(static.ring):
             # At step 0, piece n of the own chunk is the diagonal of query piece n, where every
             # query sees at least itself: take it first so the running log-sum-exp is finite
             # before anything is merged into it.
-            order = kv_pieces if step else [kv_pieces[n]] + kv_pieces[:n] + kv_pieces[n + 1:]
+            kvs = kv_pieces[step]
+            order = kvs if step else [kvs[n]] + kvs[:n] + kvs[n + 1:]
             for (k_piece, k_pos), (v_piece, _), (k_seg, _) in order:
+                (q_in, k_in, v_in), (acc, outs) = _after((q_piece, k_piece, v_piece),
+                                                         (acc, outs))
                 out_t, lse_t = _hop_forward(
-                    q_piece, k_piece, v_piece, static, q_segment_ids=q_seg,
+                    q_in, k_in, v_in, static, q_segment_ids=q_seg,
                     k_segment_ids=k_seg, k_shift=(k_pos - q_pos) * piece)
-                if acc[n] is None:
-                    acc[n] = (out_t.astype(jnp.float32), lse_t)
+                if acc is None:
+                    acc = (out_t.astype(jnp.float32), lse_t)
                 else:
-                    acc[n] = _merge(*acc[n], out_t, lse_t)
-    return acc
+                    acc = _merge(*acc, out_t, lse_t)
+        outs.append(acc[0].astype(q.dtype))
+        lses.append(acc[1])
+    return outs, lses
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -185,40 +209,80 @@ def _ring_attention(q, ks, vs, full_seg, rank, static: _Ring):
 
 
 def _ring_attention_fwd(q, ks, vs, full_seg, rank, static: _Ring):
-    acc = _ring_forward(q, ks, vs, full_seg, rank, static)
-    out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
-    return out, (q, ks, vs, full_seg, rank, out, tuple(lse for _, lse in acc))
+    outs, lses = _ring_forward(q, ks, vs, full_seg, rank, static)
+    out = jnp.concatenate(outs, axis=1)
+    return out, (q, ks, vs, full_seg, rank, out, tuple(lses))
 
 
 def _ring_attention_bwd(static: _Ring, residuals, d_out):
     """Flash attention's backward per (query piece, k/v piece), with the final output and
     log-sum-exp (flash_attention_vjp or blockwise_attention_vjp): dq summed here, each step's dk/dv
-    returned for the hops' transposes to send home."""
+    returned for the hops' transposes to send home.
+
+    Every hop's gradients are added to float32 running sums before the next hop's kernels run
+    (`_after`). With the Pallas kernel, whose dq and dk/dv are separate kernels, dq is summed over
+    all hops one query piece at a time and then each step's dk/dv over the query pieces: one dq
+    sum exists at a time (4 GiB at 16M tokens on 32 GPUs, ring 4) instead of one per piece, and
+    none while the dk/dv kernels run. The blockwise hop computes all three in one loop: its hops
+    run in the forward's order. Either way every sum adds the same terms in the same order."""
     q, ks, vs, full_seg, rank, out, lses = residuals
     pieces, piece, chunk_seg = _plan(q, full_seg, rank, static)
     q_pieces = pieces(q, rank)
     q_seg_pieces = pieces(chunk_seg(rank), rank)
     out_pieces = [x for x, _ in pieces(out, rank)]
     do_pieces = [x for x, _ in pieces(d_out, rank)]
-    dq = [jnp.zeros(x.shape, jnp.float32) for x, _ in q_pieces]
-    dks, dvs = [], []
-    for step in range(static.ring):
+
+    def kv_pieces(step):
         source = (rank - step) % static.ring
-        kv_pieces = list(zip(pieces(ks[step], source), pieces(vs[step], source),
-                             pieces(chunk_seg(source), source)))
-        dk = [jnp.zeros(k.shape, jnp.float32) for (k, _), _, _ in kv_pieces]
-        dv = [jnp.zeros(v.shape, jnp.float32) for _, (v, _), _ in kv_pieces]
-        for n, ((q_piece, q_pos), (q_seg, _)) in enumerate(zip(q_pieces, q_seg_pieces)):
-            for m, ((k_piece, k_pos), (v_piece, _), (k_seg, _)) in enumerate(kv_pieces):
-                dq_t, dk_t, dv_t = _hop_backward(
-                    q_piece, k_piece, v_piece, out_pieces[n], lses[n], do_pieces[n], static,
-                    q_segment_ids=q_seg, k_segment_ids=k_seg, k_shift=(k_pos - q_pos) * piece)
-                dq[n] = dq[n] + dq_t
+        return list(zip(pieces(ks[step], source), pieces(vs[step], source),
+                        pieces(chunk_seg(source), source)))
+
+    def hop(n, kv, sums, wrt):
+        """One hop's gradients once `sums` are computed: ((dq, dk, dv), sums)."""
+        (q_piece, q_pos), (q_seg, _) = q_pieces[n], q_seg_pieces[n]
+        (k_piece, k_pos), (v_piece, _), (k_seg, _) = kv
+        (q_in, k_in, v_in, out_in, do_in), sums = _after(
+            (q_piece, k_piece, v_piece, out_pieces[n], do_pieces[n]), sums)
+        grads = _hop_backward(q_in, k_in, v_in, out_in, lses[n], do_in, static, wrt=wrt,
+                              q_segment_ids=q_seg, k_segment_ids=k_seg,
+                              k_shift=(k_pos - q_pos) * piece)
+        return grads, sums
+
+    def zeros(x):
+        return jnp.zeros(x.shape, jnp.float32)
+
+    split = static.hop_kernel is not None  # the Pallas kernel: dq apart from dk/dv
+    dq_done, dks, dvs = [], [], []
+    if split:
+        for n, (q_piece, _) in enumerate(q_pieces):
+            dq = zeros(q_piece)
+            for step in range(static.ring):
+                for kv in kv_pieces(step):
+                    (dq_t, _, _), (dq, dq_done) = hop(n, kv, (dq, dq_done), "q")
+                    dq = dq + dq_t
+            dq_done.append(dq.astype(q.dtype))
+    else:
+        dq = [zeros(x) for x, _ in q_pieces]
+    for step in range(static.ring):
+        kvs = kv_pieces(step)
+        dk = [zeros(k) for (k, _), _, _ in kvs]
+        dv = [zeros(v) for _, (v, _), _ in kvs]
+        for n in range(len(q_pieces)):
+            for m, kv in enumerate(kvs):
+                if split:
+                    (_, dk_t, dv_t), (dk, dv, dks, dvs, dq_done) = hop(
+                        n, kv, (dk, dv, dks, dvs, dq_done), "kv")
+                else:
+                    (dq_t, dk_t, dv_t), (dq, dk, dv, dks, dvs) = hop(
+                        n, kv, (dq, dk, dv, dks, dvs), "qkv")
+                    dq[n] = dq[n] + dq_t
                 dk[m] = dk[m] + dk_t
                 dv[m] = dv[m] + dv_t
         dks.append(jnp.concatenate(dk, axis=1).astype(ks[step].dtype))
         dvs.append(jnp.concatenate(dv, axis=1).astype(vs[step].dtype))
-    dq = jnp.concatenate(dq, axis=1).astype(q.dtype)
+    if not split:
+        dq_done = [x.astype(q.dtype) for x in dq]
+    dq = jnp.concatenate(dq_done, axis=1)
     return dq, tuple(dks), tuple(dvs), None, None
 
 

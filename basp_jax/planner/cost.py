@@ -658,13 +658,18 @@ _UNSCANNED_RECOMPUTE = 0.68
 # the query heads (before the kernel read them in place) the same steps took 66.8 / 58.3 GiB.
 _TILED_WORKING_HIDDENS = 8.55  # values of hidden width per token
 _TILED_WORKING_EXCHANGED = 0.64  # per value of q, k, v and output as exchanged
-# The ring attention's working set (every ring step's and query piece's outputs and gradients,
-# each step's k/v chunk), per float32 query-sized buffer per step and piece: fitted to the
-# compiled 8B step with one 16M-token sequence on 32 x H100 (ring 4 x all-to-all 8, zig-zag,
-# offload, tiles of 4,096): 74.7 GiB with the Pallas/Triton hop kernel (basp_jax.flash) and the
-# state streamed (70.6 with a factor of 0.4: low), 82.4 with the state on the device. The pure-JAX blockwise hops held 242.9 GiB (factor 2.9), and 271.5 GiB
-# before the ring had its own backward pass, which keeps no step's partial output.
-_RING_WORKING = 0.46
+# The ring attention's working set (the query pieces, output and its cotangent, every ring step's
+# k/v chunk, one float32 running sum and one hop's outputs at a time: basp_jax.ring), per float32
+# query-sized buffer per step and piece: fitted to the compiled 8B step with one 16M-token
+# sequence on 32 x H100 (ring 4 x all-to-all 8, zig-zag, offload, tiles of 4,096, the
+# Pallas/Triton hop kernel of basp_jax.flash) under jax 0.10.2: 58.68 GiB with the state streamed
+# (predicted 59.27) and 71.25 with it on the device (predicted 71.74; 0.37 would predict 71.10,
+# under the 71.19 JAX may take, and optimizer.offload=auto would keep that state on the device).
+# Before each hop's output was merged and its gradients summed as they came (all 16 hops'
+# outputs held at once) the factor was 0.46 (74.68 / 82.4 GiB), with the pure-JAX blockwise
+# hops 2.9 (242.9 GiB), and 271.5 GiB before the ring had its own backward pass, which keeps no
+# step's partial output.
+_RING_WORKING = 0.38
 
 
 def state_bytes_per_param(master_bytes: int, moment_bytes: int | None) -> int:
