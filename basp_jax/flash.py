@@ -390,15 +390,20 @@ def _backward(q, k, v, q_seg, k_seg, shift, do, lse, delta, plan: _Plan, static:
     return dq, dk, dv
 
 
+def _backward_dims(q, k, plan: _Plan):
+    """(batch, padded query length, query heads, head dim, padded key length, kv heads, query
+    heads per kv head, query block, key block, warps) of the backward kernels."""
+    b, sq_pad, hq, d = q.shape
+    sk_pad, hkv = k.shape[1], k.shape[2]
+    bq, bk = plan.bq_bwd, plan.bk_bwd
+    return b, sq_pad, hq, d, sk_pad, hkv, hq // hkv, bq, bk, 4 if bq * bk < 128 * 128 else 8
+
+
 def _backward_dq(q, k, v, q_seg, k_seg, shift, do, lse, delta, plan: _Plan, static: _Static,
                  common):
     """dq: grid over query blocks x batch x query heads, like the forward."""
-    b, sq_pad, hq, d = q.shape
-    sk_pad, hkv = k.shape[1], k.shape[2]
-    group = hq // hkv
-    bq, bk = plan.bq_bwd, plan.bk_bwd
+    b, sq_pad, hq, d, sk_pad, hkv, group, bq, bk, warps = _backward_dims(q, k, plan)
     has_seg = q_seg is not None
-    warps = 4 if bq * bk < 128 * 128 else 8
     shift1 = jnp.reshape(shift, (1,))
     k_len = common["k_len"]
     lo, hi = _kv_ranges(b, q_seg, k_seg, shift, causal=static.causal, bq=bq, bk=bk,
@@ -430,12 +435,8 @@ def _backward_dkv(q, k, v, q_seg, k_seg, shift, do, lse, delta, plan: _Plan, sta
                   common):
     """dk, dv: grid over key blocks x batch x kv heads; the group's query heads side by side in
     the last axis of q and dO, and their lse/delta rows one after another (free reshapes)."""
-    b, sq_pad, hq, d = q.shape
-    sk_pad, hkv = k.shape[1], k.shape[2]
-    group = hq // hkv
-    bq, bk = plan.bq_bwd, plan.bk_bwd
+    b, sq_pad, hq, d, sk_pad, hkv, group, bq, bk, warps = _backward_dims(q, k, plan)
     has_seg = q_seg is not None
-    warps = 4 if bq * bk < 128 * 128 else 8
     shift1 = jnp.reshape(shift, (1,))
     q_len = common["q_len"]
     lo, hi = _q_ranges(b, q_seg, k_seg, shift, causal=static.causal, bq=bq, bk=bk,
