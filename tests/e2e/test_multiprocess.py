@@ -127,7 +127,8 @@ def _kill_leftovers(procs) -> None:
         p.wait()
 
 
-# (victim, signal, the survivor's exit status, a fragment of its message)
+# (victim, signal, the survivor's exit status (or the statuses either of which is right), a
+# fragment of its message (or fragments))
 PEER_FAILURES = [
     # the survivor's next collective fails at once (gloo: connection closed by peer); on a
     # loaded machine its heartbeat watch may notice the silence first (either is the truth)
@@ -136,8 +137,10 @@ PEER_FAILURES = [
     # a frozen peer sends nothing: train.process.peers notices the silence after peer_timeout_s
     (1, signal.SIGSTOP, 3, "error: peer: process 1 of 2 has sent no heartbeat for 10 s"),
     # the coordinator dies: JAX's own client aborts the survivor within a second (SIGABRT), with
-    # its message; it runs in a C++ thread, before any Python handler could speak
-    (0, signal.SIGKILL, -signal.SIGABRT, "This most likely indicates that another task died"),
+    # its message, from a C++ thread; or the survivor's collective fails first (gloo: connection
+    # reset by the dead peer) and train.process.peers ends it with our message (either is the truth)
+    (0, signal.SIGKILL, (-signal.SIGABRT, 3), ("This most likely indicates that another task died",
+                                              "error: peer: a collective failed")),
 ]
 
 
@@ -160,13 +163,14 @@ def test_a_failed_peer_stops_the_other_process_with_a_clear_message(tmp_path, vi
         elapsed = time.monotonic() - hit_at
     finally:
         _kill_leftovers(procs)
-    assert survivor.returncode == status, err[-3000:]
+    statuses = status if isinstance(status, tuple) else (status,)
+    assert survivor.returncode in statuses, err[-3000:]
     # peer_timeout_s (10 s, for the frozen peer) + at most 5 s that process 0 waits to see a
     # peer's end before leaving + slack for a loaded machine; well below the two-minute bound
     assert elapsed < 30, elapsed
     fragments = fragment if isinstance(fragment, tuple) else (fragment,)
     assert any(f in err for f in fragments), err[-3000:]
-    if status == 3:  # our own message: one line, with what to do
+    if survivor.returncode == 3:  # our own message: one line, with what to do
         errors = [line for line in err.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
         assert "Rerun the same command on every host to resume (the newest checkpoint is step" \
