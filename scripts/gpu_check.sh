@@ -8,7 +8,7 @@
 #
 #   bash scripts/gpu_check.sh [OUT.json] [--steps N] [--repeats N]    # default OUT: gpu_check.json
 #
-# Needs JAX with its CUDA plugin, flax, optax, orbax-checkpoint, safetensors and tokenizers
+# Needs JAX with its CUDA plugin, flax, optax, orbax-checkpoint, safetensors, tokenizers and grain
 # installed already (e.g. pip install -e ".[cuda13]" once); the check installs only this
 # checkout. PYTHON: the interpreter (default python3). Exit status: 0 all passed, 1 a check
 # failed (the JSON says which), 2 no GPU or bad input, 124 the 8-minute limit was hit (the JSON
