@@ -10,6 +10,7 @@ evaluation, the non-finite policy) and how it ended. `run` is the checked run
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from typing import Any
 
@@ -169,13 +170,20 @@ class StepReport:
         start = self.state.start
         if not losses:
             return f"done: {run.run_dir} already holds step {start} of {steps}"
+        # the typical step (median) and, where stalls (checkpoint saves, evaluations, a slow
+        # batch) slow the run by more than 5%, the rate over all steps after the first
         steady = self.step_times[1:] or self.step_times
+        median_tps = run.tokens_per_step / statistics.median(steady)
         mean_tps = run.tokens_per_step / (sum(steady) / len(steady))
-        mfu = f", mfu {self.mfu(mean_tps):.1%}" if run.peak else ""
+        rate = f"{median_tps:,.0f} tokens/s"
+        if run.peak:
+            rate += f", mfu {self.mfu(median_tps):.1%}"
+        if mean_tps < 0.95 * median_tps:
+            rate += f" at the median step ({mean_tps:,.0f} tokens/s counting stalls)"
         shares = ""
         if self.layout_steps:
             shares = "; layouts " + ", ".join(f"{name} {n / len(losses):.0%}"
                                               for name, n in self.layout_steps.items())
         return (f"done: steps {start + 1}-{start + len(losses)} of {steps} in "
-                f"{wall:.1f}s, loss {losses[0]:.4f} -> {losses[-1]:.4f}, {mean_tps:,.0f} "
-                f"tokens/s{mfu}{shares}; outputs in {run.run_dir}")
+                f"{wall:.1f}s, loss {losses[0]:.4f} -> {losses[-1]:.4f}, {rate}{shares}; outputs in "
+                f"{run.run_dir}")
