@@ -189,7 +189,7 @@ def test_the_16m_ring_streams_its_state_and_is_not_underestimated():
 def test_one_16m_sequence_on_32_gpus_takes_one_group_across_the_hosts_and_fits():
     """configs/gpu/llama-3.1-8b_long.yaml with one 16M-token sequence on 4 hosts of 8 H100s and no
     ring: one seq group of 32 across the hosts, the state on the device, and the planner's
-    memory within 15% of the compiled program's peak, which fits what JAX may take (71.19 GiB).
+    memory within 15% of the compiled program's peak and within what JAX may take (71.19 GiB).
     The program is compiled by hand (BENCHMARKS.md section 8: 60.50 GiB under jax 0.10.2, 54.77
     under 0.12.0.1): its per-device work is the shipped 4M step's, which tests/e2e/
     test_gpu_compile.py compiles on every run."""
@@ -209,9 +209,9 @@ def test_one_16m_sequence_on_32_gpus_takes_one_group_across_the_hosts_and_fits()
     remat, tile = memory_policy(cfg, mcfg, layout, strategy, 8)
     need = memory_estimate(cfg, mcfg, layout, strategy, remat=remat, tile_tokens=tile)[0] / 2**30
     may_take = float(MEM_FRACTION) * gpus.get("h100-80gb").memory_bytes / 2**30
+    assert need <= may_take, (need, may_take)
     for compiled in (60.50, 54.77):
         assert abs(need / compiled - 1) <= 0.15, (need, compiled)
-        assert compiled <= may_take
 
 
 def test_host_transfers_are_read_from_the_async_copies_between_memory_spaces():

@@ -185,5 +185,5 @@ class StepReport:
             shares = "; layouts " + ", ".join(f"{name} {n / len(losses):.0%}"
                                               for name, n in self.layout_steps.items())
         return (f"done: steps {start + 1}-{start + len(losses)} of {steps} in "
-                f"{wall:.1f}s, loss {losses[0]:.4f} -> {losses[-1]:.4f}, {rate}{shares}; outputs in "
-                f"{run.run_dir}")
+                f"{wall:.1f}s, loss {losses[0]:.4f} -> {losses[-1]:.4f}, {rate}{shares}; "
+                f"outputs in {run.run_dir}")
