@@ -19,10 +19,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 # The trainer tests compile the same tiny programs again and again (every single-device reference
 # run, every subprocess of the same command). One JAX persistent compilation cache for the whole
 # pytest run, shared by its xdist workers and the `python train.py` subprocesses they start, turns
-# each repetition into a cache read: every distinct program is still compiled once per run. Only
-# the tests that ask for it use it (the compile_cache fixture in-process, helpers.trainer.train_env
-# for subprocesses), so the tests that count XLA compilations still see every one. The folder is
-# made by the controller, passed to the workers and removed at the end of the run.
+# each repetition into a cache read: every distinct program is still compiled once per run. Every
+# test module uses it (the compile_cache fixture, on by default; helpers.trainer.train_env for
+# subprocesses) but those that count XLA compilations, which say `COMPILE_CACHE = False` and so
+# still see every one. The folder is made by the controller, passed to the workers and removed
+# at the end of the run.
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -73,6 +74,14 @@ def compile_cache():
     for name, value in before.items():
         jax.config.update(name, value)
     cc.reset_cache()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compile_cache_unless_counted(request):
+    """compile_cache for every module but those that say `COMPILE_CACHE = False`."""
+    if getattr(request.module, "COMPILE_CACHE", True):
+        request.getfixturevalue("compile_cache")
+    yield
 
 
 # ------------------------------------------------------------------ slowest files first

@@ -29,6 +29,8 @@ from models.config import MODEL_SHAPES
 from train.tools import aot
 from tests.helpers.flags import TEST_XLA_FLAGS
 
+COMPILE_CACHE = False  # tests/conftest.py: its GPU programs compile in subprocesses
+
 ROOT = Path(__file__).resolve().parents[2]
 LINUX_X86 = platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
 pytestmark = [

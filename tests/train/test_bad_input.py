@@ -24,6 +24,8 @@ from train.loop import run
 from tests.helpers.flags import TEST_XLA_FLAGS
 from tests.helpers.trainer import TINY_SHAPE, snapshot as _snapshot, tiny_config, tiny_overrides
 
+COMPILE_CACHE = False  # tests/conftest.py: it counts the XLA compilations before each error
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

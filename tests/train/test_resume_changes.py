@@ -24,6 +24,8 @@ from train.loop import run
 
 from tests.helpers.trainer import snapshot, tiny_config, tiny_overrides
 
+COMPILE_CACHE = False  # tests/conftest.py: it counts XLA compilations
+
 VOCAB = 256
 TOKENS = 600_000  # 1.2 MB of uint16: more than the 256 KiB that sample_sha256 reads
 
