@@ -9,7 +9,10 @@ answer, never the model's:
   where it is stored (parallel_lookup, parallel_loss, below);
 - one copy per host (a per-host strategy, Strategy.per_host: host_copies): the lookup's and the
   loss's gradients are summed inside each host, then cross hosts once as 1/(devices per host)
-  shards (_lookup_per_host, _per_host_chunks);
+  shards. A staged strategy's copy keeps the vocabulary split over the host's devices and is
+  used there (parallel_lookup and parallel_loss on the host mesh, over 'local': the tokens' rows
+  move inside the host only); the host strategy's is gathered whole inside the host
+  (_lookup_per_host, _per_host_chunks);
 - otherwise the table is gathered and every device loops over its own tokens
   (chunked_lm_loss, _per_device_chunks).
 
@@ -86,8 +89,6 @@ def vocab_axes(names: tuple[str, ...], shape: tuple[int, ...],
     over, or None when the vocabulary is not what is split (then the plain, gathering
     computation applies): no mesh, replicated, host sharding (its own per-host path), or a
     vocabulary no axis size divides."""
-    if rules is not None:
-        rules = rules.for_names(names)
     if rules is None or not rules.entry.vocab_parallel:
         return None
     spec = tuple(rules.spec(names, shape))
@@ -139,9 +140,11 @@ def _shard_index(axes: tuple[str, ...]) -> jax.Array:
 
 
 def parallel_lookup(table: jax.Array, flat_tokens: jax.Array, *, mesh: Mesh,
-                    axes: tuple[str, ...], dtype) -> jax.Array:
+                    axes: tuple[str, ...], dtype, per_host: bool = False) -> jax.Array:
     """table [vocab, embed] (sharded over `axes` on vocab), flat_tokens [T] sharded over the whole
-    mesh (group-major) -> rows [T, embed] in `dtype`, sharded like the tokens."""
+    mesh (group-major) -> rows [T, embed] in `dtype`, sharded like the tokens. per_host: `mesh`
+    is the host mesh and table [hosts, vocab, embed] one copy per host (host_copies) split over
+    `axes` inside it; the rows move inside each host only."""
 
     shards = _shard_count(mesh, axes)
     local_tokens = flat_tokens.shape[0] // mesh.size
@@ -169,25 +172,40 @@ def parallel_lookup(table: jax.Array, flat_tokens: jax.Array, *, mesh: Mesh,
         out = lax.map(lambda t: remat_chunk(table, t), tokens.reshape(-1, c))
         return out.reshape(local_tokens, -1)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(axes, None), FLAT),
-                         out_specs=activation_spec(TOKENS, None))(table, flat_tokens)
+    if not per_host:
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(axes, None), FLAT),
+                             out_specs=activation_spec(TOKENS, None))(table, flat_tokens)
+    tokens = P((HOST, LOCAL))  # the flat order is host-major (basp_jax.mesh): a relabelling
+    flat_tokens = jax.lax.with_sharding_constraint(flat_tokens, NamedSharding(mesh, tokens))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        # this host's copy, looked up in float32 so that its gradient adds up in float32
+        return jax.shard_map(lambda t, x: local(t[0].astype(jnp.float32), x), mesh=mesh,
+                             in_specs=(P(HOST, axes, None), tokens),
+                             out_specs=P((HOST, LOCAL), None))(table, flat_tokens)
 
 
 def parallel_loss(hidden: jax.Array, targets: jax.Array, weight: jax.Array, *, mesh: Mesh,
-                  axes: tuple[str, ...], vocab_dim: int, dtype, chunk_tokens: int):
+                  axes: tuple[str, ...], vocab_dim: int, dtype, chunk_tokens: int,
+                  host_mesh: Mesh | None = None):
     """The next-token cross-entropy of hidden @ weight (targets < 0 not counted), as (sum,
     count) float32, with weight's vocabulary sharded over `axes`: weight [embed, vocab]
     (vocab_dim=1, an LM head) or [vocab, embed] (vocab_dim=0, tied to the embedding). hidden [B, S, D] and targets [B, S] are sharded
     P('group', 'seq'). A chunk takes at most chunk_tokens of each device's tokens, as
     chunked_lm_loss: gathered over the shards, its float32 logits are as large
-    (chunk_tokens x shards tokens x vocab / shards); the scan rematerialises them backward."""
+    (chunk_tokens x shards tokens x vocab / shards); the scan rematerialises them backward.
+    host_mesh: weight is host_copies of a staged table, split over `axes` of the host mesh
+    inside each host; the hidden states are gathered inside the host only."""
     b, s, d = hidden.shape
     groups, sp = mesh.shape[GROUP], mesh.shape[SEQ]
     local_len, rows = s // sp, b // groups
     c = chunk_len(local_len, rows, chunk_tokens)
-    hs, ts = token_chunks(hidden, targets, sp, c)
-    spec = activation_spec(None, "batch", "sequence")  # [chunk, B, S]
     w_spec = P(axes, None) if vocab_dim == 0 else P(None, axes)
+    if host_mesh is None:
+        hs, ts = token_chunks(hidden, targets, sp, c)
+        spec = activation_spec(None, "batch", "sequence")  # [chunk, B, S]
+    else:  # [chunk, hosts, local, tokens]: each device's own tokens, host-major (no moves)
+        hs, ts = (_host_chunks(x, mesh, host_mesh, rows * c) for x in (hidden, targets))
+        mesh, spec, w_spec = host_mesh, P(None, HOST, LOCAL), P(HOST, *w_spec)
     contract = "td,vd->tv" if vocab_dim == 0 else "td,dv->tv"
 
     def chunk_loss(h, t, w):
@@ -210,12 +228,30 @@ def parallel_loss(hidden: jax.Array, targets: jax.Array, weight: jax.Array, *, m
     chunk_loss = jax.checkpoint(chunk_loss)
 
     def local(hs, ts, w):
+        if host_mesh is not None:  # this host's copy (its gradient summed over the chunks in
+            # float32); the device's tokens [chunk, tokens, D]
+            w, hs, ts = w[0].astype(jnp.float32), hs.reshape(hs.shape[0], -1, d), ts.reshape(
+                ts.shape[0], -1)
         _, (totals, counts) = lax.scan(lambda _, xs: (None, chunk_loss(*xs, w)), None, (hs, ts))
         return totals.sum()[None], counts.sum()[None]
 
-    total, count = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, w_spec),
-                                 out_specs=(FLAT, FLAT))(hs, ts, weight)
+    every = FLAT if host_mesh is None else P((HOST, LOCAL))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        total, count = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, w_spec),
+                                     out_specs=(every, every))(hs, ts, weight)
     return total.sum(), count.sum()
+
+
+def _host_chunks(x: jax.Array, mesh: Mesh, host_mesh: Mesh, c: int) -> jax.Array:
+    """x [B, S, ...] sharded P('group', 'seq') -> [n, hosts, devices per host, c, ...] on the
+    host mesh: chunk i holds tokens i*c..(i+1)*c-1 of every device's own tokens (a relabelling)."""
+    x = host_major(x, mesh, host_mesh)  # [hosts, tokens per host, ...]
+    hosts, local = host_mesh.shape[HOST], host_mesh.shape[LOCAL]
+    rest = x.shape[2:]
+    n = x.shape[1] // local // c
+    x = jnp.moveaxis(x.reshape(hosts, local, n, c, *rest), 2, 0)
+    spec = P(None, HOST, LOCAL, *([None] * (1 + len(rest))))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(host_mesh, spec))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -240,7 +276,7 @@ def host_copies(w: jax.Array, names: tuple[str, ...], rules: ShardingRules) -> j
     tokens use copy h; every use's cotangent is summed into the host's shards (the constraint),
     and the broadcast's transpose sums the hosts' shards once: 1/(devices per host) of the
     gradient crosses hosts, however many uses and loop iterations contributed."""
-    spec = rules.spec(names, w.shape)  # the parameter's own placement (axis `names`)
+    spec = rules.use_spec(names, w.shape)  # as a layer uses it: staged, less the host axis
     hosts = rules.placement.shape[HOST]
     copies = jnp.broadcast_to(w, (hosts, *w.shape))
     return cotangent_sharding(copies, NamedSharding(rules.placement, P(HOST, *spec)))
@@ -418,10 +454,6 @@ class Table:
     mode: str = "auto"
     tied: bool = False
 
-    def __post_init__(self):
-        if self.rules is not None:  # the rules of this table (ShardingRules.for_names)
-            object.__setattr__(self, "rules", self.rules.for_names(self.names))
-
     @functools.cached_property
     def vocab_axes(self) -> tuple[str, ...] | None:
         """The mesh axes the vocabulary is stored split over (vocab_axes), else None."""
@@ -433,8 +465,9 @@ class Table:
 
     @property
     def per_host(self) -> bool:
-        """Whether the strategy keeps one copy of the table per host (use, host_copies)."""
-        return self.rules is not None and self.rules.per_host
+        """Whether the strategy keeps one copy of the table per host, gathered whole inside the
+        host (use, host_copies): host sharding."""
+        return self.rules is not None and self.rules.per_host and not self.rules.staged
 
     def active_axes(self, num_tokens: int) -> tuple[str, ...] | None:
         """vocab_axes when the table's use by num_tokens tokens moves rows, not the table."""
@@ -443,10 +476,42 @@ class Table:
         return active_axes(self.vocab_axes, self.rules.mesh, num_tokens, self.vocab_size,
                            tied=self.tied, mode=self.mode)
 
-    def use(self, value: jax.Array) -> jax.Array:
-        """The table's value as lookup and loss take it: one copy per host (host_copies) under a
-        per-host strategy, else the array itself. Pass the same result to both uses of a tied
-        table, so its gradient crosses hosts once."""
+    @functools.cached_property
+    def host_vocab_axes(self) -> tuple[str, ...] | None:
+        """(LOCAL,) where a staged strategy's host-local copy is split on the vocabulary over
+        the host's devices (the tokens' rows then move inside the host), else None."""
+        if self.rules is None or not self.rules.staged:
+            return None
+        spec = tuple(self.rules.use_spec(self.names, self.shape))
+        spec = spec + (None,) * (len(self.shape) - len(spec))
+        vocab_dim = self.names.index("vocab")
+        if spec[vocab_dim] != LOCAL or any(s is not None for i, s in enumerate(spec)
+                                           if i != vocab_dim):
+            return None
+        return (LOCAL,)
+
+    def host_active_axes(self, num_tokens: int) -> tuple[str, ...] | None:
+        """host_vocab_axes when num_tokens tokens should move rows inside each host (active_axes'
+        rule over the devices of one host); else None, and a staged table is gathered as fsdp
+        gathers it."""
+        if self.host_vocab_axes is None:
+            return None
+        return active_axes(self.host_vocab_axes, self.rules.placement, num_tokens,
+                           self.vocab_size, tied=self.tied, mode=self.mode)
+
+    def use(self, value: jax.Array, num_tokens: int, dtype=None) -> jax.Array:
+        """The table's value as lookup and loss take it for num_tokens tokens: one copy per host
+        (host_copies) under host sharding, and under a staged strategy where its host-local copy
+        is used split inside the host (host_active_axes), else the array itself. Pass the same
+        result to both uses of a tied table, so its gradient crosses hosts once. A staged copy
+        is cast to `dtype` (the compute dtype) first, as its layers are (ShardingRules.stage):
+        half the bytes across hosts; its gradient still adds up in float32 on each device, and
+        crosses hosts in `dtype`."""
+        if self.host_active_axes(num_tokens) is not None:
+            value = value if dtype is None else value.astype(dtype)
+            return host_copies(value, self.names, self.rules)
+        if self.rules is not None and self.rules.staged:  # gathered as a layer is: in stages
+            return self.rules.stage(value, self.names, dtype)
         return host_copies(value, self.names, self.rules) if self.per_host else value
 
     def lookup(self, table: jax.Array, tokens: jax.Array, *, dtype) -> jax.Array:
@@ -458,8 +523,12 @@ class Table:
         b, s = tokens.shape
         flat = _flat_tokens(tokens, mesh)
         axes = self.active_axes(b * s)
+        host_axes = self.host_active_axes(b * s)
         if axes is not None:
             out = parallel_lookup(table, flat, mesh=mesh, axes=axes, dtype=dtype)
+        elif host_axes is not None:
+            out = parallel_lookup(table, flat, mesh=self.rules.placement, axes=host_axes,
+                                  dtype=dtype, per_host=True)
         elif self.per_host:
             out = _lookup_per_host(table, flat, self.rules.placement)
         else:
@@ -476,10 +545,12 @@ class Table:
         any other loss_fn runs on gathered chunks of logits."""
         mesh = None if self.rules is None else self.rules.mesh
         axes = None if mesh is None else self.active_axes(targets.size)
-        if axes is not None and plain_cross_entropy:
-            return parallel_loss(hidden, targets, weight, mesh=mesh, axes=axes,
+        host_axes = None if mesh is None else self.host_active_axes(targets.size)
+        if (axes is not None or host_axes is not None) and plain_cross_entropy:
+            host = None if axes is not None else self.rules.placement
+            return parallel_loss(hidden, targets, weight, mesh=mesh, axes=axes or host_axes,
                                  vocab_dim=self.names.index("vocab"), dtype=dtype,
-                                 chunk_tokens=chunk_tokens)
+                                 chunk_tokens=chunk_tokens, host_mesh=host)
         host = self.rules.placement if self.per_host else None
         return chunked_lm_loss(hidden, targets, project, weight, loss_fn, mesh=mesh,
                                chunk_tokens=chunk_tokens, host_mesh=host)

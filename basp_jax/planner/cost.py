@@ -347,13 +347,17 @@ class Prediction:
 
 
 def vocab_parallel(shape: ModelShape, param_sharding: str, shard_group: int,
-                   tokens_per_device: float | None = None) -> bool:
-    """Whether the embedding and LM head are used where they are stored (basp_jax.vocab):
-    parameters of a strategy that allows it (fsdp, hsdp) split on the vocabulary
-    (basp_jax.sharding.RULES splits it wherever the shard group divides it), at token counts
-    where it is preferred (prefer_vocab_parallel; None: any count)."""
-    if not (PARAM_SHARDINGS.get(param_sharding).vocab_parallel and shard_group > 1
-            and shape.vocab_size % shard_group == 0):
+                   tokens_per_device: float | None = None, num_devices: int | None = None) -> bool:
+    """Whether the embedding and LM head are used split on the vocabulary over shard_group
+    devices (basp_jax.vocab): where they are stored under a strategy that allows it (fsdp,
+    hsdp), or a staged strategy's host-local copies (shard_group: the devices of a host; they
+    are stored over all num_devices, split on the vocabulary where that divides it), at token
+    counts where it is preferred (prefer_vocab_parallel; None: any count)."""
+    strategy = PARAM_SHARDINGS.get(param_sharding)
+    staged = strategy.use_axes is not None
+    stored = num_devices if staged else shard_group
+    if not ((strategy.vocab_parallel or staged) and shard_group > 1
+            and shape.vocab_size % (stored or shard_group) == 0):
         return False
     return tokens_per_device is None or prefer_vocab_parallel(
         tokens_per_device, shard_group, shape.vocab_size, shape.tie_word_embeddings)
@@ -463,22 +467,24 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
     sharding one cross-host all-reduce of the host-local shard (per microbatch too: the step
     constrains each microbatch's gradient to the stored sharding, which in XLA's partitioner
     finishes its reduction there, so with grad_accum=A they cross hosts A times, as the
-    compiled programs show: docs/limitations.md); a staged strategy gathers the
-    layers in two stages (_staged_traffic) and its vocabulary tables as its `tables` strategy
-    does. The gradients leave in the dtype the layers computed them in (param_bytes: bf16
-    reduce-scatters under bf16 compute, as the compiled GPU programs show), not in the float32
-    of the master weights; a host strategy's gathered tables are used (and their gradient
-    summed across hosts) in the master dtype."""
+    compiled programs show: docs/limitations.md); a staged strategy gathers the layers in two
+    stages (_staged_traffic), and its vocabulary tables across hosts to host-local copies per
+    microbatch, in the compute dtype, used split inside the host. The gradients leave in the
+    dtype the layers computed them in (param_bytes: bf16 reduce-scatters under bf16 compute, as
+    the compiled GPU programs show), not in the float32 of the master weights; a host
+    strategy's gathered tables are used (and their gradient summed across hosts) in the master
+    dtype."""
     tokens_per_device = layout.tokens_per_device
     all_params = shape.num_params * param_bytes
     strategy = PARAM_SHARDINGS.get(param_sharding)
-    table_sharding = strategy.tables or param_sharding
+    staged = strategy.use_axes is not None
     shard_group = strategy.shard_devices(layout)
-    table_group = PARAM_SHARDINGS.get(table_sharding).shard_devices(layout)
-    table_share = _shard_share(table_sharding, layout)
+    dph = min(layout.devices_per_host, layout.num_devices)
+    table_group = dph if staged else shard_group  # staged: the host-local copy's devices
+    table_share = 0.0 if staged else _shard_share(param_sharding, layout)
     tables = shape.embedding_params * param_bytes
     per_micro = Traffic()
-    if vocab_parallel(shape, table_sharding, table_group, tokens_per_device):
+    if vocab_parallel(shape, param_sharding, table_group, tokens_per_device, layout.num_devices):
         # basp_jax.vocab: the embedding and LM head stay where they are stored; the
         # tokens' rows move instead. Embedding: its rows reduce-scattered forward, their
         # cotangent gathered backward; loss: the hidden states gathered forward and again when
@@ -492,9 +498,18 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
         gathered_tables = tables
     layers = all_params - tables
     per_step = Traffic()
-    if strategy.use_axes is not None:
+    if staged:
         per_step = _staged_traffic(layers, layout, strategy.keep_host_copy, grad_accum)
-        per_micro = per_micro + _gathered_traffic(gathered_tables, table_group, table_share)
+        # the tables' host-local copies (basp_jax.vocab.Table.use), in the compute dtype:
+        # gathered across hosts per microbatch (in the GPU program; the CPU one hoists it)
+        hosts, n = max(layout.num_devices // dph, 1), layout.num_devices
+        per_micro = per_micro + collective_traffic("all-gather", tables / dph, hosts, 1.0)
+        if gathered_tables:  # too many tokens for rows inside the host: each device uses the
+            # whole table, gathered inside the host, whose gradient XLA all-reduces over all
+            per_micro = (per_micro + collective_traffic("all-gather", tables, dph, 0.0)
+                         + collective_traffic("all-reduce", tables, n, _remote_share(n, dph)))
+        else:  # used split inside the host: the gradient back across hosts once
+            per_micro = per_micro + collective_traffic("reduce-scatter", tables / dph, hosts, 1.0)
     else:
         per_micro = per_micro + _gathered_traffic(
             layers + gathered_tables, shard_group, _shard_share(param_sharding, layout))
