@@ -53,15 +53,17 @@ def _flat(state):
 
 # (batch, groups): BASP (2,4), Ulysses (1,8), one device per sequence (8,1); each strategy, with
 # and without rematerialisation (staged_keep's kept copy feeds the recomputed backward), tied and
-# untied tables. The first is the fast tier's.
-CASES = [(2, 2, "staged_keep", "full", False),
-         pytest.param(2, 1, "staged", "full", True, marks=pytest.mark.slow),
-         pytest.param(8, 8, "staged_keep", "none", True, marks=pytest.mark.slow),
-         pytest.param(2, 1, "staged_keep", "full", True, marks=pytest.mark.slow)]
+# untied tables, used split inside each host or (vocab "never", as where a device holds too
+# many tokens for that) gathered whole in two stages. The first is the fast tier's.
+CASES = [(2, 2, "staged_keep", "full", False, "auto"),
+         pytest.param(2, 1, "staged", "full", True, "auto", marks=pytest.mark.slow),
+         pytest.param(8, 8, "staged_keep", "none", True, "auto", marks=pytest.mark.slow),
+         pytest.param(2, 1, "staged_keep", "full", True, "auto", marks=pytest.mark.slow),
+         pytest.param(2, 2, "staged_keep", "full", False, "never", marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("batch,groups,strategy,remat,tied", CASES)
-def test_loss_and_gradients_equal_one_device(batch, groups, strategy, remat, tied):
+@pytest.mark.parametrize("batch,groups,strategy,remat,tied,vocab", CASES)
+def test_loss_and_gradients_equal_one_device(batch, groups, strategy, remat, tied, vocab):
     config = _config(tied)
     tokens, targets, segments = _batch(batch, seed=batch + groups)
     loss_1, grads_1 = _loss_and_grads(models.init_model(config, seed=3), tokens, targets, segments)
@@ -70,7 +72,8 @@ def test_loss_and_gradients_equal_one_device(batch, groups, strategy, remat, tie
     layout = basp_jax.Layout.plan(8, batch, SEQ, config.num_heads, config.num_kv_heads,
                                   groups=groups, devices_per_host=HOST)
     model = models.init_model(config, seed=3, mesh=basp_jax.make_mesh(layout), layout=layout,
-                              param_sharding=strategy, remat=remat)
+                              param_sharding=strategy, remat=remat, vocab_parallel=vocab)
+    assert (model.head_table.host_active_axes(tokens.size) is None) == (vocab == "never")
     stored = {k: v.sharding for k, v in _flat_arrays(model).items()}
     assert all(s.num_devices == 8 and not s.is_fully_replicated for k, s in stored.items()
                if "norm" not in k[-2]), stored  # stored split over all 8 devices

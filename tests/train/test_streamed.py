@@ -138,9 +138,12 @@ def test_streamed_step_equals_the_ordinary_step(tmp_path):
         assert a.keys() == b.keys()
         for key in a:
             np.testing.assert_allclose(b[key], a[key], rtol=2e-6, err_msg=key)
+    # float32 sums in another order (the two programs reduce the staged tables' gradients in
+    # their own order), through Adam's division: one embedding element in 16,384 moves 1e-4 of
+    # its value after three steps, at 1.1e-5 of the largest
     for a, b in zip(jax.tree.leaves(state0), jax.tree.leaves(state1)):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * max(np.abs(a).max(), 1e-30))
+        np.testing.assert_allclose(b, a, rtol=0, atol=3e-5 * max(np.abs(a).max(), 1e-30))
 
 
 def test_a_non_finite_streamed_step_keeps_the_state(tmp_path):
