@@ -15,14 +15,15 @@ axes parameters are split:
                 layer is used: across hosts only the 1/N pieces a host lacks (stage), then
                 inside the host; gradients reduce-scattered inside the host, then across hosts
                 on 1/N shards. The cross-host gather runs again for the recomputed backward.
-                The vocabulary tables are staged too, to a host-local copy split on the
-                vocabulary inside the host, and used there (basp_jax.vocab): the tokens' rows
-                move inside the host, and each table crosses hosts as 1/N pieces.
+                The vocabulary tables stay where fsdp stores them (Strategy.tables).
     staged_keep: staged, keeping each layer's host-local copy from the forward for the
                 recomputed backward (ZeRO++'s hpZ): the backward gathers inside the host
                 only, for 1/(devices per host) of the layers' parameters more memory. With
                 several microbatches the step gathers the copies once for all of them
                 (train.program.step); their gradients still cross hosts once per microbatch.
+                The vocabulary tables are staged too, to a host-local copy split on the
+                vocabulary inside the host, and used there (basp_jax.vocab): the tokens' rows
+                move inside the host, and each table crosses hosts as 1/N pieces.
     replicated: nowhere: every device holds everything (small models, debugging); never the default
 
 ShardingRules(strategy, mesh) turns names into PartitionSpecs and NamedShardings; it refuses a
@@ -78,6 +79,10 @@ class Strategy:
         used from where it is stored.
     keep_host_copy: the staged copy is gathered once per step, outside the layer's
         rematerialised body, and kept for its backward.
+    tables: the strategy the vocabulary tables (parameters with a 'vocab' axis) follow
+        instead, or None (this one). `staged` leaves them where fsdp stores them
+        (vocabulary-parallel over every device): its streamed step (train.program.streamed)
+        does not compile with staged tables on jaxlib 0.12, whose partitioner aborts.
     """
 
     split_axes: tuple[str, ...]
@@ -91,6 +96,7 @@ class Strategy:
     streamed: bool = True
     use_axes: tuple[str, ...] | None = None
     keep_host_copy: bool = False
+    tables: str | None = None
 
 
 def _several_hosts(layout) -> bool:
@@ -116,7 +122,8 @@ PARAM_SHARDINGS.register("host", Strategy(
 for _rank, (_name, _keep) in ((0, ("staged_keep", True)), (2, ("staged", False))):
     PARAM_SHARDINGS.register(_name, Strategy(
         (LOCAL, HOST), lambda layout: layout.num_devices, per_host=True, use_axes=(LOCAL,),
-        keep_host_copy=_keep, applies=_several_hosts, auto_rank=_rank,
+        keep_host_copy=_keep, tables=None if _keep else "fsdp", applies=_several_hosts,
+        auto_rank=_rank,
         streamed=not _keep))
 PARAM_SHARDINGS.register("replicated", Strategy((), lambda layout: 1))
 DEFAULT_STRATEGY = "fsdp"  # parameters' placement unless told otherwise (models.RunOptions)
@@ -239,8 +246,22 @@ class ShardingRules:
         """The mesh axes of `placement` that a split parameter axis goes to."""
         return self.entry.split_axes
 
+    @functools.cached_property
+    def _table_rules(self) -> "ShardingRules":
+        return ShardingRules(self.entry.tables, self.mesh, self.devices_per_host)
+
+    def for_names(self, names) -> "ShardingRules":
+        """The rules that place a parameter whose axes are named `names`: the tables'
+        strategy's for a vocabulary table (Strategy.tables), else these."""
+        if self.entry.tables is None or "vocab" not in names:
+            return self
+        return self._table_rules
+
     def spec(self, names, shape) -> P:
         """The PartitionSpec of a parameter of `shape` whose axes are named `names`."""
+        rules = self.for_names(names)
+        if rules is not self:
+            return rules.spec(names, shape)
         if len(names) != len(shape):
             raise ValueError(f"a parameter of shape {tuple(shape)} has {len(names)} axis names "
                              f"{tuple(names)}; name every axis")
@@ -259,7 +280,8 @@ class ShardingRules:
         return P()
 
     def sharding(self, names, shape) -> NamedSharding:
-        return NamedSharding(self.placement, self.spec(names, shape))
+        rules = self.for_names(names)
+        return NamedSharding(rules.placement, rules.spec(names, shape))
 
     @property
     def staged(self) -> bool:
@@ -271,7 +293,7 @@ class ShardingRules:
         strategy gathers across hosts (the same dimension, so the gather moves only the pieces
         a host lacks)."""
         spec = self.spec(names, shape)
-        if not self.staged:
+        if not self.staged or self.for_names(names) is not self:
             return spec
         keep = set(self.entry.use_axes)
 
@@ -288,7 +310,7 @@ class ShardingRules:
         else x itself."""
         if dtype is not None:
             x = x.astype(dtype)  # cast first: the gather (and a kept copy) moves fewer bytes
-        if not self.staged:
+        if not self.staged or self.for_names(names) is not self:
             return x
         use = NamedSharding(self.placement, self.use_spec(names, x.shape))
         stored = NamedSharding(self.placement, self.spec(names, x.shape))

@@ -89,6 +89,8 @@ def vocab_axes(names: tuple[str, ...], shape: tuple[int, ...],
     over, or None when the vocabulary is not what is split (then the plain, gathering
     computation applies): no mesh, replicated, host sharding (its own per-host path), or a
     vocabulary no axis size divides."""
+    if rules is not None:
+        rules = rules.for_names(names)
     if rules is None or not rules.entry.vocab_parallel:
         return None
     spec = tuple(rules.spec(names, shape))
@@ -453,6 +455,10 @@ class Table:
     rules: ShardingRules | None = None
     mode: str = "auto"
     tied: bool = False
+
+    def __post_init__(self):
+        if self.rules is not None:  # the rules of this table (ShardingRules.for_names)
+            object.__setattr__(self, "rules", self.rules.for_names(self.names))
 
     @functools.cached_property
     def vocab_axes(self) -> tuple[str, ...] | None:

@@ -468,8 +468,9 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
     constrains each microbatch's gradient to the stored sharding, which in XLA's partitioner
     finishes its reduction there, so with grad_accum=A they cross hosts A times, as the
     compiled programs show: docs/limitations.md); a staged strategy gathers the layers in two
-    stages (_staged_traffic), and its vocabulary tables across hosts to host-local copies per
-    microbatch, in the compute dtype, used split inside the host. The gradients leave in the
+    stages (_staged_traffic); staged_keep its vocabulary tables too, across hosts to host-local
+    copies per microbatch, in the compute dtype, used split inside the host (staged's follow
+    fsdp). The gradients leave in the
     dtype the layers computed them in (param_bytes: bf16 reduce-scatters under bf16 compute, as
     the compiled GPU programs show), not in the float32 of the master weights; a host
     strategy's gathered tables are used (and their gradient summed across hosts) in the master
@@ -477,14 +478,17 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
     tokens_per_device = layout.tokens_per_device
     all_params = shape.num_params * param_bytes
     strategy = PARAM_SHARDINGS.get(param_sharding)
+    table_sharding = strategy.tables or param_sharding  # staged: fsdp's tables (Strategy.tables)
     staged = strategy.use_axes is not None
+    staged_tables = PARAM_SHARDINGS.get(table_sharding).use_axes is not None
     shard_group = strategy.shard_devices(layout)
     dph = min(layout.devices_per_host, layout.num_devices)
-    table_group = dph if staged else shard_group  # staged: the host-local copy's devices
-    table_share = 0.0 if staged else _shard_share(param_sharding, layout)
+    # staged_keep's tables: used split over the devices of the host-local copy's host
+    table_group = dph if staged_tables else shard_devices(layout, table_sharding)
+    table_share = 0.0 if staged_tables else _shard_share(table_sharding, layout)
     tables = shape.embedding_params * param_bytes
     per_micro = Traffic()
-    if vocab_parallel(shape, param_sharding, table_group, tokens_per_device, layout.num_devices):
+    if vocab_parallel(shape, table_sharding, table_group, tokens_per_device, layout.num_devices):
         # basp_jax.vocab: the embedding and LM head stay where they are stored; the
         # tokens' rows move instead. Embedding: its rows reduce-scattered forward, their
         # cotangent gathered backward; loss: the hidden states gathered forward and again when
@@ -498,7 +502,10 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
         gathered_tables = tables
     layers = all_params - tables
     per_step = Traffic()
-    if staged:
+    if staged and not staged_tables:
+        per_step = _staged_traffic(layers, layout, strategy.keep_host_copy, grad_accum)
+        per_micro = per_micro + _gathered_traffic(gathered_tables, table_group, table_share)
+    elif staged:
         per_step = _staged_traffic(layers, layout, strategy.keep_host_copy, grad_accum)
         # the tables' host-local copies (basp_jax.vocab.Table.use), in the compute dtype:
         # gathered across hosts per microbatch (in the GPU program; the CPU one hoists it)

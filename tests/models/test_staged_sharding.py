@@ -73,7 +73,9 @@ def test_loss_and_gradients_equal_one_device(batch, groups, strategy, remat, tie
                                   groups=groups, devices_per_host=HOST)
     model = models.init_model(config, seed=3, mesh=basp_jax.make_mesh(layout), layout=layout,
                               param_sharding=strategy, remat=remat, vocab_parallel=vocab)
-    assert (model.head_table.host_active_axes(tokens.size) is None) == (vocab == "never")
+    # staged_keep's tables are staged (split inside each host unless "never"); staged's follow fsdp
+    split_inside = strategy == "staged_keep" and vocab != "never"
+    assert (model.head_table.host_active_axes(tokens.size) is not None) == split_inside
     stored = {k: v.sharding for k, v in _flat_arrays(model).items()}
     assert all(s.num_devices == 8 and not s.is_fully_replicated for k, s in stored.items()
                if "norm" not in k[-2]), stored  # stored split over all 8 devices
@@ -209,8 +211,8 @@ def _layer_gathers(found):
 @pytest.mark.slow
 def test_staged_keep_gathers_the_layers_across_hosts_once_per_step(tmp_path):
     """In the compiled step, staged_keep's layers cross hosts as many bytes with 2 microbatches
-    as with 1 (gathered once a step); staged's twice as many. The vocabulary tables' copies
-    cross once a step under both in this CPU program (XLA's CPU pipeline hoists their gather,
+    as with 1 (gathered once a step); staged's twice as many (its tables follow fsdp). The
+    vocabulary tables' copies under staged_keep cross once a step in this CPU program (XLA's CPU pipeline hoists their gather,
     which depends on the parameters only, out of the microbatch loop; the GPU program gathers
     them per microbatch, as the planner counts: BENCHMARKS.md section 10). The gradients' reduction across hosts still runs once
     per microbatch (docs/limitations.md), as basp_jax.planner.cost counts it."""
@@ -227,6 +229,6 @@ def test_staged_keep_gathers_the_layers_across_hosts_once_per_step(tmp_path):
     copies = tables / HOST / 2
     assert sent["staged_keep", 1][0] > copies
     np.testing.assert_allclose(sent["staged_keep", 2][0], sent["staged_keep", 1][0], rtol=0.01)
-    np.testing.assert_allclose(sent["staged", 2][0] + copies, 2 * sent["staged", 1][0], rtol=0.01)
+    np.testing.assert_allclose(sent["staged", 2][0], 2 * sent["staged", 1][0], rtol=0.01)
     for strategy in ("staged_keep", "staged"):
         np.testing.assert_allclose(sent[strategy, 2][1], 2 * sent[strategy, 1][1], rtol=0.05)
