@@ -557,6 +557,7 @@ class Table:
             return parallel_loss(hidden, targets, weight, mesh=mesh, axes=axes or host_axes,
                                  vocab_dim=self.names.index("vocab"), dtype=dtype,
                                  chunk_tokens=chunk_tokens, host_mesh=host)
-        host = self.rules.placement if self.per_host else None
+        # one copy per host (use's host_copies): each host's devices loop with their host's copy
+        host = self.rules.placement if self.per_host or host_axes is not None else None
         return chunked_lm_loss(hidden, targets, project, weight, loss_fn, mesh=mesh,
                                chunk_tokens=chunk_tokens, host_mesh=host)

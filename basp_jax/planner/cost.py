@@ -355,9 +355,9 @@ def vocab_parallel(shape: ModelShape, param_sharding: str, shard_group: int,
     counts where it is preferred (prefer_vocab_parallel; None: any count)."""
     strategy = PARAM_SHARDINGS.get(param_sharding)
     staged = strategy.use_axes is not None
-    stored = num_devices if staged else shard_group
+    stored = num_devices if staged and num_devices else shard_group
     if not ((strategy.vocab_parallel or staged) and shard_group > 1
-            and shape.vocab_size % (stored or shard_group) == 0):
+            and shape.vocab_size % stored == 0):
         return False
     return tokens_per_device is None or prefer_vocab_parallel(
         tokens_per_device, shard_group, shape.vocab_size, shape.tie_word_embeddings)
@@ -470,11 +470,10 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
     compiled programs show: docs/limitations.md); a staged strategy gathers the layers in two
     stages (_staged_traffic); staged_keep its vocabulary tables too, across hosts to host-local
     copies per microbatch, in the compute dtype, used split inside the host (staged's follow
-    fsdp). The gradients leave in the
-    dtype the layers computed them in (param_bytes: bf16 reduce-scatters under bf16 compute, as
-    the compiled GPU programs show), not in the float32 of the master weights; a host
-    strategy's gathered tables are used (and their gradient summed across hosts) in the master
-    dtype."""
+    fsdp). The gradients leave in the dtype the layers computed them in (param_bytes: bf16
+    reduce-scatters under bf16 compute, as the compiled GPU programs show), not in the float32
+    of the master weights; a host strategy's gathered tables are used (and their gradient
+    summed across hosts) in the master dtype."""
     tokens_per_device = layout.tokens_per_device
     all_params = shape.num_params * param_bytes
     strategy = PARAM_SHARDINGS.get(param_sharding)
@@ -502,11 +501,11 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
         gathered_tables = tables
     layers = all_params - tables
     per_step = Traffic()
-    if staged and not staged_tables:
+    if staged:
         per_step = _staged_traffic(layers, layout, strategy.keep_host_copy, grad_accum)
+    if staged and not staged_tables:
         per_micro = per_micro + _gathered_traffic(gathered_tables, table_group, table_share)
     elif staged:
-        per_step = _staged_traffic(layers, layout, strategy.keep_host_copy, grad_accum)
         # the tables' host-local copies (basp_jax.vocab.Table.use), in the compute dtype:
         # gathered across hosts per microbatch (in the GPU program; the CPU one hoists it)
         hosts, n = max(layout.num_devices // dph, 1), layout.num_devices

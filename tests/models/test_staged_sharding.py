@@ -232,3 +232,34 @@ def test_staged_keep_gathers_the_layers_across_hosts_once_per_step(tmp_path):
     np.testing.assert_allclose(sent["staged", 2][0], 2 * sent["staged", 1][0], rtol=0.01)
     for strategy in ("staged_keep", "staged"):
         np.testing.assert_allclose(sent[strategy, 2][1], 2 * sent[strategy, 1][1], rtol=0.05)
+
+
+@pytest.mark.slow
+def test_a_loss_other_than_plain_cross_entropy_uses_the_hosts_copies():
+    """A loss_fn the vocabulary-split loss cannot compute runs on gathered chunks of logits, with
+    each host's devices looping over their host's staged copy of the head: one device's loss
+    and gradients."""
+    def loss_fn(logits, targets):  # the same cross-entropy, but not models.causal_lm_loss itself
+        return models.causal_lm_loss(logits, targets)
+
+    @nnx.jit
+    def loss_and_grads(model, tokens, targets):
+        def mean_loss(model):
+            total, count = model.loss(tokens, targets, loss_fn=loss_fn)
+            return total / count
+        return nnx.value_and_grad(mean_loss)(model)
+
+    config = _config(False)
+    tokens, targets, _ = _batch(2, seed=5)
+    loss_1, grads_1 = loss_and_grads(models.init_model(config, seed=3), tokens, targets)
+    layout = basp_jax.Layout.plan(8, 2, SEQ, config.num_heads, config.num_kv_heads, groups=2,
+                                  devices_per_host=HOST)
+    model = models.init_model(config, seed=3, mesh=basp_jax.make_mesh(layout), layout=layout,
+                              param_sharding="staged_keep", remat="full")
+    assert model.head_table.host_active_axes(tokens.size) is not None
+    loss_m, grads_m = loss_and_grads(model, tokens, targets)
+    np.testing.assert_allclose(float(loss_m), float(loss_1), rtol=1e-6)
+    reference, flat = _flat(grads_1), _flat(grads_m)
+    assert flat.keys() == reference.keys()
+    for key, g in reference.items():
+        np.testing.assert_allclose(flat[key], g, atol=1e-6, rtol=1e-4, err_msg=str(key))
