@@ -8,10 +8,12 @@ answer, never the model's:
 - the vocabulary split over mesh axes (fsdp, hsdp: Strategy.vocab_parallel): the table is used
   where it is stored (parallel_lookup, parallel_loss, below);
 - one copy per host (a per-host strategy, Strategy.per_host: host_copies): the lookup's and the
-  loss's gradients are summed inside each host, then cross hosts once as 1/(devices per host)
-  shards. A staged strategy's copy keeps the vocabulary split over the host's devices and is
-  used there (parallel_lookup and parallel_loss on the host mesh, over 'local': the tokens' rows
-  move inside the host only); the host strategy's is gathered whole inside the host
+  loss's gradients are summed inside each host, then cross hosts once as the shards the hosts
+  store (1/(devices per host) under host sharding, 1/N under a staged strategy). A staged
+  strategy's copy keeps the vocabulary split over the host's devices and is used there
+  (parallel_lookup and parallel_loss on the host mesh, over 'local': the tokens' rows move
+  inside the host only) where a device's tokens are few enough (prefer_vocab_parallel); the
+  host strategy's, and a staged one's for more tokens, is gathered whole inside the host
   (_lookup_per_host, _per_host_chunks);
 - otherwise the table is gathered and every device loops over its own tokens
   (chunked_lm_loss, _per_device_chunks).
@@ -280,8 +282,11 @@ def host_copies(w: jax.Array, names: tuple[str, ...], rules: ShardingRules) -> j
     gradient crosses hosts, however many uses and loop iterations contributed."""
     spec = rules.use_spec(names, w.shape)  # as a layer uses it: staged, less the host axis
     hosts = rules.placement.shape[HOST]
-    copies = jnp.broadcast_to(w, (hosts, *w.shape))
-    return cotangent_sharding(copies, NamedSharding(rules.placement, P(HOST, *spec)))
+    copies = NamedSharding(rules.placement, P(HOST, *spec))
+    # placed as the host's shards forward too: a use that gathers the copy whole then gathers
+    # it inside the host (else XLA may gather a staged table over every device at once)
+    copies_value = jax.lax.with_sharding_constraint(jnp.broadcast_to(w, (hosts, *w.shape)), copies)
+    return cotangent_sharding(copies_value, copies)
 
 
 def host_major(x: jax.Array, mesh: Mesh, host_mesh: Mesh) -> jax.Array:
@@ -471,9 +476,10 @@ class Table:
 
     @property
     def per_host(self) -> bool:
-        """Whether the strategy keeps one copy of the table per host, gathered whole inside the
-        host (use, host_copies): host sharding."""
-        return self.rules is not None and self.rules.per_host and not self.rules.staged
+        """Whether the strategy uses one copy of the table per host (use, host_copies): host
+        sharding's, or a staged strategy's host-local copy. Its gradient is summed inside each
+        host, then crosses hosts once, as the shards the hosts store."""
+        return self.rules is not None and self.rules.per_host
 
     def active_axes(self, num_tokens: int) -> tuple[str, ...] | None:
         """vocab_axes when the table's use by num_tokens tokens moves rows, not the table."""
@@ -505,20 +511,21 @@ class Table:
         return active_axes(self.host_vocab_axes, self.rules.placement, num_tokens,
                            self.vocab_size, tied=self.tied, mode=self.mode)
 
-    def use(self, value: jax.Array, num_tokens: int, dtype=None) -> jax.Array:
-        """The table's value as lookup and loss take it for num_tokens tokens: one copy per host
-        (host_copies) under host sharding, and under a staged strategy where its host-local copy
-        is used split inside the host (host_active_axes), else the array itself. Pass the same
-        result to both uses of a tied table, so its gradient crosses hosts once. A staged copy
-        is cast to `dtype` (the compute dtype) first, as its layers are (ShardingRules.stage):
-        half the bytes across hosts; its gradient still adds up in float32 on each device, and
-        crosses hosts in `dtype`."""
-        if self.host_active_axes(num_tokens) is not None:
-            value = value if dtype is None else value.astype(dtype)
-            return host_copies(value, self.names, self.rules)
-        if self.rules is not None and self.rules.staged:  # gathered as a layer is: in stages
-            return self.rules.stage(value, self.names, dtype)
-        return host_copies(value, self.names, self.rules) if self.per_host else value
+    def use(self, value: jax.Array, dtype=None) -> jax.Array:
+        """The table's value as lookup and loss take it: one copy per host
+        (host_copies) under a per-host strategy (per_host), else the array itself. Pass the
+        same result to both uses of a tied table, so its gradient crosses hosts once.
+
+        A staged strategy's copy is cast to `dtype` (the compute dtype) first, as its layers
+        are (ShardingRules.stage): half the bytes across hosts; its gradient still adds up in
+        float32 on each device, and crosses hosts in `dtype`, once, as 1/N shards. It is used
+        split inside the host where the tokens should move rows (host_active_axes: lookup and
+        loss decide), else gathered whole inside the host, as host sharding's copy is."""
+        if not self.per_host:
+            return value
+        if self.rules.staged and dtype is not None:
+            value = value.astype(dtype)
+        return host_copies(value, self.names, self.rules)
 
     def lookup(self, table: jax.Array, tokens: jax.Array, *, dtype) -> jax.Array:
         """The rows [B, S, embed] in `dtype` of tokens [B, S] (sharded P('group', 'seq') with a
@@ -558,6 +565,6 @@ class Table:
                                  vocab_dim=self.names.index("vocab"), dtype=dtype,
                                  chunk_tokens=chunk_tokens, host_mesh=host)
         # one copy per host (use's host_copies): each host's devices loop with their host's copy
-        host = self.rules.placement if self.per_host or host_axes is not None else None
+        host = self.rules.placement if self.per_host else None
         return chunked_lm_loss(hidden, targets, project, weight, loss_fn, mesh=mesh,
                                chunk_tokens=chunk_tokens, host_mesh=host)

@@ -133,7 +133,7 @@ class Embed(nnx.Module):
     def __call__(self, tokens: jax.Array, copies: jax.Array | None = None) -> jax.Array:
         """The rows [B, S, embed] of tokens [B, S]; copies: the table as Table.use gave it to a
         tied head, so both uses share it (default: the weight's own)."""
-        table = self.table.use(self.weight[...], tokens.size, self.dtype) if copies is None else copies
+        table = self.table.use(self.weight[...], self.dtype) if copies is None else copies
         return self.table.lookup(table, tokens, dtype=self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:

@@ -287,23 +287,23 @@ class Transformer(nnx.Module):
         """loss_fn(self(tokens, ...), targets) -> (sum, count), with the logits computed and
         differentiated chunk_tokens tokens per device at a time (basp_jax.vocab.Table.loss):
         no [tokens, vocab] float32 buffer of the whole batch exists, forward or backward."""
-        weight, table = self._head_weight(targets.size)
+        weight, table = self._head_weight()
         hidden = self.hidden_states(tokens, segment_ids, positions, _table=table)
         return self._loss_of_hidden(hidden, targets, weight, loss_fn, chunk_tokens)
 
-    def _head_weight(self, num_tokens: int):
-        """(the weight the loss of num_tokens tokens projects with, as the head's Table uses it;
-        the same for the embedding's lookup when tied, else None)."""
+    def _head_weight(self):
+        """(the weight the loss projects with, as the head's Table uses it; the same for the
+        embedding's lookup when tied, else None)."""
         param = self.embed_tokens.weight if self.lm_head is None else self.lm_head.kernel
         # tied: one set for the lookup and the projection
-        weight = self.head_table.use(param[...], num_tokens, self.dtype)
+        weight = self.head_table.use(param[...], self.dtype)
         return weight, weight if self.lm_head is None else None
 
     def loss_of_last_layer(self, x, targets, *, loss_fn=causal_lm_loss,
                            chunk_tokens: int = LOSS_CHUNK_TOKENS):
         """`loss` from the last layer's output [B, S, hidden] (the final norm, then the chunked
         loss), for a caller that runs the layers itself (train.program.streamed)."""
-        weight, _ = self._head_weight(targets.size)
+        weight, _ = self._head_weight()
         return self._loss_of_hidden(self.norm(x), targets, weight, loss_fn, chunk_tokens)
 
     def _loss_of_hidden(self, hidden, targets, weight, loss_fn, chunk_tokens):

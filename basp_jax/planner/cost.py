@@ -508,14 +508,13 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
     elif staged:
         # the tables' host-local copies (basp_jax.vocab.Table.use), in the compute dtype:
         # gathered across hosts per microbatch (in the GPU program; the CPU one hoists it)
-        hosts, n = max(layout.num_devices // dph, 1), layout.num_devices
-        per_micro = per_micro + collective_traffic("all-gather", tables / dph, hosts, 1.0)
+        # and their gradient back across hosts once, onto the stored 1/N shards
+        hosts = max(layout.num_devices // dph, 1)
+        per_micro = (per_micro + collective_traffic("all-gather", tables / dph, hosts, 1.0)
+                     + collective_traffic("reduce-scatter", tables / dph, hosts, 1.0))
         if gathered_tables:  # too many tokens for rows inside the host: each device uses the
-            # whole table, gathered inside the host, whose gradient XLA all-reduces over all
-            per_micro = (per_micro + collective_traffic("all-gather", tables, dph, 0.0)
-                         + collective_traffic("all-reduce", tables, n, _remote_share(n, dph)))
-        else:  # used split inside the host: the gradient back across hosts once
-            per_micro = per_micro + collective_traffic("reduce-scatter", tables / dph, hosts, 1.0)
+            # whole copy, gathered inside the host (its gradient summed there first)
+            per_micro = per_micro + collective_traffic("all-gather", tables, dph, 0.0)
     else:
         per_micro = per_micro + _gathered_traffic(
             layers + gathered_tables, shard_group, _shard_share(param_sharding, layout))

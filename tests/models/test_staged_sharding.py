@@ -119,6 +119,27 @@ def test_layers_cross_hosts_as_eighths_between_the_hosts_only():
 
 
 @pytest.mark.slow
+def test_tables_used_whole_send_only_their_hosts_shards_across():
+    """Where a device holds too many tokens to use staged_keep's tables split inside the host
+    (vocab_parallel=never stands for that here), each device uses the host's copy whole,
+    gathered inside the host: the tables' gradient is summed inside the host first, so the
+    bytes across hosts are those of the split use (the host's shard, between the 2 hosts), not
+    a reduction of whole tables over all 8 devices."""
+    mcfg = dataclasses.replace(_config(False), num_layers=1)
+    sent = {}
+    for vocab in ("auto", "never"):
+        _, found = step_collectives(mcfg, mode="basp", strategy="staged_keep", batch=2,
+                                    seq_len=256, devices_per_host=HOST, remat="full",
+                                    vocab_parallel=vocab)
+        sent[vocab] = np.array([_inter_host(found, ("all-gather",)),
+                                _inter_host(found, ("reduce-scatter", "all-reduce"))])
+    tables = 2 * mcfg.vocab_size * mcfg.hidden_size * 4  # untied, float32
+    # each device fetches the half of its host's quarter of each table the other host holds
+    assert sent["auto"][0] > tables / HOST / 2
+    np.testing.assert_allclose(sent["never"], sent["auto"], rtol=0.02)
+
+
+@pytest.mark.slow
 def test_checkpoints_move_between_fsdp_and_staged_and_accumulation_matches(tmp_path):
     """With grad_accum=2: a run that starts under fsdp, resumes under staged_keep and then under
     fsdp again (a checkpoint after every step; the stored shards differ in order: the restore

@@ -19,15 +19,15 @@ from ..program.state import compile_program
 def step_collectives(mcfg, *, mode: str, strategy: str, batch: int, seq_len: int,
                      dtype: str = "float32", grad_accum: int = 1, devices: int = 8,
                      devices_per_host: int = 4, remat: str = "none",
-                     scan_layers: bool = False, tile_tokens: int | None = None
-                     ) -> tuple[Layout, list]:
+                     scan_layers: bool = False, tile_tokens: int | None = None,
+                     vocab_parallel: str = "auto") -> tuple[Layout, list]:
     """Compile the trainer's step for this layout and return its collectives (each with how
     often it runs: under scan_layers a layer's collectives sit once in the loop body)."""
     cfg = from_dict({
         "run": {"dir": "unused"},  # nothing is written
         "model": {"preset": "tiny", "dtype": dtype, "param_dtype": dtype,
                   "attn_impl": "blockwise", "remat": remat, "scan_layers": scan_layers,
-                  "tile_tokens": tile_tokens},
+                  "tile_tokens": tile_tokens, "vocab_parallel": vocab_parallel},
         # the model is mcfg; the preset only satisfies the schema
         "data": {"source": "synthetic", "seq_len": seq_len},
         "train": {"steps": 10, "microbatch_size": batch, "grad_accum": grad_accum},
