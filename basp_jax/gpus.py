@@ -58,6 +58,30 @@ class Gpu:
         """The half-precision dtype its tensor cores run (and peak_flops counts)."""
         return "bfloat16" if self.bf16 else "float16"
 
+    def step_peak(self, fp8_share: float = 0.0) -> tuple[float, str]:
+        """The peak FLOP/s MFU divides by for a step that runs fp8_share of its FLOPs as FP8
+        matmuls (those at fp8_peak_flops where the GPU has FP8 tensor cores, the rest at
+        peak_flops), and a line naming it."""
+        half = "bf16" if self.bf16 else "fp16"  # a T4's peak is fp16: it has no bf16 tensor cores
+        line = (f"{self.peak_flops / 1e12:g} TFLOP/s per device, the {half} dense peak of "
+                f"{self.device_kind}")
+        if not (fp8_share and self.fp8_peak_flops):
+            return self.peak_flops, line
+        peak = mixed_peak_flops(1.0, fp8_share, self.peak_flops, self.fp8_peak_flops)
+        return peak, (f"{peak / 1e12:.0f} TFLOP/s per device: {self.device_kind}'s dense FP8 peak "
+                      f"({self.fp8_peak_flops / 1e12:g}) for the {fp8_share:.0%} of the FLOPs "
+                      f"model.fp8 runs in FP8, its {half} one ({self.peak_flops / 1e12:g}) for "
+                      "the rest")
+
+
+def mixed_peak_flops(flops: float, fp8_flops: float, peak: float, fp8_peak: float | None
+                     ) -> float:
+    """The peak FLOP/s of a step whose `fp8_flops` of `flops` run at fp8_peak and the rest at
+    `peak` (what MFU divides by under model.fp8): flops / the time both peaks would take."""
+    if not fp8_peak or not fp8_flops:
+        return peak
+    return flops / ((flops - fp8_flops) / peak + fp8_flops / fp8_peak)
+
 
 def _target(name, device_kind, cc, memory_bytes, peak, bandwidth, sms, clock, l2, fp32, smem,
             optin, *, bf16=True, threads_per_sm=2048, fp8_peak=None) -> Gpu:

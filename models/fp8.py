@@ -105,6 +105,17 @@ def unsupported(platform: str, capability: tuple[int, int] | None) -> str | None
     return None
 
 
+def enabled_on_target(setting, target: str) -> bool:
+    """`enabled` on the GPU basp_jax.gpus calls `target` (a planner's parallel.hardware; a name
+    that is no GPU there: a CPU)."""
+    from basp_jax import gpus
+
+    if setting != "auto":
+        return enabled(setting, "gpu", None)  # as given, whatever the target
+    gpu = gpus.GPUS.get(target)
+    return gpu is not None and tuple(gpu.compute_capability) >= AUTO_MIN_CC
+
+
 def enabled(setting, platform: str, capability: tuple[int, int] | None) -> bool:
     """model.fp8 as a device runs it: True / False as given, "auto" on sm90+ GPUs only."""
     if setting not in SETTINGS:

@@ -177,8 +177,7 @@ def check(cfg: Config, *, is_writer: bool) -> Run:
     per_host = cfg.parallel.devices_per_host or len(devices) // jax.process_count()
     cfg = planning.resolve_offload(cfg, mcfg, len(devices), per_host)  # optimizer.offload=auto
     writers.check(cfg, is_writer)
-    peak, peak_source = peak_flops(cfg.metrics, getattr(devices[0], "device_kind", None),
-                                   fp8_share=fp8_share(cfg, mcfg, devices[0]))
+    held_out = evaluate.held_out_data(cfg)  # None: no evaluation
     plan = plan_run(cfg, mcfg, devices, per_host)
     planning.check_memory(cfg, mcfg, plan.layout, plan.strategy, devices,  # before any row
                           remat=plan.remat, tile_tokens=plan.tile_tokens)
@@ -188,10 +187,14 @@ def check(cfg: Config, *, is_writer: bool) -> Run:
                     microbatch=cfg.train.microbatch_size, seed=cfg.run.seed,
                     pad_rows=layout.pad_rows,
                     seq_order=None if plan.adaptive else layout.token_order)
-    eval_data = evaluate.eval_data(cfg, mcfg.vocab_size, seq_order=layout.token_order,
-                                   pad_rows=layout.pad_rows)
-    record = resume.record(cfg, dataclasses.asdict(mcfg))
+    eval_data = None if held_out is None else Pipeline(
+        held_out, vocab_size=mcfg.vocab_size, grad_accum=cfg.eval.batches,
+        microbatch=cfg.train.microbatch_size, seed=cfg.run.seed, pad_rows=layout.pad_rows,
+        seq_order=layout.token_order, held_out=True)
+    record = resume.record(cfg, dataclasses.asdict(mcfg))  # the data files exist: checked above
     latest, changes = check_resume(cfg, mcfg, run_dir, record)
+    peak, peak_source = peak_flops(cfg.metrics, getattr(devices[0], "device_kind", None),
+                                   fp8_share=fp8_share(cfg, mcfg, devices[0]))
     return Run(cfg, run_dir, is_writer, mcfg, devices, plan, peak, peak_source, data, eval_data,
                latest, record, changes)
 

@@ -50,15 +50,6 @@ class Hardware:
                 + fp8_flops / self.fp8_peak_flops) / self.efficiency
 
 
-def mixed_peak_flops(flops: float, fp8_flops: float, peak: float, fp8_peak: float | None
-                     ) -> float:
-    """The peak FLOP/s of a step whose `fp8_flops` of `flops` run at fp8_peak and the rest at
-    `peak` (what MFU divides by under model.fp8): flops / the time both peaks would take."""
-    if not fp8_peak or not fp8_flops:
-        return peak
-    return flops / ((flops - fp8_flops) / peak + fp8_flops / fp8_peak)
-
-
 def _cluster(gpu: str, description: str, intra_bw: float, inter_bw: float,
              devices_per_host: int, host_memory: float, host_bw: float) -> Hardware:
     """A cluster preset of `gpu` (basp_jax.gpus): its peak FLOP/s, and the memory JAX may take."""

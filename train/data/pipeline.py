@@ -244,10 +244,20 @@ class Pipeline:
     """Builds the rows of each step for this process; `global_batch` places them on the mesh.
 
     held_out=True gives evaluation rows (train.observe.evaluate): consecutive windows from the start of a
-    file, or synthetic rows no training step draws."""
+    file, or synthetic rows no training step draws; its errors start with "eval: "."""
 
     def __init__(self, cfg: DataConfig, *, vocab_size: int, grad_accum: int, microbatch: int,
                  seed: int, pad_rows: int = 0, seq_order=None, held_out: bool = False):
+        try:
+            self._open(cfg, vocab_size, grad_accum, microbatch, seed, pad_rows, seq_order,
+                       held_out)
+        except DataError as e:
+            if not held_out:
+                raise
+            raise DataError(f"eval: {e}") from None
+
+    def _open(self, cfg: DataConfig, vocab_size: int, grad_accum: int, microbatch: int,
+              seed: int, pad_rows: int, seq_order, held_out: bool) -> None:
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.accum = grad_accum

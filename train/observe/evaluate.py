@@ -1,6 +1,7 @@
 """Held-out evaluation: loss and perplexity of the current parameters on the same batches each time.
 
-    data = eval_data(cfg, vocab_size, pad_rows, seq_order)   # None when eval.every == 0
+    source = held_out_data(cfg)                               # None when eval.every == 0
+    data = Pipeline(source, ..., held_out=True)               # train.prepare.check builds it
     evaluator = Evaluator(cfg, program, parts, data)          # program: train.program.state.TrainProgram
     if evaluator.due(step):
         record.update(evaluator.run(params))                  # eval_loss, eval_perplexity, ...
@@ -27,24 +28,18 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import models
 
 from ..program import streamed
-from ..config.schema import Config
-from ..data import DataError, Pipeline
+from ..config.schema import Config, DataConfig
+from ..data import Pipeline
 from ..program.step import make_micro_loss
 
 
-def eval_data(cfg: Config, vocab_size: int, *, pad_rows: int = 0,
-              seq_order=None) -> Pipeline | None:
-    """The held-out rows (eval.path read as data.source says, or held-out synthetic rows), checked
-    now, before anything compiles; None when evaluation is off."""
+def held_out_data(cfg: Config) -> DataConfig | None:
+    """What the held-out rows are read from: eval.path as data.source says, else held-out
+    synthetic rows (data itself); None when evaluation is off. The caller builds the Pipeline
+    (held_out=True) once the layout's pad rows and token order are known."""
     if cfg.eval.every == 0:
         return None
-    dcfg = cfg.data if cfg.eval.path is None else dataclasses.replace(cfg.data, path=cfg.eval.path)
-    try:
-        return Pipeline(dcfg, vocab_size=vocab_size, grad_accum=cfg.eval.batches,
-                        microbatch=cfg.train.microbatch_size, seed=cfg.run.seed,
-                        pad_rows=pad_rows, seq_order=seq_order, held_out=True)
-    except DataError as e:
-        raise DataError(f"eval: {e}") from None
+    return cfg.data if cfg.eval.path is None else dataclasses.replace(cfg.data, path=cfg.eval.path)
 
 
 def make_eval_step(parts, program, *, loss_fn=models.causal_lm_loss):

@@ -21,7 +21,7 @@ def peak_flops(cfg: MetricsConfig, device_kind: str | None = None, *,
     not reported): metrics.peak_flops, else the GPU metrics.device names, else the GPU whose
     device kind is exactly `device_kind` (basp_jax.gpus, bf16 dense; fp16 without bf16).
     fp8_share: the share of the step's FLOPs model.fp8 runs as FP8 matmuls; on a GPU with an
-    FP8 peak those count at it (basp_jax.planner.cost.mixed_peak_flops), the rest at the bf16 one."""
+    FP8 peak those count at it (basp_jax.gpus.Gpu.step_peak), the rest at the bf16 one."""
     from basp_jax import gpus
 
     if cfg.peak_flops is not None:
@@ -31,30 +31,13 @@ def peak_flops(cfg: MetricsConfig, device_kind: str | None = None, *,
         if gpu is None:
             raise ConfigError(f"metrics.device {cfg.device!r} is not a known GPU; use one of "
                               f"{', '.join(gpus.GPUS)} or set metrics.peak_flops")
-        peak, line = _gpu_peak(gpu, fp8_share)
+        peak, line = gpu.step_peak(fp8_share)
         return peak, f"{line} (metrics.device={gpu.name})"
     gpu = gpus.by_device_kind(device_kind) if device_kind else None
     if gpu is None:
         return None, (f"no peak FLOP/s is known for device kind {device_kind!r}, so mfu is not "
                       "reported; set metrics.peak_flops (FLOP/s per device) or metrics.device")
-    return _gpu_peak(gpu, fp8_share)
-
-
-def _gpu_peak(gpu, fp8_share: float) -> tuple[float, str]:
-    from basp_jax.planner import cost
-
-    line = (f"{gpu.peak_flops / 1e12:g} TFLOP/s per device, the {_half(gpu)} dense peak of "
-            f"{gpu.device_kind}")
-    if not (fp8_share and gpu.fp8_peak_flops):
-        return gpu.peak_flops, line
-    peak = cost.mixed_peak_flops(1.0, fp8_share, gpu.peak_flops, gpu.fp8_peak_flops)
-    return peak, (f"{peak / 1e12:.0f} TFLOP/s per device: {gpu.device_kind}'s dense FP8 peak "
-                  f"({gpu.fp8_peak_flops / 1e12:g}) for the {fp8_share:.0%} of the FLOPs model.fp8 "
-                  f"runs in FP8, its {_half(gpu)} one ({gpu.peak_flops / 1e12:g}) for the rest")
-
-
-def _half(gpu) -> str:
-    return "bf16" if gpu.bf16 else "fp16"  # the T4's peak is fp16: it has no bf16 tensor cores
+    return gpu.step_peak(fp8_share)
 
 
 def _clean(value: Any) -> Any:

@@ -58,12 +58,9 @@ def state_bytes(cfg: Config) -> dict[str, int]:
 def fp8_planned(cfg: Config) -> bool:
     """Whether the projections run in FP8 on parallel.hardware (model.fp8; "auto": on sm90+),
     for the predicted compute time."""
-    from basp_jax import gpus
     from models import fp8
 
-    gpu = gpus.GPUS.get(cfg.parallel.hardware)
-    return fp8.enabled(cfg.model.fp8, "gpu" if gpu else "cpu",
-                       gpu.compute_capability if gpu else None)
+    return fp8.enabled_on_target(cfg.model.fp8, cfg.parallel.hardware)
 
 
 def predicted_step_s(cfg: Config, mcfg, run_plan) -> float:
@@ -86,7 +83,8 @@ def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[La
     if remat == "auto":
         remat, tile = AUTO_REMAT[-1], tile or AUTO_TILE_TOKENS
     common = dict(hw=hw, grad_accum=cfg.train.grad_accum, remat=remat, tile_tokens=tile,
-                  fp8=fp8_planned(cfg), **state_bytes(cfg))
+                  **state_bytes(cfg))
+    common["fp8"] = fp8_planned(cfg)
     if p.mode == "auto":
         try:
             layout, best = cost.auto_layout(

@@ -63,9 +63,11 @@ def plan_run(cfg: Config, mcfg, devices, devices_per_host: int) -> RunPlan:
     if cfg.optimizer.offload == "auto":
         raise ValueError("plan_run needs optimizer.offload decided: "
                          "cfg = train.program.planning.resolve_offload(cfg, ...) first")
+    # the configured strategy: under optimizer.offload the planner offers only streamed ones
+    streamed.check_offload(cfg, cfg.parallel.param_sharding,
+                           compute_dtype(cfg.model.dtype, devices[0]), mcfg)
     layout, strategy = planning.plan(cfg, mcfg, len(devices), devices_per_host)
     remat, tile = planning.memory_policy(cfg, mcfg, layout, strategy, devices_per_host)
-    streamed.check_offload(cfg, strategy, compute_dtype(cfg.model.dtype, devices[0]), mcfg)
     plan = RunPlan(layout, strategy, make_mesh(layout, devices), remat, tile,
                    cfg.optimizer.offload)
     layouts = planning.adaptive_set(cfg, layout, strategy)

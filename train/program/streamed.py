@@ -57,7 +57,8 @@ LAYERS = "layers"  # the params key of the scanned layer stack
 
 def check_offload(cfg: Config, strategy: str, compute_dtype: str, mcfg=None) -> None:
     """Refuse, in one line, what the streamed step does not do (before anything compiles);
-    mcfg: the model's config (a hybrid's layers are no scanned stack)."""
+    mcfg: the model's config (a hybrid's layers are no scanned stack); strategy: the parameter
+    sharding, or "auto" (the planner then offers only those the streamed step runs)."""
     if cfg.optimizer.offload is not True:  # false, or auto before planning.resolve_offload
         return
     fix = "or set optimizer.offload=false"
@@ -77,7 +78,7 @@ def check_offload(cfg: Config, strategy: str, compute_dtype: str, mcfg=None) -> 
     if not cfg.model.scan_layers:
         raise ConfigError(f"optimizer.offload=true streams the layers of a scanned stack; set "
                           f"model.scan_layers=true {fix}")
-    entry = PARAM_SHARDINGS.get(strategy)
+    entry = PARAM_SHARDINGS.get("fsdp" if strategy == "auto" else strategy)
     if not entry.streamed and entry.keep_host_copy:
         raise ConfigError(f"optimizer.offload=true copies each layer's weights in again for its "
                           f"backward, so {strategy} (which keeps the forward's host-local copy) "
