@@ -23,7 +23,8 @@ axes parameters are split:
                 (train.program.step); their gradients still cross hosts once per microbatch.
                 The vocabulary tables are staged too, to a host-local copy split on the
                 vocabulary inside the host, and used there (basp_jax.vocab): the tokens' rows
-                move inside the host, and each table crosses hosts as 1/N pieces.
+                move inside the host (for many tokens per device the copy is used whole), and
+                each table crosses hosts as 1/N pieces.
     replicated: nowhere: every device holds everything (small models, debugging); never the default
 
 ShardingRules(strategy, mesh) turns names into PartitionSpecs and NamedShardings; it refuses a
