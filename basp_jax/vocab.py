@@ -282,11 +282,11 @@ def host_copies(w: jax.Array, names: tuple[str, ...], rules: ShardingRules) -> j
     gradient crosses hosts, however many uses and loop iterations contributed."""
     spec = rules.use_spec(names, w.shape)  # as a layer uses it: staged, less the host axis
     hosts = rules.placement.shape[HOST]
-    copies = NamedSharding(rules.placement, P(HOST, *spec))
+    per_host = NamedSharding(rules.placement, P(HOST, *spec))
     # placed as the host's shards forward too: a use that gathers the copy whole then gathers
     # it inside the host (else XLA may gather a staged table over every device at once)
-    copies_value = jax.lax.with_sharding_constraint(jnp.broadcast_to(w, (hosts, *w.shape)), copies)
-    return cotangent_sharding(copies_value, copies)
+    copies = jax.lax.with_sharding_constraint(jnp.broadcast_to(w, (hosts, *w.shape)), per_host)
+    return cotangent_sharding(copies, per_host)
 
 
 def host_major(x: jax.Array, mesh: Mesh, host_mesh: Mesh) -> jax.Array:
