@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from basp_jax import kernels
+from basp_jax import gpus, kernels
 from basp_jax.layout import MODES
 from basp_jax.remat import REMAT_POLICIES
 from basp_jax.sharding import PARAM_SHARDINGS
@@ -51,6 +51,8 @@ CHOICES = {
     "model.remat": Choice(lambda: (*REMAT_POLICIES, "auto"),
                           lambda: REMAT_POLICIES.describe() + f", auto ({AUTO_REMAT_DOC})"),
     "data.documents": Choice(lambda: tuple(DISTRIBUTIONS), optional=True),
+    # the GPU whose peak MFU divides by (train.observe.metrics.peak_flops)
+    "metrics.device": Choice(lambda: tuple(gpus.GPUS), optional=True),
 }
 
 

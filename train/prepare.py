@@ -10,6 +10,7 @@ run.dir's lock and builds the state (train.program.state).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any
 
@@ -30,7 +31,7 @@ from .observe import writers
 from .process import runtime
 from .checkpoint.store import checkpoint_dir, complete_steps, inspect_latest
 from .config.schema import Config, ConfigError, replace
-from .data import Pipeline
+from .data import Pipeline, check_files
 from .process.lock import check_free
 from .observe.metrics import peak_flops
 from .program.model_setup import fp8_enabled, model_config, model_options
@@ -132,8 +133,7 @@ class Run:
     mcfg: Any  # models.ModelConfig
     devices: list
     plan: RunPlan
-    peak: float | None  # peak FLOP/s of one device (None: no mfu)
-    peak_source: str  # the log line naming it
+    fp8_share: float  # of a step's FLOPs, run as FP8 matmuls (model.fp8; 0: none)
     data: Pipeline
     eval_data: Pipeline | None  # None: no evaluation
     latest: int | None  # the checkpoint step to resume from (None: a fresh start)
@@ -143,6 +143,22 @@ class Run:
     @property
     def layout(self) -> Layout:
         return self.plan.layout
+
+    @functools.cached_property
+    def _mfu_peak(self) -> tuple[float | None, str]:
+        # metrics.device names a known GPU: train.choices checked it
+        return peak_flops(self.cfg.metrics, getattr(self.devices[0], "device_kind", None),
+                          fp8_share=self.fp8_share)
+
+    @property
+    def peak(self) -> float | None:
+        """Peak FLOP/s of one device, what MFU divides by (None: no mfu)."""
+        return self._mfu_peak[0]
+
+    @property
+    def peak_source(self) -> str:
+        """The log line naming the peak (or saying why there is no mfu)."""
+        return self._mfu_peak[1]
 
     @property
     def saved_dtype(self) -> str | None:
@@ -178,6 +194,11 @@ def check(cfg: Config, *, is_writer: bool) -> Run:
     cfg = planning.resolve_offload(cfg, mcfg, len(devices), per_host)  # optimizer.offload=auto
     writers.check(cfg, is_writer)
     held_out = evaluate.held_out_data(cfg)  # None: no evaluation
+    check_files(cfg.data)  # a missing file is reported as such, not as a changed one on resume
+    record = resume.record(cfg, dataclasses.asdict(mcfg))
+    latest, changes = check_resume(cfg, mcfg, run_dir, record)
+    share = fp8_share(cfg, mcfg, devices[0])
+    # the plan comes last: it hands the config down to the library (planner, layout, gpus)
     plan = plan_run(cfg, mcfg, devices, per_host)
     planning.check_memory(cfg, mcfg, plan.layout, plan.strategy, devices,  # before any row
                           remat=plan.remat, tile_tokens=plan.tile_tokens)
@@ -191,12 +212,8 @@ def check(cfg: Config, *, is_writer: bool) -> Run:
         held_out, vocab_size=mcfg.vocab_size, grad_accum=cfg.eval.batches,
         microbatch=cfg.train.microbatch_size, seed=cfg.run.seed, pad_rows=layout.pad_rows,
         seq_order=layout.token_order, held_out=True)
-    record = resume.record(cfg, dataclasses.asdict(mcfg))  # the data files exist: checked above
-    latest, changes = check_resume(cfg, mcfg, run_dir, record)
-    peak, peak_source = peak_flops(cfg.metrics, getattr(devices[0], "device_kind", None),
-                                   fp8_share=fp8_share(cfg, mcfg, devices[0]))
-    return Run(cfg, run_dir, is_writer, mcfg, devices, plan, peak, peak_source, data, eval_data,
-               latest, record, changes)
+    return Run(cfg, run_dir, is_writer, mcfg, devices, plan, share, data, eval_data, latest,
+               record, changes)
 
 
 def check_resume(cfg: Config, mcfg, run_dir: str, record: dict) -> tuple[int | None, dict]:

@@ -7,6 +7,6 @@ and each step's batch on the run's layout (or, under adaptive layouts, on the on
     batches.py    the batch of each step and the program (layout) that runs it
 """
 
-from .pipeline import DataError, Pipeline, checked_sidecar, parse_lines, sidecar_seal
+from .pipeline import DataError, Pipeline, check_files, checked_sidecar, parse_lines, sidecar_seal
 
-__all__ = ["DataError", "Pipeline", "checked_sidecar", "parse_lines", "sidecar_seal"]
+__all__ = ["DataError", "Pipeline", "check_files", "checked_sidecar", "parse_lines", "sidecar_seal"]

@@ -79,6 +79,19 @@ def _check_file(path: str, what: str) -> None:
         raise DataError(f"{what} {path!r} is not readable (check its permissions)")
 
 
+def check_files(cfg: DataConfig) -> None:
+    """The files the training data reads exist, with the messages opening them gives: checked
+    before anything else reads them (train.prepare records their identity for resuming)."""
+    if cfg.source == "synthetic":
+        return
+    for path in (list(cfg.mix) if cfg.mix else [cfg.path]):
+        if cfg.source == "tokens":
+            _check_file(path, "token file")
+        else:  # tokenized here: the tokenizer is opened first (_tokenize)
+            _check_file(cfg.tokenizer, "tokenizer file")
+            _check_file(path, "data file")
+
+
 def _load_token_file(path: str, dtype: str) -> np.ndarray:
     _check_file(path, "token file")
     if path.endswith(".npy"):
