@@ -39,6 +39,7 @@ from .registry import Registry
 EXCHANGE_NAME = "basp_exchange"  # q's exchange and the output's (query heads wide)
 KV_EXCHANGE_NAME = "basp_exchange_kv"  # k's and v's (grouped-query heads: narrower), ring hops, ids
 LAYER_INPUT_NAME = "basp_layer_input"
+HOST_COPY_NAME = "basp_host_copy"  # a layer's weights gathered to its host (staged_offload)
 HOST_MEMORY = "pinned_host"  # the memory kind JAX names page-locked host memory by (CPU and GPU)
 
 
@@ -53,6 +54,29 @@ def name_layer_input(x: jax.Array) -> jax.Array:
     """Tag a layer's input as the residual `offload_layer_inputs` moves to host memory. Use the
     returned value everywhere in the layer: an untagged use would keep the input on the device."""
     return checkpoint_name(x, LAYER_INPUT_NAME)
+
+
+def name_host_copy(tree):
+    """Tag each array of a layer's host-local weights (basp_jax.sharding's staged strategies) as
+    the residual `offload_host_copy` keeps in host memory for the backward pass."""
+    return jax.tree.map(lambda x: checkpoint_name(x, HOST_COPY_NAME), tree)
+
+
+def offload_host_copy(policy=None):
+    """`policy` (None: save nothing else), with the layer's host-local weights (name_host_copy)
+    kept in pinned host memory from the forward to the backward pass instead of gathered across
+    hosts again: the device holds no copy of the layers between the two passes."""
+    offloaded = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[HOST_COPY_NAME],
+        offload_src="device", offload_dst=HOST_MEMORY)
+    rest = policy or jax.checkpoint_policies.nothing_saveable
+
+    def combined(prim, *args, **params):
+        if prim.name == "name" and params.get("name") == HOST_COPY_NAME:
+            return offloaded(prim, *args, **params)
+        return rest(prim, *args, **params)
+
+    return combined
 
 
 def save_exchanges(policy=None, *, kv_only: bool = False):

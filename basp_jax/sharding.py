@@ -80,6 +80,9 @@ class Strategy:
         used from where it is stored.
     keep_host_copy: the staged copy is gathered once per step, outside the layer's
         rematerialised body, and kept for its backward.
+    offload_host_copy: the staged copy is gathered once per microbatch, inside the layer's
+        rematerialised body, and kept for its backward in pinned host memory
+        (basp_jax.remat.offload_host_copy), not on the device.
     tables: the strategy the vocabulary tables (parameters with a 'vocab' axis) follow
         instead, or None (this one). `staged` leaves them where fsdp stores them
         (vocabulary-parallel over every device): its streamed step (train.program.streamed)
@@ -97,6 +100,7 @@ class Strategy:
     streamed: bool = True
     use_axes: tuple[str, ...] | None = None
     keep_host_copy: bool = False
+    offload_host_copy: bool = False
     tables: str | None = None
 
 
@@ -107,9 +111,9 @@ def _several_hosts(layout) -> bool:
 PARAM_SHARDINGS: Registry[Strategy] = Registry("parameter sharding")
 PARAM_SHARDINGS.register("fsdp", Strategy(
     (GROUP, SEQ), lambda layout: layout.num_devices, vocab_parallel=True,
-    applies=lambda layout: True, auto_rank=4))
+    applies=lambda layout: True, auto_rank=5))
 PARAM_SHARDINGS.register("hsdp", Strategy(
-    (SEQ,), lambda layout: layout.sp, vocab_parallel=True, sync="groups", auto_rank=3,
+    (SEQ,), lambda layout: layout.sp, vocab_parallel=True, sync="groups", auto_rank=4,
     applies=lambda layout: layout.groups > 1,  # one group: it is fsdp
     # on hosts of one seq group each it shards as host does
     same_as_another=lambda layout: _several_hosts(layout) and layout.sp == layout.devices_per_host))
@@ -118,14 +122,17 @@ PARAM_SHARDINGS.register("host", Strategy(
     sync="hosts", applies=_several_hosts, auto_rank=1,
     streamed=False))  # its per-host device copies of the weights are what streaming avoids
 # staged_keep ranks first: host's cross-host bytes (each gradient element crosses once, each
-# device fetches the 1/N pieces its host lacks once) at FSDP's memory plus one host-local copy
-# (the streamed step copies each layer in again for its backward: it keeps no host-local copy)
-for _rank, (_name, _keep) in ((0, ("staged_keep", True)), (2, ("staged", False))):
+# device fetches the 1/N pieces its host lacks once) at FSDP's memory plus one host-local copy.
+# staged_offload keeps that copy in host memory instead (FSDP's device memory; the copy crosses
+# PCIe twice a microbatch), staged keeps none (gathered across hosts again for the backward).
+# (The streamed step copies each layer in again for its backward: it keeps no host-local copy.)
+for _rank, (_name, _keep, _offload) in ((0, ("staged_keep", True, False)),
+                                        (2, ("staged_offload", True, True)),
+                                        (3, ("staged", False, False))):
     PARAM_SHARDINGS.register(_name, Strategy(
         (LOCAL, HOST), lambda layout: layout.num_devices, per_host=True, use_axes=(LOCAL,),
-        keep_host_copy=_keep, tables=None if _keep else "fsdp", applies=_several_hosts,
-        auto_rank=_rank,
-        streamed=not _keep))
+        keep_host_copy=_keep, offload_host_copy=_offload, tables=None if _keep else "fsdp",
+        applies=_several_hosts, auto_rank=_rank, streamed=not _keep))
 PARAM_SHARDINGS.register("replicated", Strategy((), lambda layout: 1))
 DEFAULT_STRATEGY = "fsdp"  # parameters' placement unless told otherwise (models.RunOptions)
 SPLIT = "split"  # in RULES: split over the strategy's parameter axes

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import basp_jax
-from basp_jax.remat import name_layer_input
+from basp_jax.remat import name_host_copy, name_layer_input, offload_host_copy
 from basp_jax.sharding import ShardingRules, abstract_arrays, activation_spec
 from basp_jax.vocab import LOSS_CHUNK_TOKENS, Table
 
@@ -170,12 +170,23 @@ class Transformer(nnx.Module):
         rules = self.options.rules
         # A staged strategy gathers each layer's parameters across hosts (stage_params): inside
         # the rematerialised body, so the backward gathers again, or before it (keep_host_copy),
-        # so the backward reuses the forward's host-local copy.
-        keep = rules is not None and rules.entry.keep_host_copy
+        # so the backward reuses the forward's host-local copy; offload_host_copy gathers it
+        # inside and parks the copy in host memory for the backward (basp_jax.remat).
+        entry = rules.entry if rules is not None else None
+        offload = entry is not None and entry.offload_host_copy
+        keep = entry is not None and entry.keep_host_copy and not offload
+        policy = self.options.remat_policy
+        if offload:
+            # without a remat policy every other residual is saved, as unwrapped layers save it
+            remat = True
+            policy = offload_host_copy(policy if policy is not None
+                                       else jax.checkpoint_policies.everything_saveable)
 
         def run_layer(x, graphdef, layer):
             if not keep:
                 layer = stage_params(layer, rules, self.dtype)
+                if offload:
+                    layer = name_host_copy(layer)
             return nnx.merge(graphdef, layer)(x, positions, segment_ids)
 
         if remat:
@@ -183,7 +194,7 @@ class Transformer(nnx.Module):
             # Python loop (a hybrid's layers) XLA would merge them without prevent_cse, keeping
             # every layer's intermediates alive to the backward pass (the 9B hybrid's step at
             # 16K on 2 x 4 A100-40GB: 60.6 GiB per device instead of 34.8).
-            run_layer = jax.checkpoint(run_layer, policy=self.options.remat_policy,
+            run_layer = jax.checkpoint(run_layer, policy=policy,
                                        prevent_cse=not self.scanned, static_argnums=(1,))
 
         def body(x, graphdef, layer):

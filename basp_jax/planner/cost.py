@@ -283,13 +283,27 @@ def shard_devices(layout: Layout, param_sharding: str) -> int:
     return PARAM_SHARDINGS.get(param_sharding).shard_devices(layout)
 
 
-def kept_share(layout: Layout, param_sharding: str) -> float:
+def kept_share(layout: Layout, param_sharding: str, *, offloaded: bool = False) -> float:
     """The share of the layers' weights each device keeps from forward to backward under a
-    strategy (memory_terms' kept): a staged strategy's host-local copy when it keeps it."""
+    strategy (memory_terms' kept): a staged strategy's host-local copy when it keeps it on the
+    device; offloaded: when it keeps it in pinned host memory (staged_offload) instead."""
     strategy = PARAM_SHARDINGS.get(param_sharding)
-    if not strategy.keep_host_copy:
+    if not strategy.keep_host_copy or strategy.offload_host_copy != offloaded:
         return 0.0
     return 1.0 / min(layout.devices_per_host, layout.num_devices)
+
+
+def host_copy_bytes(shape: ModelShape, layout: Layout, param_sharding: str,
+                    act_bytes: int = 2) -> float:
+    """Pinned host memory per device that a strategy keeping its host-local copy there fills
+    (staged_offload: 1/devices per host of the layers in the compute dtype; 0 for the others),
+    copied there forward and back backward once per microbatch."""
+    return kept_share(layout, param_sharding, offloaded=True) * act_bytes * _layer_weights(shape)
+
+
+def _layer_weights(shape: ModelShape) -> float:
+    """The layers' parameters: every one but the tables and the final norm."""
+    return shape.num_params - shape.embedding_params - shape.hidden_size
 
 
 def min_inter_host_gradient_bytes(gradient_bytes: float, num_devices: int,
@@ -401,6 +415,8 @@ def predict(
                                  act_bytes=act_bytes, grad_accum=grad_accum,
                                  master_bytes=master_bytes, moment_bytes=moment_bytes,
                                  offload_state=offload_state)
+    copy = host_copy_bytes(shape, layout, param_sharding, act_bytes) * grad_accum
+    host, host_s = host + copy, host_s + 2 * copy / hw.host_bw
     return Prediction(layout, param_sharding, a2a, params, compute_s, a2a_s, params_s,
                       compute_s + a2a_s + params_s + host_s, memory, host, host_s)
 
@@ -493,7 +509,7 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
     layers = all_params - tables
     per_step = Traffic()
     if staged:
-        per_step = _staged_traffic(layers, layout, strategy.keep_host_copy, grad_accum)
+        per_step = _staged_traffic(layers, layout, strategy, grad_accum)
     if staged and not staged_tables:
         per_micro = per_micro + _gathered_traffic(gathered_tables, table_group, table_share)
     elif staged:
@@ -529,20 +545,22 @@ def _gathered_traffic(buffer_bytes: float, group: int, remote_share: float) -> T
             + collective_traffic("reduce-scatter", buffer_bytes, group, remote_share))
 
 
-def _staged_traffic(layer_bytes: float, layout: Layout, keep_host_copy: bool,
+def _staged_traffic(layer_bytes: float, layout: Layout, strategy,
                     grad_accum: int = 1) -> Traffic:
     """A staged strategy's layers for one step of grad_accum microbatches (basp_jax.sharding):
     the host-local copy (1/devices per host of each layer) gathered across hosts forward, and
-    again for the recomputed backward unless it is kept, where the step gathers it once for all
-    its microbatches (train.program.step); the whole layer gathered inside the host forward and
-    backward; the gradient reduce-scattered inside the host, then its host-local shard across
-    hosts, once per microbatch (XLA's partitioner finishes each microbatch's reduction)."""
+    again for the recomputed backward unless it is kept: on the device the step gathers it once
+    for all its microbatches (train.program.step), in host memory once per microbatch; the whole
+    layer gathered inside the host forward and backward; the gradient reduce-scattered inside
+    the host, then its host-local shard across hosts, once per microbatch (XLA's partitioner
+    finishes each microbatch's reduction)."""
     dph = layout.devices_per_host
     hosts = max(layout.num_devices // dph, 1)
     host_copy = layer_bytes / dph
-    gather = collective_traffic("all-gather", host_copy, hosts, 1.0)
-    cross = (gather if keep_host_copy else gather.scale(2 * grad_accum)) + collective_traffic(
-        "reduce-scatter", host_copy, hosts, 1.0).scale(grad_accum)
+    gathers = (grad_accum if strategy.offload_host_copy else 1) if strategy.keep_host_copy \
+        else 2 * grad_accum
+    cross = collective_traffic("all-gather", host_copy, hosts, 1.0).scale(gathers) + \
+        collective_traffic("reduce-scatter", host_copy, hosts, 1.0).scale(grad_accum)
     return cross + _gathered_traffic(layer_bytes, min(dph, layout.num_devices), 0.0).scale(
         grad_accum)
 
@@ -762,8 +780,7 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
         "saved": _SAVED_SHARE * tokens_per_device * saved_per_token * act_bytes,
         "working": working,
         "recompute": recompute,
-        "kept": kept_share * act_bytes * (  # the layers: every parameter but tables, final norm
-            shape.num_params - shape.embedding_params - shape.hidden_size),
+        "kept": kept_share * act_bytes * _layer_weights(shape),
         "accumulate": (_ACCUMULATE_BUFFERS * p * 4 / shard_group) if grad_accum > 1 else 0.0,
     }
 

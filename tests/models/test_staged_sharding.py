@@ -59,7 +59,10 @@ CASES = [(2, 2, "staged_keep", "full", False, "auto"),
          pytest.param(2, 1, "staged", "full", True, "auto", marks=pytest.mark.slow),
          pytest.param(8, 8, "staged_keep", "none", True, "auto", marks=pytest.mark.slow),
          pytest.param(2, 1, "staged_keep", "full", True, "auto", marks=pytest.mark.slow),
-         pytest.param(2, 2, "staged_keep", "full", False, "never", marks=pytest.mark.slow)]
+         pytest.param(2, 2, "staged_keep", "full", False, "never", marks=pytest.mark.slow),
+         # the host-local copy in host memory, with and without a remat policy of its own
+         pytest.param(2, 2, "staged_offload", "full", False, "auto", marks=pytest.mark.slow),
+         pytest.param(8, 8, "staged_offload", "none", True, "auto", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("batch,groups,strategy,remat,tied,vocab", CASES)
@@ -73,8 +76,8 @@ def test_loss_and_gradients_equal_one_device(batch, groups, strategy, remat, tie
                                   groups=groups, devices_per_host=HOST)
     model = models.init_model(config, seed=3, mesh=basp_jax.make_mesh(layout), layout=layout,
                               param_sharding=strategy, remat=remat, vocab_parallel=vocab)
-    # staged_keep's tables are staged (split inside each host unless "never"); staged's follow fsdp
-    split_inside = strategy == "staged_keep" and vocab != "never"
+    # the kept copies' tables are staged (split inside each host unless "never"); staged's follow fsdp
+    split_inside = strategy in ("staged_keep", "staged_offload") and vocab != "never"
     assert (model.head_table.host_active_axes(tokens.size) is not None) == split_inside
     stored = {k: v.sharding for k, v in _flat_arrays(model).items()}
     assert all(s.num_devices == 8 and not s.is_fully_replicated for k, s in stored.items()
@@ -197,6 +200,7 @@ def _accumulated(tmp_path, strategy: str, accum: int, *extra: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy,extra", [("staged_keep", ()), ("staged", ()),
+                                            ("staged_offload", ()),
                                             ("staged_keep", ("model.scan_layers=false",))])
 def test_accumulated_gradients_equal_one_device(tmp_path, strategy, extra):
     """train.grad_accum=2: the step's loss and every gradient (the mean over both microbatches)
@@ -253,6 +257,19 @@ def test_staged_keep_gathers_the_layers_across_hosts_once_per_step(tmp_path):
     np.testing.assert_allclose(sent["staged", 2][0], 2 * sent["staged", 1][0], rtol=0.01)
     for strategy in ("staged_keep", "staged"):
         np.testing.assert_allclose(sent[strategy, 2][1], 2 * sent[strategy, 1][1], rtol=0.05)
+
+
+@pytest.mark.slow
+def test_staged_offload_gathers_across_hosts_as_staged_keep(tmp_path):
+    """staged_offload's layers cross hosts once per microbatch, as staged_keep's (staged: twice,
+    forward and recomputed backward). (That its copies wait in pinned host memory is the GPU
+    program's: tests/e2e/test_gpu_compile.py; XLA's CPU program has one memory.)"""
+    sent = {}
+    for strategy in ("staged_keep", "staged_offload", "staged"):
+        _, _, _, step = _accumulated(tmp_path, strategy, 1)
+        sent[strategy] = _layer_gathers(comm.parse_collectives(step.as_text(), 8))
+    np.testing.assert_allclose(sent["staged_offload"], sent["staged_keep"], rtol=0.01)
+    assert sent["staged_offload"] < 0.75 * sent["staged"], sent
 
 
 @pytest.mark.slow

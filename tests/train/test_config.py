@@ -73,7 +73,7 @@ def test_bad_values_one_line(tmp_path, override, fragment):
 @pytest.mark.parametrize("override, names", [
     ("parallel.mode=ring", "basp, ulysses, auto, adaptive"),
     ("model.attn_impl=flash", "auto, xla, cudnn, pallas, blockwise"),
-    ("parallel.param_sharding=zero", "auto, fsdp, hsdp, host, staged_keep, staged, replicated"),
+    ("parallel.param_sharding=zero", "auto, fsdp, hsdp, host, staged_keep, staged_offload, staged, replicated"),
     ("model.remat=some", "none, full, full_kv, inputs, dots, offload, offload_exchanges, auto"),
 ])
 def test_registry_choices_are_checked_with_one_line_naming_them(tmp_path, override, names):

@@ -320,12 +320,15 @@ def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,
 def host_memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,
                          remat: str | None = None) -> float:
     """Pinned host memory per device the remat policy fills per step (basp_jax.planner.cost.
-    host_memory_bytes; 0 unless it offloads), with optimizer.offload the state it holds too."""
+    host_memory_bytes; 0 unless it offloads), the host-local copy of a strategy that keeps it
+    there (basp_jax.planner.cost.host_copy_bytes), with optimizer.offload the state it holds too."""
     q_heads, kv_heads = layout.exchanged_heads
     shape = model_shape(mcfg)
     host = cost.host_memory_bytes(shape, layout.tokens_per_device, q_heads=q_heads,
                                   kv_heads=kv_heads, remat=remat or cfg.model.remat,
                                   act_bytes=_act_bytes(cfg))
+    host += cost.host_copy_bytes(shape, layout, strategy, _act_bytes(cfg))
+    host *= cfg.train.grad_accum  # XLA gives each microbatch's residuals their own buffers
     if cfg.optimizer.offload is True:
         sizes = state_bytes(cfg)
         host += shape.num_params * cost.state_bytes_per_param(

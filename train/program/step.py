@@ -253,10 +253,12 @@ def make_step_gradients(parts: ModelParts, param_shardings, *, loss_fn: Callable
         """The parameters the microbatches differentiate: under a strategy that keeps the
         host-local copies for the backward (staged_keep) with several microbatches, the layers
         staged once for all of them (gathered across hosts once a step, not once a microbatch;
-        the copies are what the backward keeps anyway); else the parameters."""
+        the copies are what the backward keeps anyway); else the parameters (staged_offload
+        keeps them in host memory, a microbatch at a time: gathered once per microbatch)."""
         model = parts.module(params)
         rules = model.options.rules
-        if rules is None or not rules.entry.keep_host_copy or batch["tokens"].shape[0] == 1:
+        if rules is None or not rules.entry.keep_host_copy or rules.entry.offload_host_copy \
+                or batch["tokens"].shape[0] == 1:
             return params
         return stage_layer_params(params, names, rules, model.dtype)
 
