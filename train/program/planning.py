@@ -113,7 +113,10 @@ def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[La
         and (s.streamed or cfg.optimizer.offload is not True)
         and (p.mode != "adaptive" or adaptive.shares_placement(name)))]
     for strategy in choices[:-1]:
-        if cost.predict(shape, layout, strategy, **common).memory_bytes <= hw.memory_bytes:
+        pred = cost.predict(shape, layout, strategy, **common)
+        # (staged_offload's host-local copies, an offload policy's residuals: host memory)
+        if pred.memory_bytes <= hw.memory_bytes and \
+                pred.host_memory_bytes <= hw.host_memory_bytes:
             return layout, strategy
     return layout, choices[-1]
 
