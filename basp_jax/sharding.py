@@ -82,7 +82,7 @@ class Strategy:
         rematerialised body, and kept for its backward.
     offload_host_copy: the staged copy is gathered once per microbatch, inside the layer's
         rematerialised body, and kept for its backward in pinned host memory
-        (basp_jax.remat.offload_host_copy), not on the device.
+        (basp_jax.remat.offload_host_copy), not on the device (keep_host_copy: on the device).
     tables: the strategy the vocabulary tables (parameters with a 'vocab' axis) follow
         instead, or None (this one). `staged` leaves them where fsdp stores them
         (vocabulary-parallel over every device): its streamed step (train.program.streamed)
@@ -127,12 +127,13 @@ PARAM_SHARDINGS.register("host", Strategy(
 # PCIe twice a microbatch), staged keeps none (gathered across hosts again for the backward).
 # (The streamed step copies each layer in again for its backward: it keeps no host-local copy.)
 for _rank, (_name, _keep, _offload) in ((0, ("staged_keep", True, False)),
-                                        (2, ("staged_offload", True, True)),
+                                        (2, ("staged_offload", False, True)),
                                         (3, ("staged", False, False))):
     PARAM_SHARDINGS.register(_name, Strategy(
         (LOCAL, HOST), lambda layout: layout.num_devices, per_host=True, use_axes=(LOCAL,),
-        keep_host_copy=_keep, offload_host_copy=_offload, tables=None if _keep else "fsdp",
-        applies=_several_hosts, auto_rank=_rank, streamed=not _keep))
+        keep_host_copy=_keep, offload_host_copy=_offload,
+        tables=None if _keep or _offload else "fsdp", applies=_several_hosts, auto_rank=_rank,
+        streamed=not (_keep or _offload)))
 PARAM_SHARDINGS.register("replicated", Strategy((), lambda layout: 1))
 DEFAULT_STRATEGY = "fsdp"  # parameters' placement unless told otherwise (models.RunOptions)
 SPLIT = "split"  # in RULES: split over the strategy's parameter axes

@@ -174,7 +174,7 @@ class Transformer(nnx.Module):
         # inside and parks the copy in host memory for the backward (basp_jax.remat).
         entry = rules.entry if rules is not None else None
         offload = entry is not None and entry.offload_host_copy
-        keep = entry is not None and entry.keep_host_copy and not offload
+        keep = entry is not None and entry.keep_host_copy
         policy = self.options.remat_policy
         if offload:
             # without a remat policy every other residual is saved, as unwrapped layers save it

@@ -20,7 +20,7 @@ import math
 from .. import gpus
 from ..layout import Layout, LayoutError, _divisors, auto_mode, mode_of
 from ..remat import REMAT_POLICIES, RematPolicy
-from ..sharding import PARAM_SHARDINGS
+from ..sharding import PARAM_SHARDINGS, Strategy
 from ..vocab import prefer_vocab_parallel
 
 
@@ -286,9 +286,9 @@ def shard_devices(layout: Layout, param_sharding: str) -> int:
 def kept_share(layout: Layout, param_sharding: str, *, offloaded: bool = False) -> float:
     """The share of the layers' weights each device keeps from forward to backward under a
     strategy (memory_terms' kept): a staged strategy's host-local copy when it keeps it on the
-    device; offloaded: when it keeps it in pinned host memory (staged_offload) instead."""
+    device (keep_host_copy); offloaded: in pinned host memory (offload_host_copy) instead."""
     strategy = PARAM_SHARDINGS.get(param_sharding)
-    if not strategy.keep_host_copy or strategy.offload_host_copy != offloaded:
+    if not (strategy.offload_host_copy if offloaded else strategy.keep_host_copy):
         return 0.0
     return 1.0 / min(layout.devices_per_host, layout.num_devices)
 
@@ -545,7 +545,7 @@ def _gathered_traffic(buffer_bytes: float, group: int, remote_share: float) -> T
             + collective_traffic("reduce-scatter", buffer_bytes, group, remote_share))
 
 
-def _staged_traffic(layer_bytes: float, layout: Layout, strategy,
+def _staged_traffic(layer_bytes: float, layout: Layout, strategy: Strategy,
                     grad_accum: int = 1) -> Traffic:
     """A staged strategy's layers for one step of grad_accum microbatches (basp_jax.sharding):
     the host-local copy (1/devices per host of each layer) gathered across hosts forward, and
@@ -557,8 +557,12 @@ def _staged_traffic(layer_bytes: float, layout: Layout, strategy,
     dph = layout.devices_per_host
     hosts = max(layout.num_devices // dph, 1)
     host_copy = layer_bytes / dph
-    gathers = (grad_accum if strategy.offload_host_copy else 1) if strategy.keep_host_copy \
-        else 2 * grad_accum
+    if strategy.keep_host_copy:
+        gathers = 1
+    elif strategy.offload_host_copy:
+        gathers = grad_accum
+    else:  # forward, and again for the recomputed backward
+        gathers = 2 * grad_accum
     cross = collective_traffic("all-gather", host_copy, hosts, 1.0).scale(gathers) + \
         collective_traffic("reduce-scatter", host_copy, hosts, 1.0).scale(grad_accum)
     return cross + _gathered_traffic(layer_bytes, min(dph, layout.num_devices), 0.0).scale(

@@ -257,8 +257,7 @@ def make_step_gradients(parts: ModelParts, param_shardings, *, loss_fn: Callable
         keeps them in host memory, a microbatch at a time: gathered once per microbatch)."""
         model = parts.module(params)
         rules = model.options.rules
-        if rules is None or not rules.entry.keep_host_copy or rules.entry.offload_host_copy \
-                or batch["tokens"].shape[0] == 1:
+        if rules is None or not rules.entry.keep_host_copy or batch["tokens"].shape[0] == 1:
             return params
         return stage_layer_params(params, names, rules, model.dtype)
 

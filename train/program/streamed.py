@@ -79,7 +79,7 @@ def check_offload(cfg: Config, strategy: str, compute_dtype: str, mcfg=None) -> 
         raise ConfigError(f"optimizer.offload=true streams the layers of a scanned stack; set "
                           f"model.scan_layers=true {fix}")
     entry = PARAM_SHARDINGS.get("fsdp" if strategy == "auto" else strategy)
-    if not entry.streamed and entry.keep_host_copy:
+    if entry.keep_host_copy or entry.offload_host_copy:
         raise ConfigError(f"optimizer.offload=true copies each layer's weights in again for its "
                           f"backward, so {strategy} (which keeps the forward's host-local copy) "
                           f"does not apply; set parallel.param_sharding=staged (the same "
