@@ -257,3 +257,53 @@ def test_collectives_in_a_loop_of_unknown_trip_count_are_flagged():
             'backend_config={"known_induction_variable":{"tuple_index":"0"}}\n}\n')
     assert sorted(c.executions for c in comm.parse_collectives(text, 2)) == [1, 3]
     assert comm.in_unknown_loops(text) == 1
+
+
+# A GPU program's FP8 matmuls in both of XLA's forms, inside a scanned layer loop of 4 trips:
+# cuBLASLt's FP8 call (what XLA picks with --xla_gpu_enable_triton_gemm=false) and a GEMM fusion
+# whose dot takes f8 operands (its Triton GEMM, the default when compiled without a GPU); a bf16
+# GEMM fusion beside them is not counted.
+FP8_GEMMS_HLO = """HloModule jit_train_step
+
+%fp8_gemm (a: f8e4m3fn[64,32], b: f8e4m3fn[32,16]) -> bf16[64,16] {
+  %a = f8e4m3fn[64,32]{1,0} parameter(0)
+  %b = f8e4m3fn[32,16]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[64,16]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%bf16_gemm (c: bf16[64,32], d: bf16[32,16]) -> bf16[64,16] {
+  %c = bf16[64,32]{1,0} parameter(0)
+  %d = bf16[32,16]{1,0} parameter(1)
+  ROOT %dot.2 = bf16[64,16]{1,0} dot(%c, %d), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%layer_body (p: (s32[], f8e4m3fn[64,32], f8e4m3fn[32,16])) -> (s32[], f8e4m3fn[64,32], f8e4m3fn[32,16]) {
+  %p = (s32[], f8e4m3fn[64,32]{1,0}, f8e4m3fn[32,16]{1,0}) parameter(0)
+  %x = f8e4m3fn[64,32]{1,0} get-tuple-element(%p), index=1
+  %w = f8e4m3fn[32,16]{1,0} get-tuple-element(%p), index=2
+  %lt = (bf16[64,16]{1,0}, s8[1024]{0}) custom-call(%x, %w), custom_call_target="__cublas$lt$matmul$f8"
+  %fusion.1 = bf16[64,16]{1,0} fusion(%x, %w), kind=kCustom, calls=%fp8_gemm
+  %xb = bf16[64,32]{1,0} convert(%x)
+  %wb = bf16[32,16]{1,0} convert(%w)
+  %fusion.2 = bf16[64,16]{1,0} fusion(%xb, %wb), kind=kCustom, calls=%bf16_gemm
+  ROOT %t = (s32[], f8e4m3fn[64,32]{1,0}, f8e4m3fn[32,16]{1,0}) tuple(%p)
+}
+
+%layer_cond (q: (s32[], f8e4m3fn[64,32], f8e4m3fn[32,16])) -> pred[] {
+  %q = (s32[], f8e4m3fn[64,32]{1,0}, f8e4m3fn[32,16]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (init: (s32[], f8e4m3fn[64,32], f8e4m3fn[32,16])) -> (s32[], f8e4m3fn[64,32], f8e4m3fn[32,16]) {
+  %init = (s32[], f8e4m3fn[64,32]{1,0}, f8e4m3fn[32,16]{1,0}) parameter(0)
+  ROOT %while.1 = (s32[], f8e4m3fn[64,32]{1,0}, f8e4m3fn[32,16]{1,0}) while(%init), condition=%layer_cond, body=%layer_body, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+
+
+def test_fp8_gemms_counts_cublaslt_calls_and_fp8_gemm_fusions_per_execution():
+    from basp_jax.compiled import hlo
+
+    assert hlo.fp8_gemms(FP8_GEMMS_HLO) == {"cublaslt": 4, "fusion": 4, "total": 8}
+    # the same GEMM fusion on bf16 operands is not an FP8 GEMM
+    assert hlo.fp8_gemms(FP8_GEMMS_HLO.replace("f8e4m3fn", "bf16"))["fusion"] == 0

@@ -39,6 +39,23 @@ pytestmark = [
                        "exists for Linux x86_64 only; CI compiles these programs"),
 ]
 CONFIG_8B = "configs/gpu/llama-3.1-8b_basp.yaml"
+
+
+def _jaxlib() -> tuple[int, int]:
+    from importlib.metadata import version
+
+    return tuple(int(x) for x in version("jaxlib").split(".")[:2])
+
+
+# CI runs this suite twice, under jaxlib 0.10 (Python 3.11) and the newest (Python 3.12): see
+# .ci/run. Under jaxlib >= 0.11 every GPU compile takes about twice as long (XLA links each
+# kernel with nvJitLink, and its kernel cache no longer skips the LLVM work), which would
+# double the suite's longest file. So the whole tier compiles under the older jaxlib, and under
+# a newer one only the shipped 8B step (basp_8b) and the checks that stop before compiling: the
+# newest compiler still builds the shipped program and its report, once per run.
+WHOLE_TIER = pytest.mark.skipif(
+    _jaxlib() >= (0, 11), reason="the whole GPU-compile tier runs under jaxlib < 0.11 (CI's "
+    "Python 3.11 pass); under a newer one it compiles the shipped 8B step only")
 CONFIG_LONG = "configs/gpu/llama-3.1-8b_long.yaml"
 CONFIG_8B_FSDP = f"{CONFIG_8B},parallel.param_sharding=fsdp"  # the paper's ZeRO-3
 CONFIG_ADAPTIVE = "configs/gpu/llama-3.1-8b_adaptive.yaml"  # 4 layouts, each compiled
@@ -195,6 +212,7 @@ def test_basp_all_to_alls_stay_inside_hosts(basp_8b):
     assert sum(c["inter_host_wire_bytes"] for c in _rows(basp_8b["report"], "all-to-all")) == 0
 
 
+@WHOLE_TIER
 @pytest.mark.slow
 def test_ulysses_inter_host_all_to_all_bytes_equal_the_closed_form(reports):
     r = reports["configs/gpu/llama-3.1-8b_ulysses.yaml"]
@@ -208,6 +226,7 @@ def test_ulysses_inter_host_all_to_all_bytes_equal_the_closed_form(reports):
     assert measured == pytest.approx(predicted.all_to_all.inter, rel=1e-9)
 
 
+@WHOLE_TIER
 def test_staged_parameters_cross_hosts_once_as_eighths(basp_8b, reports):
     """The shipped 8B step (staged_keep): each layer and vocabulary table crosses hosts once
     forward as the 1/8 pieces a host lacks and its gradient once as a reduce-scatter of 1/4
@@ -234,6 +253,7 @@ def test_staged_parameters_cross_hosts_once_as_eighths(basp_8b, reports):
     assert inter <= 1.02 * minimum, (inter / GiB, minimum / GiB)
 
 
+@WHOLE_TIER
 def test_fsdp_gradients_leave_through_reduce_scatter_and_gathers_are_bf16(reports):
     r = reports[CONFIG_8B_FSDP]
     params = r["model"]["params"]
@@ -251,6 +271,7 @@ def test_fsdp_gradients_leave_through_reduce_scatter_and_gathers_are_bf16(report
     assert sum(c["bytes"] for c in big) >= 2 * params  # each parameter at least once forward
 
 
+@WHOLE_TIER
 def test_hsdp_parameter_gathers_stay_inside_hosts(reports):
     r = reports[f"{CONFIG_8B},parallel.param_sharding=hsdp"]
     assert r["param_sharding"] == "hsdp"
@@ -292,6 +313,7 @@ def _inter_host(rows, dtype=None):
                if c["kind"] in ("all-reduce", "reduce-scatter") and dtype in (None, c["dtype"]))
 
 
+@WHOLE_TIER
 @pytest.mark.slow
 def test_host_sharding_gradients_cross_hosts_once_as_shards_on_gpu(host_1b):
     """Every gradient element crosses hosts once, as a 1/4 shard between the two devices of the
@@ -320,6 +342,7 @@ def test_host_sharding_gradients_cross_hosts_once_as_shards_on_gpu(host_1b):
     assert not any(r["inter_host_wire_bytes"] for r in rows if r["kind"] == "all-gather")
 
 
+@WHOLE_TIER
 @pytest.mark.slow
 def test_staged_offload_keeps_the_layers_copies_in_host_memory(host_1b):
     """staged_offload: each layer's host-local copy (1/4 of the layers in bf16 per GPU) is copied
@@ -359,6 +382,7 @@ def test_ulysses_configs_are_their_basp_twins():
         assert ulysses == basp, path
 
 
+@WHOLE_TIER
 def test_every_gpu_config_names_its_cluster_and_fits_it(reports):
     every = reports
     pair = every["configs/gpu/llama-3.1-8b_ulysses.yaml"], every[CONFIG_8B]
@@ -418,6 +442,7 @@ def test_bad_input_is_one_line(cuda_plugin, tmp_path):
         assert done.stderr.count("\n") == 1
 
 
+@WHOLE_TIER
 def test_the_planners_memory_formula_is_within_15_percent_of_the_compiled(reports):
     """The paper's five models at 16K (the shipped configs, and the 8B one under HSDP), compiled
     without the scheduler's overlap (NO_OVERLAP)."""
@@ -427,6 +452,7 @@ def test_the_planners_memory_formula_is_within_15_percent_of_the_compiled(report
     assert all(abs(x) <= 0.15 for x in off.values()), {c: f"{x:+.0%}" for c, x in off.items()}
 
 
+@WHOLE_TIER
 @pytest.mark.slow
 def test_plan_compiles_every_candidate_and_picks_one_that_fits(cuda_plugin, tmp_path):
     out = tmp_path / "plan.json"
@@ -490,6 +516,7 @@ def basp_8b_128k(cuda_plugin, tmp_path_factory):
     return json.loads(out.read_text())[0]
 
 
+@WHOLE_TIER
 @pytest.mark.slow
 def test_128k_tokens_recompute_each_layer_from_its_input(basp_8b_128k):
     """model.remat=auto at B=2 x 128K on 8 x H100 takes inputs (full fits, with little free:
@@ -513,6 +540,7 @@ ONE_GPU_512K = (f"{CONFIG_8B},data.seq_len=524288,train.microbatch_size=1,"
                 "parallel.devices_per_host=1,runtime.devices=1,parallel.hardware=h100-80gb")
 
 
+@WHOLE_TIER
 @pytest.mark.slow
 def test_long_context_config_fits_with_its_layer_inputs_in_host_memory(long_8b):
     """Llama-3.1-8B with 4,194,304 tokens on one 8 x H100 node (262,144 fitted with
@@ -544,6 +572,7 @@ def test_long_context_config_fits_with_its_layer_inputs_in_host_memory(long_8b):
     assert r["layout"]["seq_len"] == 4194304
 
 
+@WHOLE_TIER
 def test_one_gpu_holds_512k_tokens_with_the_state_in_host_memory(long_8b):
     """Llama-3.1-8B, one 524,288-token sequence on one H100-80GB (optimizer.offload=auto picks
     the streamed step, train.program.streamed): its float32 master weights and Adam moments (75 GiB: more than the device
@@ -580,16 +609,17 @@ def colab_t4(cuda_plugin, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def colab_others(cuda_plugin, tmp_path_factory):
-    """The Colab config for the paid Colab GPUs (L4, A100-40GB), and for a T4 at four times its
-    length (which does not fit), compiled in one process."""
+    """The Colab config for the smaller paid Colab GPU (L4; an A100-40GB runs the same bf16
+    program with more room), and for a T4 at four times its length (which does not fit),
+    compiled in one process."""
     out = tmp_path_factory.mktemp("aot") / "colab.json"
-    cases = [f"{COLAB},parallel.hardware=l4-24gb", f"{COLAB},parallel.hardware=a100-40gb",
-             f"{COLAB},data.seq_len=262144"]
+    cases = [f"{COLAB},parallel.hardware=l4-24gb", f"{COLAB},data.seq_len=262144"]
     done = _run("tests/e2e/aot_worker.py", str(out), *cases)
     assert done.returncode == 0, done.stderr[-3000:]
-    return dict(zip(("l4-24gb", "a100-40gb", "t4-16gb x4"), json.loads(out.read_text())))
+    return dict(zip(("l4-24gb", "t4-16gb x4"), json.loads(out.read_text())))
 
 
+@WHOLE_TIER
 @pytest.mark.slow
 def test_the_colab_config_fits_a_t4_in_float16_with_a_kernel_a_t4_runs(colab_t4):
     done, r = colab_t4["done"], colab_t4["report"]
@@ -604,16 +634,17 @@ def test_the_colab_config_fits_a_t4_in_float16_with_a_kernel_a_t4_runs(colab_t4)
     assert r["peak_bytes_per_device"] <= gpus.usable_memory_bytes(gpus.GPUS["t4-16gb"])
 
 
+@WHOLE_TIER
 @pytest.mark.slow
-def test_the_colab_config_fits_l4_and_a100_with_cudnn_in_bf16(colab_others):
-    for target in ("l4-24gb", "a100-40gb"):
-        r = colab_others[target]
-        assert r["target"]["name"] == target and (r["hosts"], r["gpus_per_host"]) == (1, 1)
-        assert r["fits"], f"{target}: {r['peak_bytes_per_device'] / GiB:.1f} GiB"
-        assert r["compute_dtype"] == "bfloat16"
-        assert set(r["attention_kernels"]) == {"cudnn"}, (target, r["attention_kernels"])
+def test_the_colab_config_fits_an_l4_with_cudnn_in_bf16(colab_others):
+    r = colab_others["l4-24gb"]
+    assert r["target"]["name"] == "l4-24gb" and (r["hosts"], r["gpus_per_host"]) == (1, 1)
+    assert r["fits"], f"{r['peak_bytes_per_device'] / GiB:.1f} GiB"
+    assert r["compute_dtype"] == "bfloat16"
+    assert set(r["attention_kernels"]) == {"cudnn"}, r["attention_kernels"]
 
 
+@WHOLE_TIER
 def test_a_step_that_does_not_fit_a_t4_says_what_would_in_one_line(colab_others):
     from train.tools import aot
 
@@ -636,6 +667,7 @@ def test_a_kernel_a_t4_cannot_run_is_one_line_before_compiling(cuda_plugin, tmp_
     _one_line_exit_2(results, cases)
 
 
+@WHOLE_TIER
 @pytest.mark.slow
 def test_adaptive_layouts_each_compile_for_the_gpus_and_fit(reports):
     """The shipped adaptive config (the 8B at 16K, B=1): every layout of its set compiled for
@@ -662,24 +694,20 @@ FP8_SMALL = ["--config", "configs/gpu/llama-3.2-1b_basp.yaml", "model.fp8=true",
              "--hosts", "1", "--gpus-per-host", "8"]
 
 
+@WHOLE_TIER
 @pytest.mark.slow
-@pytest.mark.parametrize("triton_gemm", [True, False])
-def test_fp8_projections_compile_to_fp8_gemms_forward_and_backward(cuda_plugin, tmp_path,
-                                                                   triton_gemm):
+def test_fp8_projections_compile_to_fp8_gemms_forward_and_backward(cuda_plugin, tmp_path):
     """7 projections per layer, each an FP8 GEMM forward and two backward (remat=dots keeps the
     forward's): 21 per layer. Compiled without a GPU XLA cannot autotune and picks its Triton GEMM
-    fusions; with those off (XLA_FLAGS, as MaxText's GPU recipes set) the same dots become
-    cuBLASLt's FP8 matmul."""
-    env = dict(os.environ)
-    if not triton_gemm:
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_gpu_enable_triton_gemm=false"
+    fusions. (With those off, `--xla_gpu_enable_triton_gemm=false` as MaxText's GPU recipes set,
+    the same dots become cuBLASLt's FP8 matmul: BENCHMARKS.md section 11 counts both.)"""
     done = _run("-m", "train.tools.aot", *FP8_SMALL, "--target", "h100-80gb", "--json",
-                str(tmp_path / "r.json"), env=env)
+                str(tmp_path / "r.json"))
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads((tmp_path / "r.json").read_text())
     gemms, layers = r["fp8_gemms"], r["model"]["num_layers"]
     assert r["fp8"] and gemms["total"] >= 21 * layers, gemms
-    assert gemms["cublaslt" if not triton_gemm else "fusion"] >= 21 * layers, gemms
+    assert gemms["fusion"] >= 21 * layers, gemms
     assert "FP8 GEMMs" in done.stdout
 
 
@@ -695,6 +723,7 @@ def test_fp8_without_fp8_tensor_cores_is_one_line_before_compiling(cuda_plugin, 
     _one_line_exit_2(results, cases)
 
 
+@WHOLE_TIER
 @pytest.mark.parametrize("target,ring,order", [("a100-40gb", 2, "contiguous"),
                                                 ("h100-80gb", 4, "zigzag")])
 def test_every_ring_hop_runs_the_fused_kernel(cuda_plugin, target, ring, order):
