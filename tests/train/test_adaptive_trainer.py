@@ -60,10 +60,12 @@ def _compare_with_static(tmp_path, static, adaptive):
 @pytest.mark.slow
 @pytest.mark.usefixtures("compile_cache")
 def test_adaptive_steps_equal_the_static_layout_and_resume_repeats_them(tmp_path):
-    """_compare_with_static; then stopped after 3 steps and run again: the same layouts, step
+    """With two microbatches a step (one layout per step, the one both microbatches fit):
+    _compare_with_static; then stopped after 3 steps and run again: the same layouts, step
     by step, and the same losses as the run straight through (nothing new is checkpointed: the
-    choice follows the rows)."""
-    data = adaptive_documents(tmp_path)
+    choice follows the rows). (One microbatch a step: tests/e2e/test_multiprocess.py's
+    adaptive run against one process.)"""
+    data = adaptive_documents(tmp_path, "train.grad_accum=2")
     static = run(tiny_config(tmp_path / "static", *data, "parallel.mode=ulysses"))
     adaptive = run(tiny_config(tmp_path / "adaptive", *data, "parallel.mode=adaptive"))
     layouts = _compare_with_static(tmp_path, static, adaptive)
@@ -75,16 +77,6 @@ def test_adaptive_steps_equal_the_static_layout_and_resume_repeats_them(tmp_path
     resumed = _records(tmp_path / "resumed")
     assert [r["layout"] for r in resumed] == layouts
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
-
-
-@pytest.mark.slow
-@pytest.mark.usefixtures("compile_cache")
-def test_adaptive_steps_with_two_microbatches_take_one_layout_for_both(tmp_path):
-    """grad_accum=2: one layout per step, the one both microbatches fit; still the static run."""
-    data = adaptive_documents(tmp_path, "train.grad_accum=2")
-    static = run(tiny_config(tmp_path / "static", *data, "parallel.mode=ulysses"))
-    adaptive = run(tiny_config(tmp_path / "adaptive", *data, "parallel.mode=adaptive"))
-    _compare_with_static(tmp_path, static, adaptive)
 
 
 @pytest.mark.parametrize("extra, fragment", [

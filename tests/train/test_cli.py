@@ -9,27 +9,48 @@ from tests.helpers.trainer import tiny_overrides, train_cmd as _train
 pytestmark = pytest.mark.usefixtures("compile_cache")  # this run's (tests/conftest.py)
 
 
+def _one_error_line(code, stderr, fragment):
+    assert code == 2, stderr
+    lines = [l for l in stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, stderr
+    assert fragment in lines[0], lines[0]
+    assert "Traceback" not in stderr
+
+
+# As `python train.py` in a shell: the errors found before JAX starts, and the one that needs a
+# device count of its own (the process's, set before JAX starts)
 @pytest.mark.parametrize(
     "extra, fragment",
     [
         (["train.stepz=3"], "error: config: unknown config key 'train.stepz'"),
         (["train.microbatch_size=two"], "error: config: train.microbatch_size: expected an integer"),
-        (["parallel.mode=ulysses", "parallel.groups=2"], "means groups=1, got groups=2"),
-        (["data.source=tokens", "data.path=/nonexistent.bin"], "error: data: token file"),
-        (["model.preset=gpt-9"], "error: model: unknown preset 'gpt-9'"),
-        (["model.shape.hidden_sise=3"], "error: config: unknown config key 'model.shape.hidden_sise'"),
-        (["data.seq_len=66"], "error: layout: seq_len=66 is not divisible by sp=4"),
         (["runtime.cpu_devices=6", "train.microbatch_size=4", "data.seq_len=48"],
          "error: layout: num_heads=8 is not divisible by the all-to-all degree 3"),
     ],
 )
 def test_bad_config_exits_2_with_one_line(tmp_path, extra, fragment):
     proc = _train(*tiny_overrides(tmp_path / "r", "train.microbatch_size=2", *extra))
-    assert proc.returncode == 2, proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1, proc.stderr
-    assert fragment in lines[0], lines[0]
-    assert "Traceback" not in proc.stderr
+    _one_error_line(proc.returncode, proc.stderr, fragment)
+
+
+# The same command's errors found after JAX starts, in this process (train.cli.main)
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (["parallel.mode=ulysses", "parallel.groups=2"], "means groups=1, got groups=2"),
+        (["data.source=tokens", "data.path=/nonexistent.bin"], "error: data: token file"),
+        (["model.preset=gpt-9"], "error: model: unknown preset 'gpt-9'"),
+        (["model.shape.hidden_sise=3"], "error: config: unknown config key 'model.shape.hidden_sise'"),
+        (["data.seq_len=66"], "error: layout: seq_len=66 is not divisible by sp=4"),
+    ],
+)
+def test_bad_config_in_process_returns_2_with_one_line(tmp_path, capsys, extra, fragment):
+    from train import cli
+
+    capsys.readouterr()
+    code = cli.main(tiny_overrides(tmp_path / "r", "train.microbatch_size=2", *extra))
+    _one_error_line(code, capsys.readouterr().err, fragment)
+    assert not (tmp_path / "r").exists()
 
 
 def test_no_arguments_asks_for_a_config_file():

@@ -7,20 +7,12 @@ scale: weights are gathered, activations stay sharded.
 import pytest
 
 from basp_jax.compiled import comm
-from train.loop import run
 
-from tests.helpers.trainer import tiny_config
 
 HOST = 4  # devices per emulated host
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compile_cache")]  # tests/conftest.py
-
-
-def _collectives(tmp_path, name, *extra):
-    cfg = tiny_config(tmp_path / name, "train.steps=1", "train.microbatch_size=2",
-                      "data.seq_len=2048", f"parallel.devices_per_host={HOST}", *extra)
-    return run(cfg)["collectives"]
 
 
 def _cross_group_only(c, sp):
@@ -30,37 +22,13 @@ def _cross_group_only(c, sp):
     )
 
 
-def test_all_to_all_stays_inside_a_host_under_basp(tmp_path):
-    basp = _collectives(tmp_path, "basp")
-    ulysses = _collectives(tmp_path, "ulysses", "parallel.mode=ulysses")
-    a2a = [c for c in basp if c.kind == "all-to-all"]
-    assert a2a and not any(comm.crosses_hosts(c, HOST) for c in a2a)
-    attention = [c for c in ulysses if c.kind == "all-to-all" and c.group_size == 8]
-    assert attention and all(comm.crosses_hosts(c, HOST) for c in attention)
-
-
-def test_only_attention_all_to_alls_under_ulysses(tmp_path):
-    ulysses = _collectives(tmp_path, "ulysses", "parallel.mode=ulysses")
-    extra = [c for c in ulysses if c.kind == "all-to-all" and c.group_size != 8]
-    assert not extra, [(c.bytes, c.groups) for c in extra]
-
-
-def test_no_full_gradient_crosses_groups_alone(tmp_path):
-    collectives = _collectives(tmp_path, "fsdp", "parallel.param_sharding=fsdp")
-    big = [c for c in collectives if _cross_group_only(c, sp=4) and c.bytes > 16 * 1024]
-    assert not big, [(c.kind, c.bytes, c.groups[:2]) for c in big]
-
-
-@pytest.mark.parametrize("strategy", ["fsdp", "hsdp"])
-def test_every_collective_has_device_groups(tmp_path, strategy):
-    collectives = _collectives(tmp_path, strategy, f"parallel.param_sharding={strategy}")
-    assert all(c.groups for c in collectives), [c.kind for c in collectives if not c.groups]
-
-
 def test_compiled_step_all_to_alls_equal_the_closed_form():
-    """The trainer's step for a small Llama shape: the attention all-to-alls are exactly the
-    closed form of basp_jax.planner.cost (BENCHMARKS.md section 1), there are no others, and under HSDP no
-    parameter gather leaves a host. A change that adds a collective to the step fails here."""
+    """The trainer's step for a small Llama shape on 2 emulated hosts of 4: the attention
+    all-to-alls are exactly the closed form of basp_jax.planner.cost (BENCHMARKS.md section 1),
+    inside a host under BASP and across them under Ulysses, there are no others, every
+    collective names its device groups, no full gradient is reduced across the seq groups
+    alone (fsdp), and under HSDP no parameter gather leaves a host. A change that adds a
+    collective to the step fails here."""
     import dataclasses
 
     import models
@@ -77,6 +45,13 @@ def test_compiled_step_all_to_alls_equal_the_closed_form():
         assert sum(c.wire_bytes for c in a2a) == pytest.approx(closed.all_to_all.intra + closed.all_to_all.inter)
         assert sum(comm.inter_host_wire_bytes(c, HOST) for c in a2a) == pytest.approx(closed.all_to_all.inter)
         assert {c.kind for c in found} <= {"all-to-all", "all-gather", "all-reduce", "reduce-scatter"}
+        assert all(c.groups for c in found), [c.kind for c in found if not c.groups]
+        # BASP's all-to-alls inside a host (its group of 4), Ulysses's across both (8)
+        assert {c.group_size for c in a2a} == {4 if mode == "basp" else 8}, mode
+        assert all(comm.crosses_hosts(c, HOST) == (mode == "ulysses") for c in a2a), mode
+        if (mode, strategy) == ("basp", "fsdp"):
+            big = [c for c in found if _cross_group_only(c, sp=4) and c.bytes > 16 * 1024]
+            assert not big, [(c.kind, c.bytes, c.groups[:2]) for c in big]
         if strategy == "hsdp":
             gathers = [c for c in found if c.kind == "all-gather"]
             assert gathers and not any(comm.crosses_hosts(c, HOST) for c in gathers)
