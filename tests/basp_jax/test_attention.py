@@ -73,7 +73,7 @@ def test_attention_matches_reference(impl, groups, sp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seq_len,block", [(48, 32), (40, 16)])
+@pytest.mark.parametrize("seq_len,block", [(48, 32)])
 def test_blockwise_pads_sequences_that_are_not_a_block_multiple(seq_len, block):
     """One device, a sequence the block does not divide: padded keys must stay invisible."""
     from basp_jax.kernels import blockwise_attention
@@ -132,7 +132,8 @@ def test_query_heads_that_sp_does_not_divide_are_padded_exactly(hq, hkv, groups,
         np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5, err_msg=name)
 
 
-RING_CASES = [(1, 2, 4, 4), (1, 8, 4, 1), (2, 2, 2, 2), (1, 4, 8, 2)]
+# (ring 4 x all-to-all 2 with 8/2 heads: tests/models/test_layout_families.py, the whole model)
+RING_CASES = [(1, 2, 4, 4), (1, 8, 4, 1), (2, 2, 2, 2)]
 
 
 @pytest.mark.slow

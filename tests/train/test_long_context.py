@@ -80,7 +80,7 @@ def test_tiling_on_one_device_matches_the_whole_shard(reference):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("remat,tile_tokens,per_layer", [
-    ("offload", None, 12), ("offload_exchanges", None, 8), ("offload", 256, 12),
+    ("offload_exchanges", None, 8), ("offload", 256, 12),
     ("full_kv", None, 10), ("inputs", None, 12)])
 def test_offload_policies_repeat_only_what_they_drop(remat, tile_tokens, per_layer):
     """The trainer's step, 2 layers: "offload" keeps no exchange, so the backward pass repeats

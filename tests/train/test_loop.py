@@ -8,7 +8,7 @@ import pytest
 
 from train.loop import run
 
-from tests.helpers.trainer import packed_stream, tiny_config
+from tests.helpers.trainer import tiny_config
 
 # float32 on CPU: the layouts reorder reductions (all-to-all, sharded matmuls, gradient sums), so
 # losses agree to ~1e-6 relative; 2e-5 leaves room without hiding a real difference (a wrong
@@ -28,12 +28,9 @@ def _flat(params):
     return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(params)}
 
 
-def test_ring_and_padded_heads_match_single_device(tmp_path):
-    """parallel.ring and parallel.pad_heads reach the layout and the model (same losses)."""
-    single = run(tiny_config(tmp_path / "single", "runtime.cpu_devices=1"))
-    ring = run(tiny_config(tmp_path / "ring", "parallel.mode=ulysses", "parallel.ring=2"))
-    assert (ring["layout"].sp, ring["layout"].ring, ring["layout"].zigzag) == (8, 2, True)
-    np.testing.assert_allclose(ring["losses"], single["losses"], rtol=RTOL)
+def test_padded_heads_match_single_device(tmp_path):
+    """parallel.pad_heads reaches the layout and the model (same losses). (parallel.ring:
+    tests/train/test_layouts.py's zig-zag ring in the trainer.)"""
     padded = run(tiny_config(tmp_path / "pad", "runtime.cpu_devices=6", "data.seq_len=48",
                              "parallel.pad_heads=true", "parallel.groups=2"))
     reference = run(tiny_config(tmp_path / "single48", "runtime.cpu_devices=1", "data.seq_len=48"))
@@ -41,17 +38,14 @@ def test_ring_and_padded_heads_match_single_device(tmp_path):
     np.testing.assert_allclose(padded["losses"], reference["losses"], rtol=RTOL)
 
 
-# Gradient accumulation is a scan over microbatches around the same sharded step
-# (train.program.step._accumulate), whatever the layout: with 2 microbatches, the layout that splits both
-# rows and sequence stands for the others.
-@pytest.mark.parametrize("accum, layouts", [(1, list(LAYOUTS)), (2, ["single", "basp(2,4)"])],
-                         ids=["1", "2"])
-def test_layouts_give_the_same_losses(tmp_path, accum, layouts):
+# (Gradient accumulation is a scan over microbatches around the same sharded step,
+# train.program.step._accumulate, whatever the layout: test_accumulation_equals_larger_microbatch
+# below, and against one device's gradients tests/models/test_staged_sharding.py.)
+def test_layouts_give_the_same_losses(tmp_path):
     results = {}
-    for name in layouts:
+    for name in LAYOUTS:
         extra = LAYOUTS[name]
-        micro = 4  # accum=2 doubles the rows per step
-        cfg = tiny_config(tmp_path / name, f"train.grad_accum={accum}", f"train.microbatch_size={micro}", *extra)
+        cfg = tiny_config(tmp_path / name, "train.microbatch_size=4", *extra)
         summary = run(cfg)
         expected = {"single": (1, 1), "ulysses(1,8)": (1, 8), "basp(2,4)": (2, 4), "basp(4,2)": (4, 2)}[name]
         assert (summary["layout"].groups, summary["layout"].sp) == expected
@@ -122,18 +116,6 @@ def test_checkpoint_restores_onto_fewer_devices(tmp_path):
     second = run(replace(cfg, "runtime.cpu_devices=2"))
     straight = run(tiny_config(tmp_path / "s", "train.steps=4"))
     np.testing.assert_allclose(first["losses"] + second["losses"], straight["losses"], rtol=RTOL)
-
-
-def test_packed_documents_agree_across_layouts(tmp_path):
-    packed_stream(tmp_path / "docs.bin")
-    data = ["data.source=tokens", f"data.path={tmp_path / 'docs.bin'}", "data.pack=true",
-            "data.eos_id=0"]
-    single = run(tiny_config(tmp_path / "single", *data, "runtime.cpu_devices=1"))
-    basp = run(tiny_config(tmp_path / "basp", *data, "parallel.groups=2"))
-    np.testing.assert_allclose(basp["losses"], single["losses"], rtol=RTOL)
-    unpacked = run(tiny_config(tmp_path / "unpacked", *data[:2], "parallel.groups=2"))
-    # masking the cross-document predictions changes the loss: packing really is applied
-    assert abs(unpacked["losses"][0] - basp["losses"][0]) > 1e-3
 
 
 def test_jsonl_with_tokenizer_and_bf16(tmp_path):

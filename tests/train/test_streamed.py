@@ -30,7 +30,8 @@ from train.program.step import build_model, init_opt_state
 
 pytestmark = pytest.mark.usefixtures("compile_cache")  # programs compiled twice: read once
 
-LAYOUTS = {"basp (2,4)": ["parallel.mode=basp"], "ulysses (1,8)": ["parallel.mode=ulysses"],
+# (Ulysses's (1,8) is the ring's layout with ring=1: the ring case runs parallel.mode=ulysses.)
+LAYOUTS = {"basp (2,4)": ["parallel.mode=basp"],
            "ring 2 x a2a 4": ["parallel.mode=ulysses", "parallel.ring=2",
                               "parallel.zigzag=false"],
            # each layer gathered across the 2 emulated hosts, then inside the host
