@@ -17,7 +17,7 @@ def _one_error_line(code, stderr, fragment):
     assert "Traceback" not in stderr
 
 
-# As `python train.py` in a shell: the errors found before JAX starts, and the one that needs a
+# As `python train.py` in a shell: two errors found before JAX starts, and the one that needs a
 # device count of its own (the process's, set before JAX starts)
 @pytest.mark.parametrize(
     "extra, fragment",
@@ -33,7 +33,8 @@ def test_bad_config_exits_2_with_one_line(tmp_path, extra, fragment):
     _one_error_line(proc.returncode, proc.stderr, fragment)
 
 
-# The same command's errors found after JAX starts, in this process (train.cli.main)
+# The same command's other errors, in this process (train.cli.main: the same code, without a
+# second Python start and JAX import per case)
 @pytest.mark.parametrize(
     "extra, fragment",
     [
