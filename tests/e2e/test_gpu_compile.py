@@ -27,7 +27,7 @@ from basp_jax.planner import cost
 import models
 from models.config import MODEL_SHAPES
 from train.tools import aot
-from tests.helpers.flags import TEST_XLA_FLAGS
+from tests.helpers.flags import TEST_XLA_FLAGS, jaxlib_minor
 
 COMPILE_CACHE = False  # tests/conftest.py: its GPU programs compile in subprocesses
 
@@ -41,12 +41,6 @@ pytestmark = [
 CONFIG_8B = "configs/gpu/llama-3.1-8b_basp.yaml"
 
 
-def _jaxlib() -> tuple[int, int]:
-    from importlib.metadata import version
-
-    return tuple(int(x) for x in version("jaxlib").split(".")[:2])
-
-
 # CI runs this suite twice, under jaxlib 0.10 (Python 3.11) and the newest (Python 3.12): see
 # .ci/run. Under jaxlib >= 0.11 every GPU compile takes about twice as long (XLA links each
 # kernel with nvJitLink, and its kernel cache no longer skips the LLVM work), which would
@@ -54,7 +48,7 @@ def _jaxlib() -> tuple[int, int]:
 # a newer one only the shipped 8B step (basp_8b) and the checks that stop before compiling: the
 # newest compiler still builds the shipped program and its report, once per run.
 WHOLE_TIER = pytest.mark.skipif(
-    _jaxlib() >= (0, 11), reason="the whole GPU-compile tier runs under jaxlib < 0.11 (CI's "
+    jaxlib_minor() >= (0, 11), reason="the whole GPU-compile tier runs under jaxlib < 0.11 (CI's "
     "Python 3.11 pass); under a newer one it compiles the shipped 8B step only")
 CONFIG_LONG = "configs/gpu/llama-3.1-8b_long.yaml"
 CONFIG_8B_FSDP = f"{CONFIG_8B},parallel.param_sharding=fsdp"  # the paper's ZeRO-3

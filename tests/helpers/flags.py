@@ -22,13 +22,14 @@ instead of 39 (jaxlib 0.12; under 0.10 it makes no difference, and is left out).
 from importlib.metadata import version
 
 
-def _jaxlib_minor() -> tuple[int, int]:
+def jaxlib_minor() -> tuple[int, int]:
+    """(major, minor) of the installed jaxlib, e.g. (0, 10)."""
     major, minor = version("jaxlib").split(".")[:2]
     return int(major), int(minor)
 
 
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
-if _jaxlib_minor() < (0, 11):
+if jaxlib_minor() < (0, 11):
     TEST_XLA_FLAGS += " --xla_cpu_use_fusion_emitters=false"
 else:
     TEST_XLA_FLAGS += " --xla_cpu_multi_thread_eigen=false"
