@@ -29,41 +29,6 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_processes_match_one(tmp_path):
-    """basp: each process holds whole rows (its group). (Ulysses, where each process holds half
-    of every row's sequence, is the SIGTERM test's layout below.)"""
-    reference = run(tiny_config(tmp_path / "single", "train.microbatch_size=2",
-                                "train.grad_accum=2", "eval.every=5"))
-
-    run_dir = tmp_path / "multi"
-    procs = _launch(
-        run_dir, "train.grad_accum=2", "parallel.mode=basp",
-        # a tight watchdog: no false alarm while compiling, exporting or finishing unevenly
-        "runtime.distributed.peer_timeout_s=5", f"checkpoint.export_hf={tmp_path / 'hf'}",
-        "eval.every=5",  # each process builds its own rows of the held-out batch
-    )
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=300))
-    finally:
-        _kill_leftovers(procs)
-    for p, (out, err) in zip(procs, outputs):
-        assert p.returncode == 0, err[-3000:]
-    # process 0 logs; process 1 stays quiet
-    assert "done:" in outputs[0][0] and "done:" not in outputs[1][0]
-    assert "layout: basp: 2 group(s) x sp=4 on 8 devices (2 host(s))" in outputs[0][1]
-    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    losses = [l["loss"] for l in lines]
-    np.testing.assert_allclose(losses, reference["losses"], rtol=2e-5)
-    single = (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()
-    single = [json.loads(line) for line in single]
-    assert lines[-1]["eval_loss"] == pytest.approx(single[-1]["eval_loss"], rel=2e-5)
-    assert (run_dir / "checkpoints" / "5").is_dir()
-    assert list((run_dir / "tb").glob("events.out.tfevents.*"))  # written by process 0
-
-
-@pytest.mark.slow
 def test_two_processes_take_the_adaptive_layouts_of_one(tmp_path):
     """parallel.mode=adaptive on 2 processes: each builds the whole step's rows and packs them
     the same way, so both run the same layout's program every step; the layouts and losses are
@@ -202,16 +167,21 @@ def test_a_process_that_stops_on_bad_input_stops_the_other(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resumes(tmp_path):
-    """A scheduler's SIGTERM may reach one process only (or first): both finish the same step,
-    save it, exit 0; the same command again resumes there and ends with the reference losses.
-    Under Ulysses: each process holds half of every row's sequence, and the all-to-alls cross
-    between the processes."""
+def test_two_processes_stop_together_on_one_sigterm_and_resume_to_the_losses_of_one(tmp_path):
+    """2 processes train as 1 process of 8 devices, stopped and resumed on the way. Under
+    Ulysses each process holds half of every row's sequence, and the all-to-alls cross between
+    the processes (BASP, where each process holds whole rows, is the adaptive test's above).
+    A scheduler's SIGTERM may reach one process only (or first): both finish the same step,
+    save it, exit 0; the same command again resumes there and ends with the single process's
+    losses and held-out loss (each process builds its own rows of the held-out batch), process 0
+    alone logging, writing the TensorBoard events and the Hugging Face export, under a tight
+    peer watchdog (no false alarm while compiling, exporting or finishing unevenly)."""
     steps = 20  # SIGTERM after 3: 17 steps of margin
-    reference = run(tiny_config(tmp_path / "single", "train.microbatch_size=2",
-                                f"train.steps={steps}"))["losses"]
+    common = (f"train.steps={steps}", "train.grad_accum=2", "eval.every=5")
+    reference = run(tiny_config(tmp_path / "single", "train.microbatch_size=2", *common))
     run_dir = tmp_path / "run"
-    args = (f"train.steps={steps}", "checkpoint.every=1000", "parallel.mode=ulysses")
+    args = (*common, "checkpoint.every=1000", "parallel.mode=ulysses",
+            "runtime.distributed.peer_timeout_s=5")
     procs = _launch(run_dir, *args)
     metrics = run_dir / "metrics.jsonl"
     try:
@@ -231,13 +201,24 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resumes(tmp_p
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()
                   if p.name.isdigit())[-1] == stopped
 
-    procs = _launch(run_dir, *args)
-    outputs = [p.communicate(timeout=300) for p in procs]
+    procs = _launch(run_dir, *args, f"checkpoint.export_hf={tmp_path / 'hf'}")
+    try:
+        outputs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        _kill_leftovers(procs)
     for p, (_, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-3000:]
     assert f"at step {stopped}" in outputs[0][1]
-    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-    np.testing.assert_allclose(losses, reference, rtol=2e-5)
+    # process 0 logs; process 1 stays quiet
+    assert "done:" in outputs[0][0] and "done:" not in outputs[1][0]
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    np.testing.assert_allclose([l["loss"] for l in lines], reference["losses"], rtol=2e-5)
+    single = [json.loads(line) for line in
+              (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["eval_loss"] == pytest.approx(single[-1]["eval_loss"], rel=2e-5)
+    assert (run_dir / "checkpoints" / str(steps)).is_dir()
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))  # written by process 0
+    assert (tmp_path / "hf" / "config.json").is_file()
 
 
 # Start-up as python train.py does it (train.cli): signals end the process at once, then
