@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
+import logging
 import os
 import re
 import shutil
@@ -272,11 +274,19 @@ def _purge(directory: str) -> None:
         shutil.rmtree(os.path.join(pruned, name), ignore_errors=True)
 
 
+@functools.cache
 def save_replicas_whole() -> None:
     """jax.Array checkpoints written by each array's first replica (orbax's ArrayHandler with
-    use_replica_parallel=False; restoring reads either layout)."""
-    ocp.type_handlers.register_type_handler(
-        jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+    use_replica_parallel=False; restoring reads either layout). Once per process, without the
+    warning orbax logs when a handler replaces its default one."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        ocp.type_handlers.register_type_handler(
+            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+    finally:
+        absl.setLevel(level)
 
 
 class Checkpointer:
