@@ -22,10 +22,9 @@ def test_replicated_arrays_save_without_compiling_and_restore(tmp_path):
     jax.block_until_ready((params, opt_state))
 
     compiles = []
-    listening = True
 
     def on_event(name, seconds, **_):
-        if listening and name == "/jax/core/compile/backend_compile_duration":
+        if name == "/jax/core/compile/backend_compile_duration":
             compiles.append(seconds)
 
     jax.monitoring.register_event_duration_secs_listener(on_event)
@@ -34,7 +33,7 @@ def test_replicated_arrays_save_without_compiling_and_restore(tmp_path):
         assert checkpointer.save(1, params, opt_state, {"step": 1}, force=True)
         checkpointer.wait()
     finally:
-        listening = False
+        jax.monitoring.unregister_event_duration_listener(on_event)
     assert compiles == [], f"{len(compiles)} XLA compilations during a save"
 
     abstract = lambda tree: jax.tree.map(  # noqa: E731
