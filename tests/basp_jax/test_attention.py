@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from basp_jax import Layout, activation_sharding, attention, make_mesh
+from tests.helpers.flags import WHOLE_MATRIX
 from tests.helpers.reference import packed_segment_ids, reference_attention
 
 B, S, HQ, D = 8, 64, 8, 16
@@ -36,9 +37,16 @@ def _value_and_grads(fn, q, k, v, d_out):
     return jax.jit(both)(q, k, v, d_out)
 
 
+# Under every jaxlib: BASP (2,4) with both kernels and Ulysses (1,8) with XLA's; the other
+# layouts and kernels under the older one (WHOLE_MATRIX).
+EVERY_JAXLIB = {("xla", 2, 4), ("blockwise", 2, 4), ("xla", 1, 8)}
+ATTENTION_CASES = [pytest.param(impl, groups, sp, id=f"{groups}-{sp}-{impl}",
+                                marks=() if (impl, groups, sp) in EVERY_JAXLIB else WHOLE_MATRIX)
+                   for groups, sp in LAYOUTS for impl in ("xla", "blockwise")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("impl", ["xla", "blockwise"])
-@pytest.mark.parametrize("groups,sp", LAYOUTS)
+@pytest.mark.parametrize("impl,groups,sp", ATTENTION_CASES)
 def test_attention_matches_reference(impl, groups, sp):
     layout = Layout.plan(num_devices=8, batch=B, seq_len=S, num_heads=HQ, num_kv_heads=HQ, groups=groups)
     assert (layout.groups, layout.sp) == (groups, sp)
@@ -133,11 +141,12 @@ def test_query_heads_that_sp_does_not_divide_are_padded_exactly(hq, hkv, groups,
 
 
 # (ring 4 x all-to-all 2 with 8/2 heads: tests/models/test_layout_families.py, the whole model)
-RING_CASES = [(1, 2, 4, 4), (1, 8, 4, 1), (2, 2, 2, 2)]
+RING_CASES = [(1, 2, 4, 4), (1, 8, 4, 1), (2, 2, 2, 2)]  # the first under every jaxlib
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("groups,ring,hq,hkv", RING_CASES)
+@pytest.mark.parametrize("groups,ring,hq,hkv", [
+    RING_CASES[0], *(pytest.param(*case, marks=WHOLE_MATRIX) for case in RING_CASES[1:])])
 def test_ring_hybrid_matches_reference(groups, ring, hq, hkv):
     """sp beyond the head count: all-to-all inside runs of sp/ring devices, ring across them
     (sp=8 with 4 query heads needs ring >= 2; ring=8 is pure ring attention). Each layout runs

@@ -10,6 +10,7 @@ import pytest
 from basp_jax import Layout, activation_sharding, attention, make_mesh
 from basp_jax.flash import (FlashBlocks, _kv_ranges, _q_ranges, flash_attention_vjp,
                             flash_attention_with_lse, flash_blocks)
+from tests.helpers.flags import WHOLE_MATRIX
 from tests.helpers.reference import packed_segment_ids, reference_attention
 
 BLOCKS = FlashBlocks.square(16)
@@ -68,9 +69,9 @@ def _compare(got, want, atol, case):
 CASES = [
     (40, 40, 4, 1, True, True, 0),
     (48, 32, 4, 2, True, True, 24),
-    pytest.param(32, 32, 4, 4, True, False, 0, marks=pytest.mark.slow),
-    pytest.param(24, 40, 8, 2, False, True, 0, marks=pytest.mark.slow),
-    pytest.param(32, 48, 8, 1, True, False, -16, marks=pytest.mark.slow),
+    pytest.param(32, 32, 4, 4, True, False, 0, marks=[pytest.mark.slow, WHOLE_MATRIX]),
+    pytest.param(24, 40, 8, 2, False, True, 0, marks=[pytest.mark.slow, WHOLE_MATRIX]),
+    pytest.param(32, 48, 8, 1, True, False, -16, marks=[pytest.mark.slow, WHOLE_MATRIX]),
 ]
 
 

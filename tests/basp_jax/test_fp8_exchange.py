@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from basp_jax import Layout, activation_sharding, attention, fp8_exchange, make_mesh
 from basp_jax.compiled.comm import parse_collectives
 from basp_jax.mesh import SEQ
+from tests.helpers.flags import WHOLE_MATRIX
 from tests.helpers.reference import reference_attention
 
 SP = 8
@@ -105,7 +106,8 @@ def _value_and_grads(fn):
 
 
 @pytest.mark.parametrize("groups,ring", [  # BASP (2,4), Ulysses (1,8), Ulysses in 2 ring runs
-    (2, 1), pytest.param(1, 1, marks=pytest.mark.slow), pytest.param(1, 2, marks=pytest.mark.slow)])
+    (2, 1), pytest.param(1, 1, marks=[pytest.mark.slow, WHOLE_MATRIX]),
+    pytest.param(1, 2, marks=[pytest.mark.slow, WHOLE_MATRIX])])
 def test_attention_with_fp8_exchange_matches_the_reference(groups, ring):
     hq, hkv = 8, 4  # Ulysses: kv heads replicated to the seq degree before the exchange
     layout = Layout.plan(8, batch=4, seq_len=32, num_heads=hq, num_kv_heads=hkv, groups=groups,

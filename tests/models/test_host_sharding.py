@@ -13,6 +13,7 @@ from basp_jax.planner import cost
 from train.tools.collectives import step_collectives
 from train.loop import run
 
+from tests.helpers.flags import WHOLE_MATRIX
 from tests.helpers.trainer import tiny_config
 
 HOST = 4  # devices per emulated host
@@ -33,7 +34,8 @@ def _inter_host(found, *kinds):
 
 
 # groups across the hosts (1), inside one host (2), one device each (8)
-@pytest.mark.parametrize("batch", [1, 2, 8])
+@pytest.mark.parametrize("batch", [pytest.param(1, marks=WHOLE_MATRIX), 2,  # BASP (2,4) under
+                                   pytest.param(8, marks=WHOLE_MATRIX)])   # every jaxlib
 def test_gradient_crosses_hosts_once_at_the_minimum(batch):
     """The compiled step's cross-host gradient bytes per device equal the closed form of
     basp_jax.planner.cost (one all-reduce of a 1/4 shard between the hosts) for every seq group size,

@@ -18,6 +18,8 @@ import models
 from basp_jax.compiled import comm
 from train.tools.collectives import step_collectives
 
+from tests.helpers.flags import WHOLE_MATRIX
+
 pytestmark = pytest.mark.usefixtures("compile_cache")  # this run's (tests/conftest.py)
 
 HOST = 4  # devices per emulated host
@@ -54,12 +56,16 @@ def _flat(state):
 # (batch, groups): BASP (2,4), Ulysses (1,8), one device per sequence (8,1); each strategy, with
 # and without rematerialisation (staged_keep's kept copy feeds the recomputed backward), tied and
 # untied tables, used split inside each host or (vocab "never", as where a device holds too
-# many tokens for that) gathered whole in two stages. The first is the fast tier's.
+# many tokens for that) gathered whole in two stages. The first is the fast tier's; each
+# strategy runs under every jaxlib, the other cases under the older one (WHOLE_MATRIX).
 CASES = [(2, 2, "staged_keep", "full", False, "auto"),
          pytest.param(2, 1, "staged", "full", True, "auto", marks=pytest.mark.slow),
-         pytest.param(8, 8, "staged_keep", "none", True, "auto", marks=pytest.mark.slow),
-         pytest.param(2, 1, "staged_keep", "full", True, "auto", marks=pytest.mark.slow),
-         pytest.param(2, 2, "staged_keep", "full", False, "never", marks=pytest.mark.slow),
+         pytest.param(8, 8, "staged_keep", "none", True, "auto",
+                      marks=[pytest.mark.slow, WHOLE_MATRIX]),
+         pytest.param(2, 1, "staged_keep", "full", True, "auto",
+                      marks=[pytest.mark.slow, WHOLE_MATRIX]),
+         pytest.param(2, 2, "staged_keep", "full", False, "never",
+                      marks=[pytest.mark.slow, WHOLE_MATRIX]),
          # the host-local copy in host memory, without a remat policy of its own (with one: the
          # accumulation test below)
          pytest.param(8, 8, "staged_offload", "none", True, "auto", marks=pytest.mark.slow)]
@@ -199,9 +205,10 @@ def _accumulated(tmp_path, strategy: str, accum: int, *extra: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,extra", [("staged_keep", ()), ("staged", ()),
-                                            ("staged_offload", ()),
-                                            ("staged_keep", ("model.scan_layers=false",))])
+@pytest.mark.parametrize("strategy,extra", [  # staged once a step and once a microbatch
+    ("staged_keep", ()), ("staged", ()),       # under every jaxlib, the others under the older
+    pytest.param("staged_offload", (), marks=WHOLE_MATRIX),
+    pytest.param("staged_keep", ("model.scan_layers=false",), marks=WHOLE_MATRIX)])
 def test_accumulated_gradients_equal_one_device(tmp_path, strategy, extra):
     """train.grad_accum=2: the step's loss and every gradient (the mean over both microbatches)
     equal one device's on all 4 rows. staged_keep gathers the layers across hosts once for both

@@ -8,6 +8,8 @@ import pytest
 
 from basp_jax.compiled import comm
 
+from tests.helpers.flags import WHOLE_MATRIX
+
 
 HOST = 4  # devices per emulated host
 
@@ -57,7 +59,9 @@ def test_compiled_step_all_to_alls_equal_the_closed_form():
             assert gathers and not any(comm.crosses_hosts(c, HOST) for c in gathers)
 
 
-@pytest.mark.parametrize("remat,scan_layers", [("full", False), ("dots", False), ("full", True)])
+@pytest.mark.parametrize("remat,scan_layers", [  # the scanned one under every jaxlib
+    pytest.param("full", False, marks=WHOLE_MATRIX), pytest.param("dots", False, marks=WHOLE_MATRIX),
+    ("full", True)])
 def test_rematerialised_step_repeats_no_all_to_all(remat, scan_layers):
     """full and dots keep the all-to-all outputs (basp_jax.remat): the backward pass recomputes
     none, so the step has exactly 8 per layer per microbatch (4 forward, 4 backward), as without
