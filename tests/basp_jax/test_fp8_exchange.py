@@ -105,7 +105,8 @@ def _value_and_grads(fn):
     return jax.jit(both)
 
 
-@pytest.mark.parametrize("groups,ring", [  # BASP (2,4), Ulysses (1,8), Ulysses in 2 ring runs
+# BASP (2,4) (under every jaxlib), Ulysses (1,8), Ulysses in 2 ring runs
+@pytest.mark.parametrize("groups,ring", [
     (2, 1), pytest.param(1, 1, marks=[pytest.mark.slow, WHOLE_MATRIX]),
     pytest.param(1, 2, marks=[pytest.mark.slow, WHOLE_MATRIX])])
 def test_attention_with_fp8_exchange_matches_the_reference(groups, ring):

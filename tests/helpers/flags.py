@@ -39,10 +39,10 @@ else:
 
 # CI runs the suite under jaxlib 0.10 (Python 3.11) and the newest (Python 3.12), whose CPU
 # compiler takes 1.8-2.5x as long for the same program (its MLIR fusion emitters: a tiny BASP
-# attention forward and backward compiles in 0.3 s against 0.12). A parametrized equivalence
-# matrix runs whole under the older jaxlib; under a newer one the cases marked with this skip,
-# and the rest still run there: at least one case of each layout family, strategy or kernel the
-# matrix holds (each test's comment says which). The GPU-compile tier does the same
+# attention forward and backward compiles in 0.3 s under 0.12, 0.12 s under 0.10). A
+# parametrized equivalence matrix runs whole under the older jaxlib; under a newer one the
+# cases marked with this skip, and the rest still run there: its BASP case, its fast-tier cases
+# and what each test's comment names. The GPU-compile tier does the same
 # (tests/e2e/test_gpu_compile.py: WHOLE_TIER).
 WHOLE_MATRIX = pytest.mark.skipif(
     jaxlib_minor() >= (0, 11), reason="a further case of an equivalence matrix: the whole "

@@ -22,7 +22,8 @@ def _loop_params(stacked: dict, num_layers: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("remat", [pytest.param("none", marks=WHOLE_MATRIX), "full"])
+@pytest.mark.parametrize("remat", [pytest.param("none", marks=WHOLE_MATRIX),
+                                   "full"])  # under every jaxlib
 def test_scanned_layers_equal_a_loop_of_layers(remat):
     config = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=3)
     layout = basp_jax.Layout.plan(8, 2, 64, config.num_heads, config.num_kv_heads, groups=2)

@@ -60,7 +60,8 @@ def test_compiled_step_all_to_alls_equal_the_closed_form():
 
 
 @pytest.mark.parametrize("remat,scan_layers", [  # the scanned one under every jaxlib
-    pytest.param("full", False, marks=WHOLE_MATRIX), pytest.param("dots", False, marks=WHOLE_MATRIX),
+    pytest.param("full", False, marks=WHOLE_MATRIX),
+    pytest.param("dots", False, marks=WHOLE_MATRIX),
     ("full", True)])
 def test_rematerialised_step_repeats_no_all_to_all(remat, scan_layers):
     """full and dots keep the all-to-all outputs (basp_jax.remat): the backward pass recomputes
