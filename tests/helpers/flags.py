@@ -41,8 +41,8 @@ else:
 # compiler takes 1.8-2.5x as long for the same program (its MLIR fusion emitters: a tiny BASP
 # attention forward and backward compiles in 0.3 s under 0.12, 0.12 s under 0.10). A
 # parametrized equivalence matrix runs whole under the older jaxlib; under a newer one the
-# cases marked with this skip, and the rest still run there: its BASP case, its fast-tier cases
-# and what each test's comment names. The GPU-compile tier does the same
+# cases marked with this skip, and the rest still run there: its fast-tier cases, its BASP
+# case where it spans layouts, and what each test's comment names. The GPU-compile tier does the same
 # (tests/e2e/test_gpu_compile.py: WHOLE_TIER).
 WHOLE_MATRIX = pytest.mark.skipif(
     jaxlib_minor() >= (0, 11), reason="a further case of an equivalence matrix: the whole "
