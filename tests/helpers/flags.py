@@ -42,8 +42,8 @@ else:
 # attention forward and backward compiles in 0.3 s under 0.12, 0.12 s under 0.10). A
 # parametrized equivalence matrix runs whole under the older jaxlib; under a newer one the
 # cases marked with this skip, and the rest still run there: its fast-tier cases, its BASP
-# case where it spans layouts, and what each test's comment names. The GPU-compile tier does the same
-# (tests/e2e/test_gpu_compile.py: WHOLE_TIER).
+# case where it spans layouts, and what each test's comment names. The GPU-compile tier does
+# the same (tests/e2e/test_gpu_compile.py: WHOLE_TIER).
 WHOLE_MATRIX = pytest.mark.skipif(
     jaxlib_minor() >= (0, 11), reason="a further case of an equivalence matrix: the whole "
     "matrix runs under jaxlib < 0.11 (CI's Python 3.11 pass), its representative cases under "

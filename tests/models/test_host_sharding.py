@@ -33,9 +33,10 @@ def _inter_host(found, *kinds):
     return sum(comm.inter_host_wire_bytes(c, HOST) * c.executions for c in found if c.kind in kinds)
 
 
-# groups across the hosts (1), inside one host (2), one device each (8)
-@pytest.mark.parametrize("batch", [pytest.param(1, marks=WHOLE_MATRIX), 2,  # BASP (2,4) under
-                                   pytest.param(8, marks=WHOLE_MATRIX)])   # every jaxlib
+# groups across the hosts (1), inside one host (2: BASP (2,4), under every jaxlib), one device
+# each (8)
+@pytest.mark.parametrize("batch", [pytest.param(1, marks=WHOLE_MATRIX), 2,
+                                   pytest.param(8, marks=WHOLE_MATRIX)])
 def test_gradient_crosses_hosts_once_at_the_minimum(batch):
     """The compiled step's cross-host gradient bytes per device equal the closed form of
     basp_jax.planner.cost (one all-reduce of a 1/4 shard between the hosts) for every seq group size,
