@@ -23,9 +23,9 @@ jaxlib 0.10 and 0.11 hand some of the CPU program's reductions and matmuls to YN
 (fixed upstream in XNNPACK; jax-ml/jax#39257, #40412). The tests' train steps run such fusions
 (rank-5 softmax reductions with a size-1 dimension), and a CI pass under 0.10 once aborted on a
 worker thread during such a step. That abort's cause is not known (6,000 repeats of the step
-did not abort); these kernels are the known suspect. Under those jaxlibs the tests compile without it
-(--xla_cpu_experimental_ynn_fusion_type=, empty: no YNNPACK fusions); their programs run the
-same and their compile and run times do not change measurably.
+did not abort); these kernels are the known suspect. Under those jaxlibs the tests compile
+without them (--xla_cpu_experimental_ynn_fusion_type=, empty: no YNNPACK fusions); their
+programs run the same and their compile and run times do not change measurably.
 """
 
 from importlib.metadata import version
