@@ -44,9 +44,16 @@ def _kernel_manager(tmp_path) -> KernelManager:
 def test_quickstart_notebook_runs(tmp_path):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     # a cell that raises fails the test with its traceback; 300 s per cell is ~10x what they take
-    client = NotebookClient(nb, km=_kernel_manager(tmp_path), timeout=300, startup_timeout=120,
+    km = _kernel_manager(tmp_path)
+    client = NotebookClient(nb, km=km, timeout=300, startup_timeout=120,
                             allow_errors=False, resources={"metadata": {"path": str(ROOT)}})
-    client.execute(env=_kernel_env(), cwd=str(ROOT))
+    try:
+        client.execute(env=_kernel_env(), cwd=str(ROOT))
+    finally:
+        # nbclient shuts down only the kernels of managers it made: this one would live (JAX,
+        # 8 devices, the notebook's arrays) until the pytest worker exits
+        if km.has_kernel:
+            km.shutdown_kernel(now=True)
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "8 cpu devices" in outputs or "8 gpu devices" in outputs, outputs
     # section 6 needs a GPU; without one both of its cells say so
