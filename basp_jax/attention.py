@@ -18,7 +18,7 @@ from .layout import Layout, LayoutError
 from .mesh import SEQ, layout_on
 from .remat import name_exchange
 from .ring import ring_local_attention
-from .sharding import ACTIVATION_SPEC
+from .sharding import rows_spec
 
 # The named scope around whichever local kernel runs (here and in models.layers): XLA keeps it in
 # each instruction's op_name, so readers of compiled programs (basp_jax.compiled.hlo) find the
@@ -159,12 +159,13 @@ def attention(
             out = kernel(q, k, v, causal=causal, segment_ids=seg)
         return _heads_to_seq(out, sp)
 
-    seg_spec = None if segment_ids is None else ACTIVATION_SPEC
+    rows = rows_spec()
+    seg_spec = None if segment_ids is None else rows
     sharded = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(ACTIVATION_SPEC, ACTIVATION_SPEC, ACTIVATION_SPEC, seg_spec),
-        out_specs=ACTIVATION_SPEC,
+        in_specs=(rows, rows, rows, seg_spec),
+        out_specs=rows,
         check_vma=False,
     )
     out = sharded(q, k, v, segment_ids)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Sequence
 
 import jax
@@ -44,6 +46,35 @@ def make_mesh(layout: Layout, devices: Sequence[jax.Device] | None = None) -> Me
     return Mesh(grid, AXES, axis_types=auto)
 
 
+# Set while a caller maps the model over the 'group' axis itself (groups_mapped).
+_GROUPS_MAPPED = contextvars.ContextVar("groups_mapped", default=False)
+
+
+@contextlib.contextmanager
+def groups_mapped():
+    """Trace the model for one group's rows, under jax.vmap(..., spmd_axis_name='group') over
+    the groups: activation specs leave the rows whole (the vmap puts them on 'group') and
+    row_groups is 1. What a step that keeps each group's gradient apart traces its model
+    in (train.program.step)."""
+    token = _GROUPS_MAPPED.set(True)
+    try:
+        yield
+    finally:
+        _GROUPS_MAPPED.reset(token)
+
+
+def groups_are_mapped() -> bool:
+    """Whether the model is being traced under groups_mapped."""
+    return _GROUPS_MAPPED.get()
+
+
+def row_groups(mesh: Mesh) -> int:
+    """How many groups the rows of an activation are split over: the mesh's 'group' size, or
+    1 under groups_mapped."""
+    return 1 if _GROUPS_MAPPED.get() else mesh.shape[GROUP]
+
+
+
 def layout_on(mesh: Mesh, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
               like: Layout | None = None) -> Layout:
     """The Layout that runs arrays of these sizes on `mesh`: `like`'s split (ring, token order)
@@ -51,6 +82,8 @@ def layout_on(mesh: Mesh, batch: int, seq_len: int, num_heads: int, num_kv_heads
     where the all-to-all degree needs it. Raises LayoutError for sizes the mesh cannot split or
     a `like` planned for another mesh shape."""
     groups, sp = mesh.shape[GROUP], mesh.shape[SEQ]
+    if groups_are_mapped():  # `batch` rows of each group
+        batch *= groups
     sizes = dict(batch=batch, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads)
     if like is None:
         per_host = _devices_per_process(list(mesh.devices.flat)) or mesh.size

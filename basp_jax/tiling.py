@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from .mesh import GROUP, SEQ
-from .sharding import activation_spec
+from .mesh import SEQ
+from .sharding import activation_spec, row_groups
 
 
 def chunk_len(local_len: int, rows: int, chunk_tokens: int) -> int:
@@ -68,7 +68,7 @@ def map_token_chunks(fn: Callable, xs: tuple, weights, *, mesh: Mesh | None,
     weight's gradient once per chunk (as basp_jax.vocab explains for the LM head).
     """
     b, s = xs[0].shape[:2]
-    groups, sp = (1, 1) if mesh is None else (mesh.shape[GROUP], mesh.shape[SEQ])
+    groups, sp = (1, 1) if mesh is None else (row_groups(mesh), mesh.shape[SEQ])
     c = chunk_len(s // sp, b // groups, chunk_tokens)
     if mesh is None:
         return _scan_chunks(fn, tuple(xs), weights, c)

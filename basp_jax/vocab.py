@@ -52,11 +52,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .mesh import GROUP, SEQ
-from .sharding import ACTIVATION_SPEC, HOST, LOCAL, TOKENS, ShardingRules, activation_spec
+from .mesh import SEQ
+from .sharding import HOST, LOCAL, TOKENS, ShardingRules, activation_spec, row_groups, rows_spec
 from .tiling import chunk_len, token_chunks
 
-FLAT = activation_spec(TOKENS)  # a flat token axis over the whole mesh, group-major
+
+
+def flat_spec() -> P:
+    """A flat token axis over the whole mesh, group-major (over 'seq' only under
+    basp_jax.sharding.groups_mapped)."""
+    return activation_spec(TOKENS)
+
 
 
 # Tokens per device whose logits exist at once in chunked_lm_loss (and parallel_loss):
@@ -177,7 +183,7 @@ def parallel_lookup(table: jax.Array, flat_tokens: jax.Array, *, mesh: Mesh,
         return out.reshape(local_tokens, -1)
 
     if not per_host:
-        return jax.shard_map(local, mesh=mesh, in_specs=(P(axes, None), FLAT),
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(axes, None), flat_spec()),
                              out_specs=activation_spec(TOKENS, None))(table, flat_tokens)
     tokens = P((HOST, LOCAL))  # the flat order is host-major (basp_jax.mesh): a relabelling
     flat_tokens = jax.lax.with_sharding_constraint(flat_tokens, NamedSharding(mesh, tokens))
@@ -200,7 +206,7 @@ def parallel_loss(hidden: jax.Array, targets: jax.Array, weight: jax.Array, *, m
     host_mesh: weight is host_copies of a staged table, split over `axes` of the host mesh
     inside each host; the hidden states are gathered inside the host only."""
     b, s, d = hidden.shape
-    groups, sp = mesh.shape[GROUP], mesh.shape[SEQ]
+    groups, sp = row_groups(mesh), mesh.shape[SEQ]
     local_len, rows = s // sp, b // groups
     c = chunk_len(local_len, rows, chunk_tokens)
     w_spec = P(axes, None) if vocab_dim == 0 else P(None, axes)
@@ -239,7 +245,7 @@ def parallel_loss(hidden: jax.Array, targets: jax.Array, weight: jax.Array, *, m
         _, (totals, counts) = lax.scan(lambda _, xs: (None, chunk_loss(*xs, w)), None, (hs, ts))
         return totals.sum()[None], counts.sum()[None]
 
-    every = FLAT if host_mesh is None else P((HOST, LOCAL))
+    every = flat_spec() if host_mesh is None else P((HOST, LOCAL))
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         total, count = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, w_spec),
                                      out_specs=(every, every))(hs, ts, weight)
@@ -293,7 +299,7 @@ def host_major(x: jax.Array, mesh: Mesh, host_mesh: Mesh) -> jax.Array:
     """[B, S, ...] sharded P('group', 'seq') -> [hosts, B*S/hosts, ...]: row h holds exactly the
     tokens of host h's devices, in device order (a relabelling: nothing moves)."""
     b, s, rest = x.shape[0], x.shape[1], x.shape[2:]
-    g, sp = mesh.shape[GROUP], mesh.shape[SEQ]
+    g, sp = row_groups(mesh), mesh.shape[SEQ]
     x = x.reshape(g, b // g, sp, s // sp, *rest)
     x = jnp.moveaxis(x, 2, 1).reshape(host_mesh.shape[HOST], -1, *rest)
     spec = P(HOST, LOCAL, *([None] * len(rest)))
@@ -321,7 +327,7 @@ def chunked_lm_loss(hidden: jax.Array, targets: jax.Array, project: Callable, we
     b, s, d = hidden.shape
     if targets.shape != (b, s):
         raise ValueError(f"hidden {hidden.shape} and targets {targets.shape} disagree on [batch, seq]")
-    groups, sp = (1, 1) if mesh is None else (mesh.shape[GROUP], mesh.shape[SEQ])
+    groups, sp = (1, 1) if mesh is None else (row_groups(mesh), mesh.shape[SEQ])
     local = s // sp
     c = chunk_len(local, b // groups, chunk_tokens)
     if host_mesh is not None:
@@ -362,7 +368,7 @@ def _per_device_chunks(hidden, targets, project, weight, loss_fn, mesh: Mesh, c:
     def local(h, t, w):
         return loop(h, t, jax.lax.pcast(w, axes, to="varying"))
 
-    tokens = ACTIVATION_SPEC
+    tokens = rows_spec()
     return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, P()),
                          out_specs=(P(), P()))(hidden, targets, weight)
 
@@ -415,14 +421,14 @@ def _flat_tokens(tokens: jax.Array, mesh: Mesh) -> jax.Array:
     whole [vocab, embed] gradient. The flat order is (group, seq, row, position), so each
     device's slice of the flat axis is exactly the tokens it already holds: no moves."""
     b, s = tokens.shape
-    g, sp = mesh.shape[GROUP], mesh.shape[SEQ]
+    g, sp = row_groups(mesh), mesh.shape[SEQ]
     flat = tokens.reshape(g, b // g, sp, s // sp).transpose(0, 2, 1, 3).reshape(-1)
-    return jax.lax.with_sharding_constraint(flat, NamedSharding(mesh, FLAT))
+    return jax.lax.with_sharding_constraint(flat, NamedSharding(mesh, flat_spec()))
 
 
 def _unflatten(rows: jax.Array, mesh: Mesh, b: int, s: int) -> jax.Array:
     """_flat_tokens' inverse for rows [B*S, E] -> [B, S, E] sharded P('group', 'seq')."""
-    g, sp = mesh.shape[GROUP], mesh.shape[SEQ]
+    g, sp = row_groups(mesh), mesh.shape[SEQ]
     out = rows.reshape(g, sp, b // g, s // sp, -1).transpose(0, 2, 1, 3, 4).reshape(b, s, -1)
     return jax.lax.with_sharding_constraint(
         out, NamedSharding(mesh, activation_spec("batch", "sequence", None)))

@@ -36,7 +36,7 @@ from jax import lax
 from basp_jax.attention import _heads_to_seq, _seq_to_heads
 from basp_jax.mesh import SEQ
 from basp_jax.remat import name_exchange
-from basp_jax.sharding import ACTIVATION_SPEC
+from basp_jax.sharding import rows_spec
 
 from .config import ModelConfig, ModelError
 from .layers import Linear, constrain, param
@@ -319,11 +319,12 @@ class GatedDeltaNet(nnx.Module):
             return _heads_to_seq(_whole_sequence_mix(q, k, v, g, beta, conv, seg), sp)
 
         q, k, v, g, beta = (constrain(t, self.mesh) for t in (q, k, v, g, beta))
-        seg_spec = None if segment_ids is None else ACTIVATION_SPEC
+        rows = rows_spec()
+        seg_spec = None if segment_ids is None else rows
         sharded = jax.shard_map(
             local, mesh=self.mesh,
-            in_specs=(ACTIVATION_SPEC,) * 5 + ((jax.sharding.PartitionSpec(),) * 3, seg_spec),
-            out_specs=ACTIVATION_SPEC, check_vma=False)
+            in_specs=(rows,) * 5 + ((jax.sharding.PartitionSpec(),) * 3, seg_spec),
+            out_specs=rows, check_vma=False)
         return constrain(sharded(q, k, v, g, beta, conv, segment_ids), self.mesh)
 
     def __call__(self, x, positions, segment_ids):
