@@ -20,7 +20,8 @@ axes parameters are split:
                 recomputed backward (ZeRO++'s hpZ): the backward gathers inside the host
                 only, for 1/(devices per host) of the layers' parameters more memory. With
                 several microbatches the step gathers the copies once for all of them
-                (train.program.step); their gradients still cross hosts once per microbatch.
+                (train.program.step); their gradients cross hosts once a step where each
+                BASP group is one host (sums_per_host), else once per microbatch.
                 The vocabulary tables are staged too, to a host-local copy split on the
                 vocabulary inside the host, and used there (basp_jax.vocab): the tokens' rows
                 move inside the host (for many tokens per device the copy is used whole), and
@@ -49,7 +50,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .mesh import GROUP, SEQ
+from .mesh import GROUP, SEQ, groups_are_mapped, groups_mapped, row_groups  # noqa: F401
 from .registry import Registry
 
 HOST, LOCAL = "host", "local"
@@ -135,6 +136,16 @@ for _rank, (_name, _keep, _offload) in ((0, ("staged_keep", True, False)),
         tables=None if _keep or _offload else "fsdp", applies=_several_hosts, auto_rank=_rank,
         streamed=not (_keep or _offload)))
 PARAM_SHARDINGS.register("replicated", Strategy((), lambda layout: 1))
+
+
+def sums_per_host(param_sharding: str, layout) -> bool:
+    """Whether a step of several microbatches keeps each host's gradient sum apart until it
+    ends, so gradients cross hosts once a step (train.program.per_group): each BASP group is
+    one host (sp equals the devices per host, more than one group) and the strategy holds a
+    host-local copy of the weights for the step anyway (host; staged_keep)."""
+    entry = PARAM_SHARDINGS.get(param_sharding)
+    holds_host_copy = entry.per_host and (entry.use_axes is None or entry.keep_host_copy)
+    return holds_host_copy and layout.groups > 1 and layout.sp == layout.devices_per_host
 DEFAULT_STRATEGY = "fsdp"  # parameters' placement unless told otherwise (models.RunOptions)
 SPLIT = "split"  # in RULES: split over the strategy's parameter axes
 
@@ -206,8 +217,17 @@ def _resolve(names, split: tuple[str, ...]) -> list[tuple[str, ...]]:
 
 def activation_spec(*names) -> P:
     """The PartitionSpec of an activation whose axes have these logical names (None: whole; a
-    tuple: one flat axis over several), e.g. activation_spec('batch', 'sequence', None)."""
-    return P(*(_entry(axes) for axes in _resolve(names, ())))
+    tuple: one flat axis over several), e.g. activation_spec('batch', 'sequence', None).
+    Under groups_mapped, without 'group'."""
+    axes = _resolve(names, ())
+    if groups_are_mapped():
+        axes = [tuple(a for a in dim if a != GROUP) for dim in axes]
+    return P(*(_entry(dim) for dim in axes))
+
+
+def rows_spec() -> P:
+    """[B, S] activations' PartitionSpec as traced now (ACTIVATION_SPEC outside groups_mapped)."""
+    return activation_spec("batch", "sequence")
 
 
 # [B, S, ...] activations: rows over groups, sequence over the devices of a seq group.
@@ -216,7 +236,7 @@ ACTIVATION_SPEC = activation_spec("batch", "sequence")
 
 def activation_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of [B, S, ...] activations and [B, S] token/segment arrays."""
-    return NamedSharding(mesh, ACTIVATION_SPEC)
+    return NamedSharding(mesh, rows_spec())
 
 
 @dataclasses.dataclass(frozen=True)

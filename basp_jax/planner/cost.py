@@ -20,7 +20,7 @@ import math
 from .. import gpus
 from ..layout import Layout, LayoutError, _divisors, auto_mode, mode_of
 from ..remat import REMAT_POLICIES, RematPolicy
-from ..sharding import PARAM_SHARDINGS, Strategy
+from ..sharding import PARAM_SHARDINGS, Strategy, sums_per_host
 from ..vocab import prefer_vocab_parallel
 
 
@@ -293,6 +293,27 @@ def kept_share(layout: Layout, param_sharding: str, *, offloaded: bool = False) 
     return 1.0 / min(layout.devices_per_host, layout.num_devices)
 
 
+def host_sum_devices(layout: Layout, param_sharding: str, grad_accum: int) -> int | None:
+    """The devices of a host, where a step keeps each host's float32 gradient sum split over
+    them (basp_jax.sharding.sums_per_host; memory_terms' host_sums), else None."""
+    if grad_accum > 1 and sums_per_host(param_sharding, layout):
+        return min(layout.devices_per_host, layout.num_devices)
+    return None
+
+
+def step_copy_bytes(shape: ModelShape, layout: Layout, param_sharding: str, grad_accum: int,
+                    act_bytes: int = 2) -> float:
+    """Device memory a step that keeps each host's gradient sum (basp_jax.sharding.sums_per_host)
+    holds for its host-local copies in the compute dtype, 1/devices per host of each, beyond
+    what the strategy keeps anyway (kept_share): host sharding's whole model, staged_keep's
+    vocabulary tables; 0 elsewhere."""
+    if grad_accum < 2 or not sums_per_host(param_sharding, layout):
+        return 0.0
+    dph = min(layout.devices_per_host, layout.num_devices)
+    copied = shape.num_params - kept_share(layout, param_sharding) * dph * _layer_weights(shape)
+    return act_bytes * copied / dph
+
+
 def host_copy_bytes(shape: ModelShape, layout: Layout, param_sharding: str,
                     act_bytes: int = 2) -> float:
     """Pinned host memory per device that a strategy keeping its host-local copy there fills
@@ -410,7 +431,10 @@ def predict(
                           master_bytes=master_bytes, moment_bytes=moment_bytes,
                           tile_tokens=tile_tokens, ring=layout.ring, zigzag=layout.zigzag,
                           offload_state=offload_state,
-                          kept_share=kept_share(layout, param_sharding), grad_accum=grad_accum)
+                          kept_share=kept_share(layout, param_sharding), grad_accum=grad_accum,
+                          host_sums=host_sum_devices(layout, param_sharding, grad_accum),
+                          step_copies=step_copy_bytes(shape, layout, param_sharding, grad_accum,
+                                                      act_bytes))
     host, host_s = _host_traffic(shape, layout, shard_group, hw, remat=remat,
                                  act_bytes=act_bytes, grad_accum=grad_accum,
                                  master_bytes=master_bytes, moment_bytes=moment_bytes,
@@ -480,7 +504,10 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
     fsdp). The gradients leave in the dtype the layers computed them in (param_bytes: bf16
     reduce-scatters under bf16 compute, as the compiled GPU programs show), not in the float32
     of the master weights; a host strategy's gathered tables are used (and their gradient
-    summed across hosts) in the master dtype."""
+    summed across hosts) in the master dtype. Where each host keeps its gradient sum apart over
+    the microbatches (basp_jax.sharding.sums_per_host: host and staged_keep with one BASP group
+    per host), everything that crosses hosts does so once a step: the host-local copies
+    gathered before the microbatches, the hosts' sums reduced after them."""
     tokens_per_device = layout.tokens_per_device
     all_params = shape.num_params * param_bytes
     strategy = PARAM_SHARDINGS.get(param_sharding)
@@ -507,9 +534,10 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
     else:
         gathered_tables = tables
     layers = all_params - tables
+    once = grad_accum > 1 and sums_per_host(param_sharding, layout)
     per_step = Traffic()
     if staged:
-        per_step = _staged_traffic(layers, layout, strategy, grad_accum)
+        per_step = _staged_traffic(layers, layout, strategy, grad_accum, sums_once=once)
     if staged and not staged_tables:
         per_micro = per_micro + _gathered_traffic(gathered_tables, table_group, table_share)
     elif staged:
@@ -517,8 +545,12 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
         # gathered across hosts per microbatch (in the GPU program; the CPU one hoists it)
         # and their gradient back across hosts once, onto the stored 1/N shards
         hosts = max(layout.num_devices // dph, 1)
-        per_micro = (per_micro + collective_traffic("all-gather", tables / dph, hosts, 1.0)
-                     + collective_traffic("reduce-scatter", tables / dph, hosts, 1.0))
+        cross = (collective_traffic("all-gather", tables / dph, hosts, 1.0)
+                 + collective_traffic("reduce-scatter", tables / dph, hosts, 1.0))
+        if once:
+            per_step = per_step + cross
+        else:
+            per_micro = per_micro + cross
         if gathered_tables:  # too many tokens for rows inside the host: each device uses the
             # whole copy, gathered inside the host (its gradient summed there first)
             per_micro = per_micro + collective_traffic("all-gather", tables, dph, 0.0)
@@ -526,9 +558,12 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
         per_micro = per_micro + _gathered_traffic(
             layers + gathered_tables, shard_group, _shard_share(param_sharding, layout))
     synced = all_params
-    if strategy.sync == "hosts":  # its tables' gradient crosses in the master dtype
+    if strategy.sync == "hosts" and not once:  # its tables' gradient crosses in the master dtype
         synced += gathered_tables * (master_bytes / param_bytes - 1)
-    return (per_micro + _gradient_sync(strategy.sync, layout, synced)).scale(grad_accum) + per_step
+    sync = _gradient_sync(strategy.sync, layout, synced)
+    if once:
+        return per_micro.scale(grad_accum) + sync + per_step
+    return (per_micro + sync).scale(grad_accum) + per_step
 
 
 def _shard_share(param_sharding: str, layout: Layout) -> float:
@@ -546,14 +581,14 @@ def _gathered_traffic(buffer_bytes: float, group: int, remote_share: float) -> T
 
 
 def _staged_traffic(layer_bytes: float, layout: Layout, strategy: Strategy,
-                    grad_accum: int = 1) -> Traffic:
+                    grad_accum: int = 1, sums_once: bool = False) -> Traffic:
     """A staged strategy's layers for one step of grad_accum microbatches (basp_jax.sharding):
     the host-local copy (1/devices per host of each layer) gathered across hosts forward, and
     again for the recomputed backward unless it is kept: on the device the step gathers it once
     for all its microbatches (train.program.step), in host memory once per microbatch; the whole
     layer gathered inside the host forward and backward; the gradient reduce-scattered inside
     the host, then its host-local shard across hosts, once per microbatch (XLA's partitioner
-    finishes each microbatch's reduction)."""
+    finishes each microbatch's reduction) or, with sums_once, once a step."""
     dph = layout.devices_per_host
     hosts = max(layout.num_devices // dph, 1)
     host_copy = layer_bytes / dph
@@ -564,7 +599,8 @@ def _staged_traffic(layer_bytes: float, layout: Layout, strategy: Strategy,
     else:  # forward, and again for the recomputed backward
         gathers = 2 * grad_accum
     cross = collective_traffic("all-gather", host_copy, hosts, 1.0).scale(gathers) + \
-        collective_traffic("reduce-scatter", host_copy, hosts, 1.0).scale(grad_accum)
+        collective_traffic("reduce-scatter", host_copy, hosts, 1.0).scale(
+            1 if sums_once else grad_accum)
     return cross + _gathered_traffic(layer_bytes, min(dph, layout.num_devices), 0.0).scale(
         grad_accum)
 
@@ -668,6 +704,10 @@ _GRADIENT_BUFFERS = 0.85  # the float32 gradient and what the update holds besid
 # A100-40GB at grad_accum=2 holds 7.5 (fsdp) and 7.9 GiB (staged_keep) more than at 1, and at
 # grad_accum=4 5.9 GiB (staged_keep), where this counts 7.5
 _ACCUMULATE_BUFFERS = 2.0
+# Where each host keeps its own sum (train.program.per_group) one float32 sum split over a
+# host's devices: the same step under staged_keep holds 7.51 GiB more at grad_accum=2 than at 1,
+# one float32 gradient over 4 devices being 7.48 (the microbatch's gradient is the bf16 copies')
+_HOST_SUM_BUFFERS = 1.0
 _SAVED_SHARE = 0.55  # of _saved_per_token that XLA keeps
 _WORKING_FACTOR = 2.95  # a layer's recompute, its gathered weights and the chunked loss's buffers
 # A hybrid's (Qwen3.5) layers run as a Python list, not under a scan (models.transformer): XLA's
@@ -722,7 +762,9 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
                  master_bytes: int = 4, moment_bytes: int | None = None,
                  tile_tokens: int | None = None, ring: int = 1,
                  zigzag: bool = False, offload_state: bool = False,
-                 kept_share: float = 0.0, grad_accum: int = 1) -> dict[str, float]:
+                 kept_share: float = 0.0, grad_accum: int = 1,
+                 host_sums: int | None = None,
+                 step_copies: float = 0.0) -> dict[str, float]:
     """Peak memory per device of a train step (layers under a scan, chunked loss), by term:
 
     - state: parameters and Adam's second moment in the master dtype, its first moment in
@@ -740,10 +782,14 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
     - recompute (hybrids): the layers' recomputed outputs XLA holds ahead of their backward
       pass when the layers are a Python list (_UNSCANNED_RECOMPUTE);
     - kept: the layers' weights in the compute dtype that the forward keeps for the backward,
-      kept_share of them per device (staged_keep: 1/devices per host, its host-local copies).
+      kept_share of them per device (staged_keep: 1/devices per host, its host-local copies),
+      plus step_copies bytes (step_copy_bytes: the copies a step that keeps each host's
+      gradient sum holds beyond those).
     - accumulate (grad_accum > 1): the float32 gradient sum of the microbatches and the
       microbatch's gradient beside it, sharded as the parameters (_ACCUMULATE_BUFFERS: with
-      one microbatch XLA folds the sum away).
+      one microbatch XLA folds the sum away); where each host keeps its own sum
+      (host_sums: the devices of a host, host_sum_devices), that sum split over them
+      (_HOST_SUM_BUFFERS).
     The last five carry factors fitted to compiled programs (above). What an offload policy
     keeps in host memory is host_memory_bytes, not a term here. With offload_state (the
     streamed step) the state is in host memory, the gradient is the layers' in the compute
@@ -784,8 +830,10 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
         "saved": _SAVED_SHARE * tokens_per_device * saved_per_token * act_bytes,
         "working": working,
         "recompute": recompute,
-        "kept": kept_share * act_bytes * _layer_weights(shape),
-        "accumulate": (_ACCUMULATE_BUFFERS * p * 4 / shard_group) if grad_accum > 1 else 0.0,
+        "kept": kept_share * act_bytes * _layer_weights(shape) + step_copies,
+        "accumulate": 0.0 if grad_accum < 2 else (
+            _HOST_SUM_BUFFERS * p * 4 / host_sums if host_sums
+            else _ACCUMULATE_BUFFERS * p * 4 / shard_group),
     }
 
 

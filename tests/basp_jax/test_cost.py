@@ -425,25 +425,38 @@ def test_plan_cli_fp8_shortens_compute_on_an_h100_only(capsys):
 
 
 def test_accumulation_counts_what_the_compiled_step_repeats():
-    """train.grad_accum=A, as the compiled steps run it (BENCHMARKS.md section 10): every
-    strategy's gradient crosses hosts once per microbatch (host's and hsdp's sync too), and so
-    does everything of fsdp and staged; staged_keep's cross-host layer gathers run once a step
-    (train.program.step). The memory formula adds the float32 gradient sum beside the microbatch's
-    gradient once there are several microbatches, however many."""
+    """train.grad_accum=A, as the compiled steps run it (BENCHMARKS.md section 10). Where each
+    BASP group is one host, host and staged_keep keep each host's gradient sum apart over the
+    microbatches (basp_jax.sharding.sums_per_host): everything they send across hosts crosses
+    once a step, however many microbatches. Elsewhere every strategy's gradient crosses hosts
+    once per microbatch (host's and hsdp's sync too), and so does everything of fsdp and
+    staged; staged_keep's cross-host layer gathers run once a step (train.program.step). The
+    memory formula adds the float32 gradient sum beside the microbatch's gradient once there
+    are several microbatches, however many: split over a host's devices where the hosts keep
+    their sums."""
     shape, hw = MODEL_SHAPES["llama-3.1-8b"], HARDWARE["a100-40gb"]
-    layout = cost.plan_layout(shape, num_devices=8, batch=2, seq_len=16384, groups=2,
-                              devices_per_host=4)
+    hosts_are_groups = cost.plan_layout(shape, num_devices=8, batch=2, seq_len=16384, groups=2,
+                                        devices_per_host=4)
+    smaller_groups = cost.plan_layout(shape, num_devices=8, batch=4, seq_len=8192, groups=4,
+                                      devices_per_host=4)
 
-    def inter(strategy, accum):
+    def inter(layout, strategy, accum):
         return predict(shape, layout, strategy, hw=hw, grad_accum=accum).params.inter
 
-    for strategy in ("host", "hsdp", "fsdp", "staged"):
-        assert inter(strategy, 2) == pytest.approx(2 * inter(strategy, 1)), strategy
-    keep = [inter("staged_keep", a) for a in (1, 2, 4)]
+    for layout in (hosts_are_groups, smaller_groups):
+        for strategy in ("hsdp", "fsdp", "staged"):
+            assert inter(layout, strategy, 2) == pytest.approx(2 * inter(layout, strategy, 1))
+    assert inter(smaller_groups, "host", 2) == pytest.approx(2 * inter(smaller_groups, "host", 1))
+    keep = [inter(hosts_are_groups, "staged_keep", a) for a in (1, 2, 4)]
+    assert keep[0] > 0 and keep == pytest.approx([keep[0]] * 3)
+    host = [inter(hosts_are_groups, "host", a) for a in (1, 2, 4)]
+    assert host[1] == pytest.approx(host[2]) and host[1] <= host[0]  # (tables: bf16, not fp32)
+    keep = [inter(smaller_groups, "staged_keep", a) for a in (1, 2, 4)]
     per_micro = keep[1] - keep[0]
     assert 0.3 * keep[0] < per_micro < 0.7 * keep[0]  # the gathers (about half) are not repeated
     assert keep[2] - keep[1] == pytest.approx(2 * per_micro)
-    memory = [predict(shape, layout, "staged_keep", hw=hw, grad_accum=a).memory_bytes
-              for a in (1, 2, 4)]
-    gradient = shape.num_params * 4 / 8  # one float32 gradient shard
-    assert gradient < memory[1] - memory[0] < 3 * gradient and memory[2] == memory[1]
+    for layout, sum_devices in ((smaller_groups, 8), (hosts_are_groups, 4)):
+        memory = [predict(shape, layout, "staged_keep", hw=hw, grad_accum=a).memory_bytes
+                  for a in (1, 2, 4)]
+        gradient = shape.num_params * 4 / sum_devices  # one float32 gradient sum's shard
+        assert gradient < memory[1] - memory[0] < 3 * gradient and memory[2] == memory[1]

@@ -173,13 +173,14 @@ def test_checkpoints_move_between_fsdp_and_staged_and_accumulation_matches(tmp_p
     np.testing.assert_allclose(losses, straight["losses"], rtol=1e-5)
 
 
-def _accumulated(tmp_path, strategy: str, accum: int, *extra: str):
+def _accumulated(tmp_path, strategy: str, accum: int, *extra: str, loss_scale: float | None = None):
     """(model config, parameters, a batch of `accum` microbatches of 2 rows, jit(step_gradients)
-    compiled for them) of the trainer's step on the emulated 2 hosts x 4, float32."""
+    compiled for them) of the trainer's step on the emulated 2 hosts x 4, float32; with
+    loss_scale, the step scales its loss by that much (train.program.step.LossScale)."""
     from tests.helpers.trainer import tiny_config
     from train.program import state as prog
     from train.prepare import model_config
-    from train.program.step import build_model, make_step_gradients
+    from train.program.step import LossScale, build_model, make_step_gradients
 
     cfg = tiny_config(tmp_path / f"{strategy}_{accum}", "model.dtype=float32",
                       "model.remat=full", "train.microbatch_size=2", f"train.grad_accum={accum}",
@@ -198,9 +199,11 @@ def _accumulated(tmp_path, strategy: str, accum: int, *extra: str):
     batch = {k: jax.device_put(v, program.batch_sharding)
              for k, v in (("tokens", tokens), ("targets", targets))}
     gradients = make_step_gradients(parts, program.param_shardings,
-                                    loss_fn=models.causal_lm_loss, packed=False)
+                                    loss_fn=models.causal_lm_loss, packed=False,
+                                    loss_scale=None if loss_scale is None else LossScale())
+    scale = None if loss_scale is None else jnp.float32(loss_scale)
     with jax.set_mesh(plan.mesh):
-        compiled = jax.jit(lambda p, b: gradients(p, b, None)).lower(params, batch).compile()
+        compiled = jax.jit(lambda p, b: gradients(p, b, scale)).lower(params, batch).compile()
     return mcfg, params, batch, compiled
 
 
@@ -213,10 +216,32 @@ def test_accumulated_gradients_equal_one_device(tmp_path, strategy, extra):
     """train.grad_accum=2: the step's loss and every gradient (the mean over both microbatches)
     equal one device's on all 4 rows. staged_keep gathers the layers across hosts once for both
     microbatches (train.program.step; a stack of layers or a list), staged once per microbatch."""
-    mcfg, params, batch, compiled = _accumulated(tmp_path, strategy, 2, *extra)
+    _check_one_device(*_accumulated(tmp_path, strategy, 2, *extra),
+                      scan_layers="model.scan_layers=false" not in extra)
+
+
+@pytest.mark.parametrize("strategy,loss_scale", [("host", 1024.0), ("staged_keep", None)])
+def test_hosts_keep_their_gradient_sums_apart_until_the_step_ends(tmp_path, strategy, loss_scale):
+    """train.grad_accum=2 under the strategies that hold a host-local copy for the step (each
+    host is one BASP group here): each host sums its microbatches' gradients and the sums
+    cross hosts once a step (train.program.per_group), so the compiled step's gradient
+    reduction sends as many bytes across hosts as with one microbatch; loss and every gradient
+    equal one device's on all 4 rows (with a scaled loss too)."""
+    one = _accumulated(tmp_path, strategy, 1)[3]
+    two = _accumulated(tmp_path, strategy, 2, loss_scale=loss_scale)
+    _check_one_device(*two)
+    kinds = ("reduce-scatter", "all-reduce")
+    once, twice = (_inter_host(comm.parse_collectives(step.as_text(), 8), kinds)
+                   for step in (one, two[3]))
+    assert once > 0
+    np.testing.assert_allclose(twice, once, rtol=0.05)
+
+
+def _check_one_device(mcfg, params, batch, compiled, scan_layers: bool = True):
+    """The compiled step's loss and mean gradients on `batch` equal one device's on all its
+    rows."""
     grads, loss_sum, count = compiled(params, batch)
-    options = models.RunOptions(dtype=jnp.float32,
-                                scan_layers="model.scan_layers=false" not in extra)
+    options = models.RunOptions(dtype=jnp.float32, scan_layers=scan_layers)
     model = models.Transformer(mcfg, rngs=nnx.Rngs(0), options=options)
     state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, jax.device_get(params))
@@ -249,8 +274,10 @@ def test_staged_keep_gathers_the_layers_across_hosts_once_per_step(tmp_path):
     program, tests/e2e/test_gpu_compile.py; XLA's CPU program has one memory). The
     vocabulary tables' copies under staged_keep cross once a step in this CPU program (XLA's CPU pipeline hoists their gather,
     which depends on the parameters only, out of the microbatch loop; the GPU program gathers
-    them per microbatch, as the planner counts: BENCHMARKS.md section 10). The gradients' reduction across hosts still runs once
-    per microbatch (docs/limitations.md), as basp_jax.planner.cost counts it."""
+    them per microbatch, as the planner counts: BENCHMARKS.md section 10). The gradients cross
+    hosts once a step under staged_keep (train.program.per_group: each host's sum kept apart
+    over the microbatches) and once per microbatch under staged and staged_offload, as
+    basp_jax.planner.cost counts them."""
     sent = {}
     for strategy in ("staged_keep", "staged", "staged_offload"):
         for accum in (1, 2):
@@ -270,7 +297,8 @@ def test_staged_keep_gathers_the_layers_across_hosts_once_per_step(tmp_path):
     # its layers again for the second microbatch (the tables' copies: once, as staged_keep's)
     np.testing.assert_allclose(sent["staged_offload", 2][0],
                                2 * sent["staged_offload", 1][0] - copies, rtol=0.01)
-    for strategy in ("staged_keep", "staged", "staged_offload"):
+    np.testing.assert_allclose(sent["staged_keep", 2][1], sent["staged_keep", 1][1], rtol=0.05)
+    for strategy in ("staged", "staged_offload"):
         np.testing.assert_allclose(sent[strategy, 2][1], 2 * sent[strategy, 1][1], rtol=0.05)
 
 

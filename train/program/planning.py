@@ -315,7 +315,11 @@ def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,
         q_heads=q_heads, kv_heads=kv_heads, remat=remat or cfg.model.remat,
         act_bytes=_act_bytes(cfg), tile_tokens=tile_tokens or cfg.model.tile_tokens,
         ring=layout.ring, zigzag=layout.zigzag, kept_share=cost.kept_share(layout, strategy),
-        grad_accum=cfg.train.grad_accum, **state_bytes(cfg))
+        grad_accum=cfg.train.grad_accum,
+        host_sums=cost.host_sum_devices(layout, strategy, cfg.train.grad_accum),
+        step_copies=cost.step_copy_bytes(model_shape(mcfg), layout, strategy,
+                                         cfg.train.grad_accum, _act_bytes(cfg)),
+        **state_bytes(cfg))
     detail = ", ".join(f"{name} {value / 1e9:.3g} GB" for name, value in terms.items())
     return sum(terms.values()), detail
 

@@ -6,7 +6,9 @@ whole mesh by default, never replicated unless asked). `train_step(params, opt_s
 microbatches of one step under `lax.scan`, sums loss and gradients, divides by the token count of
 the whole step, constrains the gradients to the parameters' sharding and applies the optax update,
 all in one jit with params and optimizer state donated. Under staged_keep parameter sharding
-the layers are gathered across hosts once before the scan, for every microbatch.
+the layers are gathered across hosts once before the scan, for every microbatch. Where each
+host can keep its own gradient sum (basp_jax.sharding.sums_per_host) the microbatches run
+mapped over the groups instead (train.program.per_group): gradients cross hosts once a step.
 
 Under float16 compute (a T4: fp16 tensor cores, no bf16) the loss is scaled before
 differentiation and the gradients unscaled after (dynamic loss scaling, LossScale): the scale
@@ -30,6 +32,7 @@ from models.layers import param_names, stage_layer_params
 from models.transformer import build_sharded, with_values
 
 from ..config.schema import OptimizerConfig
+from . import per_group
 
 BATCH_SPEC = activation_spec(None, "batch", "sequence")  # [accum, B, S]
 
@@ -261,16 +264,17 @@ def make_step_gradients(parts: ModelParts, param_shardings, *, loss_fn: Callable
             return params
         return stage_layer_params(params, names, rules, model.dtype)
 
-    def grad_fn_at(scale):
-        """((loss sum, count), gradients of scale x loss sum) of one microbatch."""
+    def grad_fn_at(scale, loss_of=micro_loss, micro_tokens=None):
+        """((loss sum, count), gradients of scale x loss sum) of one microbatch (of
+        micro_tokens tokens: default, the tokens given)."""
         if loss_scale is None:  # the program as it is without scaling, not one times 1.0
-            return jax.value_and_grad(micro_loss, has_aux=True)
+            return jax.value_and_grad(loss_of, has_aux=True)
 
         def scaled(params, tokens, targets, segment_ids):
             # The scale multiplies the microbatch's mean loss (as in PyTorch's GradScaler and
             # apex), not its sum: a sum over 64K tokens would overflow at a 64K times smaller scale
-            loss, n = micro_loss(params, tokens, targets, segment_ids)
-            return loss * (scale / tokens.size), (loss, n)
+            loss, n = loss_of(params, tokens, targets, segment_ids)
+            return loss * (scale / (micro_tokens or tokens.size)), (loss, n)
 
         def grad_fn(params, tokens, targets, segment_ids):
             (_, aux), grads = jax.value_and_grad(scaled, has_aux=True)(params, tokens, targets,
@@ -279,9 +283,22 @@ def make_step_gradients(parts: ModelParts, param_shardings, *, loss_fn: Callable
 
         return grad_fn
 
+    options = parts.module().options
+    # built here, outside any jit and mesh context: the model as one group traces it
+    view = (per_group.GroupView(parts, options.dtype)
+            if per_group.applies(options.rules, options.layout, accum=2) else None)
+
+    def accumulated(params, batch, scale):
+        """(float32 gradient sum, loss sum, loss tokens) of the step's microbatches."""
+        accum, micro_tokens = batch["tokens"].shape[0], batch["tokens"][0].size
+        if view is not None and per_group.applies(options.rules, options.layout, accum):
+            grad_fn = grad_fn_at(scale, view.micro_loss(loss_fn), micro_tokens)
+            return per_group.accumulate(view, grad_fn, params, batch, param_shardings, packed)
+        return _accumulate(grad_fn_at(scale), _used_once(params, batch), batch, param_shardings,
+                           packed)
+
     def step_gradients(params, batch, scale):
-        grad_sum, loss_sum, count = _accumulate(grad_fn_at(scale), _used_once(params, batch),
-                                                batch, param_shardings, packed)
+        grad_sum, loss_sum, count = accumulated(params, batch, scale)
         denom = jnp.maximum(count, 1.0)
         if scale is not None:  # the mean gradient of the unscaled loss
             denom = denom * (scale / batch["tokens"][0].size)

@@ -1,0 +1,129 @@
+"""Gradient accumulation that reduces across hosts once a step, not once a microbatch.
+
+Under XLA's partitioner a gradient is a global value: each microbatch's gradient is complete
+(summed over every device) where the step adds it to the running sum, so with A microbatches
+every gradient element crosses hosts A times. Here the step maps the model over the mesh's
+'group' axis instead (jax.vmap with spmd_axis_name='group', traced under
+basp_jax.sharding.groups_mapped): each group differentiates its own copy of the parameters on
+its own rows, so its gradient stays on its devices. The copies' gradients are summed over the
+microbatches inside each group, then across the groups once, onto the stored shards.
+
+It runs where each group is one host (the layout's sp equals the devices per host, so the
+groups' sums are the hosts') and the parameter strategy holds a host-local copy of the weights
+for the step anyway (host; staged_keep, which gathers it across hosts once a step): the copies
+are that copy, split over the host's devices, and the price is the float32 sum, split over the
+host's devices instead of staged_keep's over all of them. Inside the map the model sees one
+group's rows on a one-host mesh: hsdp's placement (the parameters and the vocabulary split over
+'seq', the host's devices).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from basp_jax.mesh import GROUP, SEQ
+from basp_jax.sharding import ShardingRules, groups_mapped, sums_per_host
+from models.layers import param_names
+from models.transformer import abstract_model, with_values
+
+# The placement the model is traced in inside the map: split over the host's devices only.
+VIEW_STRATEGY = "hsdp"
+
+
+def applies(rules: ShardingRules | None, layout, accum: int) -> bool:
+    """Whether a step of `accum` microbatches under `rules` on `layout` keeps each host's
+    gradient apart until the step ends (see the module's docstring)."""
+    if rules is None or layout is None or accum < 2:
+        return False
+    return sums_per_host(rules.strategy, layout)
+
+
+class GroupView:
+    """The model as one group traces it (hsdp's placement on the same mesh), and where each
+    group's copy of a parameter lives: [groups, ...], the leading axis over 'group'."""
+
+    def __init__(self, parts, dtype):
+        model = parts.module()
+        options = model.options
+        view = abstract_model(model.config, options=options, param_sharding=VIEW_STRATEGY)
+        self.graphdef, abs_params, abs_rest = nnx.split(view, nnx.Param, ...)
+        self.abstract_state = (abs_params, abs_rest)
+        self.rest = parts.rest
+        self.mesh = options.mesh
+        self.groups = self.mesh.shape[GROUP]
+        self.rules = view.options.rules
+        self.names = param_names(abs_params)
+        self.dtype = dtype
+
+    def sharding(self, names, shape) -> NamedSharding:
+        """A [groups, *shape] stack of copies: one per group, split inside it as hsdp splits."""
+        return NamedSharding(self.mesh, P(GROUP, *self.rules.spec(names, shape)))
+
+    def shardings(self, params):
+        return jax.tree.map(lambda x, n: self.sharding(n, x.shape), params, self.names)
+
+    def copies(self, params):
+        """Each group's copy of `params`, matrices in the compute dtype (as the layers use
+        them: half the bytes to gather and hold), gathered across hosts once."""
+        def copy(x, names):
+            if x.ndim - (1 if names[0] == "layers" else 0) >= 2:
+                x = x.astype(self.dtype)
+            stacked = jnp.broadcast_to(x, (self.groups,) + x.shape)
+            return jax.lax.with_sharding_constraint(stacked, self.sharding(names, x.shape))
+
+        return jax.tree.map(copy, params, self.names)
+
+    def micro_loss(self, loss_fn):
+        """micro_loss(params, tokens, targets, segment_ids) of one group's rows."""
+        abs_params, abs_rest = self.abstract_state
+
+        def micro_loss(params, tokens, targets, segment_ids):
+            model = nnx.merge(self.graphdef, with_values(abs_params, params),
+                              with_values(abs_rest, self.rest))
+            return model.loss(tokens, targets, segment_ids, loss_fn=loss_fn)
+
+        return micro_loss
+
+    def rows(self, x):
+        """[accum, B, S] -> [accum, groups, B / groups, S], each group's rows on its devices."""
+        a, b, s = x.shape
+        x = x.reshape(a, self.groups, b // self.groups, s)
+        return jax.lax.with_sharding_constraint(
+            x, NamedSharding(self.mesh, P(None, GROUP, None, SEQ)))
+
+
+def accumulate(view: GroupView, grad_fn, params, batch, param_shardings, packed: bool):
+    """(float32 gradient sum, loss sum, loss tokens) of the microbatches of `batch` like
+    train.program.step's, each group's sum kept apart over the microbatches and summed across
+    the groups once at the end, onto `param_shardings`. grad_fn(params, tokens, targets,
+    segment_ids) -> ((loss sum, count), gradients): one group's microbatch."""
+    copies = view.copies(params)
+    shardings = view.shardings(params)
+    zeros = jax.tree.map(lambda c: jnp.zeros(c.shape, jnp.float32), copies)
+    zeros = jax.lax.with_sharding_constraint(zeros, shardings)
+    rows = {k: view.rows(v) for k, v in batch.items()}
+    per_group = jax.vmap(grad_fn, spmd_axis_name=GROUP)
+
+    def body(carry, micro):
+        grad_sum, loss_sum, count = carry
+        segment_ids = micro["segment_ids"] if packed else None
+        with groups_mapped():
+            (loss, n), grads = per_group(copies, micro["tokens"], micro["targets"], segment_ids)
+        grads = jax.lax.with_sharding_constraint(grads, shardings)
+        grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
+        return (grad_sum, loss_sum + loss.sum(), count + n.sum()), None
+
+    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    (grad_sum, loss_sum, count), _ = jax.lax.scan(body, init, rows)
+    # The one reduction across hosts: each group's sum onto the stored shards, in the dtype the
+    # layers computed the gradients in (half the bytes under bf16 compute; each microbatch's
+    # gradient would otherwise cross in it too), back in float32 after.
+    # (lax.reduce: jnp.sum would add bf16 up in float32, and so reduce across hosts in it)
+    grad_sum = jax.tree.map(
+        lambda a, c: jax.lax.reduce(a.astype(c.dtype), jnp.zeros((), c.dtype), jax.lax.add, (0,)),
+        grad_sum, copies)
+    grad_sum = jax.lax.with_sharding_constraint(grad_sum, param_shardings)
+    return jax.tree.map(lambda a: a.astype(jnp.float32), grad_sum), loss_sum, count
