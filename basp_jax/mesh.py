@@ -68,6 +68,12 @@ def groups_are_mapped() -> bool:
     return _GROUPS_MAPPED.get()
 
 
+def unmapped_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh's axes, less 'group' under groups_mapped (the caller's vmap holds it): those a
+    shard_map inside the model may vary a value over or sum it over."""
+    return tuple(a for a in mesh.axis_names if not (_GROUPS_MAPPED.get() and a == GROUP))
+
+
 def row_groups(mesh: Mesh) -> int:
     """How many groups the rows of an activation are split over: the mesh's 'group' size, or
     1 under groups_mapped."""

@@ -136,16 +136,6 @@ for _rank, (_name, _keep, _offload) in ((0, ("staged_keep", True, False)),
         tables=None if _keep or _offload else "fsdp", applies=_several_hosts, auto_rank=_rank,
         streamed=not (_keep or _offload)))
 PARAM_SHARDINGS.register("replicated", Strategy((), lambda layout: 1))
-
-
-def sums_per_host(param_sharding: str, layout) -> bool:
-    """Whether a step of several microbatches keeps each host's gradient sum apart until it
-    ends, so gradients cross hosts once a step (train.program.per_group): each BASP group is
-    one host (sp equals the devices per host, more than one group) and the strategy holds a
-    host-local copy of the weights for the step anyway (host; staged_keep)."""
-    entry = PARAM_SHARDINGS.get(param_sharding)
-    holds_host_copy = entry.per_host and (entry.use_axes is None or entry.keep_host_copy)
-    return holds_host_copy and layout.groups > 1 and layout.sp == layout.devices_per_host
 DEFAULT_STRATEGY = "fsdp"  # parameters' placement unless told otherwise (models.RunOptions)
 SPLIT = "split"  # in RULES: split over the strategy's parameter axes
 
@@ -174,6 +164,18 @@ RULES: dict[str, str | None] = {
 }
 # A flat token axis over the whole mesh, group-major: each device's slice is the tokens it holds.
 TOKENS = ("batch", "sequence")
+
+
+def sums_per_host(param_sharding: str, layout) -> bool:
+    """Whether a step keeps each host's gradient sum apart until it ends, so gradients cross
+    hosts once a step (train.program.per_group): each BASP group is one host (sp equals the
+    devices per host, more than one group) and the strategy holds a host-local copy of the
+    weights for the step anyway (host; staged_keep). Not with a ring, whose all-to-alls among
+    parts of a group jax.vmap cannot map over the groups."""
+    entry = PARAM_SHARDINGS.get(param_sharding)
+    holds_host_copy = entry.per_host and (entry.use_axes is None or entry.keep_host_copy)
+    return (holds_host_copy and layout.groups > 1 and layout.sp == layout.devices_per_host
+            and layout.ring == 1)
 
 
 def host_mesh(mesh: Mesh, devices_per_host: int) -> Mesh:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from .mesh import SEQ
+from .mesh import SEQ, groups_are_mapped, unmapped_axes
 from .sharding import activation_spec, row_groups
 
 
@@ -72,12 +72,17 @@ def map_token_chunks(fn: Callable, xs: tuple, weights, *, mesh: Mesh | None,
     c = chunk_len(s // sp, b // groups, chunk_tokens)
     if mesh is None:
         return _scan_chunks(fn, tuple(xs), weights, c)
-    axes = tuple(mesh.axis_names)
+    axes = unmapped_axes(mesh)
+    # Mapped over the groups (basp_jax.sharding.groups_mapped) the weights vary over them
+    # already, which jax's varying-axes check does not follow through the map: unchecked
+    # there, the map's transpose sums their cotangents over `axes` once all the same.
+    checked = not groups_are_mapped()
 
     def local(xs, weights):
-        weights = jax.tree.map(lambda w: jax.lax.pcast(w, axes, to="varying"), weights)
+        if checked:
+            weights = jax.tree.map(lambda w: jax.lax.pcast(w, axes, to="varying"), weights)
         return _scan_chunks(fn, xs, weights, c)
 
     rows = activation_spec("batch", "sequence")  # a prefix: any trailing axes stay whole
-    return jax.shard_map(local, mesh=mesh, in_specs=(rows, P()), out_specs=rows)(
-        tuple(xs), weights)
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows, P()), out_specs=rows,
+                         check_vma=checked)(tuple(xs), weights)

@@ -307,6 +307,59 @@ def test_layouts_equal_one_device(checkpoints, one_device, groups, sp):
         assert np.abs(grad - want_grads[name]).max() / scale < 3e-4, name
 
 
+def _step_gradients(checkpoint: str, run_dir, strategy: str, params=None):
+    """(params, (mean gradients, loss sum, tokens)) of the trainer's step of 2 microbatches of
+    2 rows on the emulated 2 hosts x 4 (BASP, one group per host), float32, under
+    parallel.param_sharding=strategy; params: the parameters to start from (else its own)."""
+    from flax import traverse_util
+
+    from tests.helpers.trainer import tiny_overrides
+    from train.config.schema import load_config
+    from train.prepare import model_config
+    from train.program import state as prog
+    from train.program.step import build_model, make_step_gradients
+
+    overrides = [o for o in tiny_overrides(
+        run_dir, "model.dtype=float32", "model.remat=full", "train.microbatch_size=2",
+        "train.grad_accum=2", f"parallel.param_sharding={strategy}", "parallel.devices_per_host=4")
+        if not o.startswith(("model.preset", "model.shape"))]
+    cfg = load_config(None, [*overrides, f"model.hf_path={checkpoint}"])
+    mcfg = model_config(cfg)
+    plan = prog.plan_run(cfg, mcfg, jax.devices(), 4)
+    assert (plan.layout.groups, plan.layout.sp) == (2, 4)
+    parts = build_model(prog.model_factory(cfg, mcfg, plan), plan.rules)
+    program = prog.build_program(cfg, plan, parts)
+    params = jax.device_put(parts.params if params is None else params, program.param_shardings)
+    tokens = np.random.default_rng(2).integers(0, mcfg.vocab_size, program.batch_shape)
+    targets = np.roll(tokens, -1, axis=-1)
+    targets[..., -1] = -100
+    batch = {k: jax.device_put(v.astype(np.int32), program.batch_sharding)
+             for k, v in (("tokens", tokens), ("targets", targets))}
+    gradients = make_step_gradients(parts, program.param_shardings,
+                                    loss_fn=models.causal_lm_loss, packed=False)
+    with jax.set_mesh(plan.mesh):
+        grads, loss, count = jax.jit(lambda p, b: gradients(p, b, None))(params, batch)
+    flat = traverse_util.flatten_dict(jax.device_get(grads))
+    return jax.device_get(params), (flat, float(loss), float(count))
+
+
+@pytest.mark.slow
+def test_hosts_gradient_sums_equal_fsdps_step(checkpoints, tmp_path):
+    """staged_keep with 2 microbatches, each host keeping its own gradient sum
+    (train.program.per_group: the model mapped over the groups, the Gated DeltaNet's
+    exchanges and tables inside it): the step's loss and mean gradients equal fsdp's step on
+    the same parameters and rows, to the decay gradients' conditioning (as above)."""
+    directory = checkpoints[False][0]
+    params, (want, want_loss, want_count) = _step_gradients(directory, tmp_path / "fsdp", "fsdp")
+    _, (got, loss, count) = _step_gradients(directory, tmp_path / "keep", "staged_keep", params)
+    assert count == want_count
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    assert got.keys() == want.keys()
+    for name, grad in want.items():
+        scale = max(np.abs(grad).max(), 1.0)
+        assert np.abs(got[name] - grad).max() / scale < 3e-4, name
+
+
 def test_layouts_the_linear_layers_cannot_use_are_refused(checkpoints):
     """Refused when the model is built, in one line: a ring, and an sp that divides neither
     the DeltaNet's key nor value heads."""
