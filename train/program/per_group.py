@@ -149,7 +149,7 @@ def _sum_across_groups(sums, view: GroupView, names, stored: NamedSharding):
         scatter = d if _axes(stored_spec[d]) == (LOCAL, HOST) else None
         out_spec = P(*((SEQ, GROUP) if scatter is not None and i == d else e
                        for i, e in enumerate(view_spec)))
-    else:  # (no layout of this kind was found among the models' parameters)
+    else:  # stored split elsewhere than the view (where all the devices do not divide it)
         total = jax.lax.reduce(sums, jnp.zeros((), sums.dtype), jax.lax.add, (0,))
         return jax.lax.with_sharding_constraint(total, stored)
 
