@@ -54,8 +54,8 @@ _GROUPS_MAPPED = contextvars.ContextVar("groups_mapped", default=False)
 def groups_mapped():
     """Trace the model for one group's rows, under jax.vmap(..., spmd_axis_name='group') over
     the groups: activation specs leave the rows whole (the vmap puts them on 'group') and
-    row_groups is 1. What a step that keeps each group's gradient apart traces its model
-    in (train.program.step)."""
+    row_groups is 1: how a train step that keeps each group's gradient apart over its
+    microbatches traces the model."""
     token = _GROUPS_MAPPED.set(True)
     try:
         yield
@@ -78,7 +78,6 @@ def row_groups(mesh: Mesh) -> int:
     """How many groups the rows of an activation are split over: the mesh's 'group' size, or
     1 under groups_mapped."""
     return 1 if _GROUPS_MAPPED.get() else mesh.shape[GROUP]
-
 
 
 def layout_on(mesh: Mesh, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
