@@ -127,9 +127,13 @@ def accumulate(view: GroupView, grad_fn, params, batch, param_shardings, packed:
     (grad_sum, loss_sum, count), _ = jax.lax.scan(body, init, rows)
     # The one reduction across hosts: each group's sum onto the stored shards, in the dtype the
     # layers computed the gradients in (half the bytes under bf16 compute; each microbatch's
-    # gradient would otherwise cross in it too), back in float32 after.
+    # gradient would otherwise cross in it too), back in float32 after. Not in float16: a sum
+    # of scaled microbatch gradients would overflow its range A times sooner (loss scaling).
+    def crossing(dtype):
+        return jnp.float32 if dtype == jnp.float16 else dtype
+
     grad_sum = jax.tree.map(
-        lambda a, c, n, sh: _sum_across_groups(a.astype(c.dtype), view, n, sh).astype(
+        lambda a, c, n, sh: _sum_across_groups(a.astype(crossing(c.dtype)), view, n, sh).astype(
             jnp.float32), grad_sum, copies, view.names, param_shardings)
     return grad_sum, loss_sum, count
 
