@@ -74,6 +74,21 @@ def unmapped_axes(mesh: Mesh) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if not (_GROUPS_MAPPED.get() and a == GROUP))
 
 
+def checks_varying_axes() -> bool:
+    """Whether a shard_map inside the model checks which axes its values vary over
+    (check_vma): not under groups_mapped, where the weights vary over the groups already and
+    jax's check does not follow them through the map."""
+    return not _GROUPS_MAPPED.get()
+
+
+def device_varying(w: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """A weight made device-varying over `axes` inside a shard_map, so that its cotangent adds
+    up on the device and is summed over `axes` once, after a loop over chunks. Under
+    groups_mapped, where such shard_maps run unchecked (checks_varying_axes), w itself: the
+    map's transpose sums its cotangent over `axes` all the same."""
+    return jax.lax.pcast(w, axes, to="varying") if checks_varying_axes() else w
+
+
 def row_groups(mesh: Mesh) -> int:
     """How many groups the rows of an activation are split over: the mesh's 'group' size, or
     1 under groups_mapped."""

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from .mesh import SEQ, groups_are_mapped, unmapped_axes
-from .sharding import activation_spec, row_groups
+from .mesh import SEQ, checks_varying_axes, device_varying, row_groups, unmapped_axes
+from .sharding import activation_spec
 
 
 def chunk_len(local_len: int, rows: int, chunk_tokens: int) -> int:
@@ -73,16 +73,11 @@ def map_token_chunks(fn: Callable, xs: tuple, weights, *, mesh: Mesh | None,
     if mesh is None:
         return _scan_chunks(fn, tuple(xs), weights, c)
     axes = unmapped_axes(mesh)
-    # Mapped over the groups (basp_jax.sharding.groups_mapped) the weights vary over them
-    # already, which jax's varying-axes check does not follow through the map: unchecked
-    # there, the map's transpose sums their cotangents over `axes` once all the same.
-    checked = not groups_are_mapped()
 
     def local(xs, weights):
-        if checked:
-            weights = jax.tree.map(lambda w: jax.lax.pcast(w, axes, to="varying"), weights)
+        weights = jax.tree.map(lambda w: device_varying(w, axes), weights)
         return _scan_chunks(fn, xs, weights, c)
 
     rows = activation_spec("batch", "sequence")  # a prefix: any trailing axes stay whole
     return jax.shard_map(local, mesh=mesh, in_specs=(rows, P()), out_specs=rows,
-                         check_vma=checked)(tuple(xs), weights)
+                         check_vma=checks_varying_axes())(tuple(xs), weights)

@@ -52,17 +52,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .mesh import SEQ, groups_are_mapped, unmapped_axes
-from .sharding import HOST, LOCAL, TOKENS, ShardingRules, activation_spec, row_groups, rows_spec
+from .mesh import SEQ, checks_varying_axes, device_varying, row_groups, unmapped_axes
+from .sharding import HOST, LOCAL, TOKENS, ShardingRules, activation_spec, rows_spec
 from .tiling import chunk_len, token_chunks
-
 
 
 def flat_spec() -> P:
     """A flat token axis over the whole mesh, group-major (over 'seq' only under
-    basp_jax.sharding.groups_mapped)."""
+    basp_jax.mesh.groups_mapped)."""
     return activation_spec(TOKENS)
-
 
 
 # Tokens per device whose logits exist at once in chunked_lm_loss (and parallel_loss):
@@ -364,17 +362,13 @@ def _per_device_chunks(hidden, targets, project, weight, loss_fn, mesh: Mesh, c:
     tokens per device: 32 chunks of 1 GB per step)."""
     axes = unmapped_axes(mesh)
     loop = _device_loop(project, loss_fn, c, axes)
-    # Mapped over the groups (basp_jax.sharding.groups_mapped) the weight varies over them
-    # already, which jax's varying-axes check does not follow through the map: unchecked
-    # there, the map's transpose sums the copy's cotangent over `axes` once all the same.
-    checked = not groups_are_mapped()
 
     def local(h, t, w):
-        return loop(h, t, jax.lax.pcast(w, axes, to="varying") if checked else w)
+        return loop(h, t, device_varying(w, axes))
 
     tokens = rows_spec()
-    return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, P()),
-                         out_specs=(P(), P()), check_vma=checked)(hidden, targets, weight)
+    return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, P()), out_specs=(P(), P()),
+                         check_vma=checks_varying_axes())(hidden, targets, weight)
 
 
 def _device_loop(project, loss_fn, c: int, axes: tuple[str, ...]):

@@ -296,7 +296,7 @@ def kept_share(layout: Layout, param_sharding: str, *, offloaded: bool = False) 
 def host_sum_devices(layout: Layout, param_sharding: str, grad_accum: int) -> int | None:
     """The devices of a host, where a step keeps each host's float32 gradient sum split over
     them (basp_jax.sharding.sums_per_host; memory_terms' host_sums), else None."""
-    if grad_accum > 1 and sums_per_host(param_sharding, layout):
+    if grad_accum > 1 and sums_per_host(param_sharding, layout, grad_accum):
         return min(layout.devices_per_host, layout.num_devices)
     return None
 
@@ -307,7 +307,7 @@ def step_copy_bytes(shape: ModelShape, layout: Layout, param_sharding: str, grad
     holds for its host-local copies in the compute dtype, 1/devices per host of each, beyond
     what the strategy keeps anyway (kept_share): host sharding's whole model, staged_keep's
     vocabulary tables; 0 elsewhere."""
-    if grad_accum < 2 or not sums_per_host(param_sharding, layout):
+    if host_sum_devices(layout, param_sharding, grad_accum) is None:  # (one microbatch: folded)
         return 0.0
     dph = min(layout.devices_per_host, layout.num_devices)
     copied = shape.num_params - kept_share(layout, param_sharding) * dph * _layer_weights(shape)
@@ -534,7 +534,7 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
     else:
         gathered_tables = tables
     layers = all_params - tables
-    once = grad_accum > 1 and sums_per_host(param_sharding, layout)
+    once = sums_per_host(param_sharding, layout, grad_accum)  # (one microbatch: the same bytes)
     per_step = Traffic()
     if staged:
         per_step = _staged_traffic(layers, layout, strategy, grad_accum, sums_once=once)

@@ -4,7 +4,7 @@ Under XLA's partitioner a gradient is a global value: each microbatch's gradient
 (summed over every device) where the step adds it to the running sum, so with A microbatches
 every gradient element crosses hosts A times. Here the step maps the model over the mesh's
 'group' axis instead (jax.vmap with spmd_axis_name='group', traced under
-basp_jax.sharding.groups_mapped): each group differentiates its own copy of the parameters on
+basp_jax.mesh.groups_mapped): each group differentiates its own copy of the parameters on
 its own rows, so its gradient stays on its devices. The copies' gradients are summed over the
 microbatches inside each group, then across the groups once, onto the stored shards.
 
@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from basp_jax.mesh import GROUP, SEQ
-from basp_jax.sharding import HOST, LOCAL, ShardingRules, groups_mapped, sums_per_host
+from basp_jax.mesh import GROUP, SEQ, groups_mapped
+from basp_jax.sharding import HOST, LOCAL, ShardingRules, sums_per_host
 from models.layers import param_names
 from models.transformer import abstract_model, with_values
 
@@ -36,26 +36,16 @@ VIEW_STRATEGY = "hsdp"
 def applies(rules: ShardingRules | None, layout, accum: int) -> bool:
     """Whether a step of `accum` microbatches under `rules` on `layout` keeps each host's
     gradient apart until the step ends (see the module's docstring)."""
-    if rules is None or layout is None or not sums_per_host(rules.strategy, layout):
-        return False
-    # With one microbatch there is no sum to keep, and the copies' gradients wait for the
-    # step's end, 1/(devices per host) of them in the compute dtype, where the plain step
-    # reduces each layer's as it comes onto float32 1/N shards: as much memory on 2 hosts
-    # (the 8B step on 2 x 4 A100: 21.33 against 21.34 GiB), more on more (+1.07 GiB per GPU
-    # on 8 hosts x 8 H100). staged_keep takes it on 2 hosts all the same, for the written-out
-    # reduce-scatter (the same bytes in the GPU program, half in the CPU one).
-    hosts = layout.num_devices // layout.devices_per_host
-    return accum > 1 or (rules.entry.keep_host_copy and hosts == 2)
+    return (rules is not None and layout is not None
+            and sums_per_host(rules.strategy, layout, accum))
 
 
 class GroupView:
     """The model as one group traces it (hsdp's placement on the same mesh), and where each
     group's copy of a parameter lives: [groups, ...], the leading axis over 'group'."""
 
-    def __init__(self, parts, dtype):
-        model = parts.module()
-        options = model.options
-        view = abstract_model(model.config, options=options, param_sharding=VIEW_STRATEGY)
+    def __init__(self, parts, config, options):
+        view = abstract_model(config, options=options, param_sharding=VIEW_STRATEGY)
         self.graphdef, abs_params, abs_rest = nnx.split(view, nnx.Param, ...)
         self.abstract_state = (abs_params, abs_rest)
         self.rest = parts.rest
@@ -63,7 +53,7 @@ class GroupView:
         self.groups = self.mesh.shape[GROUP]
         self.rules = view.options.rules
         self.names = param_names(abs_params)
-        self.dtype = dtype
+        self.dtype = options.dtype
 
     def sharding(self, names, shape) -> NamedSharding:
         """A [groups, *shape] stack of copies: one per group, split inside it as hsdp splits."""

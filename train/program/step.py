@@ -283,9 +283,10 @@ def make_step_gradients(parts: ModelParts, param_shardings, *, loss_fn: Callable
 
         return grad_fn
 
-    options = parts.module().options
+    model = parts.module()
+    options = model.options
     # built here, outside any jit and mesh context: the model as one group traces it
-    view = (per_group.GroupView(parts, options.dtype)
+    view = (per_group.GroupView(parts, model.config, options)
             if per_group.applies(options.rules, options.layout, accum=2) else None)
 
     def accumulated(params, batch, scale):
