@@ -2,12 +2,14 @@
 tiny shapes, and says which GPU-only parts it skipped; without the flag and without a GPU it
 stops with one line instead of checking nothing."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 from tests.helpers.flags import TEST_XLA_FLAGS
@@ -50,7 +52,13 @@ def test_the_script_runs_every_section_and_names_what_it_skipped(tmp_path):
     assert sorted(timing) == sorted(f"{k}, 256 tokens" for k in ("xla", "cudnn", "pallas",
                                                                   "blockwise", "upstream pallas"))
     assert timing["cudnn, 256 tokens"]["status"] == "skipped"
-    for impl in ("xla", "pallas", "blockwise", "upstream pallas"):
+    # jax 0.12.1 dropped its Triton Pallas examples: JAX's own kernel is then skipped, saying so
+    upstream = importlib.util.find_spec("jax.experimental.pallas.ops.gpu.attention") is not None
+    if not upstream:
+        assert timing["upstream pallas, 256 tokens"] == {
+            "status": "skipped", "reason": f"jax {jax.__version__} ships no "
+                                          "jax.experimental.pallas.ops.gpu.attention"}
+    for impl in ("xla", "pallas", "blockwise") + (("upstream pallas",) if upstream else ()):
         row = timing[f"{impl}, 256 tokens"]
         assert row["status"] == "ok" and row["median_s"] > 0 and row["seq_len"] == 256, row
 
@@ -66,7 +74,7 @@ def test_the_script_runs_every_section_and_names_what_it_skipped(tmp_path):
     assert fp8["final_loss_drift"] < 0.05  # 2 steps of the tiny model: FP8 rounding only
     # cuDNN: 2 checks and 1 timing; the memory statistics of both train runs
     assert proc.stdout.count("skipped: --cpu-smoke") == 5
-    assert "0 failed, 3 skipped" in proc.stdout
+    assert f"0 failed, {3 if upstream else 4} skipped" in proc.stdout
 
 
 def test_without_a_gpu_and_without_the_flag_it_stops_with_one_line(tmp_path):

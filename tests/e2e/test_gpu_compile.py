@@ -416,7 +416,8 @@ def test_bad_input_is_one_line(cuda_plugin, tmp_path):
     results = _aot_commands(tmp_path, *(["--config", CONFIG_8B, *extra] for extra, _ in cases))
     _one_line_exit_2(results, cases)
     env = dict(os.environ, BASP_GPU_COMPILE_DIR=str(tmp_path / "none"))
-    probe = _run("-c", "import importlib.util as u; print(bool(u.find_spec('jax_cuda12_plugin')))")
+    probe = _run("-c", "import importlib.util as u; "
+                 "print(any(u.find_spec(f'jax_{c}_plugin') for c in ('cuda12', 'cuda13')))")
     if probe.stdout.strip() == "False":  # the plugin comes from the install folder: hide it
         done = _run("-m", "train.tools.aot", "--config", CONFIG_8B, env=env, timeout=300)
         assert done.returncode == 2 and "python -m train.tools.aot --install" in done.stderr

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from packaging.markers import Marker
@@ -135,6 +136,62 @@ def test_the_compilation_cache_keeps_a_directory_the_user_chose(tmp_path):
                           env=_env(JAX_PLATFORMS="cpu", XDG_CACHE_HOME=str(tmp_path)))
     path = str(tmp_path / "basp-jax" / "jax-compilation-cache")
     assert ours.stdout.split() == [path, "True", path], ours.stderr
+
+
+@pytest.mark.parametrize("jaxlib, cache_dir, turned_off", [
+    ((0, 12, 0, 1), "/cache", False), ((0, 12, 1), "/cache", True), ((0, 13, 0), "/cache", True),
+    ((0, 12, 1), None, False)])
+def test_cpu_processes_compile_afresh_where_jaxlib_cannot_run_a_cached_program(
+        monkeypatch, capsys, jaxlib, cache_dir, turned_off):
+    """A multi-process CPU run under jaxlib 0.12.1 hangs on its first step when the program comes
+    from the persistent cache (tests/e2e/test_multiprocess.py's resumed runs read it): there the
+    trainer turns the cache off, with one line; elsewhere it leaves the user's cache alone."""
+    updates = {}
+
+    class Config:
+        jax_compilation_cache_dir = cache_dir
+        jax_enable_compilation_cache = True
+
+        def update(self, name, value):
+            updates[name] = value
+
+    monkeypatch.setattr(runtime, "_jaxlib_version", lambda: jaxlib)
+    runtime._compile_cpu_programs_afresh(SimpleNamespace(config=Config(), process_index=lambda: 0))
+    assert updates == ({"jax_enable_compilation_cache": False} if turned_off else {})
+    out = capsys.readouterr().out  # stdout, as the GPU defaults' line: stderr is for errors
+    assert (out.count("\n") == 1 and "compilation cache off" in out) if turned_off else not out
+
+
+def test_the_cuda_13_plugin_is_installed_where_jaxlibs_cuda_12_one_is_not_published(
+        monkeypatch, tmp_path):
+    """A jaxlib release can reach the registry before its CUDA 12 plugin: the GPU compile then
+    installs the CUDA 13 plugin and its cuDNN; a failure of another kind stops at once."""
+    from train.tools import aot
+
+    monkeypatch.setenv("BASP_GPU_COMPILE_DIR", str(tmp_path))
+    monkeypatch.setattr(aot, "_check_platform", lambda: None)
+    calls = []
+
+    def pip(cmd, **kwargs):
+        calls.append([c for c in cmd if c.startswith(("jax-", "nvidia-"))])
+        if "cuda12" in calls[-1][0]:
+            return SimpleNamespace(returncode=1, stdout="", stderr="ERROR: No matching "
+                                   "distribution found for jax-cuda12-plugin")
+        return SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    def full_disk(cmd, **kwargs):
+        calls.append(cmd)
+        return SimpleNamespace(returncode=1, stdout="", stderr="ERROR: No space left on device")
+
+    monkeypatch.setattr(aot.subprocess, "run", pip)
+    assert aot.install_plugin() == aot.plugin_dir()
+    assert [c[0].split("==")[0] for c in calls] == ["jax-cuda12-plugin", "jax-cuda13-plugin"]
+    assert calls[1][2].startswith("nvidia-cudnn-cu13")
+    calls.clear()
+    monkeypatch.setattr(aot.subprocess, "run", full_disk)
+    with pytest.raises(aot.AotError, match="pip could not install jax-cuda12-plugin"):
+        aot.install_plugin()
+    assert len(calls) == 1
 
 
 def test_the_test_setup_installs_the_cuda_plugin_only_where_jax_ships_it(monkeypatch, capsys):

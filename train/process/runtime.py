@@ -39,6 +39,7 @@ MIN_DRIVER = {"cuda13": 580, "cuda12": 525}
 JAX_DEFAULT_HEARTBEAT_S = 100  # jax.distributed.initialize's heartbeat_timeout_seconds default
 JAX_DEFAULT_INIT_S = 300  # and its initialization_timeout default
 JOIN_BACKSTOP_S = 30  # JAX's own join deadline comes this long after join_deadline's
+CPU_CACHE_HANGS_FROM = (0, 12, 1)  # see _compile_cpu_programs_afresh
 
 
 def _want_distributed(cfg: Config) -> bool:
@@ -103,6 +104,9 @@ def configure(cfg: Config) -> None:
                 "runtime.distributed.coordinator, num_processes and process_id (or "
                 "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID), run under SLURM or "
                 "Open MPI, or set runtime.distributed.enabled=false") from None
+    if jax.distributed.is_initialized() and jax.process_count() > 1 \
+            and jax.devices()[0].platform == "cpu":
+        _compile_cpu_programs_afresh(jax)
     if platform == "gpu":
         try:
             on_gpu = jax.devices()[0].platform == "gpu"
@@ -115,6 +119,26 @@ def configure(cfg: Config) -> None:
         cache = gpu_defaults.enable_compilation_cache()
         if jax.process_index() == 0:
             print(gpu_defaults.describe(*settings, *cache), flush=True)
+
+
+def _compile_cpu_programs_afresh(jax) -> None:
+    """Turn the persistent compilation cache off for a multi-process CPU run where jaxlib cannot
+    run what it reads back: from jaxlib 0.12.1 (0.12.0.1 reads it fine) the CPU client runs a
+    cached program without the processes' gloo collectives, and the first step waits forever."""
+    if not (jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache):
+        return
+    if _jaxlib_version() < CPU_CACHE_HANGS_FROM:
+        return
+    jax.config.update("jax_enable_compilation_cache", False)
+    if jax.process_index() == 0:
+        print(f"compilation cache off: jaxlib {'.'.join(map(str, _jaxlib_version()))} cannot run a "
+              "cached program across CPU processes; each run compiles its own", flush=True)
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+    from jaxlib import version
+
+    return tuple(int(part) for part in re.findall(r"\d+", version.__version__)[:4])
 
 
 def jax_heartbeat_timeout_s(peer_timeout_s: float) -> int:

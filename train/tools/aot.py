@@ -12,9 +12,9 @@ kernels, collectives, compile time.
 The step is built by the trainer's own code (train.program.state: layout, model, optimizer, shardings)
 from shapes alone: no weights, no data and nothing under run.dir are read or written. XLA compiles
 it through JAX's CUDA plugin for a deviceless topology of `hosts x gpus-per-host` GPUs described by
-basp_jax.gpus. The plugin is either installed in this environment (jax[cuda12] on a GPU host) or
-installed by --install into a folder beside this environment, which only this command puts on
-its path (so `import jax` elsewhere stays quiet on CPU-only machines).
+basp_jax.gpus. The plugin is either installed in this environment (jax[cuda12] or jax[cuda13] on
+a GPU host) or installed by --install into a folder beside this environment, which only this
+command puts on its path (so `import jax` elsewhere stays quiet on CPU-only machines).
 
 Exit status: 0, the step fits; 1, it compiled but does not fit in the memory JAX may take (the
 report's last line says what would), or XLA could not compile it for this GPU (one line on stderr
@@ -38,7 +38,10 @@ import tempfile
 
 USAGE = ("python -m train.tools.aot --config CONFIG.yaml --target GPU --hosts N --gpus-per-host M "
          "[key.sub=value ...] [--json OUT.json] [--hlo OUT.hlo]")
-CUDNN_REQUIREMENT = "nvidia-cudnn-cu12>=9.8,<10"
+# JAX's CUDA plugins, tried in this order for the installed jaxlib: a jaxlib release sometimes
+# reaches the registry before one of them (the cuDNN wheel is the one built for that CUDA).
+PLUGIN_FLAVOURS = (("cuda12", "nvidia-cudnn-cu12>=9.8,<10"),
+                   ("cuda13", "nvidia-cudnn-cu13>=9.8,<10"))
 GiB = 2**30
 
 
@@ -119,24 +122,32 @@ def plugin_ready() -> bool:
 
 def install_plugin() -> str:
     """pip-install the CUDA plugin matching this jaxlib, and cuDNN (for fused attention), into
-    plugin_dir(). Only the three packages: no CUDA runtime libraries are needed to compile."""
+    plugin_dir(): the CUDA 12 one, else the CUDA 13 one where only that is published for this
+    jaxlib. Only the three packages: no CUDA runtime libraries are needed to compile."""
     _check_platform()
     version = _jaxlib_version()
     target = plugin_dir()
-    packages = [f"jax-cuda12-plugin=={version}", f"jax-cuda12-pjrt=={version}", CUDNN_REQUIREMENT]
     os.makedirs(os.path.dirname(target), exist_ok=True)
     # Two installs at once (parallel test workers, two shells) would interleave pip's writes into
     # one folder: the second waits for the first, then installs over a complete copy.
     with open(target + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        print(f"installing {', '.join(packages)} into {target}", flush=True)
-        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade",
-               "--target", target, *packages]
-        done = subprocess.run(cmd)
-    if done.returncode:
-        raise AotError(f"pip could not install {' '.join(packages)} (exit {done.returncode}); "
-                       "see its output above")
-    return target
+        tried = []
+        for flavour, cudnn in PLUGIN_FLAVOURS:
+            packages = [f"jax-{flavour}-plugin=={version}", f"jax-{flavour}-pjrt=={version}", cudnn]
+            print(f"installing {', '.join(packages)} into {target}", flush=True)
+            cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade",
+                   "--target", target, *packages]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if not done.returncode:
+                return target
+            tried.append(f"{' '.join(packages)} (exit {done.returncode})")
+            if "No matching distribution" not in done.stderr:
+                break  # a failure other than "not published": the next flavour would not help
+            print(f"jax-{flavour}-plugin=={version} is not published; trying the next CUDA",
+                  flush=True)
+    sys.stderr.write(done.stdout + done.stderr)
+    raise AotError(f"pip could not install {'; nor '.join(tried)}; see its output above")
 
 
 def use_plugin() -> None:
@@ -168,8 +179,8 @@ def _add_plugin_folder() -> None:
     if not os.path.isdir(os.path.join(folder, "jax_plugins")):
         raise AotError(
             f"JAX's CUDA plugin is not installed (looked in this environment and {folder}); run "
-            f"`python -m train.tools.aot --install` once (jax-cuda12-plugin/pjrt=={_jaxlib_version()} "
-            "and cuDNN, about 1.5 GB), or pip install \"jax[cuda12]\"")
+            f"`python -m train.tools.aot --install` once (jax-cuda12-plugin/pjrt=={_jaxlib_version()}, "
+            "or the cuda13 ones, and cuDNN: about 1.5 GB), or pip install \"jax[cuda12]\"")
     sys.path.insert(0, folder)
 
 
