@@ -397,7 +397,8 @@ def predict(
     hw: Hardware,
     grad_accum: int = 1,
     act_bytes: int = 2,
-    param_bytes: int = 2,
+    param_bytes: int | None = None,
+    sum_bytes: int | None = None,
     overlap: float = 0.0,
     remat: str = "full",
     master_bytes: int = 4,
@@ -410,7 +411,10 @@ def predict(
     pad rows, its devices per host) under a parameter sharding strategy, on `hw`'s links. With
     offload_state the master weights and moments live in host memory and stream through the
     device a layer at a time (train.program.streamed: remat is then "offload" whatever it says). fp8:
-    the layers' projections run at hw's FP8 peak (model.fp8)."""
+    the layers' projections run at hw's FP8 peak (model.fp8). act_bytes: the compute dtype's;
+    param_bytes: the gathered weights' and their gradients' (None: act_bytes, as the layers
+    compute in it); sum_bytes: the hosts' gradient sums' where they cross hosts once a step
+    (None: param_bytes; 4 under float16 compute, train.program.per_group)."""
     if offload_state:
         remat = "offload"
     q_heads, kv_heads = layout.exchanged_heads
@@ -421,9 +425,11 @@ def predict(
         a2a = a2a + _linear_exchange_traffic(shape, layout, policy, act_bytes).scale(
             shape.linear_layers)
     a2a = a2a.scale(grad_accum)
+    param_bytes = act_bytes if param_bytes is None else param_bytes
     params = _param_traffic(shape, layout, param_sharding, grad_accum=grad_accum,
                             act_bytes=act_bytes, param_bytes=param_bytes,
-                            master_bytes=master_bytes)
+                            master_bytes=master_bytes,
+                            sum_bytes=param_bytes if sum_bytes is None else sum_bytes)
     compute_s = _compute_seconds(shape, layout, hw, grad_accum, fp8)
     a2a_s, params_s = a2a.time(hw), params.time(hw) * (1 - overlap)
     memory = memory_bytes(shape, layout.tokens_per_device, shard_group, q_heads=q_heads,
@@ -492,7 +498,8 @@ def _linear_exchange_traffic(shape: ModelShape, layout: Layout, policy: RematPol
 
 
 def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, grad_accum: int,
-                   act_bytes: int, param_bytes: int, master_bytes: int = 4) -> Traffic:
+                   act_bytes: int, param_bytes: int, master_bytes: int = 4,
+                   sum_bytes: int | None = None) -> Traffic:
     """Parameters per step: gathered forward and backward (ZeRO-3), gradients reduce-scattered,
     per microbatch; HSDP adds one cross-group all-reduce of the local shard per microbatch, host
     sharding one cross-host all-reduce of the host-local shard (per microbatch too: the step
@@ -507,7 +514,8 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
     summed across hosts) in the master dtype. Where each host keeps its gradient sum apart over
     the microbatches (basp_jax.sharding.sums_per_host: host and staged_keep with one BASP group
     per host), everything that crosses hosts does so once a step: the host-local copies
-    gathered before the microbatches, the hosts' sums reduced after them."""
+    gathered before the microbatches, the hosts' sums reduced after them, in sum_bytes a
+    parameter (float32 under float16 compute)."""
     tokens_per_device = layout.tokens_per_device
     all_params = shape.num_params * param_bytes
     strategy = PARAM_SHARDINGS.get(param_sharding)
@@ -535,9 +543,12 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
         gathered_tables = tables
     layers = all_params - tables
     once = sums_per_host(param_sharding, layout, grad_accum)  # (one microbatch: the same bytes)
+    # the hosts' sums cross in sum_bytes a parameter, the rest in param_bytes
+    summed = (sum_bytes or param_bytes) / param_bytes if once else 1.0
     per_step = Traffic()
     if staged:
-        per_step = _staged_traffic(layers, layout, strategy, grad_accum, sums_once=once)
+        per_step = _staged_traffic(layers, layout, strategy, grad_accum, sums_once=once,
+                                   sum_scale=summed)
     if staged and not staged_tables:
         per_micro = per_micro + _gathered_traffic(gathered_tables, table_group, table_share)
     elif staged:
@@ -546,7 +557,7 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
         # and their gradient back across hosts once, onto the stored 1/N shards
         hosts = max(layout.num_devices // dph, 1)
         cross = (collective_traffic("all-gather", tables / dph, hosts, 1.0)
-                 + collective_traffic("reduce-scatter", tables / dph, hosts, 1.0))
+                 + collective_traffic("reduce-scatter", tables / dph * summed, hosts, 1.0))
         if once:
             per_step = per_step + cross
         else:
@@ -557,7 +568,7 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
     else:
         per_micro = per_micro + _gathered_traffic(
             layers + gathered_tables, shard_group, _shard_share(param_sharding, layout))
-    synced = all_params
+    synced = all_params * summed
     if strategy.sync == "hosts" and not once:  # its tables' gradient crosses in the master dtype
         synced += gathered_tables * (master_bytes / param_bytes - 1)
     sync = _gradient_sync(strategy.sync, layout, synced)
@@ -581,14 +592,16 @@ def _gathered_traffic(buffer_bytes: float, group: int, remote_share: float) -> T
 
 
 def _staged_traffic(layer_bytes: float, layout: Layout, strategy: Strategy,
-                    grad_accum: int = 1, sums_once: bool = False) -> Traffic:
+                    grad_accum: int = 1, sums_once: bool = False,
+                    sum_scale: float = 1.0) -> Traffic:
     """A staged strategy's layers for one step of grad_accum microbatches (basp_jax.sharding):
     the host-local copy (1/devices per host of each layer) gathered across hosts forward, and
     again for the recomputed backward unless it is kept: on the device the step gathers it once
     for all its microbatches (train.program.step), in host memory once per microbatch; the whole
     layer gathered inside the host forward and backward; the gradient reduce-scattered inside
     the host, then its host-local shard across hosts, once per microbatch (XLA's partitioner
-    finishes each microbatch's reduction) or, with sums_once, once a step."""
+    finishes each microbatch's reduction) or, with sums_once, once a step (sum_scale: the sum's
+    bytes per the layer's, 2 for float32 sums of float16 gradients)."""
     dph = layout.devices_per_host
     hosts = max(layout.num_devices // dph, 1)
     host_copy = layer_bytes / dph
@@ -599,7 +612,7 @@ def _staged_traffic(layer_bytes: float, layout: Layout, strategy: Strategy,
     else:  # forward, and again for the recomputed backward
         gathers = 2 * grad_accum
     cross = collective_traffic("all-gather", host_copy, hosts, 1.0).scale(gathers) + \
-        collective_traffic("reduce-scatter", host_copy, hosts, 1.0).scale(
+        collective_traffic("reduce-scatter", host_copy * sum_scale, hosts, 1.0).scale(
             1 if sums_once else grad_accum)
     return cross + _gathered_traffic(layer_bytes, min(dph, layout.num_devices), 0.0).scale(
         grad_accum)

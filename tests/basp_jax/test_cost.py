@@ -460,3 +460,27 @@ def test_accumulation_counts_what_the_compiled_step_repeats():
                   for a in (1, 2, 4)]
         gradient = shape.num_params * 4 / sum_devices  # one float32 gradient sum's shard
         assert gradient < memory[1] - memory[0] < 3 * gradient and memory[2] == memory[1]
+
+
+def test_the_hosts_sums_cross_in_float32_under_float16_compute():
+    """train.program.per_group reduces the hosts' gradient sums across hosts in float32 under
+    float16 compute (a sum of scaled float16 gradients would overflow): predict counts them in
+    sum_bytes a parameter. staged_keep's sums are half of what it sends across hosts (the other
+    half: the host-local copies gathered), host sharding's all of it; where no host keeps a sum
+    (groups smaller than a host) sum_bytes changes nothing. param_bytes follows act_bytes."""
+    shape, hw = MODEL_SHAPES["llama-3.1-8b"], HARDWARE["a100-40gb"]
+    hosts_are_groups = cost.plan_layout(shape, num_devices=8, batch=2, seq_len=16384, groups=2,
+                                        devices_per_host=4)
+    smaller_groups = cost.plan_layout(shape, num_devices=8, batch=4, seq_len=8192, groups=4,
+                                      devices_per_host=4)
+
+    def inter(layout, strategy, **dtypes):
+        return predict(shape, layout, strategy, hw=hw, grad_accum=2, **dtypes).params.inter
+
+    bf16 = inter(hosts_are_groups, "staged_keep")
+    assert inter(hosts_are_groups, "staged_keep", sum_bytes=4) == pytest.approx(1.5 * bf16)
+    assert inter(hosts_are_groups, "host", sum_bytes=4) == pytest.approx(
+        2 * inter(hosts_are_groups, "host"))
+    for strategy in ("staged_keep", "host", "fsdp"):
+        assert inter(smaller_groups, strategy, sum_bytes=4) == inter(smaller_groups, strategy)
+    assert inter(hosts_are_groups, "staged_keep", act_bytes=4) == pytest.approx(2 * bf16)

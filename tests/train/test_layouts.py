@@ -105,6 +105,21 @@ def test_param_sharding_auto_prefers_staged_then_hsdp_where_they_fit(tmp_path):
     assert planning.plan(ulysses, mcfg, 8, 8)[1] == "fsdp"  # one host, one group
 
 
+def test_the_planner_is_given_the_compute_dtypes_bytes(tmp_path):
+    """The trainer's predictions count the weights, their gradients and the hosts' sums in the
+    bytes of model.dtype; under float16 the hosts' sums in float32 (train.program.per_group)."""
+    from train.program import planning
+
+    def dtype_bytes(*extra):
+        return planning.dtype_bytes(tiny_config(tmp_path / "d", *extra))
+
+    assert dtype_bytes("model.dtype=bfloat16") == {"act_bytes": 2, "sum_bytes": 2}
+    assert dtype_bytes("model.dtype=float16") == {"act_bytes": 2, "sum_bytes": 4}
+    assert dtype_bytes("model.dtype=float32") == {"act_bytes": 4, "sum_bytes": 4}
+    assert dtype_bytes("model.dtype=auto", "parallel.hardware=t4-16gb") == {
+        "act_bytes": 2, "sum_bytes": 4}  # a T4 computes in float16
+
+
 def test_auto_takes_the_papers_layout_in_the_papers_case(tmp_path):
     from train.program import planning
     from train.loop import model_config

@@ -68,8 +68,8 @@ def predicted_step_s(cfg: Config, mcfg, run_plan) -> float:
     hw = hardware(cfg, run_plan.layout.devices_per_host)
     return cost.predict(model_shape(mcfg), run_plan.layout, run_plan.strategy, hw=hw,
                         grad_accum=cfg.train.grad_accum, remat=run_plan.remat,
-                        tile_tokens=run_plan.tile_tokens, act_bytes=_act_bytes(cfg),
-                        fp8=fp8_planned(cfg), **state_bytes(cfg)).step_s
+                        tile_tokens=run_plan.tile_tokens, fp8=fp8_planned(cfg),
+                        **dtype_bytes(cfg), **state_bytes(cfg)).step_s
 
 
 def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[Layout, str]:
@@ -275,7 +275,7 @@ def memory_policy(cfg: Config, mcfg, layout: Layout, strategy: str,
             pred = cost.predict(model_shape(mcfg), layout, strategy, hw=hw, remat=remat,
                                 fp8=fp8_planned(cfg),
                                 tile_tokens=tile, grad_accum=cfg.train.grad_accum,
-                                act_bytes=_act_bytes(cfg), **state_bytes(cfg))
+                                **dtype_bytes(cfg), **state_bytes(cfg))
             if pred.memory_bytes <= hw.memory_bytes and \
                     pred.host_memory_bytes <= hw.host_memory_bytes:
                 fitting.append((pred.step_s, remat, pred.memory_bytes))
@@ -301,6 +301,14 @@ def _compute_dtype(cfg: Config) -> str:
 
 def _act_bytes(cfg: Config) -> int:
     return dtypes.nbytes(_compute_dtype(cfg))
+
+
+def dtype_bytes(cfg: Config) -> dict:
+    """basp_jax.planner.cost.predict's bytes per element: the compute dtype's (activations, the
+    gathered weights, their gradients), and the hosts' gradient sums', which cross hosts in
+    float32 under float16 compute (train.program.per_group)."""
+    compute = _act_bytes(cfg)
+    return {"act_bytes": compute, "sum_bytes": 4 if _compute_dtype(cfg) == "float16" else compute}
 
 
 def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,

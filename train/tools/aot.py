@@ -559,7 +559,8 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
 
     from ..config.schema import replace
     from ..prepare import model_config
-    from ..program.planning import fp8_planned, memory_policy, resolve_offload, state_bytes
+    from ..program.planning import (dtype_bytes, fp8_planned, memory_policy, resolve_offload,
+                                    state_bytes)
 
     devices = hosts * gpus_per_host
     cfg = replace(cfg, f"parallel.hardware={target}")
@@ -583,7 +584,7 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
         remat, tile = memory_policy(variant, mcfg, layout, sharding, gpus_per_host)
         pred = cost.predict(shape, layout, sharding, hw=hw, grad_accum=cfg.train.grad_accum,
                             remat=remat, tile_tokens=tile, fp8=fp8_planned(variant),
-                            **state_bytes(variant))
+                            **dtype_bytes(variant), **state_bytes(variant))
         r = report(variant, target, hosts, gpus_per_host)
         rows.append({"name": pred.name, "predicted_step_s": pred.step_s,
                      "formula_memory_bytes": pred.memory_bytes,
