@@ -498,8 +498,8 @@ def _linear_exchange_traffic(shape: ModelShape, layout: Layout, policy: RematPol
 
 
 def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, grad_accum: int,
-                   act_bytes: int, param_bytes: int, master_bytes: int = 4,
-                   sum_bytes: int | None = None) -> Traffic:
+                   act_bytes: int, param_bytes: int, sum_bytes: int,
+                   master_bytes: int = 4) -> Traffic:
     """Parameters per step: gathered forward and backward (ZeRO-3), gradients reduce-scattered,
     per microbatch; HSDP adds one cross-group all-reduce of the local shard per microbatch, host
     sharding one cross-host all-reduce of the host-local shard (per microbatch too: the step
@@ -544,7 +544,7 @@ def _param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gr
     layers = all_params - tables
     once = sums_per_host(param_sharding, layout, grad_accum)  # (one microbatch: the same bytes)
     # the hosts' sums cross in sum_bytes a parameter, the rest in param_bytes
-    summed = (sum_bytes or param_bytes) / param_bytes if once else 1.0
+    summed = sum_bytes / param_bytes if once else 1.0
     per_step = Traffic()
     if staged:
         per_step = _staged_traffic(layers, layout, strategy, grad_accum, sums_once=once,

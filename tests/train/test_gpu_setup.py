@@ -139,8 +139,8 @@ def test_the_compilation_cache_keeps_a_directory_the_user_chose(tmp_path):
 
 
 @pytest.mark.parametrize("jaxlib, cache_dir, turned_off", [
-    ((0, 12, 0, 1), "/cache", False), ((0, 12, 1), "/cache", True), ((0, 13, 0), "/cache", True),
-    ((0, 12, 1), None, False)])
+    ("0.12.0.1", "/cache", False), ("0.12.1", "/cache", True), ("0.13.0", "/cache", True),
+    ("0.12.1", None, False)])
 def test_cpu_processes_compile_afresh_where_jaxlib_cannot_run_a_cached_program(
         monkeypatch, capsys, jaxlib, cache_dir, turned_off):
     """A multi-process CPU run under jaxlib 0.12.1 hangs on its first step when the program comes

@@ -127,18 +127,19 @@ def _compile_cpu_programs_afresh(jax) -> None:
     cached program without the processes' gloo collectives, and the first step waits forever."""
     if not (jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache):
         return
-    if _jaxlib_version() < CPU_CACHE_HANGS_FROM:
+    version = _jaxlib_version()
+    if tuple(int(part) for part in re.findall(r"\d+", version)[:4]) < CPU_CACHE_HANGS_FROM:
         return
     jax.config.update("jax_enable_compilation_cache", False)
     if jax.process_index() == 0:
-        print(f"compilation cache off: jaxlib {'.'.join(map(str, _jaxlib_version()))} cannot run a "
-              "cached program across CPU processes; each run compiles its own", flush=True)
+        print(f"compilation cache off: jaxlib {version} cannot run a cached program across CPU "
+              "processes; each run compiles its own", flush=True)
 
 
-def _jaxlib_version() -> tuple[int, ...]:
+def _jaxlib_version() -> str:
     from jaxlib import version
 
-    return tuple(int(part) for part in re.findall(r"\d+", version.__version__)[:4])
+    return version.__version__
 
 
 def jax_heartbeat_timeout_s(peer_timeout_s: float) -> int:
