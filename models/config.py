@@ -496,6 +496,17 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
         tie_word_embeddings=True, max_position_embeddings=4096, model_type="llama",
     ),
+    # The Qwen3.5 hybrid at tiny's size, for tests and trying the hybrid on a CPU: 4 layers (3
+    # Gated DeltaNet + 1 gated attention), 8 value heads so sp in {1, 2, 4, 8} all work.
+    "tiny-qwen3.5": ModelConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=8,
+        num_kv_heads=2, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, max_position_embeddings=4096, model_type="qwen3_5_text",
+        qk_norm=True, layer_types=(LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,),
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
+        attention_output_gate=True, rms_norm_zero_centered=True,
+    ),
 }
 
 

@@ -116,6 +116,39 @@ def _chunks(x, chunk, pad):
     return x.reshape(*x.shape[:2], -1, chunk, *x.shape[3:])
 
 
+def _diagonal_blocks(x, size):
+    """[..., n, n] -> [..., n // size, size, size]: the blocks of `size` on x's diagonal."""
+    count = x.shape[-1] // size
+    blocks = x.reshape(*x.shape[:-2], count, size, count, size)
+    return jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)
+
+
+def unit_lower_inverse(system: jax.Array) -> jax.Array:
+    """The inverse of unit-lower-triangular matrices [..., n, n], in matrix products only.
+
+    Blocked forward substitution, bottom up: with the inverses of the two diagonal halves A and D
+    of a block [[A, 0], [C, D]] known, its inverse is [[A^-1, 0], [-D^-1 C A^-1, D^-1]]; log2(n)
+    levels of batched products. It replaces LAPACK's triangular solve, whose batched CPU kernel
+    waits forever on a pool thread when several emulated CPU devices run it at once, and which
+    runs as many tiny solves on a GPU. n is padded to a power of two with the identity."""
+    n = system.shape[-1]
+    size = 1 << (n - 1).bit_length()
+    if size != n:
+        widths = [(0, 0)] * (system.ndim - 2) + [(0, size - n), (0, size - n)]
+        system = jnp.pad(system, widths) + jnp.diag(jnp.arange(size) >= n).astype(system.dtype)
+    inverses = jnp.ones((*system.shape[:-2], size, 1, 1), system.dtype)  # unit diagonal
+    half = 1
+    while half < size:
+        lower = _diagonal_blocks(system, 2 * half)[..., half:, :half]  # C of each pair
+        first, second = inverses[..., 0::2, :, :], inverses[..., 1::2, :, :]  # A^-1, D^-1
+        corner = -(second @ lower @ first)
+        top = jnp.concatenate([first, jnp.zeros_like(first)], axis=-1)
+        bottom = jnp.concatenate([corner, second], axis=-1)
+        inverses = jnp.concatenate([top, bottom], axis=-2)
+        half *= 2
+    return inverses[..., 0, :n, :n]
+
+
 def gated_delta_rule_chunked(q, k, v, g, beta, starts, chunk: int = CHUNK):
     """gated_delta_rule_recurrent computed a chunk of tokens at a time (same arguments).
 
@@ -143,10 +176,9 @@ def gated_delta_rule_chunked(q, k, v, g, beta, starts, chunk: int = CHUNK):
 
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     interactions = jnp.einsum("...id,...jd->...ij", k_beta, k) * decay
-    system = jnp.tril(interactions, -1) + jnp.eye(chunk, dtype=jnp.float32)
-    new_values = jax.scipy.linalg.solve_triangular(system, v_beta, lower=True, unit_diagonal=True)
-    k_read = jax.scipy.linalg.solve_triangular(system, k_beta * from_start[..., None], lower=True,
-                                               unit_diagonal=True)
+    inverse = unit_lower_inverse(jnp.tril(interactions, -1) + jnp.eye(chunk, dtype=jnp.float32))
+    new_values = inverse @ v_beta
+    k_read = inverse @ (k_beta * from_start[..., None])
     attn = jnp.einsum("...id,...jd->...ij", q, k) * decay
     q_read = q * from_start[..., None]
     k_write = k * to_end[..., None]
