@@ -8,7 +8,7 @@ Each process runs `train.py` (train.cli.main) with two wrappers and nothing else
 compiled train step records when each step is dispatched and how long the call takes, and
 jax.device_get how long the host blocks on the devices; a watcher thread records when each step's
 outputs are ready. Per step (medians over the steps after the first few, checkpoint steps
-excluded):
+excluded; the period of the steps a checkpoint follows apart, as "save period"):
 
     period      time between consecutive dispatches (the loop's step time, host gaps included)
     device      from the step's start (its dispatch, or the previous step's end) to its end
@@ -108,9 +108,10 @@ def worker(args) -> None:
         time.sleep(0.01)
 
     every = args.checkpoint_every
-    periods, host, idle, device = [], [], [], []
+    periods, host, idle, device, saving = [], [], [], [], []
     for i in range(args.skip, len(dispatches) - 1):
         if every and (i + 1) % every == 0:  # a checkpoint follows step i + 1
+            saving.append(dispatches[i + 1] - dispatches[i])
             continue
         a, b = dispatches[i], dispatches[i + 1]
         blocked = sum(d for t0, d in waits if a <= t0 < b)
@@ -122,7 +123,9 @@ def worker(args) -> None:
            "steps": len(periods), "period_ms": 1e3 * statistics.median(periods),
            "device_ms": 1e3 * statistics.median(device),
            "idle_ms": 1e3 * statistics.median(idle), "idle_mean_ms": 1e3 * statistics.mean(idle),
-           "host_work_ms": 1e3 * statistics.median(host)}
+           "host_work_ms": 1e3 * statistics.median(host),
+           # the period of a step a checkpoint follows (its save's synchronous part included)
+           "save_period_ms": 1e3 * statistics.median(saving) if saving else None}
     print("HOST_STALL " + json.dumps(row), flush=True)
 
 
@@ -174,10 +177,13 @@ def main() -> None:
         for r in rows:
             r["losses_sha256"] = digest
     print(f"{'process':>7} {'steps':>5} {'period ms':>10} {'device ms':>10} {'idle ms':>8} "
-          f"{'idle mean':>10} {'host work ms':>13}")
+          f"{'idle mean':>10} {'host work ms':>13} {'save period ms':>15}")
     for r in rows:
+        save = "-" if r["save_period_ms"] is None else \
+            f"{r['save_period_ms']:.2f} ({r['save_period_ms'] / r['period_ms']:.2f}x)"
         print(f"{r['process']:>7} {r['steps']:>5} {r['period_ms']:>10.2f} {r['device_ms']:>10.2f} "
-              f"{r['idle_ms']:>8.2f} {r['idle_mean_ms']:>10.2f} {r['host_work_ms']:>13.2f}")
+              f"{r['idle_ms']:>8.2f} {r['idle_mean_ms']:>10.2f} {r['host_work_ms']:>13.2f} "
+              f"{save:>15}")
     print(f"{len(losses)} losses, {losses[0]:.6f} -> {losses[-1]:.6f}, sha256 {digest}")
     print(json.dumps(rows))
     if args.json:

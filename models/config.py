@@ -48,33 +48,33 @@ class ModelError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float = 10000.0
+    vocab_size: int  # tokens in the vocabulary (the embedding's rows)
+    hidden_size: int  # the model width d
+    intermediate_size: int  # the SwiGLU MLP's inner width
+    num_layers: int  # decoder layers
+    num_heads: int  # query heads of an attention layer
+    num_kv_heads: int  # key/value heads (grouped-query attention); divide num_heads
+    head_dim: int  # channels per attention head (even)
+    rope_theta: float = 10000.0  # RoPE base
     rope_scaling: dict | None = None  # {'rope_type': 'llama3', 'factor': ..., ...} or None
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
+    rms_norm_eps: float = 1e-5  # RMSNorm epsilon
+    tie_word_embeddings: bool = False  # the LM head is the embedding table
     attention_bias: bool = False  # bias on q/k/v projections
     attention_out_bias: bool = False  # bias on o_proj (llama/qwen3 attention_bias=True only)
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
-    max_position_embeddings: int = 8192
-    model_type: str = "llama"
-    initializer_range: float = 0.02
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    # Hybrid models (Qwen3.5): each layer's token mixer, FULL_ATTENTION or LINEAR_ATTENTION
-    # (None: every layer full attention), and the Gated DeltaNet shapes of the linear layers.
+    max_position_embeddings: int = 8192  # the context it was trained for (recorded in exports)
+    model_type: str = "llama"  # llama, qwen2, qwen3 or qwen3_5_text (the Qwen3.5 hybrid)
+    initializer_range: float = 0.02  # standard deviation of the initial weights
+    bos_token_id: int | None = None  # beginning-of-sequence id (exports, generation)
+    eos_token_id: int | list[int] | None = None  # end-of-sequence id(s) (exports, generation)
+    # the hybrid's (Qwen3.5) token mixer per layer, a list of linear_attention / full_attention
+    # (null: every layer full attention); the linear_* fields shape its Gated DeltaNet layers
     layer_types: tuple[str, ...] | None = None
-    linear_num_key_heads: int = 0
-    linear_num_value_heads: int = 0
-    linear_key_head_dim: int = 0
-    linear_value_head_dim: int = 0
-    linear_conv_kernel_dim: int = 4
+    linear_num_key_heads: int = 0  # Gated DeltaNet query/key heads
+    linear_num_value_heads: int = 0  # Gated DeltaNet value heads (a multiple of its key heads)
+    linear_key_head_dim: int = 0  # channels per Gated DeltaNet query/key head
+    linear_value_head_dim: int = 0  # channels per Gated DeltaNet value head
+    linear_conv_kernel_dim: int = 4  # width of the Gated DeltaNet's causal depthwise conv
     partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * this channels of a head
     attention_output_gate: bool = False  # attention output * sigmoid(gate); q_proj emits the gate
     rms_norm_zero_centered: bool = False  # RMSNorm scales by (1 + weight), weight stored centred
@@ -134,6 +134,7 @@ class ModelConfig:
                 f"even, non-zero number of rotated channels of head_dim={self.head_dim}")
         if self.layer_types is None:
             return
+        _check_layer_type_names(self.layer_types)
         if not isinstance(self.layer_types, tuple):  # frozen and hashed: stored as a tuple
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if len(self.layer_types) != self.num_layers:
@@ -301,6 +302,17 @@ def float32(value: float) -> float:
         return struct.unpack("f", struct.pack("f", value))[0]
     except OverflowError:
         return math.copysign(math.inf, value)
+
+
+def _check_layer_type_names(value) -> None:
+    """layer_types is a list of names (a string or a number would be split or fail to hash)."""
+    allowed = f"{LINEAR_ATTENTION!r} or {FULL_ATTENTION!r}"
+    if not isinstance(value, (list, tuple)):
+        raise ModelError(f"layer_types must be a list with one entry per layer, each {allowed}, "
+                         f"got {value!r}")
+    bad = next((i for i, name in enumerate(value) if not isinstance(name, str)), None)
+    if bad is not None:
+        raise ModelError(f"layer_types[{bad}] is {value[bad]!r}; each entry must be {allowed}")
 
 
 def _check_positive(name: str, value) -> None:

@@ -6,9 +6,11 @@ resource error, or a run.dir another run owns (no traceback), detected before an
 is written to run.dir; 1 when training stops on a non-finite loss (train.on_nonfinite=stop), a
 full disk, a checkpoint save that failed or an export that could not be written (the
 checkpoints are kept); 3 when a peer process of a multi-process run fails
-(train.process.peers; when the coordinator process dies, JAX aborts the others itself: SIGABRT); 128 +
-the signal (130 for SIGINT) with one line when SIGINT/SIGTERM arrives outside the training loop
-(start-up, compilation: at once, also in the middle of XLA's compile; train.process.stop).
+(train.process.peers; when the coordinator process dies, JAX aborts the others itself: SIGABRT); 4
+when a step runs past runtime.step_timeout_s (train.process.step_watch; the checkpoints are kept);
+128 + the signal (130 for SIGINT) with one line when SIGINT/SIGTERM arrives outside the training
+loop (start-up, compilation: at once, also in the middle of XLA's compile; train.process.stop), or
+a second time while a step runs (at once, the step unfinished).
 """
 
 from __future__ import annotations

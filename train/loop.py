@@ -26,6 +26,7 @@ from .process import agreement, runtime
 from .process.lock import RunDirLock
 from .process.outputs import export_hf, write_config
 from .process.peers import PeerWatchdog
+from .process.step_watch import StepWatchdog
 from .process.stop import StopRequest
 from .observe.report import NonFiniteError, StepReport, log_start
 from .program.state import TrainState, build_state, compile_steps
@@ -47,14 +48,8 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
     except agreement.NoAnswer as e:
         raise PeerFailure(str(e)) from None
     directory = checkpoint_dir(cfg.run.dir)
-
-    def resume_advice() -> str:
-        steps = complete_steps(directory)
-        where = f"the newest checkpoint is step {steps[-1]} in {directory}" if steps else \
-            "no checkpoint was written yet"
-        return f"Rerun the same command on every host to resume ({where})."
-
-    with PeerWatchdog(cfg.runtime.distributed.peer_timeout_s, resume_advice):
+    with PeerWatchdog(cfg.runtime.distributed.peer_timeout_s, lambda: resume_advice(cfg),
+                      join_s=cfg.runtime.distributed.join_timeout_s):
         try:
             return _run(cfg, stop_at)
         except OSError as e:  # metrics.jsonl, config.yaml, the export: a full disk is one line
@@ -68,7 +63,15 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict[str, Any]:
                 raise  # e.g. out of memory: not a peer's fault
             raise PeerFailure(
                 f"a collective failed ({first}): another process has probably crashed or was "
-                f"killed; see its log. {resume_advice()}") from None
+                f"killed; see its log. {resume_advice(cfg)}") from None
+
+
+def resume_advice(cfg: Config) -> str:
+    """What to do after the run ended abnormally: rerun, from the newest checkpoint."""
+    steps = complete_steps(checkpoint_dir(cfg.run.dir))
+    where = f"the newest checkpoint is step {steps[-1]} in {checkpoint_dir(cfg.run.dir)}" \
+        if steps else "no checkpoint was written yet"
+    return f"Rerun the same command on every host to resume ({where})."
 
 
 # How a collective reports a peer that went away (gloo on CPU, NCCL on GPU, the gRPC transport).
@@ -117,8 +120,9 @@ def _train(run: Run, state: TrainState, stop_at: int | None) -> dict[str, Any]:
                                  is_writer=run.is_writer and not idle, devices=run.devices)
         report = StepReport(run, state, logger, writer, evaluator)
         with stop:  # to the end: a signal while saving or exporting waits for them
-            with jax.set_mesh(run.plan.mesh):
-                collectives = train_steps(run, state, end, report, profiler, stop)
+            with jax.set_mesh(run.plan.mesh), StepWatchdog(cfg.runtime.step_timeout_s,
+                                                           lambda: resume_advice(cfg)) as watch:
+                collectives = train_steps(run, state, end, report, profiler, stop, watch)
             stop.take_over()  # (done after the compile; here when no step ran)
             state.ckpt.wait()
             if cfg.checkpoint.export_hf and not stop.stopped:
@@ -147,25 +151,26 @@ def export(run: Run, state: TrainState, log) -> None:
 
 
 def train_steps(run: Run, state: TrainState, end: int, report: StepReport, profiler,
-                stop: StopRequest) -> list:
+                stop: StopRequest, watch: StepWatchdog) -> list:
     """Steps state.start .. end - 1, advancing its params and opt_state; returns the compiled
     (static layout's) step's collectives (none when no step ran). Step k's metrics are read after
-    step k + 1 is dispatched, so the host's work overlaps the devices' (except before a save or
-    a stop). Under parallel.mode=adaptive each step runs the program of the layout its batch was
-    packed for (train.data.batches); between steps the parameters and optimizer state are placed as
-    the static layout's program takes them, so evaluation, checkpoints and the export see one
-    placement, and a switch only relabels them (basp_jax.adaptive.relabel: nothing is copied)."""
+    step k + 1 is dispatched, so the host's work overlaps the devices' (except before a save, an
+    evaluation or a stop). Under parallel.mode=adaptive each step runs the program of the layout
+    its batch was packed for (train.data.batches); between steps the parameters and optimizer
+    state are placed as the static layout's program takes them, so evaluation, checkpoints and
+    the export see one placement, and a switch only relabels them (basp_jax.adaptive.relabel:
+    nothing is copied)."""
     if state.start >= end:
         return []
     batches = for_run(run.data, state.programs)
     try:
-        return _steps(run, state, end, report, profiler, stop, batches)
+        return _steps(run, state, end, report, profiler, stop, watch, batches)
     finally:
         batches.close()
 
 
 def _steps(run: Run, state: TrainState, end: int, report: StepReport, profiler,
-           stop: StopRequest, batches) -> list:
+           stop: StopRequest, watch: StepWatchdog, batches) -> list:
     cfg, ckpt = run.cfg, state.ckpt
     evaluator, log = report.evaluator, report.logger.message
     # each call hands over a batch built in the background and starts the next one's
@@ -173,6 +178,7 @@ def _steps(run: Run, state: TrainState, end: int, report: StepReport, profiler,
     compiled, collectives = compile_steps(cfg, state, run.devices, log,
                                           record_dir=run.run_dir if run.is_writer else None)
     report.describe_layouts(state.programs, collectives)
+    watch.progress()  # compiled: from here on a step that never ends is noticed
     stop.take_over()  # until now a signal ended the process at once (train.process.stop)
     # placed once, then the step returns the next one: a device_put per step would be a
     # cross-process check (assert_equal) in multi-process runs
@@ -199,24 +205,28 @@ def _steps(run: Run, state: TrainState, end: int, report: StepReport, profiler,
             metrics["layout"] = index  # (a host int: report.finish names the layout)
         step_arr = metrics.pop("next_step")
         profiler.after_step(done, (state.params, state.opt_state))
-        # dispatched before the next step, which takes (donates) these parameters
-        evaluation = evaluator.start(state.params) if evaluator.due(done) else None
+        # run by report.finish once this step's end is seen, before the next step takes
+        # (donates) these parameters: its compile and run are in no step's time
+        evaluation = evaluator.due(done)
         if pending is not None:  # read step k's metrics while step k+1 runs
             last_end = report.finish(*pending, last_end)
+            watch.progress(step=pending[0] + 1)
             pending = None
         last = done == end
         if not last:  # build the next batch while the device runs this step
             index, batch = batches.get(done, prefetch=done + 1 < end)
         stopping = stop.agree_at_end() if last else stop.should_stop(done)
         force = stopping or (last and (cfg.checkpoint.save_final or done < cfg.train.steps))
-        if not (last or force or ckpt.due(done)):
+        if not (last or force or evaluation or ckpt.due(done)):
             pending = (step, metrics, evaluation)
             continue
-        # the last step, a checkpoint or a stop: this step's metrics first (a non-finite step
-        # under on_nonfinite=stop is never saved), then its state, before the next dispatch
-        # takes (donates) it
+        # the last step, an evaluation, a checkpoint or a stop: this step's metrics first (a
+        # non-finite step under on_nonfinite=stop is never saved), then its state, before the
+        # next dispatch takes (donates) it
         last_end = report.finish(step, metrics, evaluation, last_end)
+        watch.progress(step=done)
         save_checkpoint(run, state, done, force)
+        watch.progress()
         if stopping and not last:
             log(f"received {stop.requested or 'a stop signal on another process'}: finished step "
                 f"{done} and saved a checkpoint; run the same command again to resume")

@@ -53,10 +53,12 @@ def test_two_processes_take_the_adaptive_layouts_of_one(tmp_path):
     assert (run_dir / "checkpoints" / "3").is_dir()
 
 
-def _launch(run_dir, *extra, per_process=((), ()), pids=(0, 1)) -> list[subprocess.Popen]:
+def _launch(run_dir, *extra, per_process=((), ()), pids=(0, 1),
+            port: int | None = None) -> list[subprocess.Popen]:
     """Processes 0 and 1 (or those of `pids`) of a 2 x 4-device run (jax.distributed on
-    localhost, gloo) with `extra` overrides, and per_process[i] for process i alone."""
-    port = _free_port()
+    localhost, gloo, the coordinator on `port` or a free one) with `extra` overrides, and
+    per_process[i] for process i alone."""
+    port = port or _free_port()
     env = cache_env(dict(os.environ, JAX_PLATFORMS="cpu"))
     env["XLA_FLAGS"] = TEST_XLA_FLAGS  # tests/helpers/flags.py; the device count is the run's
     procs = []
@@ -293,18 +295,18 @@ def test_processes_given_different_configs_all_stop_before_compiling(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["peer never starts", "two process 0s"])
-def test_a_run_that_cannot_assemble_ends_after_peer_timeout_s_in_one_line(tmp_path, case):
+def test_a_run_that_cannot_assemble_ends_after_join_timeout_s_in_one_line(tmp_path, case):
     """jax.distributed.initialize waits for every process (JAX's default: 300 s, then an abort
     with a C++ stack trace): a peer that never starts, or a process_id given twice, ends each
-    process after peer_timeout_s with one line (3: a peer is missing), or at once where the
+    process after join_timeout_s with one line (3: a peer is missing), or at once where the
     second process 0 finds the coordinator's port taken (2)."""
     timeout = 4
     start = time.monotonic()
     if case == "peer never starts":
-        procs = _launch(tmp_path / "run", f"runtime.distributed.peer_timeout_s={timeout}",
+        procs = _launch(tmp_path / "run", f"runtime.distributed.join_timeout_s={timeout}",
                         pids=(0,))
     else:
-        procs = _launch(tmp_path / "run", f"runtime.distributed.peer_timeout_s={timeout}",
+        procs = _launch(tmp_path / "run", f"runtime.distributed.join_timeout_s={timeout}",
                         per_process=((), ("runtime.distributed.process_id=0",)))
     errs = _errors(procs, timeout=120)
     elapsed = time.monotonic() - start
@@ -312,10 +314,10 @@ def test_a_run_that_cannot_assemble_ends_after_peer_timeout_s_in_one_line(tmp_pa
         line = _one_line(err)  # (no C++ stack trace)
         assert p.returncode in (2, 3), err[-3000:]
         if p.returncode == 3:
-            assert line.startswith("error: peer: ") and "peer_timeout_s" in line, line
+            assert line.startswith("error: peer: ") and "join_timeout_s" in line, line
         else:
             assert line.startswith("error: config: ") and "process_id" in line, line
-    # start-up (imports, on a loaded machine) + peer_timeout_s; JAX's own wait is 300 s
+    # start-up (imports, on a loaded machine) + join_timeout_s; JAX's own wait is 300 s
     assert elapsed < 100, elapsed
     assert not (tmp_path / "run").exists()
 
@@ -329,8 +331,42 @@ def test_jax_heartbeat_is_a_backstop_behind_the_peer_watch():
 
 
 def test_jax_join_timeout_is_a_backstop_behind_ours():
-    from train.process.runtime import JAX_DEFAULT_INIT_S, jax_initialization_timeout_s
+    from train.process.runtime import jax_initialization_timeout_s
 
-    assert jax_initialization_timeout_s(0) == JAX_DEFAULT_INIT_S  # our deadline off: JAX's
     assert 4 < jax_initialization_timeout_s(4.0) < 60  # after ours, long before JAX's 300 s
     assert jax_initialization_timeout_s(600.0) > 600
+
+
+def test_joining_waits_for_late_peers_longer_than_a_silent_peer_is_tolerated_mid_run():
+    """Processes a scheduler starts tens of seconds apart are not dead peers: the join (ours and
+    JAX's), the start-up agreement and the watch of a peer that has not beaten yet follow
+    join_timeout_s (JAX's own default), not peer_timeout_s; a peer silent mid-run is still
+    caught after peer_timeout_s."""
+    from train.config.schema import DistributedConfig
+    from train.process.peers import PeerWatchdog
+    from train.process.runtime import JAX_DEFAULT_INIT_S, jax_initialization_timeout_s
+
+    dist = DistributedConfig()
+    assert dist.join_timeout_s == JAX_DEFAULT_INIT_S and dist.peer_timeout_s == 30
+    assert jax_initialization_timeout_s(dist.join_timeout_s) > dist.join_timeout_s
+    watch = PeerWatchdog(dist.peer_timeout_s, str, join_s=dist.join_timeout_s)
+    assert watch.startup_grace_s == dist.join_timeout_s and watch.timeout_s == 30
+    assert PeerWatchdog(30, str).startup_grace_s == 120  # the first compile, without join_s
+
+
+@pytest.mark.slow
+def test_processes_started_45_s_apart_train_under_the_default_timeouts(tmp_path):
+    """Process 1 starts 45 s after process 0 (a scheduler, a container, CUDA start-up), longer
+    than peer_timeout_s (30 s): process 0 waits for it at the join, and both train."""
+    run_dir, port = tmp_path / "run", _free_port()
+    procs = _launch(run_dir, "train.steps=2", pids=(0,), port=port)
+    try:
+        time.sleep(45)
+        assert procs[0].poll() is None, procs[0].communicate()[1][-3000:]
+        procs += _launch(run_dir, "train.steps=2", pids=(1,), port=port)
+        outputs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        _kill_leftovers(procs)
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2

@@ -104,4 +104,69 @@ def test_a_process_that_publishes_nothing_is_one_line_after_the_timeout(tmp_path
     store = Store()
     with pytest.raises(agreement.NoAnswer) as e:
         agreement.agree(store, "t", 0, 2, _description(tmp_path, 0), timeout=0.3)
-    assert "process 1 of 2" in str(e.value) and "peer_timeout_s" in str(e.value)
+    assert "process 1 of 2" in str(e.value) and "join_timeout_s" in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """Hugging Face directories of the tiny preset: a (seed 0), b (a's copy elsewhere) and c
+    (other weights of the same shape: seed 1)."""
+    import models
+
+    root = tmp_path_factory.mktemp("hf")
+    config = models.ModelConfig.preset("tiny")
+    for name, seed in (("a", 0), ("c", 1)):
+        models.save_pretrained(models.init_model(config, seed=seed), str(root / name))
+    shutil.copytree(root / "a", root / "b")
+    return root
+
+
+def test_hf_fingerprint_is_the_directory_contents_not_its_path(hf_dirs, tmp_path):
+    """Equal for a copy (other files in the directory aside); another byte in a sampled block of
+    the weights, a file of another size or other weights of the same shape differ."""
+    from train.config.fingerprint import hf_fingerprint
+
+    a = hf_fingerprint(str(hf_dirs / "a"))
+    assert a["files"] == 2 and a["bytes"] > 1 << 20  # config.json, model.safetensors
+    shutil.copytree(hf_dirs / "a", tmp_path / "copy")
+    (tmp_path / "copy" / "README.md").write_text("notes")  # not read by a run
+    assert hf_fingerprint(str(tmp_path / "copy")) == a
+    assert hf_fingerprint(str(hf_dirs / "c")) != a
+    weights = tmp_path / "copy" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # the last block is always sampled
+    weights.write_bytes(bytes(data))
+    assert hf_fingerprint(str(tmp_path / "copy")) != a
+    weights.write_bytes(bytes(data[:-1]) + bytes([data[-1] ^ 1, 0]))  # one byte longer
+    assert hf_fingerprint(str(tmp_path / "copy")) != a
+    # config only (model.load_weights=false): the weights are not compared
+    assert hf_fingerprint(str(hf_dirs / "c"), weights=False) == \
+        hf_fingerprint(str(hf_dirs / "a"), weights=False)
+
+
+def _hf_description(tmp_path, pid: int, hf, *overrides: str) -> dict:
+    return _description(tmp_path, pid, "model.preset=null", "model.shape={}",
+                        f"model.hf_path={hf}", *overrides)
+
+
+def test_model_hf_path_compares_by_contents_not_by_path(hf_dirs, tmp_path):
+    """A stale copy of the model on one host (the same path and shape, other weights) stops
+    every process with one line naming model.hf_path; a copy on another path agrees, and so do
+    other weights when only the config is read (model.load_weights=false)."""
+    a, b, c = (hf_dirs / name for name in "abc")
+    assert _agree_all([_hf_description(tmp_path, 0, a), _hf_description(tmp_path, 1, b)]) \
+        == [None, None]
+    shared = tmp_path / "hf"  # one path, as each host sees it
+    shutil.copytree(a, shared)
+    first = _hf_description(tmp_path, 0, shared)
+    shutil.rmtree(shared)
+    shutil.copytree(c, shared)
+    found = _agree_all([first, _hf_description(tmp_path, 1, shared)])
+    for e in found:
+        assert isinstance(e, ConfigError), found
+        text = str(e)
+        assert "\n" not in text and "model.hf_path: a Hugging Face directory of 2 files" in text
+        assert "in process 0" in text and "in process 1" in text, text
+    config_only = [_hf_description(tmp_path, p, d, "model.load_weights=false")
+                   for p, d in ((0, a), (1, c))]
+    assert _agree_all(config_only) == [None, None]

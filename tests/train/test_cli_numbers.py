@@ -60,6 +60,8 @@ TRAIN_CASES = [
      "error: config: data.seq_len must be at most 2147483647"),
     ("peer timeout 1e300", ["runtime.distributed.peer_timeout_s=1e300"],
      "runtime.distributed.peer_timeout_s must be 0 (off) or lie in [2, 604800] seconds"),
+    ("join timeout 0", ["runtime.distributed.join_timeout_s=0"],
+     "runtime.distributed.join_timeout_s must lie in [2, 604800] seconds, got 0"),
     ("num_processes 1e20", ["runtime.distributed.num_processes=100000000000000000000"],
      "runtime.distributed.num_processes must lie in [1, 1048576]"),
     ("eval batches 1e14", ["eval.every=1", "eval.batches=100000000000000"],
@@ -243,9 +245,11 @@ PLAN = ["--model", "llama-3.1-8b", "--seq", "4096", "--batch", "2", "--devices",
     (["--grad-accum", str(10**20)], "--grad-accum must be at most 1,048,576"),
     (["--memory-gb", "inf"], "--memory-gb must be a positive number of at most 1e+06"),
     (["--memory-gb", "nan"], "--memory-gb must be a positive number"),
+    (["--memory-gb", "1e-300"], "--memory-gb must be a positive number of at most 1e+06 and at "
+                                "least 0.1 (GB per device), got 1e-300"),
     (["--max-pad-rows", str(10**9)], "--max-pad-rows must be at most --devices=8"),
 ], ids=["batch 1e20 written so", "batch 1e20", "devices 1e11", "seq 1e20", "grad_accum 1e20", "memory inf", "memory nan",
-        "pad rows 1e9"])
+        "memory 1e-300", "pad rows 1e9"])
 def test_plan_refuses_huge_numbers_at_once(capsys, flags, fragment):
     _one_line(capsys, lambda: plan.main([*PLAN, *flags]), fragment=fragment)
 
@@ -283,6 +287,9 @@ GENERATE_CASES = [
     (["--max-new-tokens", str(10**12)], "--max-new-tokens must lie in [1, 1,048,576]"),
     (["--seed", str(10**30)], "--seed must lie in [0, 4294967295]"),
     (["--eos-id", "-3"], "--eos-id must be a token id in [0, 2147483647]"),
+    (["--prompt-ids", "1,,2"], "error: generate: --prompt-ids has an empty id in '1,,2'; write one "
+                               "integer between each two commas, e.g. 1,2,3"),
+    (["--prompt-ids", "1,2,"], "--prompt-ids has an empty id in '1,2,'"),
 ]
 
 
@@ -311,6 +318,10 @@ def test_generate_refuses_prompt_ids_numpy_cannot_hold(tmp_path, capsys):
     argv = ["--hf_path", str(tmp_path), "--prompt-ids", f"1,{10**30}"]
     _one_line(capsys, lambda: generate.main(argv),
               fragment="error: generate: --prompt-ids must be token ids in [0, 2147483647], got 1000")
+
+
+def test_generate_reads_prompt_ids_split_by_commas_or_spaces():
+    assert generate._prompt_ids("1, 2 3,4") == [1, 2, 3, 4]
 
 
 def test_generate_refuses_a_prompt_its_tokenizer_cannot_encode(tmp_path, capsys, bad_data):

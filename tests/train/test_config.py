@@ -15,7 +15,7 @@ def test_overrides_are_typed(tmp_path):
     assert isinstance(cfg, Config)
     assert cfg.optimizer.lr == 1e-3 and cfg.train.steps == 7 and cfg.data.pack is False
     assert cfg.optimizer.clip_norm is None
-    assert cfg.model.shape["hidden_size"] == "32"  # coerced against ModelConfig later
+    assert cfg.model.shape["hidden_size"] == 32  # YAML's scalar: model.shape has no types
 
 
 def test_yaml_then_overrides(tmp_path):
@@ -68,6 +68,58 @@ def test_bad_values_one_line(tmp_path, override, fragment):
         load_config(None, args)
     assert fragment in str(info.value)
     assert "\n" not in str(info.value)
+
+
+QWEN35 = "model.preset=tiny-qwen3.5"
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ([QWEN35, "model.shape={layer_types: [1, 2]}"],
+     "model: layer_types[0] is 1; each entry must be 'linear_attention' or 'full_attention'"),
+    ([QWEN35, "model.shape={layer_types: [linear_attention, [2], 3, full_attention]}"],
+     "model: layer_types[1] is [2]; each entry must be 'linear_attention' or"),
+    ([QWEN35, "model.shape={layer_types: 5}"], "model: layer_types must be a list with one entry "
+                                               "per layer, each 'linear_attention' or "
+                                               "'full_attention', got 5"),
+    ([QWEN35, "model.shape={layer_types: linear_attention}"], "layer_types must be a list"),
+    ([QWEN35, 'model.shape={layer_types: "[a, b"}'],
+     "config: model.shape.layer_types: '[a, b' is not valid YAML (expected ',' or ']', but got "
+     "'<stream end>'); write a YAML list or mapping"),
+    (['model.shape={rope_scaling: "{a: 1, a: 2}"}'],
+     "config: model.shape.rope_scaling: key 'a' appears twice (lines 1 and 1); keep one"),
+    (['model.shape={eos_token_id: "[1, 2"}'], "config: model.shape.eos_token_id: '[1, 2' is not "
+                                              "valid YAML"),
+], ids=["layer_types [1, 2]", "layer_types [[2], 3]", "layer_types 5", "layer_types a string",
+        "layer_types bad YAML", "rope_scaling duplicate key", "eos_token_id bad YAML"])
+def test_bad_model_shape_values_one_line(tmp_path, overrides, fragment):
+    """Values model.shape hands to ModelConfig unchecked: one line (ConfigError or ModelError, as
+    train.cli prints them) when the model config is built, before anything compiles."""
+    import models
+    from train.program.model_setup import model_config
+
+    cfg = load_config(None, tiny_overrides(tmp_path / "r", *overrides))
+    with pytest.raises((ConfigError, models.ModelError)) as info:
+        model_config(cfg)
+    kind = "config" if isinstance(info.value, ConfigError) else "model"
+    line = f"{kind}: {info.value}"
+    assert fragment in line and "\n" not in line, line
+
+
+def test_dotted_overrides_into_a_mapping_take_yamls_scalars(tmp_path):
+    """model.shape.rope_scaling.factor=2 is the number 2, as in model.shape={...}, not '2'."""
+    from train.program.model_setup import model_config
+
+    dotted = load_config(None, tiny_overrides(
+        tmp_path / "r", "model.shape.rope_scaling.rope_type=linear",
+        "model.shape.rope_scaling.factor=2", "model.shape.rope_scaling.low=2.5",
+        "model.shape.rope_scaling.keep=true", "optimizer.lr=1e-3"))
+    flow = load_config(None, tiny_overrides(
+        tmp_path / "r", "model.shape.rope_scaling={rope_type: linear, factor: 2, low: 2.5, "
+                        "keep: true}"))
+    assert dotted.model.shape == flow.model.shape
+    assert model_config(dotted).rope_scaling == {"rope_type": "linear", "factor": 2, "low": 2.5,
+                                                 "keep": True}
+    assert dotted.optimizer.lr == 1e-3  # typed fields still coerce what was typed
 
 
 @pytest.mark.parametrize("override, names", [

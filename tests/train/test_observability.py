@@ -175,6 +175,62 @@ def test_eval_step_compiles_once(observed):
     assert any(m.startswith("Compiling jit(train_step)") for m in observed.compiles)
 
 
+STEP_S, EVAL_S = 10.0, 1000.0  # simulated: a train step's wait, an evaluation's compile or wait
+
+
+@pytest.mark.slow
+def test_no_train_step_is_credited_with_an_evaluation(tmp_path, monkeypatch):
+    """A clock that jumps STEP_S whenever the host waits for a train step's metrics and EVAL_S
+    while an evaluation starts (compile, dispatch) and while the host waits for its result: every
+    step's step_time_s holds its own STEP_S and none of an EVAL_S (not the step before an
+    evaluation, which ran while it compiled, nor the one after, which waited for it); the
+    evaluations' rows report them."""
+    import time
+
+    from train.observe import evaluate
+
+    offset = [0.0]
+    real_clock, real_get = time.perf_counter, jax.device_get
+    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + offset[0])
+
+    def get(x):
+        if isinstance(x, dict) and "grad_norm" in x:  # a train step's metrics
+            offset[0] += STEP_S
+        return real_get(x)
+
+    start, finish = evaluate.Evaluator.start, evaluate.Evaluator.finish
+
+    def slow_start(self, params):
+        pending = start(self, params)
+        offset[0] += EVAL_S
+        return pending
+
+    def slow_finish(self, pending, **kwargs):
+        offset[0] += EVAL_S
+        return finish(self, pending, **kwargs)
+
+    monkeypatch.setattr(jax, "device_get", get)
+    monkeypatch.setattr(evaluate.Evaluator, "start", slow_start)
+    monkeypatch.setattr(evaluate.Evaluator, "finish", slow_finish)
+    steps = 7
+    cfg = tiny_config(tmp_path / "run", f"train.steps={steps}", "eval.every=3",
+                      "checkpoint.save_final=false", "metrics.tensorboard=false")
+    run(cfg)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+             .splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, steps + 1))
+    tokens = cfg.data.seq_len * cfg.train.microbatch_size * cfg.train.grad_accum
+    for line in lines:
+        assert STEP_S <= line["step_time_s"] < STEP_S + EVAL_S / 2, lines
+        assert line["tokens_per_s"] == pytest.approx(tokens / line["step_time_s"], rel=1e-9)
+    evals = {line["step"]: line for line in lines if "eval_loss" in line}
+    assert sorted(evals) == [3, 6, 7]
+    assert all(line["eval_time_s"] >= EVAL_S for line in evals.values()), evals
+    # the first evaluation compiled the eval step: its row says how long that took
+    assert evals[3]["eval_compile_s"] > 0
+    assert "eval_compile_s" not in evals[6] and "eval_compile_s" not in evals[7]
+
+
 def test_named_scopes_reach_the_train_step_hlo(tmp_path):
     """The ops of the lowered train step (forward and backward) carry the model's scopes, which
     the compiled program keeps as op_name metadata and a profiler trace shows."""

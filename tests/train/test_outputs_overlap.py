@@ -368,7 +368,7 @@ def test_checkpoints_removed_under_a_running_trainer_is_one_line(tmp_path, capsy
     status = cli.main(tiny_overrides(run_dir, "train.steps=4", "checkpoint.every=2"))
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip() and not line.startswith(
-        ("layout:", "model:", "mfu:", "compiled the train step"))]
+        ("layout:", "model:", "mfu:", "compiling the train step", "compiled the train step"))]
     assert status == 1, err[-3000:]
     assert len(lines) == 1, err[-3000:]
     assert lines[0].startswith(f"error: checkpoint: saving a checkpoint to {run_dir}/checkpoints "
@@ -398,11 +398,27 @@ def test_an_export_that_cannot_replace_the_earlier_one_keeps_it(tmp_path, monkey
         raise PermissionError(13, "Permission denied", dst)
 
     monkeypatch.setattr(outputs.os, "replace", refuse)
-    with pytest.raises((OSError, outputs.ExportError)) as err:
+    with pytest.raises(outputs.ExportError) as err:  # one line, never a traceback
         outputs._replace(str(new), str(export_dir), run_dir)
+    assert "\n" not in str(err.value) and "Permission denied" in str(err.value)
     kept = [p for p in tmp_path.glob(".export-old-*/export/model.safetensors")]
     if taken:
         assert len(kept) == 1 and kept[0].read_bytes() == b"earlier"
         assert str(kept[0].parent) in str(err.value) and "\n" not in str(err.value)
     else:
         assert (export_dir / "model.safetensors").read_bytes() == b"earlier" and not kept
+
+
+def test_an_export_whose_folder_became_a_file_during_the_run_is_one_line(tmp_path):
+    """checkpoint.export_hf's parent was a folder at the pre-flight check and is a file when the
+    export starts: one line naming it (ExportError, exit status 1), nothing written."""
+    from train.process import outputs
+
+    (tmp_path / "exports").write_text("not a folder")
+    export_dir = tmp_path / "exports" / "final"
+    with pytest.raises(outputs.ExportError) as err:
+        outputs.export_hf(None, str(export_dir), str(tmp_path / "run"), True)
+    message = str(err.value)
+    assert "\n" not in message and str(tmp_path / "exports") in message
+    assert "no checkpoint was written" in message
+    assert (tmp_path / "exports").read_text() == "not a folder"

@@ -58,8 +58,92 @@ def test_losses_of_two_runs(tmp_path, capsys):
     assert plot.main(argv[:-2]) == 0
     assert capsys.readouterr().out.strip() == f"wrote {out}"
     assert_png(out, min_height=400)  # two panels
-    assert plot.run_label(basp) == "basp (basp: 2 group(s) x sp=4)"
+    assert plot.run_label(basp) == "basp (basp 2x4)"
     assert plot.run_label(ulysses) == "ulysses"
+
+
+def test_eval_loss_and_the_other_numbers_of_metrics_jsonl_plot(tmp_path, capsys):
+    """eval_loss is on the steps that evaluated only: drawn through them; a numeric field the
+    trainer may add later plots under its own name; a name no run holds is still refused."""
+    evals = {5: dict(eval_loss=4.0, eval_perplexity=54.6, eval_time_s=0.1, eval_compile_s=2.5),
+             10: dict(eval_loss=3.0, eval_perplexity=20.1, eval_time_s=0.1)}
+    run = write_run(tmp_path / "run", [record(s, 6.0 / s, new_metric=float(s), **evals.get(s, {}))
+                                       for s in range(1, 11)])
+    out = tmp_path / "eval.png"
+    for metric in ("eval_loss", "eval_perplexity", "eval_compile_s", "new_metric"):
+        assert plot.main(["losses", str(run), "--metric", metric, "-o", str(out)]) == 0, metric
+        assert capsys.readouterr().out.strip() == f"wrote {out}"
+        assert_png(out)
+    assert plot._series(plot.read_metrics(run), "eval_loss") == ([5, 10], [4.0, 3.0])
+    assert plot.main(["losses", str(run), "--metric", "perplexity", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: plot: unknown metric 'perplexity'; use one of ") \
+        and "eval_perplexity" in err and "new_metric" in err and err.count("\n") == 1, err
+    # an added field is checked as the trainer's are, where it is drawn
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines[2] = json.dumps({**json.loads(lines[2]), "new_metric": "high"})
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert plot.main(["losses", str(run), "--metric", "new_metric", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "metrics.jsonl, step 3: field 'new_metric' is 'high', not a number" in err, err
+
+
+def test_a_run_resumed_under_another_layout_is_labelled_with_each(tmp_path):
+    """The first line of each trainer invocation names its layout: a resume from step 3 under
+    ulysses (its lines replace steps 4-6 of the first) and another under the same layout."""
+    lines = [record(s, 6.0 / s) for s in range(1, 7)]
+    lines[0]["run_layout"] = "basp 2x4"
+    resumed = [record(s, 5.0 / s) for s in range(4, 10)]
+    resumed[0]["run_layout"] = resumed[3]["run_layout"] = "ulysses 1x8"
+    run = write_run(tmp_path / "run", lines + resumed, layout="ulysses: 1 group(s) x sp=8 on 8")
+    assert plot.run_label(run) == "run (basp 2x4 -> ulysses 1x8)"
+    out = tmp_path / "x.png"
+    assert plot.main(["losses", str(run), "-o", str(out)]) == 0
+    # a resume from before the switch: its lines replace every ulysses line
+    back = write_run(tmp_path / "back", lines + resumed + [
+        record(2, 1.0, run_layout="basp 2x4"), *[record(s, 1.0) for s in range(3, 10)]])
+    assert plot.run_label(back) == "back (basp 2x4)"
+
+
+def write_checkpoint_meta(run_dir: Path, step: int, layout: str) -> None:
+    meta = run_dir / "checkpoints" / str(step) / "meta"
+    meta.mkdir(parents=True)
+    (meta / "metadata").write_text(json.dumps({"step": step, "layout": layout}))
+
+
+def test_a_run_begun_before_run_layout_is_labelled_from_its_checkpoints(tmp_path):
+    """Lines without run_layout: the layouts of the kept checkpoints' metadata, then
+    collectives.json's; the first line that has one takes over from there."""
+    basp = "basp: 2 group(s) x sp=4 on 8 devices (1 host(s)); 1 row(s) per group"
+    ring = "ulysses: 1 group(s) x sp=8 (ring 2 x all-to-all 4) on 8 devices (1 host(s))"
+    old = write_run(tmp_path / "old", [record(s, 1.0) for s in range(1, 9)], layout=ring)
+    write_checkpoint_meta(old, 2, basp)
+    write_checkpoint_meta(old, 4, basp)
+    assert plot.run_label(old) == "old (basp 2x4 -> ulysses 1x8/ring2)"
+    mixed = write_run(tmp_path / "mixed", [record(s, 1.0, **({"run_layout": "basp 4x2"}
+                                                             if s == 5 else {}))
+                                           for s in range(1, 9)], layout=basp)
+    write_checkpoint_meta(mixed, 4, ring)
+    assert plot.run_label(mixed) == "mixed (ulysses 1x8/ring2 -> basp 4x2)"
+    unknown = write_run(tmp_path / "unknown", [record(1, 1.0), record(2, 1.0, run_layout="x 1x8")])
+    assert plot.run_label(unknown) == "unknown (? -> x 1x8)"
+
+
+@pytest.mark.slow
+def test_the_trainer_records_each_invocations_layout(tmp_path):
+    """A tiny run stopped after step 3 under basp and resumed under ulysses: the plot's label
+    names both, in order."""
+    from train.config.schema import replace
+    from train.loop import run
+
+    from tests.helpers.trainer import tiny_config
+
+    cfg = tiny_config(tmp_path / "run", "train.steps=5", "metrics.tensorboard=false")
+    run(cfg, stop_at=3)
+    run(replace(cfg, "parallel.mode=ulysses"))
+    records = plot.read_metrics(tmp_path / "run")
+    assert [r.get("run_layout") for r in records] == ["basp 4x2", None, None, "ulysses 1x8", None]
+    assert plot.run_label(tmp_path / "run") == "run (basp 4x2 -> ulysses 1x8)"
 
 
 def test_bench_figure_has_the_benchmark_figure_size(tmp_path, capsys):

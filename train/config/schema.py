@@ -434,6 +434,9 @@ class DistributedConfig:
     # multi-process: when a peer (or the coordinator) is silent this long, stop with exit status 3
     # instead of hanging in a collective; 0 disables
     peer_timeout_s: float = 30.0
+    # multi-process: how long each process waits at start-up for the others to join the run (a
+    # scheduler or container may start them minutes apart), then stops with exit status 3
+    join_timeout_s: float = 300.0
 
     def validate(self) -> None:
         if self.peer_timeout_s != 0 and not (
@@ -442,6 +445,10 @@ class DistributedConfig:
                 f"runtime.distributed.peer_timeout_s must be 0 (off) or lie in "
                 f"[{MIN_PEER_TIMEOUT_S:g}, {MAX_PEER_TIMEOUT_S:g}] seconds, got "
                 f"{self.peer_timeout_s:g}")
+        if not MIN_PEER_TIMEOUT_S <= self.join_timeout_s <= MAX_PEER_TIMEOUT_S:
+            raise ConfigError(
+                f"runtime.distributed.join_timeout_s must lie in [{MIN_PEER_TIMEOUT_S:g}, "
+                f"{MAX_PEER_TIMEOUT_S:g}] seconds, got {self.join_timeout_s:g}")
         if self.coordinator and (self.num_processes is None or self.process_id is None):
             raise ConfigError(
                 "runtime.distributed.coordinator needs num_processes and process_id as well"
@@ -468,9 +475,16 @@ class RuntimeConfig:
     cpu_devices: Optional[int] = None  # required unless platform=gpu: CPU devices (per process) to emulate
     devices: Optional[int] = None  # use the first N devices of all processes (null: all of them)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    # a step that runs longer ends the run (one line, exit status 4, checkpoints kept): seconds;
+    # null: 20x the median step, at least 300 s; 0: off
+    step_timeout_s: Optional[float] = None
 
     def validate(self) -> None:
-        """The device counts (runtime.distributed validates itself)."""
+        """The device counts and the step timeout (runtime.distributed validates itself)."""
+        if self.step_timeout_s is not None and not (
+                math.isfinite(self.step_timeout_s) and self.step_timeout_s >= 0):
+            raise ConfigError(f"runtime.step_timeout_s must be null (20x the median step), 0 "
+                              f"(off) or a number of seconds > 0, got {self.step_timeout_s}")
         if self.platform != "gpu":
             _require("runtime.cpu_devices", self.cpu_devices, "CPU devices to emulate when "
                      "training on the CPU (runtime.platform=gpu needs none)")
@@ -548,7 +562,7 @@ def load_config(path: Optional[str], overrides: list[str] | tuple[str, ...] = ()
     type-check and validate it."""
     files: list[str] = []
     tree = config_tree.load_tree(os.path.expanduser(path), files=files) if path is not None else {}
-    cfg = from_dict(config_tree.apply_overrides(tree, overrides))
+    cfg = from_dict(config_tree.apply_overrides(tree, overrides, Config))
     cfg.sources = tuple(files)
     return cfg
 
@@ -588,5 +602,5 @@ def to_yaml(cfg: Config) -> str:
 
 def replace(cfg: Config, *overrides: str) -> Config:
     """A copy of cfg with `key.sub=value` overrides applied (validated again)."""
-    return from_dict(config_tree.apply_overrides(to_dict(cfg), overrides))
+    return from_dict(config_tree.apply_overrides(to_dict(cfg), overrides, Config))
 

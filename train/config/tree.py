@@ -233,7 +233,7 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _parse_override(item: str) -> tuple[str, Any]:
+def _parse_override(item: str, mappings: frozenset[str] = frozenset()) -> tuple[str, Any]:
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not key.sub=value")
     key, raw = item.split("=", 1)
@@ -245,17 +245,46 @@ def _parse_override(item: str) -> tuple[str, Any]:
     except yaml.YAMLError:
         value = raw
     # Keep plain strings as typed on the command line (e.g. 1e-3, which YAML 1.1 leaves a string),
-    # coercion by field type handles them; mappings and lists come from YAML.
-    if isinstance(value, (str, int, float, bool)) or value is None:
+    # coercion by field type handles them; mappings and lists come from YAML. Inside a mapping
+    # field no type is known: its scalars are YAML's, as in `model.shape={...}`.
+    inside_mapping = any(key.startswith(f"{m}.") for m in mappings)
+    if (isinstance(value, (str, int, float, bool)) or value is None) and not inside_mapping:
         value = raw.strip() if raw.strip() else None
     return key, value
 
 
-def apply_overrides(tree: dict, overrides) -> dict:
-    """tree with each `key.sub=value` of overrides set in it, in order (in place)."""
+def mapping_fields(cls, prefix: str = "") -> frozenset[str]:
+    """The dotted names of cls's `dict` fields (model.shape, data.mix), nested sections too."""
+    names: set[str] = set()
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        key, tp = f"{prefix}{field.name}", hints[field.name]
+        if dataclasses.is_dataclass(tp):
+            names |= mapping_fields(tp, f"{key}.")
+        elif tp is dict:
+            names.add(key)
+    return frozenset(names)
+
+
+def apply_overrides(tree: dict, overrides, schema=None) -> dict:
+    """tree with each `key.sub=value` of overrides set in it, in order (in place); schema: the
+    config dataclass, whose mapping fields take YAML's scalars (see _parse_override)."""
+    mappings = mapping_fields(schema) if schema is not None else frozenset()
     for item in overrides:
-        _set_dotted(tree, *_parse_override(item))
+        _set_dotted(tree, *_parse_override(item, mappings))
     return tree
+
+
+def yaml_value(key: str, text: str) -> Any:
+    """text (a string given for a list or mapping) read as YAML, or one line naming key."""
+    try:
+        return yaml_load(text)
+    except RefusedYAML as e:
+        raise ConfigError(f"{key}: {e}") from None
+    except yaml.YAMLError as e:  # the parser's own message runs over several lines
+        problem = getattr(e, "problem", None) or " ".join(str(e).split())
+        raise ConfigError(f"{key}: {text!r} is not valid YAML ({problem}); write a YAML list or "
+                          f"mapping, e.g. [a, b] or {{name: 1}}") from None
 
 
 # --------------------------------------------------------------------------- typed values

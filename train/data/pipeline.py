@@ -246,7 +246,8 @@ def checked_sidecar(path: str, cfg: DataConfig, vocab_size: int) -> dict | None:
     if vocab > vocab_size or top >= vocab_size:
         raise DataError(f"{path!r} was tokenized with a {vocab}-token vocabulary (largest id "
                         f"{top}), more than the model's vocab_size={vocab_size}; tokenize with "
-                        "the model's own tokenizer")
+                        f"the model's own tokenizer, or (a model trained from scratch) give the "
+                        f"model that vocabulary: model.shape={{vocab_size: {vocab}}}")
     if cfg.eos_id is not None and cfg.eos_id != eos:
         raise DataError(f"data.eos_id={cfg.eos_id} but the documents of {path!r} end with id "
                         f"{eos} (its sidecar says); set data.eos_id={eos}")

@@ -5,8 +5,8 @@
     evaluator = Evaluator(cfg, program, parts, data)          # program: train.program.state.TrainProgram
     if evaluator.due(step):
         record.update(evaluator.run(params))                  # eval_loss, eval_perplexity, ...
-    # a loop that reads step k's metrics after dispatching step k+1: pending = start(params)
-    # before that dispatch (it donates params), finish(pending) when step k's record is made
+    # the trainer (train.observe.report) runs it after step k's end is seen and before step k+1
+    # is dispatched (which donates params), so its compile and run are no train step's time
 
 The eval step is built like the train step, from the same micro-loss (train.program.step.make_micro_loss:
 layout, shardings, token order, chunked loss; under optimizer.offload train.program.streamed's, which
@@ -87,14 +87,16 @@ class Evaluator:
         self.compiled = None
         self.batch = None
         self.compile_s = None  # the first evaluation's compile time, reported once
+        self.total_s = 0.0  # every evaluation's compile and run, for the run's summary
+        self.count = 0
 
     def due(self, step: int) -> bool:
         """Whether to evaluate after `step` (1-based): every eval.every steps and after the last."""
         return self.data is not None and (step % self.every == 0 or step == self.last)
 
     def start(self, params):
-        """Dispatch an evaluation of `params` (asynchronous). Call it before the next train step,
-        which donates them."""
+        """Dispatch an evaluation of `params` (asynchronous; the first one compiles the eval step
+        first). Call it before the next train step, which donates them."""
         mesh = self.program.plan.mesh
         if self.batch is None:
             self.batch = self.data.global_batch(0, self.program.batch_sharding)
@@ -107,17 +109,22 @@ class Evaluator:
 
     def finish(self, pending, *, log=None, step: int | None = None) -> dict:
         """The metrics of a started evaluation (waits for it); `log` gets one console line.
-        eval_time_s runs from start to here: in the trainer, which reads a step's results after
-        dispatching the next, it includes that train step (and the first evaluation's compile)."""
+        eval_time_s runs from its dispatch to here (the devices' work that was queued before it
+        included); the evaluation that compiled the eval step adds eval_compile_s."""
         t0, out = pending
         out = jax.device_get(out)
         count = float(out["tokens"])
         loss = float(out["loss_sum"]) / max(count, 1.0)
         result = {"eval_loss": loss, "eval_perplexity": perplexity(loss),
                   "eval_tokens": int(count), "eval_time_s": time.perf_counter() - t0}
-        if log is not None:
-            compiled = "" if self.compile_s is None else f"; compiled in {self.compile_s:.1f}s"
+        compiled = ""
+        if self.compile_s is not None:
+            result["eval_compile_s"] = self.compile_s
+            compiled = f"; compiled in {self.compile_s:.1f}s"
             self.compile_s = None
+        self.total_s += result["eval_time_s"] + result.get("eval_compile_s", 0.0)
+        self.count += 1
+        if log is not None:
             log(f"step {step}: eval loss {result['eval_loss']:.4f}, perplexity "
                 f"{result['eval_perplexity']:.2f} ({result['eval_tokens']:,} tokens, "
                 f"{result['eval_time_s']:.2f}s{compiled})")

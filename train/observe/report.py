@@ -4,7 +4,8 @@ evaluation, the non-finite policy) and how it ended. `run` is the checked run
 
     log_start(run, state, logger)
     report = StepReport(run, state, logger, writer, evaluator)
-    last_end = report.finish(step, metrics, evaluation, last_end)   # step k, after k+1 dispatched
+    last_end = report.finish(step, metrics, False, last_end)   # step k, after k+1 dispatched
+    last_end = report.finish(step, metrics, True, last_end)    # and evaluate, before k+1
 """
 
 from __future__ import annotations
@@ -62,6 +63,14 @@ def log_start(run, state: TrainState, logger: MetricsLogger) -> None:
                    f"against {run.peak_source}" if run.peak else f"mfu: {run.peak_source}")
 
 
+def run_layout(run) -> str:
+    """The layout an invocation runs, as its first metrics.jsonl line records it: "basp 2x4",
+    "ulysses 1x8/ring2", "adaptive 2x4/4x2" (the static layout first)."""
+    if run.plan.adaptive:
+        return "adaptive " + "/".join(p.layout.short_name for p in run.plan.adaptive)
+    return f"{run.layout.mode} {run.layout.short_name}"
+
+
 class StepReport:
     """Reads a finished step's metrics, logs them (metrics.jsonl, the progress bar, the writers)
     and applies train.on_nonfinite; keeps the losses and step times for the summary."""
@@ -92,11 +101,13 @@ class StepReport:
             return None
         return run.flops_per_token * tokens_per_s / (run.peak * len(run.devices))
 
-    def finish(self, step: int, metrics, evaluation, last_end: float) -> float:
-        """Read step `step`'s metrics (waiting for it to end) and its evaluation's (None: none
-        started), log them, apply the non-finite policy; returns when it was seen to end.
+    def finish(self, step: int, metrics, evaluate: bool, last_end: float) -> float:
+        """Read step `step`'s metrics (waiting for it to end), evaluate the parameters after it
+        when `evaluate` (state.params: call it before the next step is dispatched), log them,
+        apply the non-finite policy; returns when the step, or its evaluation, was seen to end.
         step_time_s runs from the previous step's end, so it includes any time the host kept the
-        devices waiting."""
+        devices waiting; an evaluation's compile and run are its own eval_compile_s and
+        eval_time_s, in no step's time."""
         metrics = jax.device_get(metrics)
         ended = time.perf_counter()
         dt = ended - last_end
@@ -122,10 +133,14 @@ class StepReport:
             record["loss_scale"] = float(metrics["loss_scale"])
         finite = bool(metrics["finite"])
         record["skipped"] = not finite
-        if evaluation is not None:
-            record.update(self.evaluator.finish(evaluation, log=self.logger.message, step=step + 1))
-        if self.run.changes and len(self.losses) == 1:  # the first step after the change
-            record["changed"] = resume.for_metrics(self.run.changes)
+        if evaluate:  # the next step's time starts after it (the return value)
+            record.update(self.evaluator.run(self.state.params, log=self.logger.message,
+                                             step=step + 1))
+            ended = time.perf_counter()
+        if len(self.losses) == 1:  # this invocation's first line: a resume may change them
+            record["run_layout"] = run_layout(self.run)
+            if self.run.changes:
+                record["changed"] = resume.for_metrics(self.run.changes)
         self.logger.log(record)
         self.writer.write(record)
         if not finite:
@@ -170,8 +185,8 @@ class StepReport:
         start = self.state.start
         if not losses:
             return f"done: {run.run_dir} already holds step {start} of {steps}"
-        # the typical step (median) and, where stalls (checkpoint saves, evaluations, a slow
-        # batch) slow the run by more than 5%, the rate over all steps after the first
+        # the typical step (median) and, where stalls (checkpoint saves, a slow batch) slow the
+        # run by more than 5%, the rate over all steps after the first; evaluations apart
         steady = self.step_times[1:] or self.step_times
         median_tps = run.tokens_per_step / statistics.median(steady)
         mean_tps = run.tokens_per_step / (sum(steady) / len(steady))
@@ -184,6 +199,9 @@ class StepReport:
         if self.layout_steps:
             shares = "; layouts " + ", ".join(f"{name} {n / len(losses):.0%}"
                                               for name, n in self.layout_steps.items())
+        evaluator = self.evaluator
+        if evaluator is not None and evaluator.count:
+            shares += f"; {evaluator.count} evaluations in {evaluator.total_s:.1f}s"
         return (f"done: steps {start + 1}-{start + len(losses)} of {steps} in "
                 f"{wall:.1f}s, loss {losses[0]:.4f} -> {losses[-1]:.4f}, {rate}{shares}; "
                 f"outputs in {run.run_dir}")

@@ -7,13 +7,14 @@ jax.distributed key-value store (train.process.peers.distributed_client):
 
     its resolved config as JSON, less the keys that differ per process on purpose
     (runtime.distributed.process_id), with each input file (data.path, data.mix, data.tokenizer,
-    eval.path) as its size and sampled sha256 (train.config.fingerprint) instead of its path: a copy on
-    another host's disk is the same data, another file under the same name is not
+    eval.path) as its size and sampled sha256 (train.config.fingerprint) instead of its path, and
+    model.hf_path as such a fingerprint of the config.json and weights in it: a copy on another
+    host's disk is the same data, another file (or a stale model) under the same name is not
 
 and reads every other process's. All see the same set, so all reach the same verdict: a mismatch
 ends every process with one line naming the keys that differ (ConfigError, exit status 2); a
-process that publishes nothing within peer_timeout_s ends the others with one line (NoAnswer:
-train.loop turns it into a PeerFailure, exit status 3).
+process that publishes nothing within join_timeout_s (it may have joined that late) ends the
+others with one line (NoAnswer: train.loop turns it into a PeerFailure, exit status 3).
 """
 
 from __future__ import annotations
@@ -23,16 +24,16 @@ import os
 import time
 
 from ..config.schema import Config, ConfigError, to_dict
-from ..config.fingerprint import sample_sha256
+from ..config.fingerprint import hf_fingerprint, sample_sha256
 from . import peers
 
 PER_PROCESS_KEYS = (("runtime", "distributed", "process_id"),)
 INPUT_FILES = (("data", "path"), ("data", "tokenizer"), ("eval", "path"))
 _PREFIX = "basp_jax/agreement"
 _generation = 0  # checks made by this process: keys of an earlier run() in it stay apart
-NO_TIMEOUT_WAIT_S = 300.0  # how long peers are waited for when peer_timeout_s is 0 (JAX's default)
 SHOWN_KEYS = 3  # differing keys named in the message
 LAST_TO_LEAVE_S = 1.0  # process 0 (the store's host) outlasts the others' exit by this much
+VERDICT_WAIT_S = 30.0  # the others, all there, read the verdict at once: no join-long wait
 
 
 class NoAnswer(RuntimeError):
@@ -51,6 +52,14 @@ def file_identity(path: str) -> dict | str:
         return UNREADABLE
 
 
+def hf_identity(path: str, weights: bool) -> dict | str:
+    """hf_fingerprint of a Hugging Face directory, or UNREADABLE (as file_identity)."""
+    try:
+        return hf_fingerprint(path, weights)
+    except OSError:
+        return UNREADABLE
+
+
 def description(cfg: Config) -> dict:
     """What this process will run, comparable across processes and hosts (see the docstring)."""
     tree = json.loads(json.dumps(to_dict(cfg)))  # plain values, as every process reads them back
@@ -63,6 +72,9 @@ def description(cfg: Config) -> dict:
         path = tree.get(section, {}).get(name)
         if path:
             tree[section][name] = file_identity(path)
+    model = tree.get("model", {})
+    if model.get("hf_path"):
+        model["hf_path"] = hf_identity(model["hf_path"], bool(model.get("load_weights")))
     mix = tree.get("data", {}).get("mix")
     if mix:
         tree["data"]["mix"] = [[file_identity(path), weight] for path, weight in mix.items()]
@@ -102,6 +114,9 @@ def same(a: dict, b: dict) -> bool:
 def _short(value) -> str:
     if not isinstance(value, (str, int, float, bool, type(None), list, dict)):
         return "(unset)"
+    if isinstance(value, dict) and "files" in value:
+        return (f"a Hugging Face directory of {value['files']} files, {value['bytes']} bytes "
+                f"(sampled sha256 {value['sample_sha256'][:12]})")
     if isinstance(value, dict) and "sample_sha256" in value:
         return f"a file of {value['bytes']} bytes (sampled sha256 {value['sample_sha256'][:12]})"
     text = json.dumps(value)
@@ -118,8 +133,7 @@ def check_same_config(cfg: Config) -> None:
     global _generation
     _generation += 1
     agree(peers.distributed_client(), f"{_PREFIX}/{_generation}", jax.process_index(),
-          jax.process_count(), description(cfg),
-          cfg.runtime.distributed.peer_timeout_s or NO_TIMEOUT_WAIT_S)
+          jax.process_count(), description(cfg), cfg.runtime.distributed.join_timeout_s)
 
 
 def agree(client, prefix: str, me: int, count: int, mine: dict, timeout: float) -> None:
@@ -136,7 +150,8 @@ def agree(client, prefix: str, me: int, count: int, mine: dict, timeout: float) 
     client.key_value_set(f"{prefix}/read/{me}", "1", allow_overwrite=True)
     if me == 0:
         try:
-            _wait_for_all(client, f"{prefix}/read/", count, timeout, "its verdict")
+            _wait_for_all(client, f"{prefix}/read/", count, min(timeout, VERDICT_WAIT_S),
+                          "its verdict")
         except NoAnswer:
             pass  # it stops either way
         time.sleep(LAST_TO_LEAVE_S)  # the others leave at once: go after them, not before
@@ -171,6 +186,6 @@ def _wait_for_all(client, directory: str, count: int, timeout: float,
         if time.monotonic() > deadline:
             missing = ", ".join(str(p) for p in range(count) if p not in found)
             raise NoAnswer(f"process {missing} of {count} has not published {what} within "
-                           f"{timeout:g} s (runtime.distributed.peer_timeout_s) of joining the "
+                           f"{timeout:g} s (runtime.distributed.join_timeout_s) of joining the "
                            "run; it has probably crashed or frozen; see its log")
         time.sleep(0.05)

@@ -243,11 +243,7 @@ def export_hf(module, export_dir: str, run_dir: str, is_writer: bool,
     else (is_own_export: checked before the run and again as it is replaced, since files may
     have been put there meanwhile); else ExportError, as for a weight the export dtype cannot
     hold (checked before anything is written)."""
-    parent = os.path.dirname(export_dir)
-    tmp = None
-    if is_writer:
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=parent, prefix=".export-")
+    tmp = _export_folder(export_dir, run_dir) if is_writer else None
     try:
         # every process takes part (shards are gathered one at a time); process 0 writes
         try:
@@ -278,6 +274,23 @@ def export_hf(module, export_dir: str, run_dir: str, is_writer: bool,
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _export_folder(export_dir: str, run_dir: str) -> str:
+    """A fresh folder beside export_dir to write the export into. Its parent was checked before
+    the run, but may have become a file or lost its permissions since: one line, not a
+    traceback (a full disk stays an OSError, which train.loop reports as one)."""
+    parent = os.path.dirname(export_dir)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        return tempfile.mkdtemp(dir=parent, prefix=".export-")
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise ExportError(f"checkpoint.export_hf {export_dir!r}: its folder {parent!r} cannot "
+                          f"be written ({e.strerror or e}); nothing was exported; make it a "
+                          f"writable folder (or choose another checkpoint.export_hf) and run the "
+                          f"same command again to export; {_checkpoints(run_dir)}") from None
+
+
 def _replace(new: str, export_dir: str, run_dir: str) -> None:
     """Move the finished export `new` to export_dir: over nothing, an empty directory, or an
     earlier export of this run holding nothing else (moved aside, checked again there, where no
@@ -301,8 +314,14 @@ def _replace(new: str, export_dir: str, run_dir: str) -> None:
                               f"({e.strerror or e}) and something took its place meanwhile; the "
                               f"earlier export is kept in {os.path.join(old, 'export')}; "
                               f"{_checkpoints(run_dir)}") from None
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise  # train.loop reports a full disk
         if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
-            raise
+            raise ExportError(f"checkpoint.export_hf {export_dir!r} could not be written "
+                              f"({e.strerror or e}); nothing was exported"
+                              f"{'' if old is None else ' (the earlier export is kept)'}; make "
+                              f"it writable (or choose another checkpoint.export_hf) and run the "
+                              f"same command again to export; {_checkpoints(run_dir)}") from None
         if os.path.isdir(export_dir):  # files arrived in the empty directory meanwhile
             raise _foreign(export_dir, run_dir) from None
         raise ExportError(f"checkpoint.export_hf {export_dir!r} became a file during the run; "

@@ -59,16 +59,18 @@ class PeerWatchdog:
     """Context manager: watches the peers while the block runs (no-op in a single process).
 
     describe_resume() returns the advice printed with the error (e.g. the newest checkpoint). A
-    peer that has not beaten yet gets max(timeout_s, startup_grace_s) (imports and the first
-    compile take longer on some hosts). On leaving the block each process records `done` or
-    `failed` (with its error line) in the store; process 0, which hosts the store, then waits up
-    to exit_grace_s for the others to record theirs, so a bad input every host hits gives every
-    host its own message rather than an abort when the coordinator vanishes.
+    peer that has not beaten yet gets max(timeout_s, startup_grace_s, join_s): imports and the
+    first compile take longer on some hosts, and a peer may pass the start-up agreement (whose
+    wait is join_s, runtime.distributed.join_timeout_s) that much later. On leaving the block
+    each process records `done` or `failed` (with its error line) in the store; process 0, which
+    hosts the store, then waits up to exit_grace_s for the others to record theirs, so a bad
+    input every host hits gives every host its own message rather than an abort when the
+    coordinator vanishes.
     """
 
     def __init__(self, timeout_s: float, describe_resume: Callable[[], str], *,
                  interval_s: float = 1.0, startup_grace_s: float = 120.0,
-                 exit_grace_s: float = 30.0):
+                 join_s: float = 0.0, exit_grace_s: float = 30.0):
         import jax
 
         global _generation
@@ -76,7 +78,7 @@ class PeerWatchdog:
         self.prefix = f"{_PREFIX}/{_generation}"
         self.timeout_s = timeout_s
         self.interval_s = min(interval_s, timeout_s / 4) if timeout_s > 0 else interval_s
-        self.startup_grace_s = max(startup_grace_s, timeout_s)
+        self.startup_grace_s = max(startup_grace_s, timeout_s, join_s)
         self.failure_grace_s = 3.0
         self.exit_grace_s = exit_grace_s
         self.describe_resume = describe_resume

@@ -91,11 +91,11 @@ def configure(cfg: Config) -> None:
         if process_id == 0 and coordinator:
             check_coordinator_port_free(coordinator)
         try:
-            with join_deadline(dist.peer_timeout_s, process_id, num_processes, coordinator):
+            with join_deadline(dist.join_timeout_s, process_id, num_processes, coordinator):
                 jax.distributed.initialize(
                     coordinator_address=dist.coordinator,  # None: JAX_COORDINATOR_ADDRESS or the cluster
                     num_processes=num_processes, process_id=process_id,
-                    initialization_timeout=jax_initialization_timeout_s(dist.peer_timeout_s),
+                    initialization_timeout=jax_initialization_timeout_s(dist.join_timeout_s),
                     heartbeat_timeout_seconds=jax_heartbeat_timeout_s(dist.peer_timeout_s))
         except Exception as e:  # noqa: BLE001 (no cluster found, coordinator unreachable, ...)
             detail = " ".join(str(e).split())[:300] or type(e).__name__
@@ -150,13 +150,12 @@ def jax_heartbeat_timeout_s(peer_timeout_s: float) -> int:
     return max(JAX_DEFAULT_HEARTBEAT_S, math.ceil(2 * peer_timeout_s))
 
 
-def jax_initialization_timeout_s(peer_timeout_s: float) -> int:
+def jax_initialization_timeout_s(join_timeout_s: float) -> int:
     """How long jax.distributed.initialize waits for every process to join: JOIN_BACKSTOP_S
     after join_deadline has ended the process with its one line (JAX's own end is an abort with
-    a C++ stack trace); JAX's default when peer_timeout_s is 0 (our watch off)."""
-    if peer_timeout_s == 0:
-        return JAX_DEFAULT_INIT_S
-    return math.ceil(peer_timeout_s) + JOIN_BACKSTOP_S
+    a C++ stack trace). join_timeout_s, not peer_timeout_s: processes that a scheduler starts
+    tens of seconds apart are not dead peers."""
+    return math.ceil(join_timeout_s) + JOIN_BACKSTOP_S
 
 
 @contextlib.contextmanager
@@ -176,10 +175,10 @@ def join_deadline(timeout_s: float, process_id, num_processes, coordinator):
         of = "" if num_processes is None else f" of {num_processes}"
         at = f" at {coordinator}" if coordinator else ""
         print(f"error: peer: {me}{of} waited {timeout_s:g} s (runtime.distributed."
-              f"peer_timeout_s) for the other processes to join the run{at}: one has not "
+              f"join_timeout_s) for the other processes to join the run{at}: one has not "
               "started, was given another coordinator or num_processes, or two were given the "
               "same process_id; start every process with its own process_id, or raise "
-              f"peer_timeout_s (exit status {PEER_FAILURE_STATUS})", file=sys.stderr, flush=True)
+              f"join_timeout_s (exit status {PEER_FAILURE_STATUS})", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(PEER_FAILURE_STATUS)
 

@@ -27,7 +27,9 @@ start-up until the step compiled (tests/e2e/test_multiprocess.py).
 Outside the step loop (start-up, restoring, compiling the step) there is nothing to finish: with
 `exit_at_once_outside_the_loop()` (python train.py) a signal ends the process at once, with one
 line and status 128 + the signal. A StopRequest takes the signals over only once the step has
-compiled (`take_over`), until it exits.
+compiled (`take_over`), until it exits. A second signal while it holds them leaves at once
+(status 128 + the signal, one line): a step that hangs would never finish, and the wakeup fd's
+thread sees the signal even while the main thread is blocked inside XLA.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from . import peers
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _graceful = False  # a StopRequest has taken the signals over: finish the step, then stop
+_graceful_signals = 0  # signals received since then: a second one leaves at once
+_watching = False  # a thread reads the wakeup fd (python train.py): it counts the signals
 _exiting = threading.Lock()  # held by the thread that writes the line and exits
 
 LEAD = 2  # steps between a proposal and the step all processes stop after (see above)
@@ -108,6 +112,8 @@ class StopRequest:
 
     def _handle(self, signum, frame):
         self.requested = signal.Signals(signum).name
+        if not _watching:  # else the watcher thread has counted this signal already
+            _count_graceful(signum)
 
     def __enter__(self):
         return self
@@ -116,11 +122,12 @@ class StopRequest:
         """From now until exit, SIGINT/SIGTERM are remembered (the step finishes, a checkpoint is
         written): call it once the step has compiled. Handlers can be set in the main thread only;
         a second call changes nothing."""
-        global _graceful
+        global _graceful, _graceful_signals
         if self._previous or threading.current_thread() is not threading.main_thread():
             return
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        _graceful_signals = 0
         _graceful = True
 
     def __exit__(self, *exc):
@@ -147,6 +154,23 @@ def exit_now(signum: int) -> None:
     os._exit(128 + signum)
 
 
+def _count_graceful(signum: int) -> None:
+    """A signal while a StopRequest holds the signals: the first asks the step to finish; a second
+    one leaves at once (a step that hangs would never finish), without writing anything."""
+    global _graceful_signals
+    _graceful_signals += 1
+    if _graceful_signals < 2:
+        return
+    if not _exiting.acquire(blocking=False):
+        while True:  # the other thread is writing the line and ending the process
+            time.sleep(1)
+    name = signal.Signals(signum).name
+    os.write(2, f"error: interrupted: a second {name} while a step ran: left at once without "
+                f"finishing it (the newest complete checkpoint is kept); run the same command "
+                f"again to resume\n".encode())
+    os._exit(128 + signum)
+
+
 def _handler(signum, frame) -> None:
     if not _graceful:
         exit_now(signum)
@@ -159,16 +183,18 @@ def exit_at_once_outside_the_loop() -> None:
     grace period) the handler alone would wait for it to return. The interpreter's C-level handler
     writes the signal's number to the wakeup fd at once, though, and a thread reading it exits
     (XLA's compile releases the GIL)."""
+    global _watching
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     for sig in SIGNALS:
         signal.signal(sig, _handler)  # the wakeup fd is written for signals with a Python handler
     threading.Thread(target=_watch, args=(read_fd,), name="signal-watch", daemon=True).start()
+    _watching = True
 
 
 def _watch(read_fd: int) -> None:
     while True:
         for signum in os.read(read_fd, 64):
-            if signum in SIGNALS and not _graceful:
-                exit_now(signum)
+            if signum in SIGNALS:
+                _count_graceful(signum) if _graceful else exit_now(signum)

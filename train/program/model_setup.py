@@ -15,7 +15,7 @@ import jax
 import models
 
 from ..config.schema import Config, ConfigError
-from ..config.tree import coerce, yaml_load
+from ..config.tree import coerce, yaml_value
 from ..config import dtypes
 from .step import compute_dtype
 
@@ -38,7 +38,7 @@ def model_config(cfg: Config) -> "models.ModelConfig":
         if tp in (int, float, bool, str):
             value = coerce(f"model.shape.{key}", value, tp)
         elif isinstance(value, str):
-            value = yaml_load(value)
+            value = yaml_value(f"model.shape.{key}", value)
         changes[key] = value
     if "vocab_size" in changes:
         changes = {**_ids_in_vocabulary(base, changes["vocab_size"]), **changes}

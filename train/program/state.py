@@ -31,6 +31,7 @@ from . import planning
 from . import streamed
 from ..checkpoint.store import Checkpointer, first_non_finite
 from .model_setup import model_config, model_options
+from ..observe import compile_progress
 from ..process.outputs import write_collectives
 from ..config.schema import Config
 from .step import (build_model, compute_dtype, from_module, init_opt_state, initial_loss_scale, loss_scaling, make_optimizer, make_train_step, opt_state_shardings)
@@ -254,26 +255,29 @@ def compile_steps(cfg: Config, state: TrainState, devices, log: Callable[[str], 
     under "layouts"; None: not written)."""
     per_host = state.program.plan.layout.devices_per_host
     compiled, collectives, lines, t0 = [], [], [], time.perf_counter()
-    for i, program in enumerate(state.programs):
-        t = time.perf_counter()
-        if i == 0:
-            lowered = program.lower(state.params, state.opt_state)
-        else:  # placed like the static layout's: shapes on this layout's mesh (adaptive.relabel)
-            lowered = program.lower(*program.abstract_state(state.params, state.opt_state))
-        compiled.append(lowered.compile())
-        planning.check_compiled_memory(cfg, compiled[-1], devices)
-        try:  # a diagnostic: an HLO printing the parser does not know never stops a run
-            found = comm.parse_collectives(compiled[-1].as_text(), len(devices))
-            described = describe_collectives(found, per_host)
-        except Exception as e:  # noqa: BLE001
-            found, described = [], f"(not parsed: {type(e).__name__}: {e})"
-        collectives.append(found)
-        seconds = time.perf_counter() - t
-        if len(state.programs) == 1:
-            lines.append(f"compiled the train step in {seconds:.1f}s; per step: " + described)
-        else:
-            lines.append(f"compiled the step of layout {program.plan.layout.short_name} in "
-                         f"{seconds:.1f}s; per step: " + described)
+    what = "the train step" if len(state.programs) == 1 else \
+        f"the train steps of {len(state.programs)} layouts"
+    with compile_progress.announced(what, log, record_dir):
+        for i, program in enumerate(state.programs):
+            t = time.perf_counter()
+            if i == 0:
+                lowered = program.lower(state.params, state.opt_state)
+            else:  # placed like the static layout's: shapes on this layout's mesh
+                lowered = program.lower(*program.abstract_state(state.params, state.opt_state))
+            compiled.append(lowered.compile())
+            planning.check_compiled_memory(cfg, compiled[-1], devices)
+            try:  # a diagnostic: an HLO printing the parser does not know never stops a run
+                found = comm.parse_collectives(compiled[-1].as_text(), len(devices))
+                described = describe_collectives(found, per_host)
+            except Exception as e:  # noqa: BLE001
+                found, described = [], f"(not parsed: {type(e).__name__}: {e})"
+            collectives.append(found)
+            seconds = time.perf_counter() - t
+            if len(state.programs) == 1:
+                lines.append(f"compiled the train step in {seconds:.1f}s; per step: " + described)
+            else:
+                lines.append(f"compiled the step of layout {program.plan.layout.short_name} in "
+                             f"{seconds:.1f}s; per step: " + described)
     if len(state.programs) > 1:
         lines.insert(0, f"adaptive layouts: compiled {len(compiled)} steps in "
                         f"{time.perf_counter() - t0:.1f}s")

@@ -53,6 +53,67 @@ class CompileFailed(AotError):
     """XLA refused to compile the step for the target (exit 1, as a step that does not fit)."""
 
 
+class DoesNotFitUncompiled(CompileFailed):
+    """The step cannot fit the target, plainly enough to say so before compiling (exit 1): the
+    compile could take many minutes to say the same."""
+
+
+def check_state_fits(cfg, mcfg, target: str, num_devices: int) -> None:
+    """Refuse, in one line, a step whose master weights and Adam moments (the part of memory no
+    layout, remat policy or kernel can shrink) do not fit even spread over all num_devices GPUs:
+    in device memory, or with optimizer.offload=true in the host memory each GPU may use."""
+    from basp_jax import gpus
+    from basp_jax.planner import cost
+
+    from ..program import planning
+
+    sizes = planning.state_bytes(cfg)
+    per_param = cost.state_bytes_per_param(sizes["master_bytes"], sizes["moment_bytes"])
+    need = planning.model_shape(mcfg).num_params * per_param / num_devices
+    if cfg.optimizer.offload is True:
+        budget, where = cost.HARDWARE[target].host_memory_bytes, "the host memory each GPU may use"
+    else:
+        budget, where = gpus.usable_memory_bytes(gpus.get(target)), f"what JAX may take on {target}"
+    if need <= budget:
+        return
+    fewest = -(-need * num_devices // budget)
+    raise DoesNotFitUncompiled(
+        f"does not fit, not compiled: the parameters and optimizer state alone need "
+        f"{need / GiB:.1f} GiB per GPU sharded over {num_devices} GPU(s) "
+        f"({per_param} bytes per parameter), more than {where} ({budget / GiB:.1f} GiB); use at "
+        f"least {fewest:.0f} GPUs of this kind (--hosts / --gpus-per-host), a GPU with more memory"
+        + ("" if cfg.optimizer.offload is True else ", or optimizer.offload=true"))
+
+
+# The planner's memory formula is within 15% of the compiled programs; a step it puts at more than
+# this many times the memory is refused without compiling (the compile says the same, minutes
+# later), while one nearer the edge is compiled and the report says whether it fits.
+REFUSE_ABOVE_PLANNED = 2.0
+
+
+def check_planned_fit(cfg, mcfg, target: str, num_devices: int) -> None:
+    """Refuse, in one line, a step the planner's memory formula puts at more than
+    REFUSE_ABOVE_PLANNED times what JAX may take on each GPU (cfg with parallel.hardware=target
+    and its cluster set, as report() passes it)."""
+    from basp_jax import gpus
+
+    from ..program.planning import memory_estimate, memory_policy, plan
+
+    per_host = cfg.parallel.devices_per_host
+    layout, strategy = plan(cfg, mcfg, num_devices, per_host)
+    remat, tile = memory_policy(cfg, mcfg, layout, strategy, per_host)
+    need = memory_estimate(cfg, mcfg, layout, strategy, remat=remat, tile_tokens=tile)[0]
+    usable = gpus.usable_memory_bytes(gpus.get(target))
+    if need <= REFUSE_ABOVE_PLANNED * usable:
+        return
+    raise DoesNotFitUncompiled(
+        f"does not fit, not compiled: the planner puts the step ({layout.short_name}, "
+        f"{strategy} parameters, model.remat={remat}) at {need / GiB:.1f} GiB per GPU, "
+        f"{need / usable:.1f}x what JAX may take on {target} ({usable / GiB:.1f} GiB; the "
+        f"formula is within 15% of compiled steps); lower data.seq_len, use more GPUs "
+        f"(--hosts / --gpus-per-host) or a GPU with more memory")
+
+
 # What XLA's error says -> the setting to change (first match wins). A kernel the target cannot
 # run is refused before compiling (train.prepare.check_kernel); these are what gets past that.
 _COMPILE_HINTS = (
@@ -442,11 +503,13 @@ def report(cfg, target: str, hosts: int, gpus_per_host: int, *, want_hlo: bool =
 
     try:
         cfg = resolve_offload(cfg, model_config(cfg), hosts * gpus_per_host, gpus_per_host)
+        check_state_fits(cfg, model_config(cfg), target, hosts * gpus_per_host)
+        check_planned_fit(cfg, model_config(cfg), target, hosts * gpus_per_host)
         r = compile_step(cfg, devices, gpus_per_host, want_hlo=want_hlo)
     except (jax.errors.JaxRuntimeError, NotImplementedError) as e:  # XLA's, cuDNN's refusals
         raise CompileFailed(compile_failure(e, target)) from None
-    except (LayoutError, ModelError, ConfigError):
-        raise  # their one line, as bad input
+    except (LayoutError, ModelError, ConfigError, AotError):
+        raise  # their one line (bad input, or refused before compiling)
     except ValueError as e:  # a kernel's own check while tracing (basp_jax.kernels: one line)
         raise AotError(f"model.attn_impl={cfg.model.attn_impl}: {e}") from None
     usable = gpus.usable_memory_bytes(gpu)

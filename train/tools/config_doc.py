@@ -165,10 +165,33 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")  # a bare | would end the Markdown table cell
 
 
+def shape_rows() -> list[Row]:
+    """One Row per field `model.shape` can set: models.ModelConfig's fields, with the comments on
+    their lines in models/config.py (a preset or model.hf_path gives the ones without a default)."""
+    import models.config
+
+    comments = field_comments(inspect.getsource(models.config))
+    hints = typing.get_type_hints(models.ModelConfig)
+    result = []
+    for field in dataclasses.fields(models.ModelConfig):
+        has_default = field.default is not dataclasses.MISSING
+        meaning = comments.get(("ModelConfig", field.name), "")
+        result.append(Row(key=f"model.shape.{field.name}", type=config_tree.type_name(
+            hints[field.name]).replace("NoneType", "null"),
+            default=f"`{_format_value(field.default)}`" if has_default else "the preset's",
+            meaning=meaning, commented=bool(meaning)))
+        if not meaning:
+            raise DocError(f"ModelConfig field {field.name} has no meaning: add a `# comment` on "
+                           f"its line in models/config.py, then run {COMMAND}")
+    return result
+
+
 def reference() -> str:
     """The generated block: a note on where it comes from and the table."""
     table_rows = rows()
     check(table_rows)
+    at = next(i for i, row in enumerate(table_rows) if row.key == "model.shape") + 1
+    table_rows[at:at] = shape_rows()
     lines = [
         f"<!-- generated from train/config/schema.py by `{COMMAND}`; edit the comments there, not here -->",
         "| key | type | default | meaning |",

@@ -85,8 +85,13 @@ def check_numbers(args) -> None:
 def _prompt_ids(text: str) -> list[int]:
     from models.config import ModelError
 
+    # commas separate (spaces around them allowed): an empty id between two is a typo
+    words = [t for part in text.split(",") for t in (part.split() or [""])]
+    if "" in words:
+        raise ModelError(f"--prompt-ids has an empty id in {text!r}; write one integer between "
+                         f"each two commas, e.g. 1,2,3")
     try:
-        ids = [int(t) for t in text.replace(",", " ").split()]
+        ids = [int(t) for t in words]
     except ValueError:
         raise ModelError(f"--prompt-ids must be integers separated by commas or spaces, got "
                          f"{text!r}") from None

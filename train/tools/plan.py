@@ -29,6 +29,7 @@ GB = 1e9
 LIMITS = {"seq": 1 << 32, "batch": 1 << 20, "devices": 1 << 20, "grad_accum": 1 << 20,
           "devices_per_host": 1 << 20}
 MAX_MEMORY_GB = 1e6
+MIN_MEMORY_GB = 0.1  # below any accelerator's memory: a typo (or MB for GB)
 SAMPLED_STEPS = 256  # --docs: steps drawn (seeded) for the adaptive choice's mean step time
 # --docs draws and packs every document of each sampled step in Python: the tokens of all sampled
 # steps together stay within SAMPLED_TOKENS, a row counting as at least ROW_TOKENS_FLOOR (fewer
@@ -107,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 0.0 <= args.overlap <= 1.0:  # also refuses nan
         parser.error(f"--overlap is a share of the parameter collectives, in [0, 1]; got "
                      f"{args.overlap}")
-    if args.memory_gb is not None and not 0 < args.memory_gb <= MAX_MEMORY_GB:  # nan too
-        parser.error(f"--memory-gb must be a positive number of at most {MAX_MEMORY_GB:g}, got "
-                     f"{args.memory_gb}")
+    if args.memory_gb is not None and not MIN_MEMORY_GB <= args.memory_gb <= MAX_MEMORY_GB:
+        parser.error(f"--memory-gb must be a positive number of at most {MAX_MEMORY_GB:g} and at "
+                     f"least {MIN_MEMORY_GB:g} (GB per device), got {args.memory_gb}")  # nan too
     if args.docs is not None:
         _check_docs_sample(parser, args.batch, args.seq)
     hw = HARDWARE[args.hardware]

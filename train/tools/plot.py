@@ -4,6 +4,10 @@
     python -m train.tools.plot bench bench/emulated_b2/results.json -o bench.png
     python -m train.tools.plot layouts --devices 8 --devices-per-host 4 --batch 2 -o layouts.png
 
+`losses` draws any number metrics.jsonl holds (eval_loss: at the steps that evaluated) and labels
+each run with the layouts it trained under, in order ("basp 2x4 -> ulysses 1x8" when resumed
+under another).
+
 Each command prints the path it wrote. Bad input (no metrics.jsonl, an empty one, an unknown metric,
 a number out of its range in a metrics line or a result, an impossible layout, an -o that is one of
 the inputs, symlinks resolved) is one line on stderr and exit status 2.
@@ -15,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -31,9 +36,18 @@ else:
 
 NO_MATPLOTLIB = "train.tools.plot draws with matplotlib, which is not installed: pip install -e '.[plot]'"
 
-METRICS = ("loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu")
-METRIC_LABELS = {"loss": "loss (nats/token)", "grad_norm": "gradient norm", "lr": "learning rate",
-                 "tokens_per_s": "tokens/s", "step_time_s": "step time (s)", "mfu": "MFU"}
+# the numbers the trainer writes to metrics.jsonl (train.observe.report, train.observe.evaluate),
+# checked in every line; another numeric field of the runs' lines plots too, under its own name
+METRIC_LABELS = {
+    "loss": "loss (nats/token)", "grad_norm": "gradient norm", "lr": "learning rate",
+    "tokens_per_s": "tokens/s", "step_time_s": "step time (s)", "mfu": "MFU",
+    "loss_tokens": "loss tokens per step", "loss_scale": "float16 loss scale",
+    "eval_loss": "eval loss (nats/token)", "eval_perplexity": "eval perplexity",
+    "eval_tokens": "eval tokens", "eval_time_s": "eval time (s)",
+    "eval_compile_s": "eval compile (s)", "a2a_bytes": "all-to-all bytes per device",
+    "a2a_inter_host_bytes": "inter-host all-to-all bytes per device",
+}
+METRICS = tuple(METRIC_LABELS)
 LINESTYLES = ("-", "--", ":", "-.")
 
 
@@ -93,17 +107,27 @@ def _checked_record(record: dict, where: str) -> int:
         raise PlotError(f"{where}: field 'step' is {_shown(step)}, not a step number in "
                         f"[0, {MAX_STEP}]; is this a metrics.jsonl the trainer wrote?")
     for metric in METRICS:
-        value = record.get(metric)
-        if value is None:
-            continue
-        try:
-            if isinstance(value, bool):
-                raise TypeError
-            float(value)
-        except (TypeError, ValueError, OverflowError):
-            raise PlotError(f"{where}: field {metric!r} is {_shown(value)}, not a number "
-                            "(null, a float, or \"nan\"/\"inf\")") from None
+        _check_metric(record, metric, where)
     return int(step)
+
+
+def _check_metric(record: dict, metric: str, where: str) -> None:
+    if not _is_metric(record.get(metric)):
+        raise PlotError(f"{where}: field {metric!r} is {_shown(record[metric])}, not a number "
+                        "(null, a float, or \"nan\"/\"inf\")")
+
+
+def _is_metric(value) -> bool:
+    """null, a number a float holds, or a string float() reads ("nan"/"inf")."""
+    if value is None:
+        return True
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return False
+    try:
+        float(value)
+    except (ValueError, OverflowError):
+        return False
+    return True
 
 
 def _shown(value) -> str:
@@ -118,34 +142,117 @@ def _number(value) -> float:
     return math.nan if value is None else float(value)  # "nan"/"inf" strings included
 
 
-def run_label(run_dir: str | Path) -> str:
-    """The run directory's name, with its layout from collectives.json when the run wrote one."""
-    run_dir = Path(run_dir)
-    name = run_dir.resolve().name
+def run_label(run_dir: str | Path, records: list[dict] | None = None) -> str:
+    """The run directory's name, with the layouts it trained under in step order:
+    "run (basp 2x4 -> ulysses 1x8)" for a run resumed under another layout."""
+    if records is None:
+        try:
+            records = read_metrics(run_dir)
+        except PlotError:
+            records = []
+    name = Path(run_dir).resolve().name
+    history = layout_history(run_dir, records)
+    return f"{name} ({' -> '.join(history)})" if history else name
+
+
+def layout_history(run_dir: str | Path, records: list[dict]) -> list[str]:
+    """The layouts of a run's steps in order, each once per stretch: from run_layout, which the
+    first metrics.jsonl line of each trainer invocation holds; before the first such line (a run
+    begun by a trainer that did not write it), the layouts in the kept checkpoints' metadata and
+    collectives.json's (the last invocation's compiled step)."""
+    marked = [(r["step"], r["run_layout"]) for r in records
+              if isinstance(r.get("run_layout"), str)]
+    first = marked[0][0] if marked else math.inf
+    found = [layout for step, layout in _checkpoint_layouts(run_dir) if step < first]
+    if not marked:
+        found += _collectives_layout(run_dir)
+    elif records[0]["step"] < first and not found:
+        found = ["?"]  # steps whose layout nothing recorded
+    found += [layout for _, layout in marked]
+    return [layout for i, layout in enumerate(found) if i == 0 or layout != found[i - 1]]
+
+
+def _checkpoint_layouts(run_dir: str | Path) -> list[tuple[int, str]]:
+    """(step, layout) of each checkpoint in run_dir/checkpoints whose metadata names one."""
+    directory = Path(run_dir) / "checkpoints"
     try:
-        layout = json.loads((run_dir / "collectives.json").read_text())["layout"]
+        steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+    except OSError:
+        return []
+    found = []
+    for step in steps:
+        try:
+            layout = json.loads((directory / str(step) / "meta" / "metadata").read_text())["layout"]
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+            continue
+        if isinstance(layout, str):
+            found.append((step, short_layout(layout)))
+    return found
+
+
+def _collectives_layout(run_dir: str | Path) -> list[str]:
+    try:
+        layout = json.loads((Path(run_dir) / "collectives.json").read_text())["layout"]
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
-        return name
-    # "basp: 2 group(s) x sp=4 on 8 devices (2 host(s)); ..." -> "basp: 2 group(s) x sp=4"
-    return f"{name} ({str(layout).split(' on ')[0]})"
+        return []
+    return [short_layout(str(layout))]
+
+
+# basp_jax.layout.Layout.describe(): "basp: 2 group(s) x sp=4 (ring 2 x all-to-all 2) on ..."
+_DESCRIBED = re.compile(r"(\w+): (\d+) group\(s\) x sp=(\d+)(?: \(ring (\d+) x)?")
+
+
+def short_layout(described: str) -> str:
+    """A Layout.describe() line as run_layout names the layout: "basp 2x4", "ulysses 1x8/ring2"."""
+    match = _DESCRIBED.match(described)
+    if match is None:
+        return described.split(" on ")[0]
+    mode, groups, sp, ring = match.groups()
+    return f"{mode} {groups}x{sp}" + (f"/ring{ring}" if ring and int(ring) > 1 else "")
+
+
+def _series(records: list[dict], metric: str) -> tuple[list[int], list[float]]:
+    """Steps and values of the records that hold `metric` (eval_loss: the steps that evaluated);
+    null is a gap."""
+    held = [r for r in records if metric in r]
+    return [r["step"] for r in held], [_number(r[metric]) for r in held]
+
+
+def _check_metrics(metrics: list[str], runs: list[tuple[str, list[dict]]]) -> None:
+    """Each metric is one the trainer writes, or a field that holds numbers in the runs' lines
+    (then every value of it is checked as read_metrics checks the trainer's)."""
+    extra = {key for _, records in runs for r in records for key, value in r.items()
+             if key not in METRICS and key != "step" and _is_metric(value)
+             and not isinstance(value, str) and value is not None}
+    for metric in metrics:
+        if metric not in METRICS and metric not in extra:
+            known = ", ".join([*METRICS, *sorted(extra)])
+            raise PlotError(f"unknown metric {metric!r}; use one of {known}")
+        if metric in extra:
+            for run_dir, records in runs:
+                for r in records:
+                    if metric in r:
+                        _check_metric(r, metric, f"{Path(run_dir) / 'metrics.jsonl'}, step "
+                                                 f"{r['step']}")
 
 
 def losses_figure(run_dirs: list[str], out: str | Path, metrics: list[str]) -> Path:
-    """One panel per metric, one curve per run, against the optimizer step."""
-    unknown = [m for m in metrics if m not in METRICS]
-    if unknown:
-        raise PlotError(f"unknown metric {unknown[0]!r}; use one of {', '.join(METRICS)}")
-    runs = [(run_label(d), read_metrics(d)) for d in run_dirs]
+    """One panel per metric, one curve per run, against the optimizer step; a metric that some
+    steps lack (eval_loss) is drawn through the steps that have it, with a marker on each."""
+    runs = [(d, read_metrics(d)) for d in run_dirs]
+    _check_metrics(metrics, runs)
+    runs = [(run_label(d, records), records) for d, records in runs]
     fig, axes = plt.subplots(len(metrics), 1, figsize=(7, 2.2 + 1.8 * len(metrics)), sharex=True,
                              squeeze=False)
     for ax, metric in zip(axes[:, 0], metrics):
         for i, (label, records) in enumerate(runs):
-            values = [_number(r.get(metric)) for r in records]
+            steps, values = _series(records, metric)
             if all(math.isnan(v) for v in values):
                 raise PlotError(f"{label}: no values of {metric!r} in its metrics.jsonl")
             # runs that should agree (basp vs ulysses) overlap: dashes keep both visible
-            ax.plot([r["step"] for r in records], values, label=label, linestyle=LINESTYLES[i % 4])
-        ax.set_ylabel(METRIC_LABELS[metric])
+            ax.plot(steps, values, label=label, linestyle=LINESTYLES[i % 4],
+                    marker="o" if len(steps) < len(records) else None, markersize=3)
+        ax.set_ylabel(METRIC_LABELS.get(metric, metric))
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")
     axes[0, 0].legend()
@@ -360,7 +467,8 @@ def _parser() -> argparse.ArgumentParser:
     losses = sub.add_parser("losses", help="curves from each run's metrics.jsonl")
     losses.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", type=os.path.expanduser)
     losses.add_argument("--metric", action="append", dest="metrics", metavar="NAME",
-                        help=f"one of {', '.join(METRICS)}; repeat for more panels (default: loss)")
+                        help=f"a numeric field of metrics.jsonl: {', '.join(METRICS)}, or "
+                        "another the runs hold; repeat for more panels (default: loss)")
     bench = sub.add_parser("bench", help="the figure of benchmarks/emulated_cluster.py")
     bench.add_argument("results", metavar="RESULTS_JSON", type=os.path.expanduser)
     layouts = sub.add_parser("layouts", help="Ulysses and BASP device layouts side by side")
