@@ -18,6 +18,8 @@ import dataclasses
 import math
 
 from .. import gpus
+from . import calibration
+from .calibration import Calibration
 from ..layout import Layout, LayoutError, _divisors, auto_mode, mode_of
 from ..remat import REMAT_POLICIES, RematPolicy
 from ..sharding import PARAM_SHARDINGS, Strategy, sums_per_host
@@ -40,6 +42,16 @@ class Hardware:
     host_memory_bytes: float = 128e9
     host_bw: float = 25e9
     fp8_peak_flops: float | None = None  # per device, dense FP8 (None: no FP8 tensor cores)
+    # measured rates of this GPU kind (basp_jax.planner.calibration), read in place of
+    # `efficiency` where one was measured
+    calibration: Calibration | None = dataclasses.field(default=None, compare=False)
+
+    def describe_compute(self) -> str:
+        """One line: which compute model the step times come from."""
+        if self.calibration is not None:
+            return f"compute from the {self.calibration.target} calibration ({self.calibration.source})"
+        return (f"compute at {self.efficiency:.0%} of the peak (no calibration measured for this "
+                f"GPU kind)")
 
     def compute_seconds(self, flops: float, fp8_flops: float = 0.0) -> float:
         """Seconds for `flops` at this efficiency, `fp8_flops` of them (model.fp8's projections)
@@ -57,7 +69,7 @@ def _cluster(gpu: str, description: str, intra_bw: float, inter_bw: float,
     return Hardware(f"{g.device_kind}, {description}", g.peak_flops, intra_bw, inter_bw,
                     devices_per_host=devices_per_host, memory_bytes=gpus.usable_memory_bytes(g),
                     host_memory_bytes=host_memory, host_bw=host_bw,
-                    fp8_peak_flops=g.fp8_peak_flops)
+                    fp8_peak_flops=g.fp8_peak_flops, calibration=calibration.for_target(gpu))
 
 
 # Named like the GPU targets of basp_jax.gpus (and python -m train.tools.aot --target).
@@ -406,6 +418,7 @@ def predict(
     tile_tokens: int | None = None,
     offload_state: bool = False,
     fp8: bool = False,
+    attn_impl: str = "auto",
 ) -> Prediction:
     """Predicted per-step time and memory of a layout (for `shape`'s heads; its batch with its
     pad rows, its devices per host) under a parameter sharding strategy, on `hw`'s links. With
@@ -414,7 +427,8 @@ def predict(
     the layers' projections run at hw's FP8 peak (model.fp8). act_bytes: the compute dtype's;
     param_bytes: the gathered weights' and their gradients' (None: act_bytes, as the layers
     compute in it); sum_bytes: the hosts' gradient sums' where they cross hosts once a step
-    (None: param_bytes; 4 under float16 compute, train.program.per_group)."""
+    (None: param_bytes; 4 under float16 compute, train.program.per_group). attn_impl: the
+    attention kernel, for a calibrated GPU's rates (model.attn_impl)."""
     if offload_state:
         remat = "offload"
     q_heads, kv_heads = layout.exchanged_heads
@@ -430,7 +444,8 @@ def predict(
                             act_bytes=act_bytes, param_bytes=param_bytes,
                             master_bytes=master_bytes,
                             sum_bytes=param_bytes if sum_bytes is None else sum_bytes)
-    compute_s = _compute_seconds(shape, layout, hw, grad_accum, fp8)
+    compute_s = _compute_seconds(shape, layout, hw, grad_accum, fp8, remat=remat,
+                                 attn_impl=attn_impl)
     a2a_s, params_s = a2a.time(hw), params.time(hw) * (1 - overlap)
     memory = memory_bytes(shape, layout.tokens_per_device, shard_group, q_heads=q_heads,
                           kv_heads=kv_heads, remat=remat, act_bytes=act_bytes,
@@ -619,9 +634,10 @@ def _staged_traffic(layer_bytes: float, layout: Layout, strategy: Strategy,
 
 
 def _compute_seconds(shape: ModelShape, layout: Layout, hw: Hardware, grad_accum: int,
-                     fp8: bool = False) -> float:
-    """The step's training FLOPs on one device (padded heads computed too) at hw's efficiency;
-    fp8: the projections' at its FP8 peak."""
+                     fp8: bool = False, *, remat: str = "full", attn_impl: str = "auto") -> float:
+    """The step's training FLOPs on one device (padded heads computed too) at hw's efficiency,
+    or at its calibration's measured rates (dense work, the attention kernel, the remat policy);
+    fp8: the projections' at its FP8 peak (rate)."""
     q_heads, _ = layout.exchanged_heads
     attention_flops = shape.attention_flops_per_token(layout.seq_len) * q_heads / shape.num_heads
     if layout.ring > 1 and not layout.zigzag:
@@ -629,8 +645,13 @@ def _compute_seconds(shape: ModelShape, layout: Layout, hw: Hardware, grad_accum
         # gives every rank the same causal work).
         attention_flops *= 2 - 1 / layout.ring
     tokens = layout.tokens_per_device * grad_accum
+    fp8_flops = shape.fp8_flops_per_token() * tokens if fp8 else 0.0
+    if hw.calibration is not None:
+        dense = (shape.dense_flops_per_token() + shape.linear_attention_flops_per_token()) * tokens
+        return hw.calibration.compute_seconds(dense, attention_flops * tokens, attn_impl=attn_impl,
+                                              remat=remat, fp8_flops=fp8_flops)
     flops = (shape.dense_flops_per_token() + attention_flops) * tokens
-    return hw.compute_seconds(flops, shape.fp8_flops_per_token() * tokens if fp8 else 0.0)
+    return hw.compute_seconds(flops, fp8_flops)
 
 
 def _host_traffic(shape: ModelShape, layout: Layout, shard_group: int, hw: Hardware, *,
@@ -923,7 +944,7 @@ def plan_table(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
                overlap: float = 0.0, remat: str = "full", master_bytes: int = 4,
                moment_bytes: int | None = None, tile_tokens: int | None = None,
                zigzag: bool = False, offload_state: bool = False,
-               fp8: bool = False) -> list[Prediction]:
+               fp8: bool = False, attn_impl: str = "auto") -> list[Prediction]:
     """Predictions for every valid candidate, fastest first; those over memory last. With
     offload_state (the streamed step) host sharding is no candidate: it keeps per-host device
     copies of the weights, which the streamed step keeps in host memory instead."""
@@ -931,7 +952,8 @@ def plan_table(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
     preds = [
         predict(shape, layout, sharding, hw=hw, grad_accum=grad_accum, overlap=overlap,
                 remat=remat, master_bytes=master_bytes, moment_bytes=moment_bytes,
-                tile_tokens=tile_tokens, offload_state=offload_state, fp8=fp8)
+                tile_tokens=tile_tokens, offload_state=offload_state, fp8=fp8,
+                attn_impl=attn_impl)
         for layout, sharding in candidates(shape, batch=batch, seq_len=seq_len,
                                            num_devices=num_devices, max_pad_rows=max_pad_rows,
                                            devices_per_host=hw.devices_per_host,

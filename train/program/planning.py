@@ -69,7 +69,30 @@ def predicted_step_s(cfg: Config, mcfg, run_plan) -> float:
     return cost.predict(model_shape(mcfg), run_plan.layout, run_plan.strategy, hw=hw,
                         grad_accum=cfg.train.grad_accum, remat=run_plan.remat,
                         tile_tokens=run_plan.tile_tokens, fp8=fp8_planned(cfg),
+                        attn_impl=planned_attn_impl(cfg, mcfg, run_plan.layout),
                         **dtype_bytes(cfg), **state_bytes(cfg)).step_s
+
+
+def planned_attn_impl(cfg: Config, mcfg, layout: Layout) -> str:
+    """The kernel model.attn_impl runs on parallel.hardware (basp_jax.kernels.resolve_impl's
+    rule: "auto" runs cuDNN on unpacked input from sm80, our Pallas kernel on packed documents;
+    a ring's hops run our kernel), for a calibrated GPU's attention rate."""
+    import jax
+
+    from basp_jax import gpus, kernels
+
+    impl = cfg.model.attn_impl
+    capability = gpus.get(cfg.parallel.hardware).compute_capability
+    if layout.ring > 1:
+        return "pallas" if impl == "auto" and capability >= (8, 0) else impl
+    q_heads, _ = layout.exchanged_heads
+    q = jax.ShapeDtypeStruct((1, layout.seq_len, q_heads // layout.sp, mcfg.head_dim),
+                             _compute_dtype(cfg))
+    try:
+        return kernels.resolve_impl(impl, q, layout.seq_len, "gpu", has_segments=cfg.data.pack,
+                                    capability=capability)
+    except ValueError:  # a kernel this GPU cannot run: the compile says so; predict as given
+        return impl
 
 
 def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[Layout, str]:

@@ -85,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-zigzag", dest="zigzag", action="store_false",
                         help="rings in natural token order (the trainer's parallel.zigzag=false): "
                              "each ring step then waits for its busiest device")
+    parser.add_argument("--attn-impl", default="auto",
+                        choices=("auto", "cudnn", "pallas", "blockwise", "xla"),
+                        help="the attention kernel, for a GPU kind with a measured calibration "
+                             "(model.attn_impl; auto: cuDNN's, as for unpacked input on sm80+)")
     parser.add_argument("--fp8", action="store_true",
                         help="the layers' projections at the GPU's FP8 peak (model.fp8)")
     parser.add_argument("--docs", choices=sorted(DISTRIBUTIONS), default=None,
@@ -125,14 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     preds = plan_table(shape, batch=args.batch, seq_len=args.seq, num_devices=args.devices, hw=hw,
                        grad_accum=args.grad_accum, memory_limit=limit,
                        max_pad_rows=args.max_pad_rows, overlap=args.overlap, remat=args.remat,
-                       zigzag=args.zigzag, fp8=args.fp8)
+                       zigzag=args.zigzag, fp8=args.fp8, attn_impl=args.attn_impl)
     if not preds:
         print(f"error: no layout splits {shape.num_heads} heads and {args.seq} tokens over "
               f"{args.devices} devices; try another --devices or --seq", file=sys.stderr)
         return 2
     print(f"{args.model}: {shape.num_params / 1e9:.2f}B params, batch {args.batch} x {args.seq} tokens, "
           f"{args.devices} devices ({hw.devices_per_host} per host), {hw.name}")
-    print("bytes are per device per step; 'inter' = crossing hosts; times are predictions\n")
+    print("bytes are per device per step; 'inter' = crossing hosts; times are predictions, "
+          f"{hw.describe_compute()}\n")
     print(format_plan(preds, limit))
     best = preds[0]
     # The paper's baseline: Ulysses (no ring) with ZeRO-3 (fsdp) parameters.
