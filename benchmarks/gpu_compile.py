@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from train.tools import aot  # noqa: E402
+from train.tools import cuda_plugin, gpu_compile  # noqa: E402
 
 MODELS = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-3b", "qwen3-8b")
 GiB, MiB = 2**30, 2**20
@@ -42,7 +42,7 @@ def case_config(model, mode, sharding, args, seq_len=None):
 
 def compile_case(model, mode, sharding, args, seq_len=None):
     cfg = case_config(model, mode, sharding, args, seq_len)
-    r = aot.report(cfg, args.target, args.hosts, args.gpus_per_host)
+    r = gpu_compile.report(cfg, args.target, args.hosts, args.gpus_per_host)
     layout = r["layout"]
     r["case"] = {"model": model, "mode": mode, "sharding": sharding, "seq_len": layout["seq_len"]}
     return r
@@ -104,7 +104,7 @@ def main() -> int:
             r["formula_memory_bytes"] = formula(r, args)  # today's formula
             print(row(r))
         return 0
-    aot.use_plugin()
+    cuda_plugin.use_plugin()
     results = json.load(open(args.out)) if os.path.exists(args.out) else []
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from train.tools import aot  # noqa: E402
+from train.tools import cuda_plugin, gpu_compile  # noqa: E402
 
 GiB = 2**30
 LONG = "configs/gpu/llama-3.1-8b_long.yaml"
@@ -85,7 +85,7 @@ def planner_figures(target, hosts, per_host, overrides, offload_state: bool) -> 
 
 
 def compile_case(name, target, hosts, per_host, overrides):
-    r = aot.report(_config(target, hosts, per_host, overrides), target, hosts, per_host)
+    r = gpu_compile.report(_config(target, hosts, per_host, overrides), target, hosts, per_host)
     a2a = [c for c in r["collectives"] if c["kind"] == "all-to-all"]
     return {"name": name, "remat": r["remat"], "tile_tokens": r["tile_tokens"],
             "offload_state": r["offload_state"],
@@ -134,7 +134,7 @@ def main() -> None:
     if args.table:  # the compiled figures as recorded, the planner's recomputed
         print(table(refresh(json.loads(out.read_text()))))
         return
-    aot.use_plugin()
+    cuda_plugin.use_plugin()
     wanted = set(args.only.split(",")) if args.only else None
     unknown = (wanted or set()) - {case[0] for case in CASES}
     if unknown:

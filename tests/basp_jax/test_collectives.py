@@ -226,7 +226,7 @@ def test_compile_report_rows_do_not_merge_group_sizes():
     """train.tools.aot's table, one row per (kind, dtype, group size). Two f32 all-reduces of the GPU
     host-sharded step: the loss's 8-byte sums over all 8 devices, and the embedding
     gradient's 1/4 shard between the hosts. Merged, they printed as 250.5 MiB over 8 devices."""
-    from train.tools.aot import collective_rows
+    from train.tools.gpu_compile import collective_rows
 
     text = """
   %all-reduce-start.2 = f32[2]{0} all-reduce-start(%wrapped_concatenate), channel_id=204, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%region_29.32.clone

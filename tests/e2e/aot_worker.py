@@ -19,18 +19,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from train.tools import aot  # noqa: E402
+from train.tools import aot, cuda_plugin, gpu_compile  # noqa: E402
 from train.config.schema import load_config  # noqa: E402
 
 
 def compile_cases(cases: list[str]) -> list[dict]:
-    aot.use_plugin()
+    cuda_plugin.use_plugin()
     flags = argparse.Namespace(target=None, hosts=None, gpus_per_host=None)
     reports = []
     for case in cases:
         path, *overrides = case.split(",")
         cfg = load_config(path, overrides)
-        r = aot.report(*aot.resolve_cluster(cfg, flags, overrides))
+        r = gpu_compile.report(*aot.resolve_cluster(cfg, flags, overrides))
         r["case"] = case
         reports.append(r)
         print(f"{case}: {r['peak_bytes_per_device'] / 2**30:.2f} GiB, {r['compile_s']:.0f} s",

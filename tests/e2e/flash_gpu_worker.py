@@ -12,13 +12,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from train.tools import aot  # noqa: E402
+from train.tools import cuda_plugin  # noqa: E402
 
 
 def main() -> None:
     target, ring = sys.argv[1], int(sys.argv[2])
     zigzag = len(sys.argv) > 3 and sys.argv[3] == "zigzag"
-    aot.use_plugin()
+    cuda_plugin.use_plugin()
     import jax
     import jax.numpy as jnp
 
@@ -28,7 +28,7 @@ def main() -> None:
     b, s, hq, hkv, d = 1, 8192, 32, 8, 128
     layout = Layout.plan(8, batch=b, seq_len=s, num_heads=hq, num_kv_heads=hkv, groups=1,
                          ring=ring, zigzag=zigzag)
-    mesh = make_mesh(layout, aot.gpu_devices(target, 1, 8))
+    mesh = make_mesh(layout, cuda_plugin.gpu_devices(target, 1, 8))
     sharding = activation_sharding(mesh)
 
     def step(q, k, v, seg):

@@ -26,7 +26,7 @@ from basp_jax.compiled import comm
 from basp_jax.planner import cost
 import models
 from models.config import MODEL_SHAPES
-from train.tools import aot
+from train.tools import aot_report
 from tests.helpers.flags import TEST_XLA_FLAGS, jaxlib_minor
 
 COMPILE_CACHE = False  # tests/conftest.py: its GPU programs compile in subprocesses
@@ -88,7 +88,8 @@ def _run(*args, timeout=1200, env=None):
 def cuda_plugin():
     """JAX's CUDA plugin for this environment: a missing one fails every test here (never a skip
     on Linux x86_64), naming the command that installs it."""
-    probe = "from train.tools import aot; import sys; sys.exit(0 if aot.plugin_ready() else 1)"
+    probe = ("from train.tools import cuda_plugin; import sys; "
+             "sys.exit(0 if cuda_plugin.plugin_ready() else 1)")
     if _run("-c", probe).returncode:
         pytest.fail("JAX's CUDA plugin is not installed: run `python -m train.tools.aot "
                     "--install-if-supported` first (the README's test command does)")
@@ -459,9 +460,9 @@ def test_plan_compiles_every_candidate_and_picks_one_that_fits(cuda_plugin, tmp_
         lay = row["report"]["layout"]
         assert row["name"].startswith(f"{lay['mode']} ({lay['groups']},{lay['sp']}) "
                                       f"{row['report']['param_sharding']}")
-    from train.tools import aot
+    from train.tools import aot_report
 
-    inter = {row["name"]: aot.inter_host_bytes(row["report"]) for row in rows}
+    inter = {row["name"]: aot_report.inter_host_bytes(row["report"]) for row in rows}
     assert inter["basp (2,4) staged_keep"] < inter["ulysses (1,8) staged_keep"], inter
     for row in rows:  # the ring's all-to-alls stay inside the hosts, as BASP's do
         a2a = sum(c["inter_host_wire_bytes"] for c in _rows(row["report"], "all-to-all"))
@@ -597,11 +598,11 @@ def test_the_colab_config_fits_an_l4_with_cudnn_in_bf16(colab_others):
 
 @WHOLE_TIER
 def test_a_step_that_does_not_fit_a_t4_says_what_would_in_one_line(colab_others):
-    from train.tools import aot
+    from train.tools import aot_report
 
     r = colab_others["t4-16gb x4"]
     assert not r["fits"] and r["would_fit"] == "data.seq_len=131072 or --hosts 2 (2 GPUs)"
-    last = aot.format_report(r).splitlines()[-1]
+    last = aot_report.format_report(r).splitlines()[-1]
     assert last.startswith("does not fit: ") and last.endswith(r["would_fit"])
 
 
@@ -634,7 +635,7 @@ def test_adaptive_layouts_each_compile_for_the_gpus_and_fit(reports):
     assert rows[1]["a2a_bytes"] >= rows[2]["a2a_bytes"] > 0 == rows[3]["a2a_bytes"]
     # the memory bound is the static layout's: the same tokens per device
     assert max(x["peak_bytes_per_device"] for x in rows) <= 1.05 * rows[0]["peak_bytes_per_device"]
-    assert "adaptive layouts (parallel.mode=adaptive), each compiled:" in aot.format_report(r)
+    assert "adaptive layouts (parallel.mode=adaptive), each compiled:" in aot_report.format_report(r)
 
 
 # model.fp8 on a small model of Llama-3.2-1B's head counts (2 layers, 4K tokens) for 8 H100s:

@@ -6,7 +6,7 @@ answers when XLA refuses or the step does not fit (the compiled cases: tests/e2e
 import pytest
 
 from basp_jax import gpus
-from train.tools import aot
+from train.tools import aot_errors, fit_advice
 from train.config.schema import ConfigError, load_config, replace
 from train.prepare import check_kernel, with_compute_dtype
 from train.program.step import compute_dtype
@@ -56,15 +56,15 @@ def test_an_xla_refusal_becomes_one_line_naming_the_setting():
     triton = RuntimeError("FAILED_PRECONDITION: Triton support is only enabled for Ampere GPUs "
                           "(compute capability 8.0) and up, but got compute capability 7.5.\n"
                           "\nFor simplicity, JAX has removed its internal frames ...")
-    line = aot.compile_failure(triton, "t4-16gb")
+    line = aot_errors.compile_failure(triton, "t4-16gb")
     assert "\n" not in line and line.startswith("XLA could not compile the step for t4-16gb: "
                                                 "FAILED_PRECONDITION: Triton support")
     assert line.endswith("set model.attn_impl=auto or blockwise")
     bf16 = RuntimeError("UNIMPLEMENTED: Unsupported algorithm on the current device(s): "
                         "ALG_DOT_BF16_BF16_F32")
     assert "t4-16gb has no bf16 matrix multiply in XLA (sm75); set model.dtype=auto" in \
-        aot.compile_failure(bf16, "t4-16gb")
-    other = aot.compile_failure(RuntimeError("INTERNAL: something else"), "l4-24gb")
+        aot_errors.compile_failure(bf16, "t4-16gb")
+    other = aot_errors.compile_failure(RuntimeError("INTERNAL: something else"), "l4-24gb")
     assert other.endswith("try model.attn_impl=blockwise (it compiles for every GPU) or "
                           "model.dtype=float32")
 
@@ -76,8 +76,8 @@ def test_would_fit_names_the_shortest_change_by_the_planners_formula():
     usable = gpus.usable_memory_bytes(gpus.GPUS["t4-16gb"])
     r = {"peak_bytes_per_device": 16 * 2**30, "formula_memory_bytes": 16 * 2**30,
          "usable_memory_bytes": usable}
-    assert aot.would_fit(cfg, r, 8, 4) == "--hosts 4 (16 GPUs)"
-    assert aot.would_fit(replace(cfg, "model.remat=dots"), r, 8, 4) == \
+    assert fit_advice.would_fit(cfg, r, 8, 4) == "--hosts 4 (16 GPUs)"
+    assert fit_advice.would_fit(replace(cfg, "model.remat=dots"), r, 8, 4) == \
         "--hosts 4 (16 GPUs) model.remat=auto"
 
 

@@ -166,10 +166,10 @@ def test_the_cuda_13_plugin_is_installed_where_jaxlibs_cuda_12_one_is_not_publis
         monkeypatch, tmp_path):
     """A jaxlib release can reach the registry before its CUDA 12 plugin: the GPU compile then
     installs the CUDA 13 plugin and its cuDNN; a failure of another kind stops at once."""
-    from train.tools import aot
+    from train.tools import aot_errors, cuda_plugin
 
     monkeypatch.setenv("BASP_GPU_COMPILE_DIR", str(tmp_path))
-    monkeypatch.setattr(aot, "_check_platform", lambda: None)
+    monkeypatch.setattr(cuda_plugin, "_check_platform", lambda: None)
     calls = []
 
     def pip(cmd, **kwargs):
@@ -183,14 +183,14 @@ def test_the_cuda_13_plugin_is_installed_where_jaxlibs_cuda_12_one_is_not_publis
         calls.append(cmd)
         return SimpleNamespace(returncode=1, stdout="", stderr="ERROR: No space left on device")
 
-    monkeypatch.setattr(aot.subprocess, "run", pip)
-    assert aot.install_plugin() == aot.plugin_dir()
+    monkeypatch.setattr(cuda_plugin.subprocess, "run", pip)
+    assert cuda_plugin.install_plugin() == cuda_plugin.plugin_dir()
     assert [c[0].split("==")[0] for c in calls] == ["jax-cuda12-plugin", "jax-cuda13-plugin"]
     assert calls[1][2].startswith("nvidia-cudnn-cu13")
     calls.clear()
-    monkeypatch.setattr(aot.subprocess, "run", full_disk)
-    with pytest.raises(aot.AotError, match="pip could not install jax-cuda12-plugin"):
-        aot.install_plugin()
+    monkeypatch.setattr(cuda_plugin.subprocess, "run", full_disk)
+    with pytest.raises(aot_errors.AotError, match="pip could not install jax-cuda12-plugin"):
+        cuda_plugin.install_plugin()
     assert len(calls) == 1
 
 
