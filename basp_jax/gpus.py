@@ -26,6 +26,22 @@ import dataclasses
 import os
 
 
+# Tensor cores by compute capability: fp16 ones from Volta (sm70; the T4 is sm75), bf16 ones from
+# sm80. Below sm80 XLA has no bf16 dot algorithm either (basp_jax.kernels).
+FP16_MIN_CC = (7, 0)
+BF16_MIN_CC = (8, 0)
+
+
+def auto_compute_dtype(capability: tuple[int, int] | None) -> str:
+    """What model.dtype=auto computes in on a GPU of this compute capability (None: a GPU whose
+    capability is unknown, taken as a current one): bfloat16 where it has bf16 tensor cores,
+    float16 (with loss scaling) where it has fp16 ones only, else float32. The one rule, for the
+    trainer's devices and the planner's and compiler's targets alike."""
+    if capability is None or tuple(capability) >= BF16_MIN_CC:
+        return "bfloat16"
+    return "float16" if tuple(capability) >= FP16_MIN_CC else "float32"
+
+
 @dataclasses.dataclass(frozen=True)
 class Gpu:
     name: str  # the key: a100-40gb, ...
@@ -57,6 +73,11 @@ class Gpu:
     def half_dtype(self) -> str:
         """The half-precision dtype its tensor cores run (and peak_flops counts)."""
         return "bfloat16" if self.bf16 else "float16"
+
+    @property
+    def auto_dtype(self) -> str:
+        """What model.dtype=auto computes in on it (auto_compute_dtype)."""
+        return auto_compute_dtype(self.compute_capability)
 
     def step_peak(self, fp8_share: float = 0.0) -> tuple[float, str]:
         """The peak FLOP/s MFU divides by for a step that runs fp8_share of its FLOPs as FP8

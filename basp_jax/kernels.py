@@ -167,7 +167,7 @@ def _fused_runs(name: str, platform: str, capability) -> str | None:
 # ALG_DOT_BF16_BF16_F32"), and the CPU has no f16 one ("The precision 'F16_F16_F32' is not
 # supported by dot_general on CPU"); the blockwise kernel's plain dots compile in both (on a T4
 # XLA runs bf16 ones in f32: no bf16 tensor cores).
-BF16_DOT_MIN_CC = (8, 0)
+BF16_DOT_MIN_CC = gpus.BF16_MIN_CC
 
 
 def _xla_dot_unsupported(platform: str, capability, dtype) -> str | None:

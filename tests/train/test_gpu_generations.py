@@ -35,6 +35,21 @@ def test_auto_dtype_is_bf16_where_the_gpu_has_it(gpu, dtype):
     assert cfg.model.dtype == "auto" and with_compute_dtype(cfg, device).model.dtype == dtype
 
 
+@pytest.mark.parametrize("gpu", sorted(gpus.GPUS))
+def test_the_trainer_and_the_planner_resolve_auto_alike(gpu):
+    """model.dtype=auto on a device of this GPU (the trainer) and for it as parallel.hardware
+    (the planner, train.tools.aot --plan) come from one rule, basp_jax.gpus.auto_compute_dtype."""
+    from train.program.planning import _compute_dtype
+
+    cfg = load_config("configs/colab.yaml", [f"parallel.hardware={gpu}"])
+    assert compute_dtype("auto", FakeDevice(gpu)) == _compute_dtype(cfg) == gpus.GPUS[gpu].auto_dtype
+
+
+def test_auto_compute_dtype_by_compute_capability():
+    assert [gpus.auto_compute_dtype(cc) for cc in ((6, 1), (7, 0), (7, 5), (8, 0), (9, 0), None)] \
+        == ["float32", "float16", "float16", "bfloat16", "bfloat16", "bfloat16"]
+
+
 def test_a_kernel_the_gpu_cannot_run_is_one_config_error():
     cfg = load_config("configs/colab.yaml")
     t4, l4 = FakeDevice("t4-16gb"), FakeDevice("l4-24gb")

@@ -36,24 +36,16 @@ from . import per_group
 
 BATCH_SPEC = activation_spec(None, "batch", "sequence")  # [accum, B, S]
 
-# fp16 tensor cores: Volta (sm70) and Turing (sm75, the T4) have them, bf16 ones come with sm80
-FP16_MIN_CC = (7, 0)
-
-
 def compute_dtype(name: str, device) -> str:
-    """model.dtype as `device` computes it: "auto" is bfloat16 on a GPU with bf16 tensor cores
-    (compute capability 8.0 on), float16 (with loss scaling) on one with only fp16 tensor cores
-    (a T4, sm75: XLA would run bf16 matmuls in float32), else float32 (CPU)."""
+    """model.dtype as `device` computes it: "auto" by basp_jax.gpus.auto_compute_dtype on a GPU
+    (bfloat16 from sm80, float16 with loss scaling on a T4), float32 on the CPU."""
     if name != "auto":
         return name
-    from basp_jax import kernels
+    from basp_jax import gpus, kernels
 
     if device.platform != "gpu":
         return "float32"
-    cc = kernels.device_capability(device)
-    if cc is None or cc >= kernels.BF16_DOT_MIN_CC:
-        return "bfloat16"
-    return "float16" if cc >= FP16_MIN_CC else "float32"
+    return gpus.auto_compute_dtype(kernels.device_capability(device))
 
 
 @dataclasses.dataclass(frozen=True)
