@@ -8,11 +8,12 @@
 #
 #   bash scripts/gpu_check.sh [OUT.json] [--steps N] [--repeats N]    # default OUT: gpu_check.json
 #
-# Needs JAX with its CUDA plugin, flax, optax, orbax-checkpoint, safetensors, tokenizers and grain
-# installed already (e.g. pip install -e ".[cuda13]" once); the check installs only this
-# checkout. PYTHON: the interpreter (default python3). Exit status: 0 all passed, 1 a check
-# failed (the JSON says which), 2 no GPU or bad input, 124 the 8-minute limit was hit (the JSON
-# holds the sections that finished). Without a GPU, --cpu-smoke runs the same code on tiny shapes.
+# Needs JAX with its CUDA plugin, flax, optax, orbax-checkpoint, safetensors and tokenizers
+# installed already (e.g. pip install -e ".[cuda13]" once; not grain: the check trains on synthetic
+# data); the check installs only this checkout. PYTHON: the interpreter (default python3). Exit
+# status: 0 all passed, 1 a check failed (the JSON says which), 2 no GPU or bad input, 124 the
+# 8-minute limit was hit (the JSON holds the sections that finished). Without a GPU, --cpu-smoke
+# runs the same code on tiny shapes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

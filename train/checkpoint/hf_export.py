@@ -38,7 +38,7 @@ def special_ids(cfg: Config, hf_config: dict) -> tuple[int | None, int | list | 
 def sidecar_eos(cfg: Config, hf_config: dict) -> int | None:
     """The eos_id that the sidecars of data.source=tokens's files (train.tools.tokenize) record
     when every file has a sidecar that is trusted (train.data.checked_sidecar) and they agree."""
-    from ..data import DataError, checked_sidecar  # (numpy and grain: only for an export)
+    from ..data import DataError, checked_sidecar  # (numpy: only for an export)
 
     if cfg.data.source != "tokens":
         return None

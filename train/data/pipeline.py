@@ -298,6 +298,8 @@ class Pipeline:
             self.name = f"synthetic Markov chain (branching {cfg.branching})" + (
                 f", {cfg.documents} documents" if cfg.documents else "")
         else:
+            if not held_out:  # before reading (and tokenizing) any file
+                sources.require_grain(cfg.source)
             paths = [cfg.path] if held_out or not cfg.mix else list(cfg.mix)
             streams, names = [], []
             for path in paths:

@@ -16,10 +16,14 @@ the one cutter and first-fit packer, which adaptive layouts use too).
 
 from __future__ import annotations
 
-import grain
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from basp_jax.packing import document_pieces, first_fit
+
+if TYPE_CHECKING:
+    import grain
 
 
 class Windows:
@@ -78,9 +82,23 @@ def row_of(pieces: list[np.ndarray], length: int) -> tuple[np.ndarray, np.ndarra
     return raw, seg
 
 
+def require_grain(source: str) -> None:
+    """Raise one line (DataError) when grain cannot be imported: it is imported only where it is
+    used, so synthetic data trains without it (a GPU image may lack it)."""
+    try:
+        import grain  # noqa: F401
+    except ImportError as e:
+        from .pipeline import DataError  # (pipeline imports this module)
+
+        raise DataError(f"data.source={source} reads its rows through grain, which cannot be "
+                        f"imported ({e}): pip install grain") from None
+
+
 def epochs(sources: list, weights: list[float] | None, seed: int) -> grain.MapDataset:
     """The global row index -> (source number, row number) of endless seeded epochs; with several
     sources, mixed by weight (grain keeps each source's own epochs)."""
+    import grain  # Pipeline checked it first (require_grain)
+
     parts = [grain.MapDataset.range(src.count).shuffle(seed=(seed + 7919 * k) % 2**32).repeat()
              .map(lambda i, k=k: (k, int(i))) for k, src in enumerate(sources)]
     if len(parts) == 1:
