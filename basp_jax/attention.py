@@ -65,7 +65,7 @@ def _unpad_heads(out, num_heads, num_kv_heads, kv_heads, group):
     return out.reshape(b, s, num_heads, d)
 
 
-def _seq_to_heads(x, sp, kv=False):
+def seq_to_heads(x, sp, kv=False):
     """[b, s/sp, h, d] sequence shard -> [b, s, h/sp, d] head shard (whole sequence); kv: k or
     v, tagged apart (basp_jax.remat.name_exchange)."""
     if sp == 1:
@@ -76,17 +76,17 @@ def _seq_to_heads(x, sp, kv=False):
 
 
 def _qkv_to_heads(q, k, v, sp, fp8):
-    """_seq_to_heads of q, k and v; fp8: in float8 with per-head scales, all three's scales in
+    """seq_to_heads of q, k and v; fp8: in float8 with per-head scales, all three's scales in
     one small exchange (basp_jax.fp8_exchange)."""
     if not fp8 or sp == 1:
-        return _seq_to_heads(q, sp), _seq_to_heads(k, sp, kv=True), _seq_to_heads(v, sp, kv=True)
+        return seq_to_heads(q, sp), seq_to_heads(k, sp, kv=True), seq_to_heads(v, sp, kv=True)
     with jax.named_scope("seq_to_heads"):
         q, k, v = fp8_all_to_all((q, k, v), 2, 1, sp)
         return name_exchange(q), name_exchange(k, kv=True), name_exchange(v, kv=True)
 
 
-def _heads_to_seq(x, sp):
-    """Inverse of _seq_to_heads."""
+def heads_to_seq(x, sp):
+    """Inverse of seq_to_heads."""
     if sp == 1:
         return x
     with jax.named_scope("heads_to_seq"):
@@ -157,7 +157,7 @@ def attention(
             seg = name_exchange(seg, kv=True)
         with jax.named_scope(ATTENTION_SCOPE):
             out = kernel(q, k, v, causal=causal, segment_ids=seg)
-        return _heads_to_seq(out, sp)
+        return heads_to_seq(out, sp)
 
     rows = rows_spec()
     seg_spec = None if segment_ids is None else rows

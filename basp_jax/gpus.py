@@ -8,7 +8,7 @@
     gpus.GPUS["t4-16gb"].bf16, gpus.GPUS["t4-16gb"].half_dtype   # False, "float16"
     gpus.GPUS["h100-80gb"].fp8_peak_flops        # dense FP8 peak (None: no FP8 tensor cores)
 
-The planner (basp_jax.planner.cost), the compile-for-GPU command (train.tools.aot) and the trainer's peak FLOP/s
+The planner (basp_jax.planner.hardware), the compile-for-GPU command (train.tools.aot) and the trainer's peak FLOP/s
 (MFU) read this table, so a GPU's memory and speed are written once. Every GPU has its exact
 device kind, compute capability and peak; the compile targets (TARGETS) also have what XLA needs
 to compile for them. Memory sizes are the totals the CUDA driver reports (a little less than the

@@ -5,7 +5,7 @@ Every all-to-all result inside basp_jax.attention (and the ring's k/v hops and t
 ids) is tagged with `jax.ad_checkpoint.checkpoint_name` (name_exchange: EXCHANGE_NAME for q's and
 the output's, KV_EXCHANGE_NAME for k's, v's and the rest). A model that wraps its
 layers in `jax.checkpoint(..., policy=save_exchanges(policy))` then recomputes only local work in
-the backward pass: 4 all-to-alls per layer forward and 4 backward, as basp_jax.planner.cost counts, instead
+the backward pass: 4 all-to-alls per layer forward and 4 backward, as basp_jax.planner.traffic counts, instead
 of 12 with plain full rematerialisation. The price is memory: per layer q, k, v in the head layout
 and the attention output (~(2 + 2 * kv_heads / heads) x hidden values per token) are kept.
 
@@ -21,7 +21,7 @@ tagged value) can move them to pinned host memory between the forward and the ba
 num_layers x tokens x hidden values (and the exchanges too with `exchanges=True`).
 
 REMAT_POLICIES names every policy a model may run under (models.RunOptions.remat, the config's
-model.remat) with what basp_jax.planner.cost needs of it: the per-token tensors each layer keeps on the
+model.remat) with what basp_jax.planner.memory needs of it: the per-token tensors each layer keeps on the
 device and in host memory (TENSORS), and whether the planner's model.remat=auto may choose it.
 A new policy is one entry here.
 """
@@ -103,7 +103,7 @@ def offload_layer_inputs(*, exchanges: bool):
 
 
 # The per-token tensors of one decoder layer that a policy may keep for the backward pass;
-# basp_jax.planner.cost gives each its width (values per token, in the compute dtype):
+# basp_jax.planner.memory gives each its width (values per token, in the compute dtype):
 #   input        the layer's input (hidden)
 #   exchanged    attention's q, k, v and output in the head layout, the exchanges' results
 #   exchanged_kv only k's and v's of them (grouped-query heads: a fraction of q's width)

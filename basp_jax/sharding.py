@@ -67,7 +67,7 @@ class Strategy:
         its gathers never leave a host.
     vocab_parallel: the embedding and LM head can be used where they are stored (split on the
         vocabulary over the compute mesh's axes: basp_jax.vocab).
-    sync: the gradient reduction per microbatch beyond the shard group's, as basp_jax.planner.cost prices
+    sync: the gradient reduction per microbatch beyond the shard group's, as basp_jax.planner.traffic prices
         it: "groups" (the 1/sp shard all-reduced across groups), "hosts" (each element crosses
         hosts once), None.
     applies(layout): whether the planner (train.program.planning, basp_jax.planner.cost) tries it for this
@@ -158,6 +158,7 @@ RULES: dict[str, str | None] = {
     "mlp_down": SPLIT,       # down_proj input [mlp, embed]
     "norm": SPLIT,           # RMSNorm weights [embed]
     "head_dim": SPLIT,       # q/k norm weights [head_dim] (Qwen3)
+    "expert": None,          # the experts of a sparse MLP's weights (models.moe): all on each device
     # activations [batch, sequence, ...]
     "batch": GROUP,
     "sequence": SEQ,

@@ -39,7 +39,7 @@ def main() -> None:
     import jax.numpy as jnp
 
     from basp_jax import ACTIVATION_SPEC, Layout, activation_sharding, make_mesh
-    from basp_jax.attention import _heads_to_seq, _seq_to_heads
+    from basp_jax.attention import heads_to_seq, seq_to_heads
 
     n = jax.device_count()
     for mode in args.modes.split(","):
@@ -52,8 +52,8 @@ def main() -> None:
 
         def exchanges(q, k, v):
             for _ in range(args.layers * 2):  # forward and backward passes
-                q2, k2, v2 = (_seq_to_heads(x, sp) for x in (q, k, v))
-                q = _heads_to_seq(q2 + k2.mean() + v2.mean(), sp)  # keep every exchange live
+                q2, k2, v2 = (seq_to_heads(x, sp) for x in (q, k, v))
+                q = heads_to_seq(q2 + k2.mean() + v2.mean(), sp)  # keep every exchange live
             return q
 
         fn = jax.jit(jax.shard_map(exchanges, mesh=mesh, in_specs=(ACTIVATION_SPEC,) * 3,

@@ -23,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import models  # noqa: E402
 from basp_jax.compiled import comm  # noqa: E402
-from basp_jax.planner import cost
+from basp_jax.planner import cost  # noqa: E402
+from basp_jax.planner.hardware import HARDWARE  # noqa: E402
+from basp_jax.planner.precisions import Precisions  # noqa: E402
 from models.config import MODEL_SHAPES  # noqa: E402
 from train.tools.collectives import step_collectives  # noqa: E402
 
@@ -38,8 +40,8 @@ def row(name, batch, mode, strategy, layout, collectives, shape, seq_len) -> str
         r = table.get(kind, {"wire_bytes": 0.0, "inter_host_wire_bytes": 0.0})
         return f"{r['wire_bytes'] / MiB:.1f} / {r['inter_host_wire_bytes'] / MiB:.1f}"
 
-    hw = cost.HARDWARE["a100-40gb"]
-    closed = cost.predict(shape, layout, strategy, hw=hw, act_bytes=4, param_bytes=4)
+    hw = HARDWARE["a100-40gb"]
+    closed = cost.predict(shape, layout, strategy, hw=hw, precisions=Precisions(act=4, param=4))
     a2a_closed = (closed.all_to_all.intra + closed.all_to_all.inter) / MiB
     return (f"| {name} | {batch} | {mode} ({layout.groups},{layout.sp}) {strategy} | {cell('all-to-all')} "
             f"| {a2a_closed:.1f} | {cell('all-gather')} | {cell('reduce-scatter')} | {cell('all-reduce')} |")

@@ -176,6 +176,8 @@ def planner_view(args, name: str, rate: float | None) -> dict:
     import models
     from basp_jax import Layout
     from basp_jax.planner import cost
+    from basp_jax.planner.hardware import Hardware
+    from basp_jax.planner.precisions import Precisions
 
     mode, ring, sharding = parse_setup(name)
     if mode == "adaptive" or setup_overrides(name):
@@ -188,9 +190,10 @@ def planner_view(args, name: str, rate: float | None) -> dict:
     layout = Layout.plan(8, args.batch, args.seq_len, mcfg.num_heads, mcfg.num_kv_heads,
                          devices_per_host=4, mode=mode, ring=ring, zigzag=ring > 1)
     link = (rate or 10_000) * 1e6 / 8 / 4  # bytes/s per device ('none': ~10 Gbit/s veth)
-    hw = cost.Hardware("emulated 2 x 4 CPU devices", 1e12, intra_bw=1e12, inter_bw=link,
-                       devices_per_host=4)
-    pred = cost.predict(mcfg.shape, layout, sharding, hw=hw, act_bytes=4, param_bytes=4)  # float32
+    hw = Hardware("emulated 2 x 4 CPU devices", 1e12, intra_bw=1e12, inter_bw=link,
+                  devices_per_host=4)
+    pred = cost.predict(mcfg.shape, layout, sharding, hw=hw,
+                        precisions=Precisions(act=4, param=4))  # float32
     inter = pred.all_to_all.inter + pred.params.inter
     return {"inter_host_bytes": inter, "inter_host_s": inter / link}
 

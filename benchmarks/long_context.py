@@ -66,8 +66,10 @@ def planner_figures(target, hosts, per_host, overrides, offload_state: bool) -> 
     (optimizer.offload=auto resolved to `offload_state`): cheap, so --table recomputes them
     with today's formulas."""
     from basp_jax.planner import cost
+    from basp_jax.planner.hardware import HARDWARE
     from train.config.schema import replace
-    from train.program.planning import (host_memory_estimate, memory_estimate, memory_policy, model_shape, plan, state_bytes)
+    from train.program.planning import (host_memory_estimate, memory_estimate, memory_policy,
+                                        model_shape, plan, precisions)
     from train.prepare import model_config
 
     cfg = replace(_config(target, hosts, per_host, overrides),
@@ -75,8 +77,9 @@ def planner_figures(target, hosts, per_host, overrides, offload_state: bool) -> 
     mcfg = model_config(cfg)
     layout, strategy = plan(cfg, mcfg, hosts * per_host, per_host)
     remat, tile = memory_policy(cfg, mcfg, layout, strategy, per_host)
-    pred = cost.predict(model_shape(mcfg), layout, strategy, hw=cost.HARDWARE[target],
-                        remat=remat, tile_tokens=tile, **state_bytes(cfg))
+    pred = cost.predict(model_shape(mcfg), layout, strategy, hw=HARDWARE[target],
+                        remat=remat, tile_tokens=tile, precisions=precisions(cfg),
+                        offload_state=cfg.optimizer.offload is True)
     return {"formula_memory_bytes": memory_estimate(cfg, mcfg, layout, strategy, remat=remat,
                                                     tile_tokens=tile)[0],
             "formula_host_memory_bytes": host_memory_estimate(cfg, mcfg, layout, strategy,

@@ -13,6 +13,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from basp_jax.planner import cost  # noqa: E402
+from basp_jax.planner.hardware import HARDWARE  # noqa: E402
+from basp_jax.planner.shape import ModelShape  # noqa: E402
 from models.config import MODEL_SHAPES  # noqa: E402
 
 GB = 1e9
@@ -20,8 +22,8 @@ OVERLAP = 1.0  # parameter collectives hidden behind compute (ZeRO-3 prefetch), 
 SHAPES = {
     "llama-3.1-8b (32/8 heads)": MODEL_SHAPES["llama-3.1-8b"],
     "qwen2.5-3b (16/2 heads)": MODEL_SHAPES["qwen2.5-3b"],
-    "qwen2.5-7b-like (28/4 heads)": cost.ModelShape(28, 3584, 18944, 28, 4, 128, 152064),
-    "small (4/4 heads)": cost.ModelShape(12, 512, 2048, 4, 4, 128, 32000),
+    "qwen2.5-7b-like (28/4 heads)": ModelShape(28, 3584, 18944, 28, 4, 128, 152064),
+    "small (4/4 heads)": ModelShape(12, 512, 2048, 4, 4, 128, 32000),
 }
 CASES = [  # (shape, batch, devices)
     ("llama-3.1-8b (32/8 heads)", 2, 8),
@@ -47,7 +49,7 @@ def main(seq: int = 16384) -> None:
     print("|---|---|---|---|---|---|---|")
     for name, batch, devices in CASES:
         shape = SHAPES[name]
-        hw = cost.HARDWARE["a100-40gb"]
+        hw = HARDWARE["a100-40gb"]
         layout, best = cost.auto_layout(shape, batch=batch, seq_len=seq, num_devices=devices, hw=hw,
                                         devices_per_host=devices // 2, overlap=OVERLAP)
         base = ulysses(shape, batch, devices, dataclasses.replace(hw, devices_per_host=devices // 2), seq)

@@ -1,5 +1,5 @@
-"""Flax NNX Llama 3, Qwen 2/2.5/3 and the Qwen3.5 hybrid on BASP attention, with Hugging Face
-checkpoint interop.
+"""Flax NNX Llama 3, Qwen 2/2.5/3, Qwen3-MoE and the Qwen3.5 hybrid on BASP attention, with
+Hugging Face checkpoint interop.
 
     model = models.from_pretrained("path/to/hf_dir", mesh=mesh)       # or Transformer(config, ...)
     # how it runs (mesh, layout, dtypes, kernel, remat): one models.RunOptions, or its fields

@@ -6,6 +6,9 @@ path), Qwen3 and the Qwen3.5 text model. The switches that distinguish the famil
     llama        rope_scaling type 'llama3', tied embeddings in 3.2-1B/3B, no biases
     qwen2        bias on q/k/v (attention_bias=True), no bias on o_proj
     qwen3        per-head RMSNorm on q and k (qk_norm=True), explicit head_dim, no biases
+    qwen3_moe    qwen3's attention; the MLP of every decoder_sparse_step-th layer not in
+                 mlp_only_layers is a sparse mixture of experts (models.moe): a router picks
+                 num_experts_per_tok of num_experts SwiGLU experts per token
     qwen3_5_text a hybrid: `layer_types` names each layer's token mixer, 'linear_attention'
                  (Gated DeltaNet, models.linear_attention; the linear_* shapes) or
                  'full_attention' (with a sigmoid output gate, attention_output_gate=True, and
@@ -23,14 +26,17 @@ import os
 import struct
 from typing import Any
 
-from basp_jax.planner import cost
+from basp_jax.planner.shape import ModelShape
+
+from . import moe_config
+from .errors import ModelError
 
 log = logging.getLogger(__name__)
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text")
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
 }
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
@@ -40,10 +46,6 @@ MULTIMODAL_TYPES = {"qwen3_5": "qwen3_5_text"}
 LINEAR_SHAPE_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                        "linear_value_head_dim", "linear_conv_kernel_dim")
 ROPE_TYPES = ("default", "llama3", "linear")
-
-
-class ModelError(ValueError):
-    """A model config, checkpoint or argument that cannot work; the message is one line."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +65,7 @@ class ModelConfig:
     attention_out_bias: bool = False  # bias on o_proj (llama/qwen3 attention_bias=True only)
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
     max_position_embeddings: int = 8192  # the context it was trained for (recorded in exports)
-    model_type: str = "llama"  # llama, qwen2, qwen3 or qwen3_5_text (the Qwen3.5 hybrid)
+    model_type: str = "llama"  # llama, qwen2, qwen3, qwen3_moe or qwen3_5_text (Qwen3.5 hybrid)
     initializer_range: float = 0.02  # standard deviation of the initial weights
     bos_token_id: int | None = None  # beginning-of-sequence id (exports, generation)
     eos_token_id: int | list[int] | None = None  # end-of-sequence id(s) (exports, generation)
@@ -78,6 +80,13 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * this channels of a head
     attention_output_gate: bool = False  # attention output * sigmoid(gate); q_proj emits the gate
     rms_norm_zero_centered: bool = False  # RMSNorm scales by (1 + weight), weight stored centred
+    num_experts: int = 0  # SwiGLU experts of a sparse MLP (qwen3_moe; models.moe); 0: all dense
+    num_experts_per_tok: int = 0  # experts each token goes through (top-k)
+    moe_intermediate_size: int = 0  # each expert's inner width
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to one
+    decoder_sparse_step: int = 1  # layer i's MLP is sparse when (i + 1) % this == 0 (1: all)
+    mlp_only_layers: tuple[int, ...] = ()  # layers whose MLP stays dense whatever the step says
+    router_aux_loss_coef: float = 0.001  # the load-balancing loss's weight in the training loss
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:
@@ -96,6 +105,7 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ModelError(f"head_dim={self.head_dim} must be even for RoPE")
         self._check_hybrid()
+        moe_config.check(self)
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ModelError(
                 f"rope_scaling must be a mapping (e.g. {{rope_type: llama3, factor: 8.0, ...}}) "
@@ -173,6 +183,26 @@ class ModelConfig:
         """Whether any layer is not full attention (then the layers are not one scanned stack)."""
         return self.layer_types is not None and LINEAR_ATTENTION in self.layer_types
 
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer's MLP is a sparse mixture of experts."""
+        return self.num_experts > 0
+
+    def layer_is_sparse(self, index: int) -> bool:
+        """Whether layer `index`'s MLP is the experts (as transformers' Qwen3MoeDecoderLayer)."""
+        return (self.is_moe and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def sparse_layers(self) -> int:
+        return sum(self.layer_is_sparse(i) for i in range(self.num_layers))
+
+    @property
+    def layers_alike(self) -> bool:
+        """Whether every layer has the same parameters' shapes, so the layers can be one
+        scanned stack: no hybrid's mixers, and all MLPs sparse or all dense."""
+        return not self.is_hybrid and self.sparse_layers in (0, self.num_layers)
+
     def layer_type(self, index: int) -> str:
         return FULL_ATTENTION if self.layer_types is None else self.layer_types[index]
 
@@ -183,15 +213,15 @@ class ModelConfig:
         return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
 
     @property
-    def shape(self) -> cost.ModelShape:
+    def shape(self) -> ModelShape:
         """The sizes basp_jax's cost model plans with; they also count this model's parameters
         and training FLOPs (one formula for the planner and the trainer's MFU)."""
-        return cost.ModelShape(**{f.name: getattr(self, f.name)
-                                  for f in dataclasses.fields(cost.ModelShape)})
+        return ModelShape(**{f.name: getattr(self, f.name)
+                             for f in dataclasses.fields(ModelShape)})
 
     def num_params(self) -> int:
         """Total parameter count, as Hugging Face reports it (tied embeddings counted once)."""
-        return self.shape.num_params
+        return self.shape.num_params + moe_config.extra_params(self)
 
     # -- construction ------------------------------------------------------------------------
 
@@ -247,13 +277,15 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
         }
-        if self.model_type in ("llama", "qwen3"):
+        if self.model_type in ("llama", "qwen3", "qwen3_moe"):
             out["attention_bias"] = self.attention_bias
         if self.model_type == "llama":
             out["mlp_bias"] = False
-        if self.model_type in ("qwen2", "qwen3"):
+        if self.model_type in ("qwen2", "qwen3", "qwen3_moe"):
             out["use_sliding_window"] = False
             out["sliding_window"] = None
+        if self.model_type == "qwen3_moe":
+            out.update(moe_config.hf_keys(self))
         if self.model_type == "qwen3_5_text":  # its RoPE lives in rope_parameters
             del out["rope_scaling"], out["rope_theta"]
             out.update(self._qwen3_5_hf())
@@ -377,6 +409,7 @@ def _from_hf_dict(data: dict, source: str) -> ModelConfig:
     theta = _float(rope.pop("rope_theta", None) or data.get("rope_theta") or 10000.0, "rope_theta",
                    source)
     qwen3_5 = _qwen3_5_fields(data, rope, source) if model_type == "qwen3_5_text" else {}
+    moe = moe_config.fields(data, source) if model_type in moe_config.MOE_TYPES else {}
     rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
 
     if model_type == "qwen2":
@@ -399,7 +432,7 @@ def _from_hf_dict(data: dict, source: str) -> ModelConfig:
             tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             attention_out_bias=out_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_5_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_5_text"),
             max_position_embeddings=_get(data, "max_position_embeddings", source, 8192),
             model_type=model_type,
             initializer_range=_float(data.get("initializer_range", 0.02), "initializer_range",
@@ -407,6 +440,7 @@ def _from_hf_dict(data: dict, source: str) -> ModelConfig:
             bos_token_id=data.get("bos_token_id"),
             eos_token_id=data.get("eos_token_id"),
             **qwen3_5,
+            **moe,
         )
     except ModelError as e:
         raise ModelError(f"{source}: {e}") from None
@@ -437,15 +471,15 @@ def _qwen3_5_fields(data: dict, rope: dict, source: str) -> dict[str, Any]:
 
 
 # Shapes of the paper's models (as in their Hugging Face config.json): what the planner
-# (basp_jax.planner.cost) is given for them; PRESETS adds the model-only fields (RoPE, norms' epsilon,
-# token ids) to these, so each shape is written once.
+# (basp_jax.planner.shape) is given for them; PRESETS adds the model-only fields (RoPE, norms'
+# epsilon, token ids) to these, so each shape is written once.
 MODEL_SHAPES = {
-    "llama-3.2-1b": cost.ModelShape(16, 2048, 8192, 32, 8, 64, 128256, tie_word_embeddings=True),
-    "llama-3.2-3b": cost.ModelShape(28, 3072, 8192, 24, 8, 128, 128256, tie_word_embeddings=True),
-    "llama-3.1-8b": cost.ModelShape(32, 4096, 14336, 32, 8, 128, 128256),
-    "qwen2.5-3b": cost.ModelShape(36, 2048, 11008, 16, 2, 128, 151936, tie_word_embeddings=True,
-                                  attention_bias=True),
-    "qwen3-8b": cost.ModelShape(36, 4096, 12288, 32, 8, 128, 151936, qk_norm=True),
+    "llama-3.2-1b": ModelShape(16, 2048, 8192, 32, 8, 64, 128256, tie_word_embeddings=True),
+    "llama-3.2-3b": ModelShape(28, 3072, 8192, 24, 8, 128, 128256, tie_word_embeddings=True),
+    "llama-3.1-8b": ModelShape(32, 4096, 14336, 32, 8, 128, 128256),
+    "qwen2.5-3b": ModelShape(36, 2048, 11008, 16, 2, 128, 151936, tie_word_embeddings=True,
+                             attention_bias=True),
+    "qwen3-8b": ModelShape(36, 4096, 12288, 32, 8, 128, 151936, qk_norm=True),
 }
 
 
@@ -454,7 +488,7 @@ def _llama3_rope(factor: float) -> dict:
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def _preset(shape: cost.ModelShape, **model_only) -> ModelConfig:
+def _preset(shape: ModelShape, **model_only) -> ModelConfig:
     """A preset of one of MODEL_SHAPES: its shape and the model-only fields."""
     fields = dataclasses.asdict(shape)
     fields.pop("linear_layers")  # the config counts its own from layer_types
@@ -502,6 +536,16 @@ PRESETS: dict[str, ModelConfig] = {
         linear_value_head_dim=128, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
         attention_output_gate=True, rms_norm_zero_centered=True,
     ),
+    # Qwen3-30B-A3B (its config.json): 48 layers, each MLP 128 experts of which 8 run per token
+    # (30.5B parameters, 3.3B active); intermediate_size is a dense layer's, which it has none of.
+    "qwen3-30b-a3b": ModelConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+        num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, max_position_embeddings=40960, model_type="qwen3_moe",
+        qk_norm=True, bos_token_id=151643, eos_token_id=151645, num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=(), router_aux_loss_coef=0.001,
+    ),
     # Small enough for tests and CPU demos; 8 query heads so sp in {1, 2, 4, 8} all work.
     "tiny": ModelConfig(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8,
@@ -518,6 +562,15 @@ PRESETS: dict[str, ModelConfig] = {
         linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
         linear_value_head_dim=16, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
         attention_output_gate=True, rms_norm_zero_centered=True,
+    ),
+    # Qwen3-MoE at tiny's size, for tests and trying the experts on a CPU: 4 layers, 8 experts
+    # of which 2 run per token.
+    "tiny-qwen3-moe": ModelConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=8,
+        num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, max_position_embeddings=4096, model_type="qwen3_moe",
+        qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+        norm_topk_prob=True,
     ),
 }
 

@@ -14,6 +14,12 @@ The name mapping is mechanical because the modules use Hugging Face's attribute 
 
 (T): our kernels are [in, out]; Hugging Face Linear weights are [out, in].
 
+A sparse MLP's expert weights (models.moe) are one array per projection, [experts, in, out]:
+('layers', i, 'mlp', 'experts', 'gate_proj', 'kernel') slice e is
+model.layers.{i}.mlp.experts.{e}.gate_proj.weight (T), as transformers writes its Qwen3-MoE
+checkpoints (and reads them, fusing them in memory in transformers 5); the router is
+('layers', i, 'mlp', 'gate', 'kernel') <-> model.layers.{i}.mlp.gate.weight (T).
+
 With scanned layers (the default) a layer parameter is one stacked array, e.g.
 ('layers', 'self_attn', 'q_proj', 'kernel') [num_layers, in, out]: its slice i is
 model.layers.{i}.self_attn.q_proj.weight (T). Loading reads the layers' tensors into the stack
@@ -57,14 +63,43 @@ def is_stacked(path: tuple) -> bool:
     return len(path) > 1 and str(path[0]) == "layers" and not str(path[1]).isdigit()
 
 
+def is_expert(path: tuple) -> bool:
+    """Whether a parameter holds every expert of a sparse MLP ([experts, ...] after any layer
+    axis): (..., 'experts', <projection>, 'kernel')."""
+    return "experts" in [str(p) for p in path[:-1]]
+
+
+def stack_axes(path: tuple) -> int:
+    """How many leading axes of a parameter index Hugging Face tensors: a scanned stack's layer,
+    then a sparse MLP's expert."""
+    return int(is_stacked(path)) + int(is_expert(path))
+
+
+def _slice_path(path: tuple, layer=None, expert=None) -> tuple:
+    """A stacked parameter's path with its layer and expert indices written in, where Hugging
+    Face's names hold them (after 'layers', after 'experts')."""
+    parts = list(path)
+    if expert is not None:
+        parts.insert([str(p) for p in parts].index("experts") + 1, expert)
+    if layer is not None:
+        parts.insert(1, layer)
+    return tuple(parts)
+
+
 def hf_names(path: tuple, shape: tuple) -> tuple[list[str], bool]:
     """([Hugging Face tensor name per slice], transposed?) of a parameter: one name, or one per
-    layer of a stacked parameter (slice i of its leading axis)."""
-    if not is_stacked(path):
-        name, transpose = hf_name(path)
-        return [name], transpose
-    names = [hf_name((path[0], i, *path[1:]))[0] for i in range(shape[0])]
+    index of its leading stack axes (stack_axes: a stacked parameter's layers, an expert
+    array's experts), in C order."""
+    layers = range(shape[0]) if is_stacked(path) else [None]
+    experts = range(shape[stack_axes(path) - 1]) if is_expert(path) else [None]
+    names = [hf_name(_slice_path(path, i, e))[0] for i in layers for e in experts]
     return names, hf_name(path)[1]
+
+
+def display_name(path: tuple) -> str:
+    """A parameter's Hugging Face name with '*' for the layer and expert it stacks."""
+    return hf_name(_slice_path(path, "*" if is_stacked(path) else None,
+                               "*" if is_expert(path) else None))[0]
 
 
 def _param_leaves(state) -> list[tuple[tuple, object]]:
@@ -99,11 +134,9 @@ def load_hf_params(path: str, config: ModelConfig | None = None, *,
     for key, names, transpose, leaf in _expected_tensors(checkpoint, config, options.param_dtype,
                                                          options.scan_layers):
         tensors = [checkpoint.slice(name) for name in names]  # lazy: each device reads its block
-        stacked = is_stacked(key)
         shape = tuple(_leaf_value(leaf).shape)
         sharding = None if rules is None else rules.sharding(axis_names(leaf), shape)
-        flat.append((key, _place(tensors if stacked else tensors[0], transpose, shape, dtype,
-                                 sharding, stacked)))
+        flat.append((key, _place(tensors, stack_axes(key), transpose, shape, dtype, sharding)))
     return nnx.from_flat_state(flat)
 
 
@@ -117,7 +150,7 @@ def _expected_tensors(checkpoint: Checkpoint, config: ModelConfig, param_dtype=j
     for key, leaf in _param_leaves(state):
         shape = tuple(_leaf_value(leaf).shape)
         names, transpose = hf_names(key, shape)
-        one = shape[1:] if is_stacked(key) else shape
+        one = shape[stack_axes(key):]
         hf_shape = one[::-1] if transpose else one
         for name in names:
             found = checkpoint.shape(name)
@@ -140,8 +173,11 @@ def check_pretrained(path: str, config: ModelConfig | None = None) -> ModelConfi
     return config
 
 
-def _place(tensor, transpose: bool, shape, dtype, sharding, stacked: bool = False):
-    """A (sharded) array of `shape` from a tensor, or from a list of per-layer tensors stacked."""
+def _place(tensors: list, stacked: int, transpose: bool, shape, dtype, sharding):
+    """A (sharded) array of `shape` from its tensors: one, or one per index of its `stacked`
+    leading axes (C order), stacked."""
+    grid = np.arange(len(tensors)).reshape(shape[:stacked])
+
     def read_one(tensor, index=None):
         if transpose:
             block = tensor[:].T if index is None else tensor[index[1], index[0]].T
@@ -151,10 +187,11 @@ def _place(tensor, transpose: bool, shape, dtype, sharding, stacked: bool = Fals
 
     def read(index=None):
         if not stacked:
-            return read_one(tensor, index)
-        if index is None:
-            return np.stack([read_one(t) for t in tensor])
-        return np.stack([read_one(t, index[1:]) for t in tensor[index[0]]])
+            return read_one(tensors[0], index)
+        picked = grid if index is None else grid[index[:stacked]]
+        rest = None if index is None else index[stacked:]
+        blocks = [read_one(tensors[i], rest) for i in picked.flat]
+        return np.stack(blocks).reshape(picked.shape + blocks[0].shape)
 
     if sharding is None:
         return jnp.asarray(read())
@@ -203,7 +240,8 @@ def hf_state_dict(model_or_state) -> dict[str, np.ndarray]:
     for key, leaf in _param_leaves(state):
         array = _to_host(_leaf_value(leaf))
         names, transpose = hf_names(key, array.shape)
-        for name, part in zip(names, array if is_stacked(key) else [array]):
+        n = stack_axes(key)
+        for name, part in zip(names, array.reshape(-1, *array.shape[n:]) if n else [array]):
             out[name] = np.ascontiguousarray(part.T) if transpose else part
     return out
 
@@ -241,7 +279,7 @@ def check_exportable(state, dtype: str | None = None) -> None:
         with np.errstate(over="ignore"):  # the overflow is what is looked for
             if np.isfinite(np.asarray(largest).astype(target)):
                 continue
-        name = (hf_name((key[0], "*", *key[1:]))[0] if is_stacked(key) else hf_name(key)[0])
+        name = display_name(key)
         if not np.isfinite(largest):
             raise ModelError(f"parameter {name} holds NaN or Inf values; an export would carry "
                              "them")
@@ -269,7 +307,8 @@ def save_pretrained(model: Transformer, path: str, *,
     for key, leaf in _param_leaves(state):
         value = _leaf_value(leaf)
         names, transpose = hf_names(key, value.shape)
-        parts = _to_host(value) if is_stacked(key) else [value]
+        n = stack_axes(key)
+        parts = _to_host(value).reshape(-1, *value.shape[n:]) if n else [value]
         for name, part in zip(names, parts):
             values[name], transposed[name] = part, transpose
     try:  # the same split (and file names) as transformers' save_pretrained

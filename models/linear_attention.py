@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from basp_jax.attention import _heads_to_seq, _seq_to_heads
+from basp_jax.attention import heads_to_seq, seq_to_heads
 from basp_jax.mesh import SEQ
 from basp_jax.remat import name_exchange
 from basp_jax.sharding import rows_spec
@@ -218,7 +218,7 @@ def _whole_sequence_mix(q, k, v, g, beta, conv, segment_ids):
 
 def _heads_slice(weight, sp):
     """This device's heads [H / sp, ...] of a weight [H, ...] all devices hold (the heads
-    _seq_to_heads gave it: the r-th block along 'seq')."""
+    seq_to_heads gave it: the r-th block along 'seq')."""
     if sp == 1:
         return weight
     per_device = weight.shape[0] // sp
@@ -343,12 +343,12 @@ class GatedDeltaNet(nnx.Module):
         sp = self.sp
 
         def local(q, k, v, g, beta, conv, seg):
-            q, k, v = (_seq_to_heads(t, sp) for t in (q, k, v))
-            g, beta = (_seq_to_heads(t[..., None], sp)[..., 0] for t in (g, beta))
+            q, k, v = (seq_to_heads(t, sp) for t in (q, k, v))
+            g, beta = (seq_to_heads(t[..., None], sp)[..., 0] for t in (g, beta))
             conv = tuple(_heads_slice(w, sp) for w in conv)
             if seg is not None and sp > 1:
                 seg = name_exchange(lax.all_gather(seg, SEQ, axis=1, tiled=True), kv=True)
-            return _heads_to_seq(_whole_sequence_mix(q, k, v, g, beta, conv, seg), sp)
+            return heads_to_seq(_whole_sequence_mix(q, k, v, g, beta, conv, seg), sp)
 
         q, k, v, g, beta = (constrain(t, self.mesh) for t in (q, k, v, g, beta))
         rows = rows_spec()

@@ -1,11 +1,13 @@
 """The decoder: embed -> N x (RMSNorm, token mixer, RMSNorm, SwiGLU) -> RMSNorm -> logits.
 
-One implementation for Llama 3, Qwen 2/2.5/3 and the Qwen3.5 hybrid; the config's switches pick
-the family's details. A layer's token mixer is attention, or for the hybrid's linear_attention
-layers (ModelConfig.layer_types) a Gated DeltaNet (models.linear_attention). The N layers are one
-Block of stacked parameters run under lax.scan (scan_layers=True, the default: the program holds
-one layer, so compile time does not grow with depth), or a list; a hybrid's layers, unlike each
-other, are always a list.
+One implementation for Llama 3, Qwen 2/2.5/3, Qwen3-MoE and the Qwen3.5 hybrid; the config's
+switches pick the family's details. A layer's token mixer is attention, or for the hybrid's
+linear_attention layers (ModelConfig.layer_types) a Gated DeltaNet (models.linear_attention); its
+MLP is SwiGLU, or for a Qwen3-MoE's sparse layers a mixture of experts (models.moe), whose
+routers' statistics the layers hand out for the load-balancing loss (loss_and_aux). The N layers
+are one Block of stacked parameters run under lax.scan (scan_layers=True, the default: the
+program holds one layer, so compile time does not grow with depth), or a list; layers unlike
+each other (a hybrid's; dense MLPs among sparse ones) are always a list.
 With a mesh, activations are placed by their logical axes ('batch', 'sequence':
 basp_jax.sharding.activation_spec), attention runs through basp_jax.attention and the embedding
 and loss through basp_jax.vocab (which ask the run's ShardingRules how); without one, everything
@@ -33,6 +35,7 @@ from .layers import (MLP, Attention, Embed, Linear, axis_names, constrain, param
                      stage_params)
 from .linear_attention import GatedDeltaNet
 from .loss import causal_lm_loss
+from .moe import RouterStats, SparseMoE, load_balancing_loss
 from .options import RunOptions
 
 
@@ -48,12 +51,22 @@ class Block(nnx.Module):
         else:
             self.self_attn = Attention(config, rngs=rngs, options=options)
         self.post_attention_layernorm = rms_norm(config.hidden_size, ("norm",), config, options)
-        self.mlp = MLP(config, rngs=rngs, dtype=options.dtype, param_dtype=options.param_dtype,
-                       fp8=options.fp8)
+        # a sparse layer's MLP is the experts (models.moe), as transformers' Qwen3-MoE decides
+        self.sparse = config.layer_is_sparse(layer_index)
+        if self.sparse:
+            self.mlp = SparseMoE(config, rngs=rngs, dtype=options.dtype,
+                                 param_dtype=options.param_dtype, mesh=options.mesh)
+        else:
+            self.mlp = MLP(config, rngs=rngs, dtype=options.dtype,
+                           param_dtype=options.param_dtype, fp8=options.fp8)
         self.mesh = options.mesh
         self.tile_tokens, self.dtype = options.tile_tokens, options.dtype
 
     def __call__(self, x, positions, segment_ids):
+        return self.forward(x, positions, segment_ids)[0]
+
+    def forward(self, x, positions, segment_ids):
+        """(the layer's output, its router's RouterStats, or None for a dense MLP)."""
         # the offload policies keep this tagged value (in host memory), so every use reads it
         x = name_layer_input(x)
         if self.tile_tokens is not None:
@@ -63,8 +76,12 @@ class Block(nnx.Module):
             x = x + self.mixer(self.input_layernorm(x), positions, segment_ids)
         x = constrain(x, self.mesh)
         with jax.named_scope("mlp"):
-            x = x + self.mlp(self.post_attention_layernorm(x))
-        return constrain(x, self.mesh)
+            out, stats = self.mlp_and_stats(self.post_attention_layernorm(x))
+        return constrain(x + out, self.mesh), stats
+
+    def mlp_and_stats(self, x):
+        """(the MLP's output, the router's RouterStats or None)."""
+        return self.mlp(x) if self.sparse else (self.mlp(x), None)
 
     @property
     def mixer(self) -> Attention | GatedDeltaNet:
@@ -79,19 +96,24 @@ class Block(nnx.Module):
         mixer = self.mixer
         with jax.named_scope("attention"):
             out = mixer.mix(self.input_layernorm(x), positions, segment_ids)
+        if self.sparse:  # the experts sort each device's tokens whole: they are not tiled
+            x = constrain(x + mixer.output_projection(out), self.mesh)
+            with jax.named_scope("mlp"):
+                out, stats = self.mlp(self.post_attention_layernorm(x))
+            return constrain(x + out, self.mesh), stats
         with jax.named_scope("mlp"):
             x = tiling.map_module_chunks(
                 _output_and_mlp,
                 (mixer.output_projection, self.post_attention_layernorm, self.mlp), (x, out),
                 mesh=self.mesh, chunk_tokens=self.tile_tokens, dtype=self.dtype)
-        return constrain(x, self.mesh)
+        return constrain(x, self.mesh), None
 
     def decode(self, x, index, cache_k, cache_v):
         """The layer on tokens that follow `index` cached ones (Attention.decode)."""
         attn, cache_k, cache_v = self.self_attn.decode(self.input_layernorm(x), index, cache_k,
                                                        cache_v)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), cache_k, cache_v
+        return x + self.mlp_and_stats(self.post_attention_layernorm(x))[0], cache_k, cache_v
 
 
 def _output_and_mlp(modules, x, attended):
@@ -142,8 +164,9 @@ class Transformer(nnx.Module):
                                   tied=config.tie_word_embeddings)
         # scan_layers: one Block of stacked [num_layers, ...] parameters run under lax.scan, so
         # the step compiles one layer whatever the depth; else a list of Blocks in a Python loop.
-        # A hybrid's layers differ in their parameters, so they cannot be one stack.
-        self.scanned = options.scan_layers and not config.is_hybrid
+        # A hybrid's layers, or dense layers among sparse ones, differ in their parameters, so
+        # they cannot be one stack.
+        self.scanned = options.scan_layers and config.layers_alike
         if self.scanned:
             self.layers = _stacked_blocks(config, rngs, options)
         else:
@@ -165,6 +188,11 @@ class Transformer(nnx.Module):
     def hidden_states(self, tokens, segment_ids=None, positions=None, _table=None):
         """Final normalised hidden states [B, S, hidden] in the compute dtype. (_table: the
         embedding as the tied head's loss uses it, basp_jax.vocab.Table.use, so both share it.)"""
+        return self.hidden_and_router_stats(tokens, segment_ids, positions, _table)[0]
+
+    def hidden_and_router_stats(self, tokens, segment_ids=None, positions=None, _table=None):
+        """(hidden_states, the sparse layers' models.moe.RouterStats summed over them and over
+        every token, or None without sparse layers)."""
         x, positions, segment_ids = self.embed_inputs(tokens, segment_ids, positions, _table)
         remat = self.options.remat_policy is not None  # (remat="none": not wrapped)
         rules = self.options.rules
@@ -187,7 +215,7 @@ class Transformer(nnx.Module):
                 layer = stage_params(layer, rules, self.dtype)
                 if offload:
                     layer = name_host_copy(layer)
-            return nnx.merge(graphdef, layer)(x, positions, segment_ids)
+            return nnx.merge(graphdef, layer).forward(x, positions, segment_ids)
 
         if remat:
             # Under lax.scan the recomputation cannot be merged with the forward pass; in a
@@ -202,11 +230,14 @@ class Transformer(nnx.Module):
 
         if self.scanned:
             graphdef, stacked = nnx.split(self.layers)
-            x, _ = jax.lax.scan(lambda x, layer: (body(x, graphdef, layer), None), x, stacked)
-            return self.norm(x)
+            x, stats = jax.lax.scan(lambda x, layer: body(x, graphdef, layer), x, stacked)
+            return self.norm(x), None if stats is None else stats.total()
+        total = None
         for layer in self.layers:
-            x = body(x, *nnx.split(layer))
-        return self.norm(x)
+            x, stats = body(x, *nnx.split(layer))
+            if stats is not None:
+                total = stats if total is None else total + stats
+        return self.norm(x), total
 
     def embed_inputs(self, tokens, segment_ids=None, positions=None, _table=None):
         """(the first layer's input [B, S, hidden], positions, segment_ids), placed on the mesh:
@@ -302,6 +333,22 @@ class Transformer(nnx.Module):
         hidden = self.hidden_states(tokens, segment_ids, positions, _table=table)
         return self._loss_of_hidden(hidden, targets, weight, loss_fn, chunk_tokens)
 
+    def loss_and_aux(self, tokens, targets, segment_ids=None, positions=None, *,
+                     loss_fn=causal_lm_loss, chunk_tokens: int = LOSS_CHUNK_TOKENS):
+        """(loss sum, count) as `loss` gives them, and the load-balancing loss of the sparse
+        layers' routers over every token of the batch (models.moe.load_balancing_loss; 0.0
+        without sparse layers), unscaled: the trainer adds router_aux_loss_coef times it."""
+        weight, table = self._head_weight()
+        hidden, stats = self.hidden_and_router_stats(tokens, segment_ids, positions, _table=table)
+        loss = self._loss_of_hidden(hidden, targets, weight, loss_fn, chunk_tokens)
+        return (*loss, _aux_loss(stats))
+
+    def forward_with_aux(self, tokens, segment_ids=None, positions=None):
+        """(logits as __call__ gives them, the load-balancing loss as loss_and_aux's), traced
+        (call it under jit on a mesh)."""
+        hidden, stats = self.hidden_and_router_stats(tokens, segment_ids, positions)
+        return self.logits(hidden), _aux_loss(stats)
+
     def _head_weight(self):
         """(the weight the loss projects with, as the head's Table uses it; the same for the
         embedding's lookup when tied, else None)."""
@@ -324,6 +371,10 @@ class Transformer(nnx.Module):
                 hidden, targets, weight, functools.partial(project, dtype=self.dtype), loss_fn,
                 dtype=self.dtype, chunk_tokens=chunk_tokens,
                 plain_cross_entropy=loss_fn is causal_lm_loss)
+
+
+def _aux_loss(stats: RouterStats | None) -> jax.Array:
+    return jnp.zeros((), jnp.float32) if stats is None else load_balancing_loss(stats)
 
 
 def _project_tied(x, weight, *, dtype):  # weight [vocab, embed], as Embed.attend

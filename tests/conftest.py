@@ -97,14 +97,15 @@ SLOWEST_FIRST = [  # seconds of one pass on 2 busy cores (--junitxml, Python 3.1
     "models/test_staged_sharding.py",  # 181
     "train/test_loop.py",  # 181
     "basp_jax/test_attention.py",  # 142
+    "e2e/test_gpu_check.py",  # ~110
     "basp_jax/test_flash.py",  # 93
     "train/test_streamed.py",  # 93
     "models/test_fp8.py",  # 91
     "train/test_collectives.py",  # 90
     "train/test_layouts.py",  # 88
     "train/test_generate.py",  # 69
+    "models/test_qwen3_moe.py",  # 61
     "e2e/test_reliability.py",  # 60
-    "e2e/test_gpu_check.py",  # 60
     "train/test_resume_changes.py",  # 58
     "models/test_loss_chunked.py",  # 55
     "models/test_parallel.py",  # 48

@@ -172,7 +172,7 @@ class Run:
 
     @property
     def flops_per_token(self) -> float:
-        # basp_jax.planner.cost's count, the planner's too: 6N plus the causal half of the S x S scores
+        # basp_jax.planner.shape's count, the planner's too: 6N plus the causal half of the S x S scores
         return self.mcfg.shape.train_flops_per_token(self.cfg.data.seq_len)
 
 

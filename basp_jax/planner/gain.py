@@ -44,7 +44,7 @@ def predicted_gain(shape, layouts: Sequence[Layout], steps: Sequence[Sequence[in
     """The expected step time of the adaptive choice against the static layout (layouts[0]) for
     sampled steps, each a list of document lengths (tokens, eos included, as choose_layout takes
     them): the mean of basp_jax.planner.cost.predict's step_s of each step's chosen layout, the same
-    prediction the planner ranks static layouts by. `shape` is a basp_jax.planner.cost.ModelShape;
+    prediction the planner ranks static layouts by. `shape` is a basp_jax.planner.shape.ModelShape;
     predict_kwargs go to predict (grad_accum, remat, overlap, ...). Since every layout of the set
     holds the same tokens per device, what differs is the all-to-alls' width and whether they
     cross hosts, and the attention FLOPs of shorter rows."""

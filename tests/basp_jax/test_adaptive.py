@@ -17,7 +17,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from basp_jax import Layout, LayoutError, activation_sharding, adaptive, make_mesh, packing
 from basp_jax.compiled import comm
-from basp_jax.planner import cost, gain
+from basp_jax.planner import gain
+from basp_jax.planner.hardware import HARDWARE
+from basp_jax.planner.shape import ModelShape
 from basp_jax.sharding import host_mesh
 from tests.helpers.documents import SET_WIDTHS, documents
 
@@ -85,7 +87,7 @@ def test_layout_steps_builds_each_layout_once():
 
 # ------------------------------------------------------------------------------ predicted gain
 
-SHAPE = cost.ModelShape(32, 4096, 14336, 32, 8, 128, 128256)  # Llama-3.1-8B's sizes
+SHAPE = ModelShape(32, 4096, 14336, 32, 8, 128, 128256)  # Llama-3.1-8B's sizes
 LONG = 16384
 
 
@@ -105,7 +107,7 @@ def _steps(rng, count, sample):
 
 
 def test_predicted_gain_of_a_long_tail_across_hosts_and_none_at_full_context():
-    hw = cost.HARDWARE["a100-40gb"]  # 2 hosts of 4
+    hw = HARDWARE["a100-40gb"]  # 2 hosts of 4
     layouts = adaptive.layout_set(N, 1, LONG, 32, 8, devices_per_host=hw.devices_per_host)
     rng = np.random.default_rng(0)
     tail = _steps(rng, 64, lambda r: r.lognormal(6.5, 1.2) + 2)  # median ~670 tokens

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from basp_jax.planner import calibration, cost
+from basp_jax.planner.hardware import HARDWARE, Hardware
 from models import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +30,7 @@ def test_the_shipped_calibration_is_what_the_measurements_give():
     shipped = calibration.for_target("h200-141gb")
     fitted = calibrate.fit(check, sweep, "h200-141gb", shipped.source)
     assert fitted == shipped
-    assert cost.HARDWARE["h200-141gb"].calibration == shipped
+    assert HARDWARE["h200-141gb"].calibration == shipped
 
 
 def test_the_planner_predicts_every_measured_1b_step_on_one_h200_within_15_percent():
@@ -41,7 +42,7 @@ def test_the_planner_predicts_every_measured_1b_step_on_one_h200_within_15_perce
                      "step_s": check["train"]["step_s"]}]
     shape = ModelConfig.preset("llama-3.2-1b").shape
     layout = cost.plan_layout(shape, num_devices=1, batch=1, seq_len=16384, groups=1)
-    hw = cost.HARDWARE["h200-141gb"]
+    hw = HARDWARE["h200-141gb"]
     assert len(rows) == 6 and {r["attn_impl"] for r in rows} == {"auto", "pallas"}
     for row in rows:
         predicted = cost.predict(shape, layout, "fsdp", hw=hw, remat=row["remat"],
@@ -51,19 +52,19 @@ def test_the_planner_predicts_every_measured_1b_step_on_one_h200_within_15_perce
     assert abs(fp8 / check["train_fp8"]["step_s"] - 1) <= 0.15
     # the uncalibrated model predicted the dots step 34% fast
     plain = cost.predict(shape, layout, "fsdp", remat="dots",
-                         hw=cost.Hardware(**{**hw.__dict__, "calibration": None})).step_s
+                         hw=Hardware(**{**hw.__dict__, "calibration": None})).step_s
     assert plain / check["train"]["step_s"] < 0.7
 
 
 def test_kinds_without_a_calibration_keep_one_efficiency_and_say_so():
-    hw = cost.HARDWARE["h100-80gb"]
+    hw = HARDWARE["h100-80gb"]
     assert hw.calibration is None and "no calibration" in hw.describe_compute()
     shape = ModelConfig.preset("llama-3.2-1b").shape
     layout = cost.plan_layout(shape, num_devices=1, batch=1, seq_len=16384, groups=1)
     predicted = cost.predict(shape, layout, "fsdp", hw=hw, remat="dots")
     flops = shape.train_flops_per_token(16384) * 16384 - shape.linear_attention_flops_per_token()
     assert predicted.compute_s == pytest.approx(flops / (hw.peak_flops * hw.efficiency))
-    assert "h200-141gb calibration" in cost.HARDWARE["h200-141gb"].describe_compute()
+    assert "h200-141gb calibration" in HARDWARE["h200-141gb"].describe_compute()
 
 
 def test_an_unmeasured_remat_policy_takes_the_largest_factor_and_an_unmeasured_kernel_is_refused():

@@ -4,8 +4,12 @@ import re
 
 import pytest
 
-from basp_jax.planner import cost
-from basp_jax.planner.cost import HARDWARE, predict
+from basp_jax.planner import cost, memory, traffic
+from basp_jax.planner.cost import predict
+from basp_jax.planner.hardware import HARDWARE
+from basp_jax.planner.precisions import Precisions
+from basp_jax.planner.shape import ModelShape
+from basp_jax.remat import REMAT_POLICIES
 from models.config import MODEL_SHAPES
 from train.data import synthetic
 from train.tools import plan
@@ -46,8 +50,9 @@ def test_each_remat_policy_pays_for_the_all_to_alls_it_repeats():
     assert a2a["full_kv"] - a2a["full"] == pytest.approx(2 * 32 * one)
     assert a2a["offload"] - a2a["full"] == pytest.approx((2 * 32 + 2 * 8) * one)
     assert a2a["inputs"] == pytest.approx(a2a["offload"])
-    saved = {remat: cost.memory_terms(shape, tokens, 8, q_heads=32, kv_heads=8,
-                                      remat=remat)["saved"] for remat in ("full", "full_kv", "inputs")}
+    saved = {remat: memory.memory_terms(shape, tokens, 8, q_heads=32, kv_heads=8,
+                                        remat=remat)["saved"]
+             for remat in ("full", "full_kv", "inputs")}
     assert saved["inputs"] == pytest.approx(saved["full"] * 4096 / (4096 + (2 * 32 + 2 * 8) * 128))
     assert saved["full_kv"] - saved["inputs"] == pytest.approx((saved["full"] - saved["inputs"]) / 5)
 
@@ -81,14 +86,14 @@ def test_host_sharding_sends_the_minimal_gradient_across_hosts_at_any_batch():
     table = shape.vocab_size * shape.hidden_size  # tied: one table, used in float32
     # the bf16 gradient the bf16 layers produce, the table's in float32 (compiled GPU programs)
     grads = (shape.num_params - table) * 2 + table * 4
-    minimum = cost.min_inter_host_gradient_bytes(grads, 8, 4)
+    minimum = traffic.min_inter_host_gradient_bytes(grads, 8, 4)
     assert minimum == pytest.approx(grads / 4)  # 2 hosts: all-reduce of a quarter shard
-    assert cost.min_inter_host_gradient_bytes(grads, 8, 8) == 0
+    assert traffic.min_inter_host_gradient_bytes(grads, 8, 8) == 0
     for groups in (1, 2, 4, 8):
         host = cost.predict(shape, _layout(shape, groups, batch=8, seq_len=4096), "host", hw=hw)
         assert host.params.inter == pytest.approx(minimum), groups
     hsdp = cost.predict(shape, _layout(shape, 8, batch=8, seq_len=4096), "hsdp", hw=hw)
-    bf16 = cost.min_inter_host_gradient_bytes(shape.num_params * 2, 8, 4)  # its table: bf16
+    bf16 = traffic.min_inter_host_gradient_bytes(shape.num_params * 2, 8, 4)  # its table: bf16
     assert hsdp.params.inter == pytest.approx(4 * bf16)
 
 
@@ -259,7 +264,7 @@ def test_auto_finds_a_valid_exact_layout_beyond_the_paper(batch, heads, kv_heads
     from basp_jax import activation_sharding, attention, make_mesh
     from tests.helpers.reference import reference_attention
 
-    shape = cost.ModelShape(2, 256, 512, heads, kv_heads, 16, 1000)
+    shape = ModelShape(2, 256, 512, heads, kv_heads, 16, 1000)
     layout, pred = cost.auto_layout(shape, batch=batch, seq_len=64, num_devices=8,
                                     hw=HARDWARE["a100-40gb"], devices_per_host=per_host)
     assert layout.batch >= batch and layout.batch - batch == layout.pad_rows == pred.layout.pad_rows
@@ -276,8 +281,8 @@ def test_auto_finds_a_valid_exact_layout_beyond_the_paper(batch, heads, kv_heads
 def test_a_bfloat16_first_moment_saves_its_half_of_the_state():
     shape = MODEL_SHAPES["llama-3.1-8b"]
     kw = dict(q_heads=32, kv_heads=8)
-    f32 = cost.memory_terms(shape, 4096, 8, **kw)
-    bf16 = cost.memory_terms(shape, 4096, 8, moment_bytes=2, **kw)
+    f32 = memory.memory_terms(shape, 4096, 8, **kw)
+    bf16 = memory.memory_terms(shape, 4096, 8, precisions=Precisions(moments=2), **kw)
     assert f32["state"] - bf16["state"] == shape.num_params * 2 / 8
     assert {k: v for k, v in f32.items() if k != "state"} == \
         {k: v for k, v in bf16.items() if k != "state"}
@@ -313,13 +318,14 @@ def test_a_ring_is_not_planned_where_its_partial_outputs_do_not_fit():
     hw = dataclasses.replace(HARDWARE["h100-80gb"],
                              memory_bytes=0.9 * gpus.get("h100-80gb").memory_bytes)
     layout, pred = cost.auto_layout(shape, batch=1, seq_len=1 << 24, num_devices=32, hw=hw,
-                                    remat="offload", tile_tokens=4096, moment_bytes=2,
+                                    remat="offload", tile_tokens=4096,
+                                    precisions=Precisions(moments=2),
                                     zigzag=True)
     assert (layout.sp, layout.ring) == (32, 1) and pred.memory_bytes <= hw.memory_bytes
     ring = cost.plan_layout(shape, num_devices=32, batch=1, seq_len=1 << 24, groups=1,
                             devices_per_host=8, ring=4, zigzag=True)
     ringed = cost.predict(shape, ring, pred.param_sharding, hw=hw, remat="offload",
-                          tile_tokens=4096, moment_bytes=2)
+                          tile_tokens=4096, precisions=Precisions(moments=2))
     assert ringed.memory_bytes > hw.memory_bytes
 
 
@@ -347,21 +353,21 @@ def test_a_hybrids_linear_layers_have_their_own_memory_terms():
 
     hybrid = ModelConfig.preset("qwen3.5-9b").shape
     kw = dict(q_heads=16, kv_heads=4, remat="full")
-    terms = cost.memory_terms(hybrid, 4096, 8, **kw)
+    terms = memory.memory_terms(hybrid, 4096, 8, **kw)
     as_attention = dataclasses.replace(hybrid, linear_layers=0)  # every layer counted as attention
-    plain = cost.memory_terms(as_attention, 4096, 8, **kw)
+    plain = memory.memory_terms(as_attention, 4096, 8, **kw)
     assert plain["recompute"] == 0 and terms["recompute"] > 0
-    assert cost.memory_terms(hybrid, 8192, 8, **kw)["recompute"] == pytest.approx(
+    assert memory.memory_terms(hybrid, 8192, 8, **kw)["recompute"] == pytest.approx(
         2 * terms["recompute"])
     # saved: one more linear layer adds its own widths, not an attention layer's
     wider = dataclasses.replace(hybrid, linear_value_head_dim=2 * hybrid.linear_value_head_dim)
-    assert cost.memory_terms(wider, 4096, 8, **kw)["saved"] > terms["saved"]
+    assert memory.memory_terms(wider, 4096, 8, **kw)["saved"] > terms["saved"]
     narrower = dataclasses.replace(hybrid, linear_num_key_heads=hybrid.linear_num_key_heads // 2)
-    assert cost.memory_terms(narrower, 4096, 8, **kw)["saved"] < terms["saved"]
+    assert memory.memory_terms(narrower, 4096, 8, **kw)["saved"] < terms["saved"]
     assert terms["saved"] != plain["saved"]
     more_heads = dict(kw, q_heads=32)  # attention's heads: only its 8 layers change
-    grown = cost.memory_terms(hybrid, 4096, 8, **more_heads)["saved"] - terms["saved"]
-    grown_plain = cost.memory_terms(as_attention, 4096, 8, **more_heads)["saved"] - plain["saved"]
+    grown = memory.memory_terms(hybrid, 4096, 8, **more_heads)["saved"] - terms["saved"]
+    grown_plain = memory.memory_terms(as_attention, 4096, 8, **more_heads)["saved"] - plain["saved"]
     assert grown == pytest.approx(grown_plain * hybrid.attention_layers / hybrid.num_layers)
 
 
@@ -373,8 +379,8 @@ def test_a_hybrids_linear_layers_exchange_their_own_tensors():
     hybrid = ModelConfig.preset("qwen3.5-9b").shape
     hw = HARDWARE["a100-40gb"]
     basp, ulysses = (predict(hybrid, _layout(hybrid, g), "fsdp", hw=hw) for g in (2, 1))
-    linear_layer = cost._linear_exchange_traffic(
-        hybrid, _layout(hybrid, 2), cost.REMAT_POLICIES.get("full"), 2)
+    linear_layer = traffic.linear_exchange_traffic(
+        hybrid, _layout(hybrid, 2), REMAT_POLICIES.get("full"), 2)
     assert linear_layer.launches == 2 * 6
     key, value = 16 * 128, 32 * 128
     one_pass = 4096 * (2 * 2 * key + 2 * 2 * value + 2 * 4 * 32)  # bytes per device
@@ -465,22 +471,24 @@ def test_accumulation_counts_what_the_compiled_step_repeats():
 def test_the_hosts_sums_cross_in_float32_under_float16_compute():
     """train.program.per_group reduces the hosts' gradient sums across hosts in float32 under
     float16 compute (a sum of scaled float16 gradients would overflow): predict counts them in
-    sum_bytes a parameter. staged_keep's sums are half of what it sends across hosts (the other
-    half: the host-local copies gathered), host sharding's all of it; where no host keeps a sum
-    (groups smaller than a host) sum_bytes changes nothing. param_bytes follows act_bytes."""
+    precisions.sum bytes a parameter. staged_keep's sums are half of what it sends across hosts
+    (the other half: the host-local copies gathered), host sharding's all of it; where no host
+    keeps a sum (groups smaller than a host) the sums' bytes change nothing. The gathered
+    weights' bytes follow the compute dtype's."""
     shape, hw = MODEL_SHAPES["llama-3.1-8b"], HARDWARE["a100-40gb"]
     hosts_are_groups = cost.plan_layout(shape, num_devices=8, batch=2, seq_len=16384, groups=2,
                                         devices_per_host=4)
     smaller_groups = cost.plan_layout(shape, num_devices=8, batch=4, seq_len=8192, groups=4,
                                       devices_per_host=4)
 
-    def inter(layout, strategy, **dtypes):
-        return predict(shape, layout, strategy, hw=hw, grad_accum=2, **dtypes).params.inter
+    def inter(layout, strategy, **sizes):
+        return predict(shape, layout, strategy, hw=hw, grad_accum=2,
+                       precisions=Precisions(**sizes)).params.inter
 
     bf16 = inter(hosts_are_groups, "staged_keep")
-    assert inter(hosts_are_groups, "staged_keep", sum_bytes=4) == pytest.approx(1.5 * bf16)
-    assert inter(hosts_are_groups, "host", sum_bytes=4) == pytest.approx(
+    assert inter(hosts_are_groups, "staged_keep", sum=4) == pytest.approx(1.5 * bf16)
+    assert inter(hosts_are_groups, "host", sum=4) == pytest.approx(
         2 * inter(hosts_are_groups, "host"))
     for strategy in ("staged_keep", "host", "fsdp"):
-        assert inter(smaller_groups, strategy, sum_bytes=4) == inter(smaller_groups, strategy)
-    assert inter(hosts_are_groups, "staged_keep", act_bytes=4) == pytest.approx(2 * bf16)
+        assert inter(smaller_groups, strategy, sum=4) == inter(smaller_groups, strategy)
+    assert inter(hosts_are_groups, "staged_keep", act=4) == pytest.approx(2 * bf16)

@@ -23,7 +23,9 @@ import pytest
 
 from basp_jax import gpus
 from basp_jax.compiled import comm
-from basp_jax.planner import cost
+from basp_jax.planner import cost, memory, traffic
+from basp_jax.planner.hardware import HARDWARE
+from basp_jax.planner.precisions import Precisions
 import models
 from models.config import MODEL_SHAPES
 from train.tools import aot_report
@@ -212,7 +214,7 @@ def test_ulysses_inter_host_all_to_all_bytes_equal_the_closed_form(reports):
     r = reports["configs/gpu/llama-3.1-8b_ulysses.yaml"]
     assert (r["layout"]["groups"], r["layout"]["sp"]) == (1, 8)
     shape = MODEL_SHAPES["llama-3.1-8b"]
-    hw = cost.HARDWARE["a100-40gb"]
+    hw = HARDWARE["a100-40gb"]
     layout = cost.plan_layout(shape, num_devices=8, batch=2, seq_len=16384, groups=1,
                               devices_per_host=hw.devices_per_host)
     predicted = cost.predict(shape, layout, "fsdp", hw=hw)
@@ -238,12 +240,13 @@ def test_staged_parameters_cross_hosts_once_as_eighths(basp_8b, reports):
     layers = [c for c in crossing if c["group_size"] == 2]  # the layers': between the hosts
     assert {c["kind"] for c in layers} == {"all-gather", "reduce-scatter"}, crossing
     shape = MODEL_SHAPES["llama-3.1-8b"]
-    hw = dataclasses.replace(cost.HARDWARE["a100-40gb"], devices_per_host=4)
+    hw = dataclasses.replace(HARDWARE["a100-40gb"], devices_per_host=4)
     layout = cost.plan_layout(shape, num_devices=8, batch=2, seq_len=16384, groups=2,
                               devices_per_host=4)
-    pred = cost.predict(shape, layout, "staged_keep", hw=hw, moment_bytes=2)
+    pred = cost.predict(shape, layout, "staged_keep", hw=hw,
+                        precisions=Precisions(moments=2))
     assert pred.params.inter + pred.all_to_all.inter == pytest.approx(inter, rel=0.05)
-    minimum = cost.min_inter_host_gradient_bytes(2 * shape.num_params, 8, 4)
+    minimum = traffic.min_inter_host_gradient_bytes(2 * shape.num_params, 8, 4)
     assert inter <= 1.02 * minimum, (inter / GiB, minimum / GiB)
 
 
@@ -299,7 +302,7 @@ def _inter_host(rows, dtype=None):
 @pytest.mark.slow
 def test_host_sharding_gradients_cross_hosts_once_as_shards_on_gpu(host_1b):
     """Every gradient element crosses hosts once, as a 1/4 shard between the two devices of the
-    same rank on each host: cost.min_inter_host_gradient_bytes of the gradient in the dtype XLA
+    same rank on each host: traffic.min_inter_host_gradient_bytes of the gradient in the dtype XLA
     reduces it in. Under bf16 compute that is bf16 for every matmul and norm weight (their
     gradients are dots of bf16 operands, reduced before the convert to the fp32 parameter) and
     fp32 for the tied embedding (the lookup reads the fp32 table; its scatter-add and the tied
@@ -308,7 +311,7 @@ def test_host_sharding_gradients_cross_hosts_once_as_shards_on_gpu(host_1b):
     shape = dataclasses.replace(MODEL_SHAPES["llama-3.2-1b"], num_layers=2)
     n, table = shape.num_params, shape.embedding_params
     assert host_1b["host"]["model"]["params"] == n
-    minimum = functools.partial(cost.min_inter_host_gradient_bytes, num_devices=8,
+    minimum = functools.partial(traffic.min_inter_host_gradient_bytes, num_devices=8,
                                 devices_per_host=4)
     scalars = 64  # the loss sum and token count, all-reduced over the 8 devices
     rows = host_1b["host"]["collectives"]
@@ -336,7 +339,7 @@ def test_staged_offload_keeps_the_layers_copies_in_host_memory(host_1b):
     shape = dataclasses.replace(MODEL_SHAPES["llama-3.2-1b"], num_layers=2, vocab_size=8192)
     layout = cost.plan_layout(shape, num_devices=8, batch=2, seq_len=4096, groups=2,
                               devices_per_host=4)
-    copy = cost.host_copy_bytes(shape, layout, "staged_offload")
+    copy = memory.host_copy_bytes(shape, layout, "staged_offload")
     assert copy == pytest.approx(2 * (shape.num_params - shape.embedding_params
                                       - shape.hidden_size) / 4)
     assert r["host_peak_bytes_per_device"] == pytest.approx(copy, rel=0.05)
@@ -344,8 +347,9 @@ def test_staged_offload_keeps_the_layers_copies_in_host_memory(host_1b):
     assert keep["host_peak_bytes_per_device"] == 0
     # XLA reuses some of the space at the peak: 0.81 x the copy leaves under jax 0.10, 0.59 under 0.12
     assert keep["peak_bytes_per_device"] - r["peak_bytes_per_device"] > 0.4 * copy
-    hw = dataclasses.replace(cost.HARDWARE["a100-40gb"], devices_per_host=4)
-    pred = cost.predict(shape, layout, "staged_offload", hw=hw, moment_bytes=2)
+    hw = dataclasses.replace(HARDWARE["a100-40gb"], devices_per_host=4)
+    pred = cost.predict(shape, layout, "staged_offload", hw=hw,
+                        precisions=Precisions(moments=2))
     inter = {name: sum(c["inter_host_wire_bytes"] for c in host_1b[name]["collectives"])
              for name in ("staged_offload", "staged_keep")}
     assert inter["staged_offload"] == pytest.approx(inter["staged_keep"], rel=0.01), inter

@@ -15,9 +15,13 @@ VOCAB = 256
 # The Qwen3.5 hybrid (tests/models/test_qwen35.py): three Gated DeltaNet layers, then one gated
 # full-attention layer with partial RoPE; 8 attention and 8 DeltaNet value heads (4 key heads).
 QWEN3_5 = "qwen3_5"
+# Qwen3-MoE (tests/models/test_qwen3_moe.py): 8 experts, 2 per token, every layer sparse; with
+# mixed=True three layers, the middle one dense (mlp_only_layers), so the layers are a list.
+QWEN3_MOE = "qwen3_moe"
+ROUTER_STD = 0.5  # the routers' spread: top-k choices far from ties (router_margin)
 
 
-def hf_config(family: str, tied: bool = False):
+def hf_config(family: str, tied: bool = False, mixed: bool = False):
     import transformers
 
     common = dict(vocab_size=VOCAB, num_hidden_layers=2, num_attention_heads=8,
@@ -49,6 +53,15 @@ def hf_config(family: str, tied: bool = False):
                                                        "partial_rotary_factor": 0.25},
             **{**common, "num_hidden_layers": 4},
         )
+    if family == QWEN3_MOE:
+        return transformers.Qwen3MoeConfig(
+            hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+            num_experts_per_tok=2, norm_topk_prob=True, num_key_value_heads=2, head_dim=16,
+            mlp_only_layers=[1] if mixed else [], router_aux_loss_coef=0.01,
+            tie_word_embeddings=False, rope_parameters={"rope_type": "default",
+                                                        "rope_theta": 10000.0},
+            **{**common, "num_hidden_layers": 3 if mixed else 2},
+        )
     raise ValueError(family)
 
 
@@ -62,28 +75,45 @@ def _random_base(family: str, name: str) -> float | None:
     return 1.0 if "norm" in name else 0.0
 
 
-def build(family: str, seed: int = 0, tied: bool = False):
+def build(family: str, seed: int = 0, tied: bool = False, mixed: bool = False):
     """A float32 eager-attention model with every parameter random (biases and norms included).
-    (tied: Qwen3.5's choice; the other families' configs fix it.)"""
+    (tied: Qwen3.5's choice; the other families' configs fix it. mixed: Qwen3-MoE's dense
+    middle layer.)"""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = hf_config(family, tied=tied)
+    config = hf_config(family, tied=tied, mixed=mixed)
     config._attn_implementation = "eager"
     model = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-             "qwen3": transformers.Qwen3ForCausalLM,
+             "qwen3": transformers.Qwen3ForCausalLM, QWEN3_MOE: transformers.Qwen3MoeForCausalLM,
              QWEN3_5: transformers.Qwen3_5ForCausalLM}[family](config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             base = _random_base(family, name)
             if base is not None:
-                p.copy_(base + 0.08 * torch.randn_like(p))
+                std = ROUTER_STD if name.endswith("mlp.gate.weight") else 0.08
+                p.copy_(base + std * torch.randn_like(p))
     return model
 
 
-def save(family: str, directory, seed: int = 0, tied: bool = False, **kwargs):
-    model = build(family, seed, tied=tied)
+def router_margin(model, tokens: np.ndarray) -> float:
+    """The smallest gap, over tokens and sparse layers, between the k-th and (k+1)-th router
+    logit of a transformers MoE model: a top-k choice that float rounding cannot flip."""
+    import torch
+
+    with torch.no_grad():
+        out = model(input_ids=torch.from_numpy(np.asarray(tokens)).long(),
+                    output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    gaps = [np.diff(-np.sort(-logits.numpy(), axis=-1)[:, k - 1:k + 1], axis=-1)
+            for logits in out.router_logits]
+    return float(-np.max(np.concatenate(gaps)))
+
+
+def save(family: str, directory, seed: int = 0, tied: bool = False, mixed: bool = False,
+         **kwargs):
+    model = build(family, seed, tied=tied, mixed=mixed)
     model.save_pretrained(directory, **kwargs)
     return model
 

@@ -9,7 +9,7 @@ import pytest
 
 import models
 from basp_jax.compiled import comm
-from basp_jax.planner import cost
+from basp_jax.planner import traffic
 from train.tools.collectives import step_collectives
 from train.loop import run
 
@@ -39,14 +39,14 @@ def _inter_host(found, *kinds):
                                    pytest.param(8, marks=WHOLE_MATRIX)])
 def test_gradient_crosses_hosts_once_at_the_minimum(batch):
     """The compiled step's cross-host gradient bytes per device equal the closed form of
-    basp_jax.planner.cost (one all-reduce of a 1/4 shard between the hosts) for every seq group size,
-    sp = 8 (groups across hosts) to sp = 1 (data parallel), the token embedding included; no
-    parameter gather leaves a host."""
+    basp_jax.planner.traffic (one all-reduce of a 1/4 shard between the hosts) for every seq
+    group size, sp = 8 (groups across hosts) to sp = 1 (data parallel), the token embedding
+    included; no parameter gather leaves a host."""
     mcfg = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=2)
     layout, found = step_collectives(mcfg, mode="basp", strategy="host", batch=batch,
                                      seq_len=2048, devices_per_host=HOST)
     assert layout.groups == batch
-    minimum = cost.min_inter_host_gradient_bytes(4 * mcfg.shape.num_params, 8, HOST)
+    minimum = traffic.min_inter_host_gradient_bytes(4 * mcfg.shape.num_params, 8, HOST)
     sent = _inter_host(found, "all-reduce", "reduce-scatter")
     # The norms' gradients cross whole: their bytes instead of a quarter of them.
     extra = _vector_bytes(mcfg) * (1 - 1 / HOST) + SCALAR_SLACK
@@ -77,7 +77,7 @@ def test_hsdp_at_b8_sends_devices_per_host_times_the_minimum():
     mcfg = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=2)
     _, found = step_collectives(mcfg, mode="basp", strategy="hsdp", batch=8, seq_len=2048,
                                 devices_per_host=HOST)
-    minimum = cost.min_inter_host_gradient_bytes(4 * mcfg.shape.num_params, 8, HOST)
+    minimum = traffic.min_inter_host_gradient_bytes(4 * mcfg.shape.num_params, 8, HOST)
     assert _inter_host(found, "all-reduce", "reduce-scatter") >= HOST * minimum
 
 

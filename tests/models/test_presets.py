@@ -98,12 +98,12 @@ def test_flops_per_token():
 def test_the_shape_is_the_configs_sizes():
     """ModelConfig.shape carries every field the cost model shares with the config, so a
     model.shape override reaches the planner and the FLOP count."""
-    from basp_jax.planner import cost
+    from basp_jax.planner.shape import ModelShape
 
     config = dataclasses.replace(models.ModelConfig.preset("qwen2.5-3b"), num_layers=3,
                                  attention_out_bias=True)
     shape = config.shape
-    for field in dataclasses.fields(cost.ModelShape):
+    for field in dataclasses.fields(ModelShape):
         assert getattr(shape, field.name) == getattr(config, field.name), field.name
     assert (shape.num_layers, shape.attention_bias, shape.attention_out_bias) == (3, True, True)
 

@@ -35,6 +35,8 @@ def test_compiled_step_all_to_alls_equal_the_closed_form():
 
     import models
     from basp_jax.planner import cost
+    from basp_jax.planner.hardware import HARDWARE
+    from basp_jax.planner.precisions import Precisions
     from train.tools.collectives import step_collectives
 
     mcfg = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=2)
@@ -42,7 +44,8 @@ def test_compiled_step_all_to_alls_equal_the_closed_form():
     for mode, strategy in [("ulysses", "fsdp"), ("basp", "fsdp"), ("basp", "hsdp")]:
         layout, found = step_collectives(mcfg, mode=mode, strategy=strategy, batch=2, seq_len=2048)
         a2a = [c for c in found if c.kind == "all-to-all"]
-        closed = cost.predict(shape, layout, strategy, hw=cost.HARDWARE["a100-40gb"], act_bytes=4)
+        closed = cost.predict(shape, layout, strategy, hw=HARDWARE["a100-40gb"],
+                              precisions=Precisions(act=4))
         assert len(a2a) == 8 * mcfg.num_layers, (mode, len(a2a))
         assert sum(c.wire_bytes for c in a2a) == pytest.approx(closed.all_to_all.intra + closed.all_to_all.inter)
         assert sum(comm.inter_host_wire_bytes(c, HOST) for c in a2a) == pytest.approx(closed.all_to_all.inter)

@@ -108,16 +108,19 @@ def test_param_sharding_auto_prefers_staged_then_hsdp_where_they_fit(tmp_path):
 def test_the_planner_is_given_the_compute_dtypes_bytes(tmp_path):
     """The trainer's predictions count the weights, their gradients and the hosts' sums in the
     bytes of model.dtype; under float16 the hosts' sums in float32 (train.program.per_group)."""
+    from basp_jax.planner.precisions import Precisions
     from train.program import planning
 
-    def dtype_bytes(*extra):
-        return planning.dtype_bytes(tiny_config(tmp_path / "d", *extra))
+    def sizes(*extra):
+        return planning.precisions(tiny_config(tmp_path / "d", *extra))
 
-    assert dtype_bytes("model.dtype=bfloat16") == {"act_bytes": 2, "sum_bytes": 2}
-    assert dtype_bytes("model.dtype=float16") == {"act_bytes": 2, "sum_bytes": 4}
-    assert dtype_bytes("model.dtype=float32") == {"act_bytes": 4, "sum_bytes": 4}
-    assert dtype_bytes("model.dtype=auto", "parallel.hardware=t4-16gb") == {
-        "act_bytes": 2, "sum_bytes": 4}  # a T4 computes in float16
+    assert sizes("model.dtype=bfloat16") == Precisions(act=2, sum=2)
+    assert sizes("model.dtype=float16") == Precisions(act=2, sum=4)
+    assert sizes("model.dtype=float32") == Precisions(act=4, sum=4)
+    assert sizes("model.dtype=auto", "parallel.hardware=t4-16gb") == Precisions(
+        act=2, sum=4)  # a T4 computes in float16
+    assert sizes("optimizer.mu_dtype=bfloat16").moments == 2
+    assert sizes("optimizer.mu_dtype=null").moments is None  # the master dtype's
 
 
 def test_auto_takes_the_papers_layout_in_the_papers_case(tmp_path):

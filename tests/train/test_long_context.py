@@ -150,7 +150,7 @@ def test_auto_remat_names_full_where_another_policy_would_compile_to_it():
     headroom rule would take one: the planner names full."""
     from basp_jax.planner import cost
     from train.config import load_config
-    from train.program.planning import hardware, memory_policy, model_shape, plan, state_bytes
+    from train.program.planning import hardware, memory_policy, model_shape, plan, precisions
     from train.prepare import model_config
 
     cfg = load_config("configs/colab.yaml", [_as_trained("t4-16gb")])
@@ -159,7 +159,8 @@ def test_auto_remat_names_full_where_another_policy_would_compile_to_it():
     assert layout.sp == 1
     hw = hardware(cfg, 1)
     pred = {remat: cost.predict(model_shape(mcfg), layout, strategy, hw=hw, remat=remat,
-                                tile_tokens=4096, act_bytes=2, **state_bytes(cfg))
+                                tile_tokens=4096, precisions=precisions(cfg),
+                                offload_state=cfg.optimizer.offload is True)
             for remat in ("full", "full_kv", "inputs")}
     for remat in ("full_kv", "inputs"):
         assert pred[remat].memory_bytes < pred["full"].memory_bytes

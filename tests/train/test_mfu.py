@@ -4,7 +4,7 @@ import pytest
 
 from basp_jax import gpus
 from basp_jax.kernels import gpu_kernels
-from basp_jax.planner import cost
+from basp_jax.planner.hardware import HARDWARE
 from train.config.schema import ConfigError, MetricsConfig
 from train.observe.metrics import peak_flops
 
@@ -48,9 +48,9 @@ def test_configured_peaks_come_first():
 def test_one_table_serves_mfu_the_planner_and_the_compile_targets():
     kinds = [g.device_kind for g in gpus.GPUS.values()]
     assert len(set(kinds)) == len(kinds) == len(KINDS) and set(kinds) == set(KINDS)
-    for name, hw in cost.HARDWARE.items():  # the planner's peak is the table's
+    for name, hw in HARDWARE.items():  # the planner's peak is the table's
         assert hw.peak_flops == gpus.GPUS[name].peak_flops
-    assert set(gpus.TARGETS) == set(cost.HARDWARE) == {
+    assert set(gpus.TARGETS) == set(HARDWARE) == {
         "a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "t4-16gb", "l4-24gb", "a10g-24gb",
         "rtx4090-24gb"}
     # bf16 tensor cores and the fused attention kernels from sm80 only

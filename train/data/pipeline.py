@@ -298,8 +298,9 @@ class Pipeline:
             self.name = f"synthetic Markov chain (branching {cfg.branching})" + (
                 f", {cfg.documents} documents" if cfg.documents else "")
         else:
-            if not held_out:  # before reading (and tokenizing) any file
-                sources.require_grain(cfg.source)
+            if not held_out and (why := sources.grain_missing()):  # before reading any file
+                raise DataError(f"data.source={cfg.source} reads its rows through grain, which "
+                                f"cannot be imported ({why}): pip install grain")
             paths = [cfg.path] if held_out or not cfg.mix else list(cfg.mix)
             streams, names = [], []
             for path in paths:

@@ -82,22 +82,20 @@ def row_of(pieces: list[np.ndarray], length: int) -> tuple[np.ndarray, np.ndarra
     return raw, seg
 
 
-def require_grain(source: str) -> None:
-    """Raise one line (DataError) when grain cannot be imported: it is imported only where it is
-    used, so synthetic data trains without it (a GPU image may lack it)."""
+def grain_missing() -> str | None:
+    """Why grain cannot be imported, or None. It is imported only where it is used, so
+    synthetic data trains without it (a GPU image may lack it)."""
     try:
         import grain  # noqa: F401
     except ImportError as e:
-        from .pipeline import DataError  # (pipeline imports this module)
-
-        raise DataError(f"data.source={source} reads its rows through grain, which cannot be "
-                        f"imported ({e}): pip install grain") from None
+        return str(e)
+    return None
 
 
 def epochs(sources: list, weights: list[float] | None, seed: int) -> grain.MapDataset:
     """The global row index -> (source number, row number) of endless seeded epochs; with several
     sources, mixed by weight (grain keeps each source's own epochs)."""
-    import grain  # Pipeline checked it first (require_grain)
+    import grain  # Pipeline checked it first (grain_missing)
 
     parts = [grain.MapDataset.range(src.count).shuffle(seed=(seed + 7919 * k) % 2**32).repeat()
              .map(lambda i, k=k: (k, int(i))) for k, src in enumerate(sources)]

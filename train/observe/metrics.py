@@ -48,9 +48,11 @@ def _clean(value: Any) -> Any:
 
 def progress_line(record: dict[str, Any], total: int, remaining_s: float | None) -> str:
     """One progress line for a log that is not a terminal (no carriage returns)."""
-    parts = [f"step {record['step']}/{total}", f"loss {record['loss']:.4f}",
-             f"grad_norm {record['grad_norm']:.3g}", f"lr {record['lr']:.3g}",
-             f"{record['tokens_per_s']:,.0f} tok/s", f"{record['step_time_s']:.3g} s/step"]
+    parts = [f"step {record['step']}/{total}", f"loss {record['loss']:.4f}"]
+    if "aux_loss" in record:
+        parts.append(f"aux_loss {record['aux_loss']:.4f}")
+    parts += [f"grad_norm {record['grad_norm']:.3g}", f"lr {record['lr']:.3g}",
+              f"{record['tokens_per_s']:,.0f} tok/s", f"{record['step_time_s']:.3g} s/step"]
     if record.get("mfu") is not None:
         parts.append(f"mfu {record['mfu']:.1%}")
     if remaining_s is not None:

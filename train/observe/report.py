@@ -129,6 +129,8 @@ class StepReport:
             record.update(self.layouts[int(metrics["layout"])])
             name = record["layout"]
             self.layout_steps[name] = self.layout_steps.get(name, 0) + 1
+        if "aux_loss" in metrics:  # sparse layers: the routers' load-balancing loss (unscaled)
+            record["aux_loss"] = float(metrics["aux_loss"])
         if "loss_scale" in metrics:  # float16: the scale this step's loss was multiplied by
             record["loss_scale"] = float(metrics["loss_scale"])
         finite = bool(metrics["finite"])

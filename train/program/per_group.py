@@ -29,6 +29,8 @@ from basp_jax.sharding import HOST, LOCAL, ShardingRules, sums_per_host
 from models.layers import param_names
 from models.transformer import abstract_model, with_values
 
+from .objective import objective
+
 # The placement the model is traced in inside the map: split over the host's devices only.
 VIEW_STRATEGY = "hsdp"
 
@@ -73,16 +75,17 @@ class GroupView:
 
         return jax.tree.map(copy, params, self.names)
 
-    def micro_loss(self, loss_fn):
-        """micro_loss(params, tokens, targets, segment_ids) of one group's rows."""
+    def micro_objective(self, loss_fn):
+        """micro_objective(params, tokens, targets, segment_ids) of one group's rows, as
+        train.program.step.make_micro_objective's."""
         abs_params, abs_rest = self.abstract_state
 
-        def micro_loss(params, tokens, targets, segment_ids):
+        def micro_objective(params, tokens, targets, segment_ids):
             model = nnx.merge(self.graphdef, with_values(abs_params, params),
                               with_values(abs_rest, self.rest))
-            return model.loss(tokens, targets, segment_ids, loss_fn=loss_fn)
+            return objective(model, tokens, targets, segment_ids, loss_fn)
 
-        return micro_loss
+        return micro_objective
 
     def rows(self, x):
         """[accum, B, S] -> [accum, groups, B / groups, S], each group's rows on its devices."""
@@ -93,10 +96,11 @@ class GroupView:
 
 
 def accumulate(view: GroupView, grad_fn, params, batch, param_shardings, packed: bool):
-    """(float32 gradient sum, loss sum, loss tokens) of the microbatches of `batch` like
-    train.program.step's, each group's sum kept apart over the microbatches and summed across
-    the groups once at the end, onto `param_shardings`. grad_fn(params, tokens, targets,
-    segment_ids) -> ((loss sum, count), gradients): one group's microbatch."""
+    """(float32 gradient sum, loss sum, loss tokens, weighted aux loss sum) of the microbatches
+    of `batch` like train.program.step's, each group's sum kept apart over the microbatches and
+    summed across the groups once at the end, onto `param_shardings`. grad_fn(params, tokens,
+    targets, segment_ids) -> ((loss sum, count, weighted aux loss), gradients): one group's
+    microbatch."""
     copies = view.copies(params)
     shardings = view.shardings(params)
     zeros = jax.tree.map(lambda c: jnp.zeros(c.shape, jnp.float32), copies)
@@ -105,16 +109,16 @@ def accumulate(view: GroupView, grad_fn, params, batch, param_shardings, packed:
     per_group = jax.vmap(grad_fn, spmd_axis_name=GROUP)
 
     def body(carry, micro):
-        grad_sum, loss_sum, count = carry
+        grad_sum, sums = carry
         segment_ids = micro["segment_ids"] if packed else None
         with groups_mapped():
-            (loss, n), grads = per_group(copies, micro["tokens"], micro["targets"], segment_ids)
+            terms, grads = per_group(copies, micro["tokens"], micro["targets"], segment_ids)
         grads = jax.lax.with_sharding_constraint(grads, shardings)
         grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
-        return (grad_sum, loss_sum + loss.sum(), count + n.sum()), None
+        return (grad_sum, tuple(a + t.sum() for a, t in zip(sums, terms))), None
 
-    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-    (grad_sum, loss_sum, count), _ = jax.lax.scan(body, init, rows)
+    init = (zeros, (jnp.zeros((), jnp.float32),) * 3)
+    (grad_sum, (loss_sum, count, aux_sum)), _ = jax.lax.scan(body, init, rows)
     # The one reduction across hosts: each group's sum onto the stored shards, in the dtype the
     # layers computed the gradients in (half the bytes under bf16 compute; each microbatch's
     # gradient would otherwise cross in it too), back in float32 after. Not in float16: a sum
@@ -125,7 +129,7 @@ def accumulate(view: GroupView, grad_fn, params, batch, param_shardings, packed:
     grad_sum = jax.tree.map(
         lambda a, c, n, sh: _sum_across_groups(a.astype(crossing(c.dtype)), view, n, sh).astype(
             jnp.float32), grad_sum, copies, view.names, param_shardings)
-    return grad_sum, loss_sum, count
+    return grad_sum, loss_sum, count, aux_sum
 
 
 def _sum_across_groups(sums, view: GroupView, names, stored: NamedSharding):

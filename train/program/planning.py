@@ -22,7 +22,10 @@ import os
 
 from basp_jax import Layout, LayoutError
 from basp_jax import adaptive
-from basp_jax.planner import cost
+from basp_jax.planner import cost, memory
+from basp_jax.planner.hardware import HARDWARE, Hardware
+from basp_jax.planner.precisions import Precisions
+from basp_jax.planner.shape import ModelShape
 from basp_jax.remat import REMAT_POLICIES, auto_policies
 from basp_jax.sharding import PARAM_SHARDINGS
 
@@ -30,29 +33,33 @@ from ..config import dtypes
 from ..config.schema import Config, ConfigError, replace
 
 
-def model_shape(mcfg) -> cost.ModelShape:
+def model_shape(mcfg) -> ModelShape:
     return mcfg.shape  # models.ModelConfig.shape: the one place a model's sizes become a shape
 
 
-def hardware(cfg: Config, devices_per_host: int) -> cost.Hardware:
+def hardware(cfg: Config, devices_per_host: int) -> Hardware:
     p = cfg.parallel
-    if p.hardware not in cost.HARDWARE:
+    if p.hardware not in HARDWARE:
         raise ConfigError(
-            f"parallel.hardware={p.hardware!r} is unknown; use one of {', '.join(cost.HARDWARE)}"
+            f"parallel.hardware={p.hardware!r} is unknown; use one of {', '.join(HARDWARE)}"
         )
-    hw = dataclasses.replace(cost.HARDWARE[p.hardware], devices_per_host=devices_per_host)
+    hw = dataclasses.replace(HARDWARE[p.hardware], devices_per_host=devices_per_host)
     if p.memory_gb is not None:
         hw = dataclasses.replace(hw, memory_bytes=p.memory_gb * 1e9)
     return hw
 
 
-def state_bytes(cfg: Config) -> dict[str, int]:
-    """Bytes per value of the master parameters and of Adam's first moment, for cost.predict
-    and cost.memory_terms."""
+def precisions(cfg: Config) -> Precisions:
+    """Bytes per value for basp_jax.planner (cost.predict, memory.memory_terms): the compute
+    dtype's (activations, the gathered weights, their gradients), the hosts' gradient sums',
+    which cross hosts in float32 under float16 compute (train.program.per_group), the master
+    parameters' and Adam's first moment's."""
+    compute = _compute_dtype(cfg)
+    act = dtypes.nbytes(compute)
     master = dtypes.nbytes(cfg.model.param_dtype)
     mu = cfg.optimizer.mu_dtype
-    return {"master_bytes": master, "moment_bytes": master if mu is None else dtypes.nbytes(mu),
-            "offload_state": cfg.optimizer.offload is True}
+    return Precisions(act=act, sum=4 if compute == "float16" else act, master=master,
+                      moments=None if mu is None else dtypes.nbytes(mu))
 
 
 def fp8_planned(cfg: Config) -> bool:
@@ -70,7 +77,8 @@ def predicted_step_s(cfg: Config, mcfg, run_plan) -> float:
                         grad_accum=cfg.train.grad_accum, remat=run_plan.remat,
                         tile_tokens=run_plan.tile_tokens, fp8=fp8_planned(cfg),
                         attn_impl=planned_attn_impl(cfg, mcfg, run_plan.layout),
-                        **dtype_bytes(cfg), **state_bytes(cfg)).step_s
+                        precisions=precisions(cfg),
+                        offload_state=cfg.optimizer.offload is True).step_s
 
 
 def planned_attn_impl(cfg: Config, mcfg, layout: Layout) -> str:
@@ -105,9 +113,12 @@ def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[La
     remat, tile = cfg.model.remat, cfg.model.tile_tokens
     if remat == "auto":
         remat, tile = AUTO_REMAT[-1], tile or AUTO_TILE_TOKENS
+    # ranked at the planner's default compute width whatever model.dtype is: only the state's
+    # bytes are the config's here
+    state = precisions(cfg)
     common = dict(hw=hw, grad_accum=cfg.train.grad_accum, remat=remat, tile_tokens=tile,
-                  **state_bytes(cfg))
-    common["fp8"] = fp8_planned(cfg)
+                  precisions=Precisions(master=state.master, moments=state.moments),
+                  offload_state=cfg.optimizer.offload is True, fp8=fp8_planned(cfg))
     if p.mode == "auto":
         try:
             layout, best = cost.auto_layout(
@@ -298,7 +309,8 @@ def memory_policy(cfg: Config, mcfg, layout: Layout, strategy: str,
             pred = cost.predict(model_shape(mcfg), layout, strategy, hw=hw, remat=remat,
                                 fp8=fp8_planned(cfg),
                                 tile_tokens=tile, grad_accum=cfg.train.grad_accum,
-                                **dtype_bytes(cfg), **state_bytes(cfg))
+                                precisions=precisions(cfg),
+                                offload_state=cfg.optimizer.offload is True)
             if pred.memory_bytes <= hw.memory_bytes and \
                     pred.host_memory_bytes <= hw.host_memory_bytes:
                 fitting.append((pred.step_s, remat, pred.memory_bytes))
@@ -318,59 +330,48 @@ def _compute_dtype(cfg: Config) -> str:
         from basp_jax import gpus
 
         gpu = gpus.GPUS.get(cfg.parallel.hardware)
-        dtype = "float32" if gpu is None else gpu.half_dtype  # bf16, or fp16 (a T4)
+        dtype = "float32" if gpu is None else gpu.auto_dtype  # bf16, or fp16 (a T4)
     return dtype
-
-
-def _act_bytes(cfg: Config) -> int:
-    return dtypes.nbytes(_compute_dtype(cfg))
-
-
-def dtype_bytes(cfg: Config) -> dict:
-    """basp_jax.planner.cost.predict's bytes per element: the compute dtype's (activations, the
-    gathered weights, their gradients), and the hosts' gradient sums', which cross hosts in
-    float32 under float16 compute (train.program.per_group)."""
-    compute = _act_bytes(cfg)
-    return {"act_bytes": compute, "sum_bytes": 4 if _compute_dtype(cfg) == "float16" else compute}
 
 
 def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,
                     remat: str | None = None, tile_tokens: int | None = None
                     ) -> tuple[float, str]:
-    """The bytes per device a train step holds (basp_jax.planner.cost.memory_terms, the planner's
-    formula: within 15% of the compiled GPU programs of the paper's models) and a breakdown.
-    remat / tile_tokens: the plan's (memory_policy), else the config's."""
+    """The bytes per device a train step holds (basp_jax.planner.memory.memory_terms, the
+    planner's formula: within 15% of the compiled GPU programs of the paper's models) and a
+    breakdown. remat / tile_tokens: the plan's (memory_policy), else the config's."""
     q_heads, kv_heads = layout.exchanged_heads
-    terms = cost.memory_terms(
-        model_shape(mcfg), layout.tokens_per_device, cost.shard_devices(layout, strategy),
+    sizes = precisions(cfg)
+    terms = memory.memory_terms(
+        model_shape(mcfg), layout.tokens_per_device, memory.shard_devices(layout, strategy),
         q_heads=q_heads, kv_heads=kv_heads, remat=remat or cfg.model.remat,
-        act_bytes=_act_bytes(cfg), tile_tokens=tile_tokens or cfg.model.tile_tokens,
-        ring=layout.ring, zigzag=layout.zigzag, kept_share=cost.kept_share(layout, strategy),
+        precisions=sizes, tile_tokens=tile_tokens or cfg.model.tile_tokens,
+        ring=layout.ring, zigzag=layout.zigzag, kept_share=memory.kept_share(layout, strategy),
         grad_accum=cfg.train.grad_accum,
-        host_sums=cost.host_sum_devices(layout, strategy, cfg.train.grad_accum),
-        step_copies=cost.step_copy_bytes(model_shape(mcfg), layout, strategy,
-                                         cfg.train.grad_accum, _act_bytes(cfg)),
-        **state_bytes(cfg))
+        host_sums=memory.host_sum_devices(layout, strategy, cfg.train.grad_accum),
+        step_copies=memory.step_copy_bytes(model_shape(mcfg), layout, strategy,
+                                           cfg.train.grad_accum, sizes),
+        offload_state=cfg.optimizer.offload is True)
     detail = ", ".join(f"{name} {value / 1e9:.3g} GB" for name, value in terms.items())
     return sum(terms.values()), detail
 
 
 def host_memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,
                          remat: str | None = None) -> float:
-    """Pinned host memory per device the remat policy fills per step (basp_jax.planner.cost.
+    """Pinned host memory per device the remat policy fills per step (basp_jax.planner.memory.
     host_memory_bytes; 0 unless it offloads), the host-local copy of a strategy that keeps it
-    there (basp_jax.planner.cost.host_copy_bytes), with optimizer.offload the state it holds too."""
+    there (basp_jax.planner.memory.host_copy_bytes), with optimizer.offload the state it holds
+    too."""
     q_heads, kv_heads = layout.exchanged_heads
-    shape = model_shape(mcfg)
-    host = cost.host_memory_bytes(shape, layout.tokens_per_device, q_heads=q_heads,
-                                  kv_heads=kv_heads, remat=remat or cfg.model.remat,
-                                  act_bytes=_act_bytes(cfg))
-    host += cost.host_copy_bytes(shape, layout, strategy, _act_bytes(cfg))
+    shape, sizes = model_shape(mcfg), precisions(cfg)
+    host = memory.host_memory_bytes(shape, layout.tokens_per_device, q_heads=q_heads,
+                                    kv_heads=kv_heads, remat=remat or cfg.model.remat,
+                                    precisions=sizes)
+    host += memory.host_copy_bytes(shape, layout, strategy, sizes)
     host *= cfg.train.grad_accum  # XLA gives each microbatch's residuals their own buffers
     if cfg.optimizer.offload is True:
-        sizes = state_bytes(cfg)
-        host += shape.num_params * cost.state_bytes_per_param(
-            sizes["master_bytes"], sizes["moment_bytes"]) / cost.shard_devices(layout, strategy)
+        host += shape.num_params * memory.state_bytes_per_param(
+            sizes.master, sizes.moments) / memory.shard_devices(layout, strategy)
     return host
 
 

@@ -33,7 +33,7 @@ from ..checkpoint.store import Checkpointer, first_non_finite
 from .model_setup import model_config, model_options
 from ..observe import compile_progress
 from ..process.outputs import write_collectives
-from ..config.schema import Config
+from ..config.schema import Config, ConfigError
 from .step import (build_model, compute_dtype, from_module, init_opt_state, initial_loss_scale, loss_scaling, make_optimizer, make_train_step, opt_state_shardings)
 
 
@@ -67,6 +67,10 @@ def plan_run(cfg: Config, mcfg, devices, devices_per_host: int) -> RunPlan:
     # the configured strategy: under optimizer.offload the planner offers only streamed ones
     streamed.check_offload(cfg, cfg.parallel.param_sharding,
                            compute_dtype(cfg.model.dtype, devices[0]), mcfg)
+    if cfg.optimizer.offload is True and mcfg.is_moe:
+        raise ConfigError(f"optimizer.offload=true streams the layers without their routers' "
+                          f"load-balancing loss, which {mcfg.model_type}'s sparse layers need; "
+                          f"set optimizer.offload=false")
     layout, strategy = planning.plan(cfg, mcfg, len(devices), devices_per_host)
     remat, tile = planning.memory_policy(cfg, mcfg, layout, strategy, devices_per_host)
     plan = RunPlan(layout, strategy, make_mesh(layout, devices), remat, tile,

@@ -32,7 +32,7 @@ from models.layers import param_names, stage_layer_params
 from models.transformer import build_sharded, with_values
 
 from ..config.schema import OptimizerConfig
-from . import per_group
+from . import objective, per_group
 
 BATCH_SPEC = activation_spec(None, "batch", "sequence")  # [accum, B, S]
 
@@ -215,33 +215,49 @@ def make_micro_loss(parts: ModelParts, loss_fn: Callable) -> Callable:
     return micro_loss
 
 
+def make_micro_objective(parts: ModelParts, loss_fn: Callable) -> Callable:
+    """micro_objective(params, tokens, targets, segment_ids) -> (the sum the train step
+    differentiates, (loss sum, token count, weighted aux loss)) of one microbatch
+    (train.program.objective: the loss, plus a sparse model's load-balancing term)."""
+    graphdef, (abs_params, abs_rest), rest = parts.graphdef, parts.abstract_state, parts.rest
+
+    def micro_objective(params, tokens, targets, segment_ids):
+        model = nnx.merge(graphdef, with_values(abs_params, params), with_values(abs_rest, rest))
+        return objective.objective(model, tokens, targets, segment_ids, loss_fn)
+
+    return micro_objective
+
+
 def _accumulate(grad_fn, params, batch, param_shardings, packed: bool):
     """The float32 sums of the microbatches' gradients (constrained to the parameters' sharding),
-    losses and loss tokens, under lax.scan over the accumulation axis of `batch`. `params` may
-    be the parameters as the layers use them (stage_layer_params: the same values, staged
-    matrices in the compute dtype), whose gradients are the parameters'."""
+    losses, loss tokens and weighted aux losses, under lax.scan over the accumulation axis of
+    `batch`. `params` may be the parameters as the layers use them (stage_layer_params: the
+    same values, staged matrices in the compute dtype), whose gradients are the parameters'."""
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     zeros = jax.lax.with_sharding_constraint(zeros, param_shardings)
 
     def body(carry, micro):
-        grad_sum, loss_sum, count = carry
+        grad_sum, sums = carry
         segment_ids = micro["segment_ids"] if packed else None
-        (loss, n), grads = grad_fn(params, micro["tokens"], micro["targets"], segment_ids)
+        terms, grads = grad_fn(params, micro["tokens"], micro["targets"], segment_ids)
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
         grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
-        return (grad_sum, loss_sum + loss, count + n), None
+        return (grad_sum, tuple(a + t for a, t in zip(sums, terms))), None
 
-    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-    (grad_sum, loss_sum, count), _ = jax.lax.scan(body, init, batch)
-    return grad_sum, loss_sum, count
+    init = (zeros, (jnp.zeros((), jnp.float32),) * 3)
+    (grad_sum, (loss_sum, count, aux_sum)), _ = jax.lax.scan(body, init, batch)
+    return grad_sum, loss_sum, count, aux_sum
 
 
 def make_step_gradients(parts: ModelParts, param_shardings, *, loss_fn: Callable, packed: bool,
-                        loss_scale: LossScale | None = None) -> Callable:
-    """step_gradients(params, batch, scale) -> (the mean gradient of the step's loss in the
-    parameters' dtypes and sharding, loss sum, loss tokens): the microbatches of `batch`
-    ([accum, B, S] arrays) under lax.scan; scale: the loss scale (None without loss_scale)."""
-    micro_loss = make_micro_loss(parts, loss_fn)
+                        loss_scale: LossScale | None = None, with_aux: bool = False) -> Callable:
+    """step_gradients(params, batch, scale) -> (the mean gradient of the step's objective in the
+    parameters' dtypes and sharding, loss sum, loss tokens; with_aux: and the sum of the
+    microbatches' aux losses weighted by their loss tokens): the microbatches of `batch`
+    ([accum, B, S] arrays) under lax.scan; scale: the loss scale (None without loss_scale).
+    The objective is the loss, plus a sparse model's load-balancing term
+    (train.program.objective)."""
+    micro_objective = make_micro_objective(parts, loss_fn)
     names = param_names(parts.abstract_state[0])
 
     def _used_once(params, batch):
@@ -256,47 +272,51 @@ def make_step_gradients(parts: ModelParts, param_shardings, *, loss_fn: Callable
             return params
         return stage_layer_params(params, names, rules, model.dtype)
 
-    def grad_fn_at(scale, loss_of=micro_loss, micro_tokens=None):
-        """((loss sum, count), gradients of scale x loss sum) of one microbatch (of
-        micro_tokens tokens: default, the tokens given)."""
-        if loss_scale is None:  # the program as it is without scaling, not one times 1.0
-            return jax.value_and_grad(loss_of, has_aux=True)
-
+    def grad_fn_at(scale, loss_of=micro_objective, micro_tokens=None):
+        """((loss sum, count, weighted aux loss), gradients of scale x the objective) of one
+        microbatch (of micro_tokens tokens: default, the tokens given)."""
         def scaled(params, tokens, targets, segment_ids):
+            if loss_scale is None:  # the program as it is without scaling, not one times 1.0
+                return loss_of(params, tokens, targets, segment_ids)
             # The scale multiplies the microbatch's mean loss (as in PyTorch's GradScaler and
             # apex), not its sum: a sum over 64K tokens would overflow at a 64K times smaller scale
-            loss, n = loss_of(params, tokens, targets, segment_ids)
-            return loss * (scale / (micro_tokens or tokens.size)), (loss, n)
+            total, terms = loss_of(params, tokens, targets, segment_ids)
+            return total * (scale / (micro_tokens or tokens.size)), terms
 
         def grad_fn(params, tokens, targets, segment_ids):
-            (_, aux), grads = jax.value_and_grad(scaled, has_aux=True)(params, tokens, targets,
-                                                                       segment_ids)
-            return aux, grads
+            (_, terms), grads = jax.value_and_grad(scaled, has_aux=True)(params, tokens, targets,
+                                                                         segment_ids)
+            return terms, grads
 
         return grad_fn
 
     model = parts.module()
     options = model.options
     # built here, outside any jit and mesh context: the model as one group traces it
+    # (not for sparse layers yet: the load-balancing statistic is over the whole microbatch,
+    # which a group's map does not see)
     view = (per_group.GroupView(parts, model.config, options)
-            if per_group.applies(options.rules, options.layout, accum=2) else None)
+            if per_group.applies(options.rules, options.layout, accum=2)
+            and not model.config.is_moe else None)
 
     def accumulated(params, batch, scale):
-        """(float32 gradient sum, loss sum, loss tokens) of the step's microbatches."""
+        """(float32 gradient sum, loss sum, loss tokens, weighted aux loss sum) of the step's
+        microbatches."""
         accum, micro_tokens = batch["tokens"].shape[0], batch["tokens"][0].size
         if view is not None and per_group.applies(options.rules, options.layout, accum):
-            grad_fn = grad_fn_at(scale, view.micro_loss(loss_fn), micro_tokens)
+            grad_fn = grad_fn_at(scale, view.micro_objective(loss_fn), micro_tokens)
             return per_group.accumulate(view, grad_fn, params, batch, param_shardings, packed)
         return _accumulate(grad_fn_at(scale), _used_once(params, batch), batch, param_shardings,
                            packed)
 
     def step_gradients(params, batch, scale):
-        grad_sum, loss_sum, count = accumulated(params, batch, scale)
+        grad_sum, loss_sum, count, aux_sum = accumulated(params, batch, scale)
         denom = jnp.maximum(count, 1.0)
         if scale is not None:  # the mean gradient of the unscaled loss
             denom = denom * (scale / batch["tokens"][0].size)
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grad_sum, params)
-        return jax.lax.with_sharding_constraint(grads, param_shardings), loss_sum, count
+        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        return (grads, loss_sum, count) + ((aux_sum,) if with_aux else ())
 
     return step_gradients
 
@@ -320,14 +340,16 @@ def make_train_step(
     make_optimizer(..., loss_scale) (its first state is the scale) and metrics hold loss_scale.
     """
     step_gradients = make_step_gradients(parts, param_shardings, loss_fn=loss_fn,
-                                         packed=packed, loss_scale=loss_scale)
+                                         packed=packed, loss_scale=loss_scale, with_aux=True)
+    sparse = parts.module().config.is_moe
 
     def train_step(params, opt_state, batch, step):
         scale = opt_state[0].scale if loss_scale is not None else None
-        grads, loss_sum, count = step_gradients(params, batch, scale)
+        grads, loss_sum, count, aux_sum = step_gradients(params, batch, scale)
         grad_norm = optax.tree.norm(grads)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
+        with jax.named_scope("optimizer"):  # what a profile's update ops are named by
+            updates, new_opt_state = tx.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
         # A NaN/Inf loss, gradient or updated state (e.g. a finite gradient times a NaN learning
         # rate) leaves parameters and optimizer state as they were: none is ever checkpointed.
         finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm) & all_finite(
@@ -339,6 +361,8 @@ def make_train_step(
         if loss_scale is not None:  # set whether or not the step was kept: an overflow halves it
             opt_state = (_next_scale(opt_state[0], finite, loss_scale),) + tuple(opt_state[1:])
             extra["loss_scale"] = scale
+        if sparse:  # the routers' load-balancing loss (unscaled), the objective's other term
+            extra["aux_loss"] = aux_sum / jnp.maximum(count, 1.0)
         metrics = {
             **extra,
             "finite": finite,

@@ -14,15 +14,16 @@ def check_state_fits(cfg, mcfg, target: str, num_devices: int) -> None:
     layout, remat policy or kernel can shrink) do not fit even spread over all num_devices GPUs:
     in device memory, or with optimizer.offload=true in the host memory each GPU may use."""
     from basp_jax import gpus
-    from basp_jax.planner import cost
+    from basp_jax.planner.hardware import HARDWARE
+    from basp_jax.planner.memory import state_bytes_per_param
 
     from ..program import planning
 
-    sizes = planning.state_bytes(cfg)
-    per_param = cost.state_bytes_per_param(sizes["master_bytes"], sizes["moment_bytes"])
+    p = planning.precisions(cfg)
+    per_param = state_bytes_per_param(p.master, p.moments)
     need = planning.model_shape(mcfg).num_params * per_param / num_devices
     if cfg.optimizer.offload is True:
-        budget, where = cost.HARDWARE[target].host_memory_bytes, "the host memory each GPU may use"
+        budget, where = HARDWARE[target].host_memory_bytes, "the host memory each GPU may use"
     else:
         budget, where = gpus.usable_memory_bytes(gpus.get(target)), f"what JAX may take on {target}"
     if need <= budget:

@@ -87,7 +87,7 @@ def report(cfg, target: str, hosts: int, gpus_per_host: int, *, want_hlo: bool =
     import jax
 
     from basp_jax import LayoutError, gpus
-    from basp_jax.planner import cost
+    from basp_jax.planner.hardware import HARDWARE
     from models import ModelError
 
     from ..config.schema import ConfigError, replace
@@ -115,7 +115,7 @@ def report(cfg, target: str, hosts: int, gpus_per_host: int, *, want_hlo: bool =
     except ValueError as e:  # a kernel's own check while tracing (basp_jax.kernels: one line)
         raise AotError(f"model.attn_impl={cfg.model.attn_impl}: {e}") from None
     usable = gpus.usable_memory_bytes(gpu)
-    host_budget = cost.HARDWARE[target].host_memory_bytes
+    host_budget = HARDWARE[target].host_memory_bytes
     r["compute_dtype"] = cfg.model.dtype
     r.update({
         "host_budget_bytes": host_budget,
@@ -169,18 +169,17 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
     several hosts the candidates include host parameter sharding beside fsdp and hsdp; a
     parallel.param_sharding other than auto keeps the candidates of that strategy alone."""
     from basp_jax.planner import cost
+    from basp_jax.planner.hardware import HARDWARE
 
     from ..config.schema import replace
     from ..prepare import model_config
-    from ..program.planning import (dtype_bytes, fp8_planned, memory_policy, resolve_offload,
-                                    state_bytes)
+    from ..program.planning import fp8_planned, memory_policy, precisions, resolve_offload
 
     devices = hosts * gpus_per_host
     cfg = replace(cfg, f"parallel.hardware={target}")
     mcfg = model_config(cfg)
     shape = mcfg.shape
-    hw = cost.HARDWARE[target]
-    hw = dataclasses.replace(hw, devices_per_host=gpus_per_host)
+    hw = dataclasses.replace(HARDWARE[target], devices_per_host=gpus_per_host)
     rows = []
     for layout, sharding in cost.candidates(shape, batch=cfg.train.microbatch_size,
                                             seq_len=cfg.data.seq_len, num_devices=devices,
@@ -197,7 +196,8 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
         remat, tile = memory_policy(variant, mcfg, layout, sharding, gpus_per_host)
         pred = cost.predict(shape, layout, sharding, hw=hw, grad_accum=cfg.train.grad_accum,
                             remat=remat, tile_tokens=tile, fp8=fp8_planned(variant),
-                            **dtype_bytes(variant), **state_bytes(variant))
+                            precisions=precisions(variant),
+                            offload_state=variant.optimizer.offload is True)
         r = report(variant, target, hosts, gpus_per_host)
         rows.append({"name": pred.name, "predicted_step_s": pred.step_s,
                      "formula_memory_bytes": pred.memory_bytes,

@@ -16,9 +16,10 @@ import argparse
 import sys
 
 from basp_jax import adaptive
-from basp_jax.planner.cost import HARDWARE, Prediction, default_pad_rows, plan_table
-from basp_jax.remat import REMAT_POLICIES
+from basp_jax.planner.cost import Prediction, default_pad_rows, plan_table
 from basp_jax.planner.gain import predicted_gain
+from basp_jax.planner.hardware import HARDWARE
+from basp_jax.remat import REMAT_POLICIES
 from models.config import MODEL_SHAPES
 
 from ..data.synthetic import DISTRIBUTIONS, sample_steps
@@ -63,6 +64,32 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: plan: {message} (see {self.prog} --help)\n")
 
 
+def _check_args(parser, args) -> None:
+    """Every number in range, each refusal one line (parser.error, exit status 2)."""
+    for name, most in LIMITS.items():
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if value is not None and value > most:
+            parser.error(f"--{name.replace('_', '-')} must be at most {most:,} (beyond any "
+                         f"cluster this models), got {value:,}")
+    if args.max_pad_rows is not None and args.max_pad_rows < 0:
+        parser.error(f"--max-pad-rows must be >= 0 (masked rows added to the microbatch), got "
+                     f"{args.max_pad_rows}")
+    if args.max_pad_rows is not None and args.max_pad_rows > args.devices:
+        # every group count is reached with fewer pad rows than devices
+        parser.error(f"--max-pad-rows must be at most --devices={args.devices} (more reach no "
+                     f"other layout), got {args.max_pad_rows}")
+    if not 0.0 <= args.overlap <= 1.0:  # also refuses nan
+        parser.error(f"--overlap is a share of the parameter collectives, in [0, 1]; got "
+                     f"{args.overlap}")
+    if args.memory_gb is not None and not MIN_MEMORY_GB <= args.memory_gb <= MAX_MEMORY_GB:
+        parser.error(f"--memory-gb must be a positive number of at most {MAX_MEMORY_GB:g} and at "
+                     f"least {MIN_MEMORY_GB:g} (GB per device), got {args.memory_gb}")  # nan too
+    if args.docs is not None:
+        _check_docs_sample(parser, args.batch, args.seq)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="python -m train.tools.plan", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, choices=sorted(MODEL_SHAPES))
@@ -95,28 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also predict the adaptive choice for documents of this length "
                              "distribution (longtail: lognormal(6.5, 1.2); full: each fills a row)")
     args = parser.parse_args(argv)
-    for name, most in LIMITS.items():
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
-        if value is not None and value > most:
-            parser.error(f"--{name.replace('_', '-')} must be at most {most:,} (beyond any "
-                         f"cluster this models), got {value:,}")
-    if args.max_pad_rows is not None and args.max_pad_rows < 0:
-        parser.error(f"--max-pad-rows must be >= 0 (masked rows added to the microbatch), got "
-                     f"{args.max_pad_rows}")
-    if args.max_pad_rows is not None and args.max_pad_rows > args.devices:
-        # every group count is reached with fewer pad rows than devices
-        parser.error(f"--max-pad-rows must be at most --devices={args.devices} (more reach no "
-                     f"other layout), got {args.max_pad_rows}")
-    if not 0.0 <= args.overlap <= 1.0:  # also refuses nan
-        parser.error(f"--overlap is a share of the parameter collectives, in [0, 1]; got "
-                     f"{args.overlap}")
-    if args.memory_gb is not None and not MIN_MEMORY_GB <= args.memory_gb <= MAX_MEMORY_GB:
-        parser.error(f"--memory-gb must be a positive number of at most {MAX_MEMORY_GB:g} and at "
-                     f"least {MIN_MEMORY_GB:g} (GB per device), got {args.memory_gb}")  # nan too
-    if args.docs is not None:
-        _check_docs_sample(parser, args.batch, args.seq)
+    _check_args(parser, args)
     hw = HARDWARE[args.hardware]
     if args.devices_per_host is not None:
         if args.devices % args.devices_per_host:

@@ -1,0 +1,138 @@
+"""Forward + backward attention time per kernel, head shape and packing, with JAX's own Pallas
+flash attention (jax.experimental.pallas.ops.gpu.attention) beside ours on unpacked input.
+TFLOP/s count causal work: S^2/2 query-key pairs unpacked, the sum of L^2/2 over the documents
+packed (a kernel that skips other documents' blocks does only that work)."""
+
+from __future__ import annotations
+
+import statistics
+
+from .attention_check import inputs, jitted_kernel, loss_and_grads, off_gpu, packing
+from .common import GiB, Shapes, out_of_memory, skip, timed
+
+UPSTREAM = "upstream pallas"  # the timing rows' name for _upstream_pallas_attention
+KERNEL_NAMES = ("xla", "cudnn", "pallas", "blockwise", UPSTREAM)
+
+
+def case_name(impl: str, seq: int, heads, docs: int, shapes: Shapes) -> str:
+    """'cudnn, 16384 tokens' for the 1B's heads unpacked (the names benchmarks/calibrate.py
+    reads), the head_dim and documents appended otherwise."""
+    name = f"{impl}, {seq} tokens"
+    if heads != shapes.time_heads[0]:
+        name += f", head_dim {heads[2]}"
+    return name + (f", {packing(docs)}" if docs else "")
+
+
+def timing_cases(shapes: Shapes, seq: int):
+    """(name, impl, seq, heads, documents) at one length, the 1B's heads unpacked first (what
+    the calibration reads)."""
+    for docs in shapes.long_documents if seq == shapes.long_seq else shapes.documents:
+        for heads in shapes.time_heads:
+            for impl in KERNEL_NAMES:
+                yield case_name(impl, seq, heads, docs, shapes), impl, seq, heads, docs
+
+
+def _upstream_missing() -> str | None:
+    """Why JAX's own kernel cannot be timed here: jax 0.12.1 dropped its Triton Pallas examples."""
+    import importlib.util
+
+    import jax
+
+    if importlib.util.find_spec("jax.experimental.pallas.ops.gpu.attention") is None:
+        return f"jax {jax.__version__} ships no jax.experimental.pallas.ops.gpu.attention"
+    return None
+
+
+def _upstream_pallas_attention(heads, interpret: bool):
+    """JAX's own Pallas/Triton flash attention (mha), what our `pallas` kernel (basp_jax.flash)
+    is timed against: it takes as many k/v heads as query heads, so k and v are repeated to
+    them (the copy our kernel avoids), default blocks."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.gpu import attention as upstream
+
+    group = heads[0] // heads[1]
+
+    def fn(q, k, v, seg):
+        k, v = (jnp.repeat(x, group, axis=2) for x in (k, v))
+        return upstream.mha(q, k, v, None, sm_scale=heads[2] ** -0.5, causal=True,
+                            interpret=interpret)
+
+    return fn
+
+
+def not_timed(impl: str, seq: int, heads, docs: int, shapes: Shapes, on_gpu: bool) -> str | None:
+    """Why a case is not timed: what a kernel cannot run here, and what would spend the check's
+    minutes without telling anything new."""
+    from basp_jax.kernels import cudnn_supported
+
+    if impl == UPSTREAM:
+        if docs:
+            return "JAX's own kernel is compared on unpacked input only"
+        return _upstream_missing()
+    if why := off_gpu(impl, on_gpu):
+        return why
+    if impl == "cudnn" and docs:
+        return ("packed input: auto never runs cudnn there (it would take the segment mask as a "
+                "dense S x S bias); pallas does")
+    if impl == "xla" and docs:
+        return "the xla kernel's work and memory do not depend on the packing (S x S scores)"
+    if impl == "xla" and on_gpu:
+        import jax
+
+        scores = heads[0] * seq * seq * 4  # float32, before the backward pass's copies
+        usable = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+        if usable and scores > usable:
+            return (f"out of memory: the S x S float32 scores alone take {scores / GiB:,.0f} GiB "
+                    f"of {usable / GiB:.0f}")
+    if impl == "blockwise" and seq == shapes.long_seq and (docs or heads != shapes.time_heads[0]):
+        return ("the blockwise fallback is timed at this length for the 1B's heads unpacked only: "
+                "its calls take seconds, and its rate hardly changes with the length")
+    if impl == "cudnn":
+        import jax
+        import jax.numpy as jnp
+
+        q = jax.ShapeDtypeStruct((1, seq, heads[0], heads[2]), jnp.dtype(shapes.dtype))
+        if not cudnn_supported(q, "gpu"):
+            return f"cuDNN flash attention is used for head_dim <= 128, not {heads[2]}"
+    return None
+
+
+def causal_pairs(seq: int, seg) -> float:
+    """Query-key pairs of causal attention: S^2/2, or the sum of L^2/2 over the documents."""
+    import numpy as np
+
+    if seg is None:
+        return seq * seq / 2
+    _, lengths = np.unique(np.asarray(seg[0]), return_counts=True)
+    return float(np.sum(lengths.astype(np.float64) ** 2) / 2)
+
+
+def time_kernel(impl: str, seq: int, heads, docs: int, shapes: Shapes, on_gpu: bool,
+                repeats: int) -> dict:
+    """Median seconds of one forward + backward pass of causal attention."""
+    import jax.numpy as jnp
+
+    if why := not_timed(impl, seq, heads, docs, shapes, on_gpu):
+        return skip(why)
+    if impl == UPSTREAM:
+        step = loss_and_grads(_upstream_pallas_attention(heads, interpret=not on_gpu))
+    else:  # 4 and 64 documents share its compile
+        step = jitted_kernel(impl, heads, seq)
+    q, k, v, ct, seg = inputs(heads, seq, docs, jnp.dtype(shapes.dtype))
+    try:
+        first, times = timed(step, (q, k, v, ct, seg), repeats)
+    except Exception as e:  # noqa: BLE001
+        if not out_of_memory(e):
+            raise
+        # expected of the xla kernel, which holds the S x S scores: a finding, not a failure
+        print(f"  out of memory at {seq} tokens", flush=True)
+        return {"status": "out of memory", "seq_len": seq, "error": " ".join(str(e).split())[:300]}
+    median = statistics.median(times)
+    pairs = causal_pairs(seq, seg)
+    # 4 FLOPs per pair and head dim forward (QK^T, PV), 2.5x that backward (5 matmuls)
+    flops = 3.5 * 4 * pairs * heads[0] * heads[2]
+    print(f"  {median * 1e3:9.2f} ms  ({flops / median / 1e12:.1f} TFLOP/s causal; compile + "
+          f"first run {first:.1f} s)", flush=True)
+    return {"status": "ok", "seq_len": seq, "heads": heads[0], "kv_heads": heads[1],
+            "head_dim": heads[2], "documents": docs, "causal_pairs": pairs, "median_s": median,
+            "times_s": times, "tflops": flops / median / 1e12, "first_call_s": first}

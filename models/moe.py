@@ -1,0 +1,141 @@
+"""A sparse mixture-of-experts MLP as transformers' Qwen3MoeSparseMoeBlock computes it, and the
+router statistics its load-balancing loss is made of.
+
+    router logits = x @ gate            [tokens, experts], float32
+    probs = softmax(logits)             float32
+    weights, experts = top_k(probs, k)  renormalised to sum to one when norm_topk_prob
+    y = sum_k weights_k * down_e(silu(gate_e(x)) * up_e(x))   e = the token's k-th expert
+
+Dropless with static shapes: no capacity and no dropped token. The T * k (token, expert) pairs
+are sorted by expert and the experts run as grouped matmuls with jax.lax.ragged_dot, whose group
+sizes are the tokens each expert got, then the outputs are put back in token order. ragged_dot
+needs no padding of each expert's tokens to a common size (a dense dispatch would compute
+T * experts rows, or drop tokens beyond a capacity); on CPU it masks to a dense product
+internally, on GPUs XLA lowers it to grouped GEMMs.
+
+The layer is token-local: on a mesh the router runs on the activations as they are placed, and
+the sort and the experts in a shard_map on each device's own tokens (BASP and Ulysses alike),
+with whole copies of the expert weights (gathered as every layer gathers its stored-sharded
+weights).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from basp_jax.sharding import rows_spec
+
+from .config import ModelConfig
+from .layers import Linear, constrain, param
+
+
+class RouterStats(NamedTuple):
+    """Sums over tokens (and layers) of per-token terms, so sums over sharded tokens add up:
+    counts [experts] (top-k assignments), probs [experts] (router probabilities), tokens (how
+    many token-layer rows were routed). float32."""
+
+    counts: jax.Array
+    probs: jax.Array
+    tokens: jax.Array
+
+    def __add__(self, other: "RouterStats") -> "RouterStats":
+        return RouterStats(*(a + b for a, b in zip(self, other)))
+
+    def total(self) -> "RouterStats":
+        """A stack of per-layer stats ([layers, ...] leaves) summed over the layers."""
+        return RouterStats(*(x.sum(axis=0) for x in self))
+
+
+def load_balancing_loss(stats: RouterStats) -> jax.Array:
+    """transformers' load_balancing_loss_func (Switch Transformer eqs. 4-6) of router stats summed
+    over the layers and every token of a microbatch: experts * sum_e f_e * P_e, f_e the share of
+    top-k assignments to e and P_e its mean probability, each over the token-layer rows. (Its
+    gradient flows through P only: the counts come from top-k indices.)"""
+    rows = jnp.maximum(stats.tokens, 1.0)
+    return stats.counts.shape[-1] * jnp.sum((stats.counts / rows) * (stats.probs / rows))
+
+
+class ExpertKernel(nnx.Module):
+    """One projection of every expert: kernel [experts, in, out] (each expert's Hugging Face
+    weight is [out, in]: mlp.experts.{e}.<name>.weight)."""
+
+    def __init__(self, experts: int, in_features: int, out_features: int, names, *, rngs,
+                 param_dtype, init_std: float):
+        shape = (experts, in_features, out_features)
+        self.kernel = param(init_std * jax.random.normal(rngs.params(), shape, param_dtype),
+                            names)
+
+
+class Experts(nnx.Module):
+    """The experts' SwiGLU weights, named as transformers' per-expert checkpoints name them."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype):
+        e, d, f = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        kw = dict(rngs=rngs, param_dtype=param_dtype, init_std=config.initializer_range)
+        self.gate_proj = ExpertKernel(e, d, f, ("expert", "mlp_up_embed", "mlp_up"), **kw)
+        self.up_proj = ExpertKernel(e, d, f, ("expert", "mlp_up_embed", "mlp_up"), **kw)
+        self.down_proj = ExpertKernel(e, f, d, ("expert", "mlp_down", "embed"), **kw)
+
+
+class SparseMoE(nnx.Module):
+    """The sparse MLP: `gate` (the router, [hidden, experts], no bias) and `experts`.
+    `moe(x)` -> (y [B, S, hidden], RouterStats of x's tokens)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype, mesh=None):
+        self.gate = Linear(config.hidden_size, config.num_experts, ("mlp_up_embed", "expert"),
+                           use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                           init_std=config.initializer_range)
+        self.experts = Experts(config, rngs=rngs, param_dtype=param_dtype)
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.dtype = dtype
+        self.mesh = mesh
+
+    def route(self, x):
+        """(top-k weights [B, S, k] in the compute dtype, experts [B, S, k], RouterStats)."""
+        logits = jnp.einsum("...d,de->...e", x.astype(self.dtype),
+                            self.gate.kernel[...].astype(self.dtype),
+                            preferred_element_type=jnp.float32)
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, experts = jax.lax.top_k(probs, self.top_k)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        n = probs.shape[-1]
+        counts = jax.nn.one_hot(experts, n, dtype=jnp.float32).sum(axis=-2)
+        stats = RouterStats(counts.reshape(-1, n).sum(0), probs.reshape(-1, n).sum(0),
+                            jnp.float32(probs.size // n))
+        return weights.astype(self.dtype), experts, stats
+
+    def __call__(self, x):
+        weights, experts, stats = self.route(x)
+        kernels = tuple(k.kernel[...].astype(self.dtype) for k in
+                        (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj))
+        if self.mesh is None:
+            return _dispatch(x.astype(self.dtype), weights, experts, kernels), stats
+        rows = rows_spec()  # each device's own tokens, whole expert weights
+        local = jax.shard_map(_dispatch, mesh=self.mesh, in_specs=(rows, rows, rows, P()),
+                              out_specs=rows, check_vma=False)
+        x = constrain(x.astype(self.dtype), self.mesh)
+        return constrain(local(x, weights, experts, kernels), self.mesh), stats
+
+
+def _dispatch(x, weights, experts, kernels):
+    """Every token of x [..., hidden] through its k experts (experts, weights [..., k]), the
+    outputs weighted and summed: the pairs sorted by expert, the experts as ragged_dots."""
+    gate, up, down = kernels
+    shape, k = x.shape, experts.shape[-1]
+    x = x.reshape(-1, shape[-1])
+    flat = experts.reshape(-1)  # pair p = token p // k, its (p % k)-th expert
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
+    rows = x[order // k]
+    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
+    out = jax.lax.ragged_dot(h, down, sizes)
+    out = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # back in pair order
+    out = out.reshape(-1, k, shape[-1]) * weights.reshape(-1, k, 1)
+    return out.sum(axis=1).reshape(shape)

@@ -1,0 +1,98 @@
+"""The sparse mixture-of-experts fields of models.ModelConfig (qwen3_moe): their checks, how a
+config.json holds them, and the parameters they add.
+
+A layer's MLP is sparse (models.moe) when the config has experts, the layer is not one of
+mlp_only_layers and (index + 1) is a multiple of decoder_sparse_step, as transformers'
+Qwen3MoeDecoderLayer decides it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .errors import ModelError
+
+MOE_TYPES = ("qwen3_moe",)  # the model types whose layers may be sparse (num_experts > 0)
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef")
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def check(config) -> None:
+    """Refuse bad sparse fields of a ModelConfig in one line; mlp_only_layers is stored as a
+    tuple (the config is hashed)."""
+    layers = config.mlp_only_layers
+    if not isinstance(layers, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in layers):
+        raise ModelError(f"mlp_only_layers must be a list of layer indices, got {layers!r}")
+    object.__setattr__(config, "mlp_only_layers", tuple(layers))
+    experts = config.num_experts
+    if config.model_type not in MOE_TYPES:
+        if experts != 0:
+            raise ModelError(f"num_experts={experts!r}: sparse layers are a "
+                             f"{' or '.join(MOE_TYPES)} model's, not {config.model_type}'s")
+        return
+    if not _positive_int(experts):
+        raise ModelError(f"num_experts must be a positive integer for {config.model_type}, got "
+                         f"{experts!r}")
+    for name in ("num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+        if not _positive_int(getattr(config, name)):
+            raise ModelError(f"{name} must be a positive integer, got {getattr(config, name)!r}")
+    if config.num_experts_per_tok > experts:
+        raise ModelError(f"num_experts_per_tok={config.num_experts_per_tok} exceeds "
+                         f"num_experts={experts}; route each token to at most every expert")
+    bad = [i for i in layers if not 0 <= i < config.num_layers]
+    if bad:
+        raise ModelError(f"mlp_only_layers holds {bad[0]}, not a layer of "
+                         f"0..{config.num_layers - 1}")
+    if not isinstance(config.norm_topk_prob, bool):
+        raise ModelError(f"norm_topk_prob must be true or false, got {config.norm_topk_prob!r}")
+    coef = config.router_aux_loss_coef
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) \
+            or coef < 0:
+        raise ModelError(f"router_aux_loss_coef must be a number >= 0, got {coef!r}")
+
+
+def fields(data: dict, source: str) -> dict[str, Any]:
+    """The sparse fields of a qwen3_moe config.json dict (transformers' defaults where a key is
+    absent; transformers 5 writes num_experts as num_local_experts)."""
+    experts = data.get("num_experts", data.get("num_local_experts"))
+    if experts is None:
+        raise ModelError(f"{source} lacks 'num_experts'")
+    if "moe_intermediate_size" not in data:
+        raise ModelError(f"{source} lacks 'moe_intermediate_size'")
+    defaults = dict(num_experts_per_tok=8, norm_topk_prob=False, decoder_sparse_step=1,
+                    mlp_only_layers=[], router_aux_loss_coef=0.001)
+    out = {name: data[name] if data.get(name) is not None else defaults.get(name)
+           for name in MOE_FIELDS if name != "num_experts"}
+    coef = out["router_aux_loss_coef"]
+    if isinstance(coef, str):  # (a number written as a string, as other float fields allow)
+        try:
+            out["router_aux_loss_coef"] = float(coef)
+        except ValueError:
+            raise ModelError(f"{source}: router_aux_loss_coef must be a number, got "
+                             f"{coef!r}") from None
+    return dict(out, num_experts=experts)
+
+
+def hf_keys(config) -> dict[str, Any]:
+    """The sparse fields' keys of a qwen3_moe config.json (num_experts, which both
+    transformers 4 and 5 read)."""
+    out = {name: getattr(config, name) for name in MOE_FIELDS}
+    out["mlp_only_layers"] = list(config.mlp_only_layers)
+    out["output_router_logits"] = False
+    return out
+
+
+def extra_params(config) -> int:
+    """The parameters the sparse layers add to the dense count (basp_jax.planner.shape's, which
+    has a dense MLP in every layer): each sparse layer's experts and router, less its MLP."""
+    if not config.is_moe:
+        return 0
+    d = config.hidden_size
+    sparse = config.num_experts * (3 * d * config.moe_intermediate_size + d)
+    return config.sparse_layers * (sparse - 3 * d * config.intermediate_size)

@@ -1,0 +1,330 @@
+"""Qwen3-MoE (sparse mixture-of-experts MLPs, models.moe) against transformers'
+Qwen3MoeForCausalLM: logits and the load-balancing loss on one device and on 8 emulated
+devices (BASP and Ulysses), the trainer's step gradients, the export, the config.
+
+The tiny checkpoints' routers are spread (hf_tiny.ROUTER_STD) so that on the test tokens every
+top-k choice wins by more than MARGIN in the router logits: float rounding (~1e-6 here) cannot
+flip a choice between transformers, one device and the mesh, so the outputs compare to float32
+rounding. Two checkpoints: every layer sparse (one scanned stack) and, mixed, three layers with
+a dense middle one (mlp_only_layers: a list of layers).
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx, traverse_util
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import models  # noqa: E402
+from models import moe  # noqa: E402
+
+from tests.helpers import hf_tiny  # noqa: E402
+
+ATOL = 1e-5  # logits of magnitude ~3; observed differences ~2e-6
+MARGIN = 1e-3
+BATCH, SEQ = 2, 96
+
+
+def _forward_program(model):
+    """jit of (logits, aux loss) of tokens, parameters passed in (on a mesh too)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    run = jax.jit(lambda p, t: nnx.merge(graphdef, p, rest).forward_with_aux(t))
+    return lambda tokens: run(params, jnp.asarray(tokens))
+
+
+def _transformers(torch_model, tokens):
+    """(logits, aux_loss) of transformers' model, router logits on."""
+    import torch
+
+    with torch.no_grad():
+        out = torch_model(input_ids=torch.from_numpy(tokens).long(), output_router_logits=True)
+    return out.logits.numpy(), float(out.aux_loss)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(0).integers(0, hf_tiny.VOCAB, (BATCH, SEQ)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tokens):
+    """mixed -> (directory, the transformers model, its (logits, aux_loss) on `tokens`)."""
+    out = {}
+    for mixed in (False, True):
+        directory = tmp_path_factory.mktemp(f"qwen3_moe_mixed{int(mixed)}")
+        torch_model = hf_tiny.save(hf_tiny.QWEN3_MOE, directory, mixed=mixed)
+        assert hf_tiny.router_margin(torch_model, tokens) > MARGIN
+        out[mixed] = (str(directory), torch_model, _transformers(torch_model, tokens))
+    return out
+
+
+def test_config_read_from_hf(checkpoints):
+    config = models.ModelConfig.from_hf(checkpoints[True][0])
+    assert config.model_type == "qwen3_moe" and config.qk_norm and config.is_moe
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == \
+        (8, 2, 32)
+    assert config.norm_topk_prob and config.router_aux_loss_coef == 0.01
+    assert config.mlp_only_layers == (1,) and config.sparse_layers == 2
+    assert not config.layers_alike and models.ModelConfig.from_hf(
+        checkpoints[False][0]).layers_alike
+    for mixed in (False, True):  # the parameter count is transformers'
+        directory, torch_model, _ = checkpoints[mixed]
+        expected = sum(p.numel() for p in torch_model.parameters())
+        assert models.ModelConfig.from_hf(directory).num_params() == expected
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_logits_and_aux_loss_match_transformers(checkpoints, tokens, mixed):
+    """One device: the scanned stack (every layer sparse) and the list (a dense layer between
+    sparse ones); the load-balancing loss is transformers' aux_loss."""
+    directory, _, (want_logits, want_aux) = checkpoints[mixed]
+    model = models.from_pretrained(directory)
+    assert model.scanned != mixed
+    logits, aux = _forward_program(model)(tokens)
+    assert np.abs(want_logits).max() > 1
+    np.testing.assert_allclose(np.asarray(logits), want_logits, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(float(aux), want_aux, rtol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("groups,sp,mixed", [(2, 4, False), (1, 8, True)])
+def test_layouts_match_transformers(checkpoints, tokens, groups, sp, mixed):
+    """BASP (2 groups of 4) and Ulysses (8): each device routes and runs its own tokens through
+    the experts; logits and the load-balancing loss (its statistics summed over every device's
+    tokens) are transformers'."""
+    import basp_jax
+
+    directory, _, (want_logits, want_aux) = checkpoints[mixed]
+    layout = basp_jax.Layout.plan(8, BATCH, SEQ, 8, 2, groups=groups)
+    assert (layout.groups, layout.sp) == (groups, sp)
+    model = models.from_pretrained(directory, mesh=basp_jax.make_mesh(layout), layout=layout)
+    logits, aux = _forward_program(model)(tokens)
+    np.testing.assert_allclose(np.asarray(logits), want_logits, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(float(aux), want_aux, rtol=1e-6)
+
+
+def test_cached_sampling_equals_transformers_greedy(checkpoints):
+    """models.sampler's KV-cached decoding runs the sparse layers a token at a time."""
+    import torch
+
+    directory, torch_model, _ = checkpoints[True]
+    prompt = np.random.default_rng(0).integers(0, hf_tiny.VOCAB, 12)
+    ours = models.sampler.generate(models.from_pretrained(directory), prompt, max_new_tokens=10)
+    with torch.no_grad():
+        theirs = torch_model.generate(torch.from_numpy(prompt)[None].long(), max_new_tokens=10,
+                                      do_sample=False)[0, len(prompt):].tolist()
+    assert ours == theirs
+
+
+def test_dispatch_equals_each_token_through_its_experts():
+    """models.moe's sorted ragged_dot dispatch against a per-token dense loop, uneven expert
+    loads (one expert unused), and its gradients."""
+    rng = np.random.default_rng(3)
+    tokens, hidden, inner, experts, k = 24, 8, 6, 5, 2
+    x = jnp.asarray(rng.normal(size=(2, tokens // 2, hidden)), jnp.float32)
+    choice = rng.choice([0, 1, 1, 2, 4, 4, 4], size=(tokens, k))  # expert 3 gets no token
+    choice[:, 1] = np.where(choice[:, 1] == choice[:, 0], (choice[:, 0] + 1) % 4, choice[:, 1])
+    chosen = jnp.asarray(choice.reshape(2, tokens // 2, k), jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(2, tokens // 2, k)), jnp.float32)
+    kernels = tuple(jnp.asarray(rng.normal(size=s), jnp.float32) for s in (
+        (experts, hidden, inner), (experts, hidden, inner), (experts, inner, hidden)))
+
+    def dense(x, kernels):
+        gate, up, down = (k_[chosen] for k_ in kernels)  # [B, S, k, in, out]
+        h = jax.nn.silu(jnp.einsum("bsd,bskdf->bskf", x, gate)) * jnp.einsum(
+            "bsd,bskdf->bskf", x, up)
+        return jnp.einsum("bskf,bskfd,bsk->bsd", h, down, weights)
+
+    def sparse(x, kernels):
+        return moe._dispatch(x, weights, chosen, kernels)
+
+    np.testing.assert_allclose(sparse(x, kernels), dense(x, kernels), atol=1e-5, rtol=1e-5)
+    grads = [jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), (0, 1))(x, kernels)
+             for f in (sparse, dense)]
+    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)
+
+
+# -- the trainer ----------------------------------------------------------------------------------
+
+
+def _overrides(run_dir, *extra):
+    from tests.helpers.trainer import tiny_overrides
+
+    return [o for o in tiny_overrides(run_dir, *extra)
+            if not o.startswith(("model.preset", "model.shape"))]
+
+
+def _basp_step_gradients(directory, run_dir, tokens):
+    """(mean gradients by parameter path, loss sum, count, weighted aux sum, the targets) of
+    the trainer's step (make_step_gradients) on one microbatch of `tokens` under BASP (2, 4),
+    from the checkpoint's parameters."""
+    from train.config.schema import load_config
+    from train.prepare import model_config
+    from train.program import state as prog
+    from train.program.step import build_model, make_step_gradients
+
+    cfg = load_config(None, [*_overrides(run_dir, "model.dtype=float32", f"data.seq_len={SEQ}",
+                                         f"train.microbatch_size={BATCH}", "parallel.mode=basp",
+                                         "parallel.devices_per_host=4"),
+                             f"model.hf_path={directory}"])
+    mcfg = model_config(cfg)
+    plan = prog.plan_run(cfg, mcfg, jax.devices(), 4)
+    assert (plan.layout.groups, plan.layout.sp) == (2, 4)
+    parts = build_model(prog.model_factory(cfg, mcfg, plan), plan.rules)
+    program = prog.build_program(cfg, plan, parts)
+    params = jax.device_put(nnx.to_pure_dict(models.load_hf_params(directory, mcfg)),
+                            program.param_shardings)
+    targets = np.roll(tokens, -1, axis=-1)
+    targets[:, -1] = -100
+    batch = {k: jax.device_put(v[None].astype(np.int32), program.batch_sharding)
+             for k, v in (("tokens", tokens), ("targets", targets))}
+    gradients = make_step_gradients(parts, program.param_shardings,
+                                    loss_fn=models.causal_lm_loss, packed=False, with_aux=True)
+    with jax.set_mesh(plan.mesh):
+        grads, loss, count, aux = jax.jit(lambda p, b: gradients(p, b, None))(params, batch)
+    flat = traverse_util.flatten_dict(jax.device_get(grads))
+    return flat, float(loss), float(count), float(aux), targets
+
+
+@pytest.mark.slow
+def test_step_gradients_on_basp_equal_one_device(checkpoints, tokens, tmp_path):
+    """The trainer's step on BASP (2 groups of 4): its loss, weighted aux loss and the gradient
+    of loss + router_aux_loss_coef x aux_loss equal one device's, which differentiates
+    transformers' objective (the mean cross-entropy plus coef x its aux_loss) directly."""
+    directory, _, (_, want_aux) = checkpoints[False]
+    grads, loss, count, aux_sum, targets = _basp_step_gradients(directory, tmp_path, tokens)
+    model = models.from_pretrained(directory)
+    coef = model.config.router_aux_loss_coef
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    @jax.jit
+    def one_device(params):
+        def objective(params):
+            s, n, aux = nnx.merge(graphdef, params, rest).loss_and_aux(tokens, targets)
+            return s / n + coef * aux, (s, n, aux)
+        return jax.grad(objective, has_aux=True)(params)
+
+    want_grads, (want_loss, want_count, aux) = one_device(params)
+    np.testing.assert_allclose(float(aux), want_aux, rtol=1e-6)
+    assert count == float(want_count) == BATCH * SEQ - BATCH
+    np.testing.assert_allclose(loss, float(want_loss), rtol=1e-6)
+    np.testing.assert_allclose(aux_sum / count, want_aux, rtol=1e-6)
+    want = traverse_util.flatten_dict(nnx.to_pure_dict(want_grads))
+    assert grads.keys() == want.keys()
+    for name, grad in want.items():
+        scale = max(np.abs(grad).max(), 1e-3)
+        assert np.abs(grads[name] - grad).max() / scale < 2e-5, name  # observed 2e-6
+    assert np.abs(want[("layers", "mlp", "gate", "kernel")]).max() > 0  # the routers learn
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("compile_cache")
+def test_tiny_moe_config_trains(tmp_path):
+    """configs/qwen3_moe_tiny_cpu.yaml for 4 steps (BASP, 2 groups x sp=4): the loss falls and
+    metrics.jsonl logs aux_loss beside it (about k=2 for balanced routers)."""
+    from tests.helpers.trainer import ROOT, train_cmd
+
+    run_dir = tmp_path / "run"
+    result = train_cmd("--config", str(ROOT / "configs/qwen3_moe_tiny_cpu.yaml"),
+                       f"run.dir={run_dir}", "train.steps=4", "optimizer.warmup_steps=1",
+                       "checkpoint.every=0", "metrics.progress=false", timeout=200)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if "loss" in row]
+    assert len(rows) == 4 and rows[-1]["loss"] < rows[0]["loss"], rows
+    assert all(1.5 < row["aux_loss"] < 4 for row in rows), rows
+
+
+def test_streaming_the_layers_is_refused_in_one_line(tmp_path):
+    """optimizer.offload=true's streamed step has no load-balancing loss: refused at planning."""
+    from train.config.schema import ConfigError, load_config
+    from train.prepare import model_config
+    from train.program import state as prog
+    from tests.helpers.trainer import tiny_overrides
+
+    overrides = [o for o in tiny_overrides(tmp_path, "optimizer.offload=true", "model.remat=auto")
+                 if not o.startswith("model.shape")]
+    cfg = load_config(None, [o if not o.startswith("model.preset") else
+                             "model.preset=tiny-qwen3-moe" for o in overrides])
+    with pytest.raises(ConfigError) as info:
+        prog.plan_run(cfg, model_config(cfg), jax.devices(), 8)
+    assert "\n" not in str(info.value) and "optimizer.offload" in str(info.value)
+
+
+# -- Hugging Face checkpoints and config ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_export_round_trip_is_exact(checkpoints, tokens, tmp_path, mixed):
+    """save_pretrained writes the tensors transformers wrote (per-expert names), bit for bit,
+    and a config.json transformers loads as Qwen3MoeForCausalLM with the same logits."""
+    from safetensors.numpy import load_file
+
+    directory, _, (want_logits, _) = checkpoints[mixed]
+    model = models.from_pretrained(directory)
+    models.save_pretrained(model, tmp_path)
+    original = load_file(f"{directory}/model.safetensors")
+    written = load_file(f"{tmp_path}/model.safetensors")
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in written
+    assert written.keys() == original.keys()
+    for name, value in original.items():
+        np.testing.assert_array_equal(written[name], value, err_msg=name)
+    assert models.ModelConfig.from_hf(str(tmp_path)) == model.config
+    reloaded = hf_tiny.load_torch(tmp_path)
+    assert type(reloaded).__name__ == "Qwen3MoeForCausalLM"
+    np.testing.assert_array_equal(_transformers(reloaded, tokens)[0], want_logits)
+
+
+def _one_line_error(fn, *match):
+    with pytest.raises(models.ModelError) as info:
+        fn()
+    message = str(info.value)
+    assert "\n" not in message
+    for m in match:
+        assert m in message, message
+
+
+def test_bad_moe_configs_are_one_line(checkpoints):
+    with open(f"{checkpoints[True][0]}/config.json") as f:
+        good = json.load(f)
+
+    def read(**changes):
+        return lambda: models.ModelConfig.from_hf({**good, **changes})
+
+    _one_line_error(read(num_experts_per_tok=9), "num_experts_per_tok=9", "num_experts=8")
+    _one_line_error(read(num_local_experts=0), "num_experts", "positive")
+    _one_line_error(read(moe_intermediate_size=-4), "moe_intermediate_size")
+    _one_line_error(read(decoder_sparse_step=0), "decoder_sparse_step")
+    _one_line_error(read(mlp_only_layers=[3]), "mlp_only_layers", "0..2")
+    _one_line_error(read(router_aux_loss_coef=-1.0), "router_aux_loss_coef")
+    no_width = {k: v for k, v in good.items() if k != "moe_intermediate_size"}
+    _one_line_error(lambda: models.ModelConfig.from_hf(no_width), "moe_intermediate_size")
+    tiny = models.ModelConfig.preset("tiny")
+    _one_line_error(lambda: models.ModelConfig(**{**tiny.__dict__, "num_experts": 4}),
+                    "num_experts", "llama")
+
+
+def test_presets():
+    """Qwen3-30B-A3B's published shape: 30.5B parameters, counted alike by num_params, the
+    module (abstract: no memory) and transformers (on the meta device); the tiny preset's
+    layers stack."""
+    import torch
+    import transformers
+
+    big = models.ModelConfig.preset("qwen3-30b-a3b")
+    assert (big.num_layers, big.num_experts, big.num_experts_per_tok) == (48, 128, 8)
+    assert models.ModelConfig.from_hf(big.to_hf()) == big
+    params = jax.tree.leaves(nnx.state(models.abstract_model(big), nnx.Param))
+    assert big.num_params() == sum(int(np.prod(x.shape)) for x in params) == 30_532_122_624
+    with torch.device("meta"):
+        hf_model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**big.to_hf()))
+    assert sum(p.numel() for p in hf_model.parameters()) == big.num_params()
+    tiny = models.ModelConfig.preset("tiny-qwen3-moe")
+    assert tiny.layers_alike and tiny.sparse_layers == tiny.num_layers
