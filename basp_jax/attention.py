@@ -13,6 +13,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from . import kernels
+from .blockwise import DEFAULT_BLOCK
 from .fp8_exchange import fp8_all_to_all
 from .layout import Layout, LayoutError
 from .mesh import SEQ, layout_on
@@ -103,7 +104,7 @@ def attention(
     causal: bool = True,
     segment_ids: jax.Array | None = None,
     impl: str = "auto",
-    block_size: int = kernels.DEFAULT_BLOCK,
+    block_size: int = DEFAULT_BLOCK,
     fp8_exchange: bool = False,
 ) -> jax.Array:
     """Sequence-parallel multi-head attention on a ('group', 'seq') mesh.

@@ -68,7 +68,7 @@ class LayoutError(ValueError):
     """A layout that cannot work; the message says why and what would."""
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     """The divisors of n, ascending: pairs (d, n // d) up to sqrt(n), so a device count of 1e11
     answers at once (trying every integer up to n never did)."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
@@ -140,7 +140,7 @@ def _groups(num_devices: int, batch: int, devices_per_host: int, mode: str,
     if num_devices % devices_per_host:
         raise LayoutError(
             f"devices_per_host={devices_per_host} does not divide num_devices={num_devices}; "
-            f"every host must hold the same number of devices (one of {_divisors(num_devices)})"
+            f"every host must hold the same number of devices (one of {divisors(num_devices)})"
         )
     if groups is None:
         return math.gcd(batch, num_devices) if fixed is None else fixed
@@ -150,13 +150,13 @@ def _groups(num_devices: int, batch: int, devices_per_host: int, mode: str,
     if num_devices % groups:
         raise LayoutError(
             f"groups={groups} does not divide num_devices={num_devices}; "
-            f"use groups in {_divisors(num_devices)}"
+            f"use groups in {divisors(num_devices)}"
         )
     if batch % groups:
         raise LayoutError(
             f"batch={batch} is not divisible by groups={groups}; use a batch that is a "
             f"multiple of {groups} or groups in "
-            f"{[g for g in _divisors(num_devices) if batch % g == 0]}"
+            f"{[g for g in divisors(num_devices) if batch % g == 0]}"
         )
     return groups
 
@@ -165,13 +165,13 @@ def _check_sequence(seq_len: int, sp: int, ring: int, num_devices: int) -> None:
     """Each device of a group holds seq_len / sp tokens; a ring splits the group evenly."""
     if seq_len % sp:
         padded = -(-seq_len // sp) * sp
-        fitting_sp = [d for d in _divisors(num_devices) if seq_len % d == 0]
+        fitting_sp = [d for d in divisors(num_devices) if seq_len % d == 0]
         raise LayoutError(
             f"seq_len={seq_len} is not divisible by sp={sp}; use a multiple of {sp} "
             f"(e.g. {seq_len} -> {padded} with padding) or a layout with sp in {fitting_sp}"
         )
     if sp % ring:
-        raise LayoutError(f"ring={ring} does not divide sp={sp}; use ring in {_divisors(sp)}")
+        raise LayoutError(f"ring={ring} does not divide sp={sp}; use ring in {divisors(sp)}")
 
 
 def _check_heads(num_heads: int, num_kv_heads: int, sp: int, ring: int, pad_heads: bool,
@@ -180,11 +180,11 @@ def _check_heads(num_heads: int, num_kv_heads: int, sp: int, ring: int, pad_head
     if num_heads % num_kv_heads:
         raise LayoutError(
             f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}; "
-            f"grouped-query attention needs kv heads in {_divisors(num_heads)}"
+            f"grouped-query attention needs kv heads in {divisors(num_heads)}"
         )
     a2a = sp // ring
     if num_heads % a2a and not pad_heads:
-        fitting_sp = [d for d in _divisors(num_devices) if num_heads % d == 0]
+        fitting_sp = [d for d in divisors(num_devices) if num_heads % d == 0]
         kv, g = head_padding(num_heads, num_kv_heads, a2a)
         ring_fit = sp // math.gcd(num_heads, sp)
         raise LayoutError(

@@ -29,7 +29,7 @@ from jax import lax
 
 from .flash import FlashBlocks, flash_attention_vjp, flash_attention_with_lse
 from .fp8_exchange import fp8_all_to_all
-from .kernels import blockwise_attention_vjp, blockwise_attention_with_lse
+from .blockwise import blockwise_attention_vjp, blockwise_attention_with_lse
 from .layout import Layout
 from .mesh import SEQ
 from .remat import name_exchange

@@ -50,6 +50,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from .layout import divisors
 from .mesh import GROUP, SEQ, groups_are_mapped
 from .registry import Registry
 
@@ -193,7 +194,7 @@ def host_mesh(mesh: Mesh, devices_per_host: int) -> Mesh:
     n = mesh.devices.size
     if devices_per_host <= 0 or n % devices_per_host:
         raise ValueError(f"devices_per_host={devices_per_host} does not divide the mesh's {n} "
-                         f"devices; use one of {[d for d in range(1, n + 1) if n % d == 0]}")
+                         f"devices; use one of {divisors(n)}")
     grid = np.asarray(mesh.devices).reshape(n // devices_per_host, devices_per_host)
     return Mesh(grid, (HOST, LOCAL), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..layout import Layout, LayoutError, _divisors, auto_mode, mode_of
+from ..layout import Layout, LayoutError, divisors, auto_mode, mode_of
 from ..remat import REMAT_POLICIES
 from ..sharding import PARAM_SHARDINGS
 from .hardware import Hardware
@@ -156,7 +156,7 @@ def candidates(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
     # each group count once, with the fewest pad rows that make the rows divisible by it (more
     # would only add masked work): one split per divisor, however large max_pad_rows is
     # (the group counts of the modes the planner may pick: basp_jax.layout.MODES)
-    splits = sorted((-batch % g, g) for g in _divisors(num_devices)
+    splits = sorted((-batch % g, g) for g in divisors(num_devices)
                     if -batch % g <= max_pad_rows and auto_mode(g) is not None)
     for pad, g in splits:
         layouts = _ring_splits(shape, num_devices=num_devices, batch=batch, seq_len=seq_len,
@@ -181,7 +181,7 @@ def _ring_splits(shape: ModelShape, *, zigzag: bool = False, **split) -> list[La
     if shape.linear_layers:  # a hybrid's linear-attention layers: no ring, whole value heads
         fits = not plain.pad_heads and shape.linear_num_value_heads % plain.sp == 0
         return [plain] if fits else []
-    rings = _divisors(plain.sp)[1:] if plain.pad_heads else _host_rings(plain)
+    rings = divisors(plain.sp)[1:] if plain.pad_heads else _host_rings(plain)
     found = []
     for ring in rings:
         try:

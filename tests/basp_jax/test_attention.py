@@ -84,7 +84,7 @@ def test_attention_matches_reference(impl, groups, sp):
 @pytest.mark.parametrize("seq_len,block", [(48, 32)])
 def test_blockwise_pads_sequences_that_are_not_a_block_multiple(seq_len, block):
     """One device, a sequence the block does not divide: padded keys must stay invisible."""
-    from basp_jax.kernels import blockwise_attention
+    from basp_jax.blockwise import blockwise_attention
 
     kq, kk, kv, kd, ks = jax.random.split(jax.random.PRNGKey(7), 5)
     q = jax.random.normal(kq, (2, seq_len, 4, 8))
@@ -106,7 +106,7 @@ def test_blockwise_pads_sequences_that_are_not_a_block_multiple(seq_len, block):
 
 @pytest.mark.slow
 def test_blockwise_bfloat16_is_close_to_float32_reference():
-    from basp_jax.kernels import blockwise_attention
+    from basp_jax.blockwise import blockwise_attention
 
     kq, kk, kv = jax.random.split(jax.random.PRNGKey(3), 3)
     q = jax.random.normal(kq, (1, 128, 4, 32))
@@ -285,23 +285,23 @@ def test_pallas_kernel_matches_reference(groups, sp, hkv, packed):
 def test_blockwise_skips_key_blocks_of_other_documents():
     """Per-block min/max segment ids: a query block visits only the key blocks of its documents
     (and the causal past); with documents of one block each, only the diagonal."""
-    from basp_jax import kernels
+    from basp_jax import blockwise
 
     seg = jnp.repeat(jnp.arange(4), 8)[None]  # 4 documents of 8 tokens, blocks of 8
-    overlap = kernels.segment_overlap(seg, seg, 8, 8)
+    overlap = blockwise.segment_overlap(seg, seg, 8, 8)
     np.testing.assert_array_equal(overlap, np.eye(4, dtype=bool))
     # Blocks of 16 and a document that straddles them: [0]*8 + [1]*16 + [2]*8.
     seg = jnp.asarray([[0] * 8 + [1] * 16 + [2] * 8])
-    ranges = [kernels._kv_block_range(qi, 2, 16, 16, 0, True, kernels.segment_overlap(seg, seg, 16, 16))
+    ranges = [blockwise._kv_block_range(qi, 2, 16, 16, 0, True, blockwise.segment_overlap(seg, seg, 16, 16))
               for qi in range(2)]
     assert [(int(a), int(b)) for a, b in ranges] == [(0, 1), (0, 2)]
     seg = jnp.asarray([[0] * 16 + [1] * 16])
-    ranges = [kernels._kv_block_range(qi, 2, 16, 16, 0, False, kernels.segment_overlap(seg, seg, 16, 16))
+    ranges = [blockwise._kv_block_range(qi, 2, 16, 16, 0, False, blockwise.segment_overlap(seg, seg, 16, 16))
               for qi in range(2)]
     assert [(int(a), int(b)) for a, b in ranges] == [(0, 1), (1, 2)]
     # Any segment ids stay exact: rows disagree, so a block is skipped only if no row meets it.
     seg = jnp.asarray([[0] * 16 + [1] * 16, [0] * 32])
-    assert kernels.segment_overlap(seg, seg, 16, 16).all()
+    assert blockwise.segment_overlap(seg, seg, 16, 16).all()
 
 
 def test_auto_takes_a_fused_kernel_on_gpu():

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from basp_jax.kernels import blockwise_attention, xla_attention
+from basp_jax.blockwise import blockwise_attention
+from basp_jax.kernels import xla_attention
 
 pytestmark = pytest.mark.slow  # every test here takes seconds
 

@@ -342,7 +342,7 @@ def test_joining_waits_for_late_peers_longer_than_a_silent_peer_is_tolerated_mid
     JAX's), the start-up agreement and the watch of a peer that has not beaten yet follow
     join_timeout_s (JAX's own default), not peer_timeout_s; a peer silent mid-run is still
     caught after peer_timeout_s."""
-    from train.config.schema import DistributedConfig
+    from train.config.runtime_section import DistributedConfig
     from train.process.peers import PeerWatchdog
     from train.process.runtime import JAX_DEFAULT_INIT_S, jax_initialization_timeout_s
 

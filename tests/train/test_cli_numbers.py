@@ -262,8 +262,8 @@ def test_plan_answers_at_once_for_the_largest_cluster_it_takes(capsys):
                         str(2**20), "--max-pad-rows", str(2**20)])
     assert time.perf_counter() - t < 30
     assert status in (0, 2)  # (no layout splits 32 heads over 2**20 devices: one line too)
-    assert layout._divisors(10**11)[-3:] == [25 * 10**9, 5 * 10**10, 10**11]
-    assert layout._divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
+    assert layout.divisors(10**11)[-3:] == [25 * 10**9, 5 * 10**10, 10**11]
+    assert layout.divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
 
 
 def test_plot_layouts_refuses_more_devices_than_a_figure_draws(tmp_path, capsys):

@@ -9,8 +9,8 @@ checked without JAX; the dtypes it names, the paths it takes, what a resume may 
 from .errors import ConfigError
 from .schema import (CheckpointConfig, Config, DataConfig, EvalConfig, MetricsConfig,
                      ModelSection, OptimizerConfig, ParallelConfig, ProfileConfig, RunConfig,
-                     RuntimeConfig, TrainSection, from_dict, load_config, replace, to_dict,
-                     to_yaml)
+                     TrainSection, from_dict, load_config, replace, to_dict, to_yaml)
+from .runtime_section import RuntimeConfig
 
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig",
            "MetricsConfig", "ModelSection", "OptimizerConfig", "ParallelConfig", "ProfileConfig",

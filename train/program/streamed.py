@@ -237,6 +237,21 @@ def _stand_in(x):
     return jnp.zeros((0,), x.dtype)  # a zero-size leaf: the update does nothing to it
 
 
+def _update_outer(tx, kinds, grads, opt_state, params, clipped):
+    """The optax update of the parameters outside the layer stack, once, on the device (the
+    stack's leaves stand in as empty arrays): (their params and state on the device, the updated
+    params and state)."""
+    outer_params = {k: (jax.tree.map(_stand_in, v) if k == LAYERS else _to_device(v))
+                    for k, v in params.items()}
+    outer_grads = {k: (jax.tree.map(_stand_in, v) if k == LAYERS else
+                       jax.tree.map(clipped, v, outer_params[k])) for k, v in grads.items()}
+    outer_state = jax.tree.map(
+        lambda kind, s: _stand_in(s) if kind == "L" else
+        (jax.device_put(s, _DEVICE) if kind == "P" else s), kinds, opt_state)
+    updates, new_outer_state = tx.update(outer_grads, outer_state, outer_params)
+    return outer_params, outer_state, optax.apply_updates(outer_params, updates), new_outer_state
+
+
 def make_streamed_update(tx: optax.GradientTransformation):
     """update(grads, opt_state, params, clip_scale, keep) -> (params, opt_state, kept): the optax
     update of the whole model applied to the layer stack one layer at a time (state and
@@ -254,17 +269,8 @@ def make_streamed_update(tx: optax.GradientTransformation):
         pick = lambda kind, x, want: x if kind == want else None  # noqa: E731
         is_none = lambda x: x is None  # noqa: E731
         layer_state = jax.tree.map(lambda kind, s: pick(kind, s, "L"), kinds, opt_state)
-
-        # the other parameters, once, on the device
-        outer_params = {k: (jax.tree.map(_stand_in, v) if k == LAYERS else _to_device(v))
-                        for k, v in params.items()}
-        outer_grads = {k: (jax.tree.map(_stand_in, v) if k == LAYERS else
-                           jax.tree.map(clipped, v, outer_params[k])) for k, v in grads.items()}
-        outer_state = jax.tree.map(
-            lambda kind, s: _stand_in(s) if kind == "L" else
-            (jax.device_put(s, _DEVICE) if kind == "P" else s), kinds, opt_state)
-        updates, new_outer_state = tx.update(outer_grads, outer_state, outer_params)
-        new_outer = optax.apply_updates(outer_params, updates)
+        outer_params, outer_state, new_outer, new_outer_state = _update_outer(
+            tx, kinds, grads, opt_state, params, clipped)
 
         def layer_candidate(w, g, s):
             """(layer weights, their state view, updated weights, updated state view) of one

@@ -4,7 +4,8 @@
     python -m train.tools.config_doc --write configs/README.md  # replace the table between the markers
 
 Every field of Config's sections appears, recursively, with its type and default from the
-dataclass and its meaning from the `# comment` on its line in train/config/schema.py (or the comment lines
+dataclass and its meaning from the `# comment` on its line in train/config/schema.py or
+train/config/runtime_section.py (the runtime section) (or the comment lines
 right above it). A comment that starts with "required" makes the default column say so. A field
 without a comment is an error naming it; EXTRA_MEANINGS covers the fields that had none when this
 was written (config.py belongs to the trainer; a comment there is better than an entry here).
@@ -22,6 +23,7 @@ import tokenize
 import typing
 from pathlib import Path
 
+from ..config import runtime_section
 from ..config import schema as config
 from ..config import tree as config_tree
 from ..choices import CHOICES
@@ -109,8 +111,9 @@ def _format_value(value) -> str:
 
 def rows(cls=Config, prefix: str = "", comments: dict | None = None) -> list[Row]:
     """One Row per leaf field of cls, sections flattened to dotted keys, in declaration order."""
-    if comments is None:
-        comments = field_comments(inspect.getsource(config))
+    if comments is None:  # the sections' modules
+        comments = {**field_comments(inspect.getsource(config)),
+                    **field_comments(inspect.getsource(runtime_section))}
     hints = typing.get_type_hints(cls)
     result = []
     for field in dataclasses.fields(cls):
