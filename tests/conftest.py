@@ -59,21 +59,10 @@ def pytest_unconfigure(config):
 def compile_cache():
     """This run's persistent compilation cache, on for one module's in-process compiles (and
     restored after it): `pytestmark = pytest.mark.usefixtures("compile_cache")`."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
+    from tests.helpers.trainer import compile_cache_at
 
-    from tests.helpers.trainer import enable_compile_cache
-
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    before = {name: getattr(jax.config, name) for name in names}
-    # JAX opens its cache folder once per process: reset it so that this folder is the one used,
-    # and again afterwards so that the next module compiles without it.
-    cc.reset_cache()
-    enable_compile_cache(os.environ[CACHE_VAR])
-    yield os.environ[CACHE_VAR]
-    for name, value in before.items():
-        jax.config.update(name, value)
-    cc.reset_cache()
+    with compile_cache_at(os.environ[CACHE_VAR]) as path:
+        yield path
 
 
 @pytest.fixture(scope="module", autouse=True)

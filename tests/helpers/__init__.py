@@ -3,4 +3,5 @@
     from tests.helpers import hf_tiny                          # tiny random Hugging Face models
     from tests.helpers.reference import reference_attention   # independent single-device references
     from tests.helpers.trainer import tiny_config             # tiny trainer configs and runs
+    from tests.helpers.trees import flat_params, flat_state   # trees as flat dicts of arrays
 """

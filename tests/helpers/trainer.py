@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import subprocess
@@ -59,6 +60,30 @@ def enable_compile_cache(path) -> None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                 "jax_persistent_cache_min_entry_size_bytes")
+
+
+@contextlib.contextmanager
+def compile_cache_at(path):
+    """This process's compiles read and write the persistent cache in `path` inside the block;
+    JAX's options are as found afterwards. JAX opens its cache folder once per process, so the
+    cache object is reset on the way in (this folder is the one used) and out (the next block
+    compiles without it)."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    before = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
+    cc.reset_cache()
+    enable_compile_cache(path)
+    try:
+        yield path
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+        cc.reset_cache()
 
 
 def cache_env(env: dict) -> dict:

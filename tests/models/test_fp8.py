@@ -24,6 +24,8 @@ import basp_jax
 import models
 from models import fp8
 
+from tests.helpers.trees import flat_state
+
 SEQ, BATCH = 32, 4
 
 
@@ -135,7 +137,7 @@ def test_a_hybrids_wide_projections_run_in_fp8_and_it_trains():
     exact_loss, exact = _grads(
         models.Transformer(config, rngs=nnx.Rngs(0), options=models.RunOptions()), tokens)
     assert 0 < abs(float(loss) - float(exact_loss)) < 0.01 * float(exact_loss)
-    flat, flat_exact = _flat(grads), _flat(exact)
+    flat, flat_exact = flat_state(grads), flat_state(exact)
     for key, g in flat_exact.items():
         assert np.isfinite(flat[key]).all()
         assert _rel(flat[key], g) < 0.25, key
@@ -155,11 +157,6 @@ def _grads(model, tokens):
     return nnx.value_and_grad(_loss)(model, tokens)
 
 
-def _flat(state):
-    return {k: np.asarray(v[...] if isinstance(v, nnx.Variable) else v)
-            for k, v in nnx.to_flat_state(state)}
-
-
 @pytest.mark.slow
 def test_basp_and_ulysses_agree_under_fp8():
     config = dataclasses.replace(models.ModelConfig.preset("tiny"), vocab_size=256,
@@ -173,7 +170,7 @@ def test_basp_and_ulysses_agree_under_fp8():
     plain = _grads(models.init_model(config, seed=0, mesh=_mesh(2)), tokens)
     assert abs(float(loss_b) - float(plain[0])) > 1e-5  # FP8 moved it: the comparison has teeth
     np.testing.assert_allclose(float(loss_b), float(loss_u), rtol=1e-6)
-    flat_b, flat_u = _flat(grads_b), _flat(grads_u)
+    flat_b, flat_u = flat_state(grads_b), flat_state(grads_u)
     assert flat_b.keys() == flat_u.keys()
     for key, g in flat_b.items():
         np.testing.assert_allclose(flat_u[key], g, atol=1e-3 * np.abs(g).max(), rtol=0,

@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 import basp_jax  # noqa: E402
 import models  # noqa: E402
 from tests.helpers import hf_tiny  # noqa: E402
+from tests.helpers.trees import flat_state
 
 ATOL = 1e-4
 BATCH, SEQ = 4, 32
@@ -93,11 +94,6 @@ def grads(model, tokens, targets, mask, segments):
     return nnx.value_and_grad(_loss)(model, tokens, targets, mask, segments)
 
 
-def _flat(state):
-    return {k: np.asarray(v[...] if isinstance(v, nnx.Variable) else v)
-            for k, v in nnx.to_flat_state(state)}
-
-
 @pytest.mark.slow
 def test_gradients_on_mesh_equal_single_device(tmp_path):
     hf_tiny.save("qwen2", tmp_path)  # q/k/v biases and an untied head get gradients too
@@ -110,14 +106,14 @@ def test_gradients_on_mesh_equal_single_device(tmp_path):
     args = [jnp.asarray(x) for x in (tokens, targets, mask, segments)]
 
     loss_1, grads_1 = grads(models.from_pretrained(str(tmp_path)), *args)
-    reference = _flat(grads_1)
+    reference = flat_state(grads_1)
     assert max(np.abs(g).max() for g in reference.values()) > 1e-3
     mesh = mesh_for(2)
     for remat in ("none", "full", "dots"):
         model = models.from_pretrained(str(tmp_path), mesh=mesh, param_sharding="fsdp", remat=remat)
         loss_m, grads_m = grads(model, *args)
         np.testing.assert_allclose(float(loss_m), float(loss_1), rtol=1e-6)
-        flat = _flat(grads_m)
+        flat = flat_state(grads_m)
         assert flat.keys() == reference.keys()
         for key, g in reference.items():
             np.testing.assert_allclose(flat[key], g, atol=1e-6, rtol=1e-4,

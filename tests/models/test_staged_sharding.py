@@ -19,6 +19,7 @@ from basp_jax.compiled import comm
 from train.tools.collectives import step_collectives
 
 from tests.helpers.flags import WHOLE_MATRIX
+from tests.helpers.trees import flat_state
 
 pytestmark = pytest.mark.usefixtures("compile_cache")  # this run's (tests/conftest.py)
 
@@ -48,11 +49,6 @@ def _loss_and_grads(model, tokens, targets, segments):
     return nnx.value_and_grad(mean_loss)(model)
 
 
-def _flat(state):
-    return {k: np.asarray(v[...] if isinstance(v, nnx.Variable) else v)
-            for k, v in nnx.to_flat_state(state)}
-
-
 # (batch, groups): BASP (2,4), Ulysses (1,8), one device per sequence (8,1); each strategy, with
 # and without rematerialisation (staged_keep's kept copy feeds the recomputed backward), tied and
 # untied tables, used split inside each host or (vocab "never", as where a device holds too
@@ -76,7 +72,7 @@ def test_loss_and_gradients_equal_one_device(batch, groups, strategy, remat, tie
     config = _config(tied)
     tokens, targets, segments = _batch(batch, seed=batch + groups)
     loss_1, grads_1 = _loss_and_grads(models.init_model(config, seed=3), tokens, targets, segments)
-    reference = _flat(grads_1)
+    reference = flat_state(grads_1)
 
     layout = basp_jax.Layout.plan(8, batch, SEQ, config.num_heads, config.num_kv_heads,
                                   groups=groups, devices_per_host=HOST)
@@ -90,7 +86,7 @@ def test_loss_and_gradients_equal_one_device(batch, groups, strategy, remat, tie
                if "norm" not in k[-2]), stored  # stored split over all 8 devices
     loss_m, grads_m = _loss_and_grads(model, tokens, targets, segments)
     np.testing.assert_allclose(float(loss_m), float(loss_1), rtol=1e-6)
-    flat = _flat(grads_m)
+    flat = flat_state(grads_m)
     assert flat.keys() == reference.keys()
     assert max(np.abs(g).max() for g in reference.values()) > 1e-3
     for key, g in reference.items():
@@ -261,7 +257,7 @@ def _check_one_device(mcfg, params, batch, compiled, scan_layers: bool = True):
     rows = lambda x: np.asarray(x).reshape(-1, x.shape[-1])  # noqa: E731
     loss_1, grads_1 = _loss_and_grads(model, rows(batch["tokens"]), rows(batch["targets"]), None)
     np.testing.assert_allclose(float(loss_sum / count), float(loss_1), rtol=1e-6)
-    reference = _flat(grads_1)
+    reference = flat_state(grads_1)
     flat = {k: np.asarray(v) for k, v in traverse_util.flatten_dict(jax.device_get(grads)).items()}
     assert flat.keys() == reference.keys()
     for key, g in reference.items():
@@ -339,7 +335,7 @@ def test_a_loss_other_than_plain_cross_entropy_uses_the_hosts_copies():
     assert model.head_table.host_active_axes(tokens.size) is not None
     loss_m, grads_m = loss_and_grads(model, tokens, targets)
     np.testing.assert_allclose(float(loss_m), float(loss_1), rtol=1e-6)
-    reference, flat = _flat(grads_1), _flat(grads_m)
+    reference, flat = flat_state(grads_1), flat_state(grads_m)
     assert flat.keys() == reference.keys()
     for key, g in reference.items():
         np.testing.assert_allclose(flat[key], g, atol=1e-6, rtol=1e-4, err_msg=str(key))

@@ -4,7 +4,6 @@ parameters that never move, a layout sequence a resume repeats, and one-line ref
 
 import json
 
-import jax
 import numpy as np
 import pytest
 
@@ -12,6 +11,7 @@ from train.config.schema import ConfigError, load_config
 from train.loop import run
 
 from tests.helpers.trainer import adaptive_documents, tiny_config, tiny_overrides
+from tests.helpers.trees import flat_params
 
 # float32 on CPU: other layouts reorder the reductions (see tests/train/test_loop.py)
 RTOL = 2e-5
@@ -20,11 +20,6 @@ STEPS = 6  # (adaptive_documents' default)
 
 def _records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _flat(params):
-    return {jax.tree_util.keystr(k): np.asarray(v)
-            for k, v in jax.tree_util.tree_leaves_with_path(params)}
 
 
 def _compare_with_static(tmp_path, static, adaptive):
@@ -37,7 +32,7 @@ def _compare_with_static(tmp_path, static, adaptive):
     assert [r["loss_tokens"] for r in a] == [r["loss_tokens"] for r in s]
     np.testing.assert_allclose([r["grad_norm"] for r in a], [r["grad_norm"] for r in s],
                                rtol=1e-4)
-    ps, pa = _flat(static["params"]), _flat(adaptive["params"])
+    ps, pa = flat_params(static["params"]), flat_params(adaptive["params"])
     for k in ps:
         np.testing.assert_allclose(pa[k], ps[k], rtol=1e-4, atol=1e-6, err_msg=k)
     layouts = [r["layout"] for r in a]

@@ -2,13 +2,13 @@
 
 import json
 
-import jax
 import numpy as np
 import pytest
 
 from train.loop import run
 
 from tests.helpers.trainer import tiny_config
+from tests.helpers.trees import flat_params
 
 # float32 on CPU: the layouts reorder reductions (all-to-all, sharded matmuls, gradient sums), so
 # losses agree to ~1e-6 relative; 2e-5 leaves room without hiding a real difference (a wrong
@@ -22,10 +22,6 @@ LAYOUTS = {
     "basp(2,4)": ["parallel.groups=2"],
     "basp(4,2)": ["parallel.groups=4"],
 }
-
-
-def _flat(params):
-    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(params)}
 
 
 def test_padded_heads_match_single_device(tmp_path):
@@ -71,7 +67,7 @@ def test_resume_is_exact(tmp_path):
     second = run(cfg)
     assert second["start_step"] == 3
     np.testing.assert_allclose(first["losses"] + second["losses"], straight["losses"], rtol=1e-6)
-    s, r = _flat(straight["params"]), _flat(second["params"])
+    s, r = flat_params(straight["params"]), flat_params(second["params"])
     assert s.keys() == r.keys()
     for k in s:
         np.testing.assert_allclose(r[k], s[k], rtol=1e-6, atol=1e-7, err_msg=k)

@@ -20,22 +20,7 @@ import pytest
 from train import cli
 from train.loop import run
 
-from tests.helpers.trainer import (ROOT, enable_compile_cache, snapshot, tiny_config,
-                                   tiny_overrides)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-    """The runs of this file compile the same step: share it (and leave jax's config as found)."""
-    import jax
-
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    before = {name: getattr(jax.config, name) for name in names}
-    enable_compile_cache(tmp_path_factory.mktemp("jax_cache"))
-    yield
-    for name, value in before.items():
-        jax.config.update(name, value)
+from tests.helpers.trainer import ROOT, snapshot, tiny_config, tiny_overrides
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 order across chunks, files and worker processes; a checked sidecar instead of a scan; outputs
 never overwritten unasked; one-line errors."""
 
-import contextlib
 import json
 import os
 
@@ -14,23 +13,9 @@ from train.data import DataError, Pipeline
 from train.loop import run
 from train.tools.tokenize import main, tokenize
 
-from tests.helpers.trainer import enable_compile_cache, tiny_config
+from tests.helpers.trainer import compile_cache_at, tiny_config
 
 COMPILE_CACHE = False  # tests/conftest.py: its cache test starts from an empty cache
-
-@contextlib.contextmanager
-def compile_cache(path):
-    import jax
-
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    before = {name: getattr(jax.config, name) for name in names}
-    enable_compile_cache(path)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            jax.config.update(name, value)
 
 
 WORDS = "the cat sat on a mat dog ran far away".split()
@@ -99,7 +84,7 @@ def test_tokenize_then_train_gives_the_text_paths_losses(tmp_path):
                  "--eos-id", "0", "--workers", "1"]) == 0
     common = ("runtime.cpu_devices=1", "train.steps=3", "data.seq_len=32", "data.pack=true",
               "data.eos_id=0")
-    with compile_cache(tmp_path / "cache"):  # the second run reuses the first one's programs
+    with compile_cache_at(tmp_path / "cache"):  # the second run reuses the first one's programs
         text = run(tiny_config(tmp_path / "text", *common, "data.source=text",
                                f"data.path={tmp_path / 'd.txt'}", f"data.tokenizer={tok}"))
         tokens = run(tiny_config(tmp_path / "tokens", *common, "data.source=tokens",
