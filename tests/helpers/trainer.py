@@ -114,6 +114,19 @@ def train_cmd(*args, timeout=240) -> subprocess.CompletedProcess:
     )
 
 
+def train_shipped_steps(config: str, run_dir, steps: int = 4, timeout: float = 150) -> list:
+    """`python train.py --config configs/CONFIG` for its first `steps` steps (warm-up 1, no
+    checkpoint) under a time limit: the metrics.jsonl rows that carry a loss (exit 0 asserted)."""
+    import json
+
+    result = train_cmd("--config", str(ROOT / "configs" / config), f"run.dir={run_dir}",
+                       f"train.steps={steps}", "optimizer.warmup_steps=1", "checkpoint.every=0",
+                       "metrics.progress=false", timeout=timeout)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if "loss" in row]
+
+
 def snapshot(*dirs) -> dict:
     """path -> (size, mtime_ns, sha256) of every file and directory under dirs."""
     out = {}

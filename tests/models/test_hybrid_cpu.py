@@ -6,7 +6,6 @@ kernel waits forever on a pool thread when several emulated devices run it at on
 train step hung at 0% CPU. The trainer runs here as a subprocess with a time limit, so a hang
 fails this test instead of the worker."""
 
-import json
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 from models.linear_attention import unit_lower_inverse
-from tests.helpers.trainer import ROOT, train_cmd
+from tests.helpers.trainer import train_shipped_steps
 
 
 @pytest.mark.parametrize("n", [1, 5, 16, 64])
@@ -39,11 +38,5 @@ def test_unit_lower_inverse_inverts_and_differentiates(n):
 def test_the_tiny_hybrid_trains_on_eight_cpu_devices(tmp_path):
     """configs/qwen3.5_tiny_cpu.yaml for 4 steps (BASP, 2 groups x sp=4, forward and backward):
     it ends within the time limit, exit 0, and its loss falls."""
-    run_dir = tmp_path / "run"
-    result = train_cmd("--config", str(ROOT / "configs/qwen3.5_tiny_cpu.yaml"),
-                       f"run.dir={run_dir}", "train.steps=4", "optimizer.warmup_steps=1",
-                       "checkpoint.every=0", "metrics.progress=false", timeout=150)
-    assert result.returncode == 0, result.stderr[-2000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    losses = [row["loss"] for row in rows if "loss" in row]
+    losses = [row["loss"] for row in train_shipped_steps("qwen3.5_tiny_cpu.yaml", tmp_path / "run")]
     assert len(losses) == 4 and losses[-1] < losses[0], losses

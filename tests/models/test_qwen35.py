@@ -21,6 +21,7 @@ import models  # noqa: E402
 from models import linear_attention as la  # noqa: E402
 
 from tests.helpers import hf_tiny  # noqa: E402
+from tests.helpers.errors import assert_one_line_model_error as _one_line_error  # noqa: E402
 
 ATOL = 2e-4
 BATCH, SEQ = 2, 96  # SEQ not a multiple of the delta rule's chunk: its padding runs too
@@ -416,15 +417,6 @@ def test_trainer_refuses_what_the_hybrid_cannot_run_in_one_line(checkpoints, tmp
 
 
 # -- config -------------------------------------------------------------------------------------
-
-
-def _one_line_error(fn, *match):
-    with pytest.raises(models.ModelError) as info:
-        fn()
-    message = str(info.value)
-    assert "\n" not in message
-    for m in match:
-        assert m in message, message
 
 
 def test_bad_hybrid_configs_are_one_line(checkpoints):

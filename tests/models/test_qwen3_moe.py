@@ -24,6 +24,7 @@ import models  # noqa: E402
 from models import moe  # noqa: E402
 
 from tests.helpers import hf_tiny  # noqa: E402
+from tests.helpers.errors import assert_one_line_model_error as _one_line_error  # noqa: E402
 
 ATOL = 1e-5  # logits of magnitude ~3; observed differences ~2e-6
 MARGIN = 1e-3
@@ -228,15 +229,9 @@ def test_step_gradients_on_basp_equal_one_device(checkpoints, tokens, tmp_path):
 def test_tiny_moe_config_trains(tmp_path):
     """configs/qwen3_moe_tiny_cpu.yaml for 4 steps (BASP, 2 groups x sp=4): the loss falls and
     metrics.jsonl logs aux_loss beside it (about k=2 for balanced routers)."""
-    from tests.helpers.trainer import ROOT, train_cmd
+    from tests.helpers.trainer import train_shipped_steps
 
-    run_dir = tmp_path / "run"
-    result = train_cmd("--config", str(ROOT / "configs/qwen3_moe_tiny_cpu.yaml"),
-                       f"run.dir={run_dir}", "train.steps=4", "optimizer.warmup_steps=1",
-                       "checkpoint.every=0", "metrics.progress=false", timeout=200)
-    assert result.returncode == 0, result.stderr[-2000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = [row for row in rows if "loss" in row]
+    rows = train_shipped_steps("qwen3_moe_tiny_cpu.yaml", tmp_path / "run", timeout=200)
     assert len(rows) == 4 and rows[-1]["loss"] < rows[0]["loss"], rows
     assert all(1.5 < row["aux_loss"] < 4 for row in rows), rows
 
@@ -279,15 +274,6 @@ def test_export_round_trip_is_exact(checkpoints, tokens, tmp_path, mixed):
     reloaded = hf_tiny.load_torch(tmp_path)
     assert type(reloaded).__name__ == "Qwen3MoeForCausalLM"
     np.testing.assert_array_equal(_transformers(reloaded, tokens)[0], want_logits)
-
-
-def _one_line_error(fn, *match):
-    with pytest.raises(models.ModelError) as info:
-        fn()
-    message = str(info.value)
-    assert "\n" not in message
-    for m in match:
-        assert m in message, message
 
 
 def test_bad_moe_configs_are_one_line(checkpoints):
