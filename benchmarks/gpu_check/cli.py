@@ -1,4 +1,4 @@
-"""The command line: the sections in order of what the GPU session most needs, each saved to the
+"""The command line: the sections in order of what a short GPU run most needs, each saved to the
 JSON as it finishes, inside the time budget."""
 
 from __future__ import annotations
