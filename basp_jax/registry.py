@@ -30,6 +30,12 @@ class Registry(Generic[T]):
         self._entries[name] = entry
         return entry
 
+    def remove(self, name: str) -> T:
+        """Take `name`'s entry out (a test's or a plugin's own entry, when it is done with it)."""
+        if name not in self._entries:
+            raise ValueError(self.unknown(name))
+        return self._entries.pop(name)
+
     def get(self, name: str) -> T:
         if name not in self._entries:
             raise ValueError(self.unknown(name))

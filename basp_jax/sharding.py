@@ -52,6 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .layout import divisors
 from .mesh import GROUP, SEQ, groups_are_mapped
+from .param_use import ParamUse
 from .registry import Registry
 
 HOST, LOCAL = "host", "local"
@@ -59,8 +60,10 @@ HOST, LOCAL = "host", "local"
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    """A parameter sharding strategy: the one place that knows what it implies. `layout` below
-    is a basp_jax.Layout (its sizes only).
+    """A parameter sharding strategy: where parameters are stored, and where layers use them.
+    `layout` below is a basp_jax.Layout (its sizes only). How the planner weighs a strategy
+    (whether it tries it, in which order, how it prices its gradient reduction) is the
+    planner's (basp_jax.planner.strategies).
 
     split_axes: the axes of its placement mesh a split parameter axis goes to.
     shard_devices(layout): how many devices share (shard) each parameter.
@@ -68,23 +71,7 @@ class Strategy:
         its gathers never leave a host.
     vocab_parallel: the embedding and LM head can be used where they are stored (split on the
         vocabulary over the compute mesh's axes: basp_jax.vocab).
-    sync: the gradient reduction per microbatch beyond the shard group's, as basp_jax.planner.traffic prices
-        it: "groups" (the 1/sp shard all-reduced across groups), "hosts" (each element crosses
-        hosts once), None.
-    applies(layout): whether the planner (train.program.planning, basp_jax.planner.cost) tries it for this
-        split; auto_rank: the order it tries them in (fewest inter-host bytes first; on a fixed
-        layout the last that applies is taken when none fits; None: never tried).
-    same_as_another(layout): whether it shards exactly as another that applies (basp_jax.planner.cost
-        then leaves it out of its candidates).
-    streamed: whether the streamed step (train.program.streamed: weights in host memory) can use it.
-    use_axes: the axes of `placement` a split parameter axis is gathered to, across hosts, before
-        a layer uses it (ShardingRules.stage; a per-host strategy's use placement), or None:
-        used from where it is stored.
-    keep_host_copy: the staged copy is gathered once per step, outside the layer's
-        rematerialised body, and kept for its backward.
-    offload_host_copy: the staged copy is gathered once per microbatch, inside the layer's
-        rematerialised body, and kept for its backward in pinned host memory
-        (basp_jax.remat.offload_host_copy), not on the device (keep_host_copy: on the device).
+    use: where and when a layer's parameters are gathered before use (basp_jax.param_use).
     tables: the strategy the vocabulary tables (parameters with a 'vocab' axis) follow
         instead, or None (this one). `staged` leaves them where fsdp stores them
         (vocabulary-parallel over every device): its streamed step (train.program.streamed)
@@ -95,48 +82,49 @@ class Strategy:
     shard_devices: Callable[..., int]
     per_host: bool = False
     vocab_parallel: bool = False
-    sync: str | None = None
-    applies: Callable[..., bool] = lambda layout: False
-    auto_rank: int | None = None
-    same_as_another: Callable[..., bool] = lambda layout: False
-    streamed: bool = True
-    use_axes: tuple[str, ...] | None = None
-    keep_host_copy: bool = False
-    offload_host_copy: bool = False
+    use: ParamUse = ParamUse()
     tables: str | None = None
 
+    @property
+    def staged(self) -> bool:
+        """Whether layers gather their parameters before use (a ParamUse with axes)."""
+        return self.use.gathers
 
-def _several_hosts(layout) -> bool:
-    return layout.devices_per_host < layout.num_devices
+    @property
+    def holds_host_copy(self) -> bool:
+        """Whether each host holds a device copy of the layers' weights for the step: stored
+        per host, or gathered to a host-local copy kept on the device."""
+        return self.per_host and (not self.staged or self.use.copy == "device")
+
+    @property
+    def streams(self) -> bool:
+        """Whether the streamed step (train.program.streamed: weights in host memory, copied in
+        a layer at a time, again for the backward) can use it: not with per-host device copies
+        of the weights (what streaming avoids), nor with a copy kept for the backward."""
+        return self.use.copy is None and not (self.per_host and not self.staged)
 
 
 PARAM_SHARDINGS: Registry[Strategy] = Registry("parameter sharding")
-PARAM_SHARDINGS.register("fsdp", Strategy(
-    (GROUP, SEQ), lambda layout: layout.num_devices, vocab_parallel=True,
-    applies=lambda layout: True, auto_rank=5))
-PARAM_SHARDINGS.register("hsdp", Strategy(
-    (SEQ,), lambda layout: layout.sp, vocab_parallel=True, sync="groups", auto_rank=4,
-    applies=lambda layout: layout.groups > 1,  # one group: it is fsdp
-    # on hosts of one seq group each it shards as host does
-    same_as_another=lambda layout: _several_hosts(layout) and layout.sp == layout.devices_per_host))
+PARAM_SHARDINGS.register("fsdp", Strategy((GROUP, SEQ), lambda layout: layout.num_devices,
+                                          vocab_parallel=True))
+PARAM_SHARDINGS.register("hsdp", Strategy((SEQ,), lambda layout: layout.sp, vocab_parallel=True))
 PARAM_SHARDINGS.register("host", Strategy(
-    (LOCAL,), lambda layout: min(layout.devices_per_host, layout.num_devices), per_host=True,
-    sync="hosts", applies=_several_hosts, auto_rank=1,
-    streamed=False))  # its per-host device copies of the weights are what streaming avoids
-# staged_keep ranks first: host's cross-host bytes (each gradient element crosses once, each
-# device fetches the 1/N pieces its host lacks once) at FSDP's memory plus one host-local copy.
-# staged_offload keeps that copy in host memory instead (FSDP's device memory; the copy crosses
-# PCIe twice a microbatch), staged keeps none (gathered across hosts again for the backward).
-# (The streamed step copies each layer in again for its backward: it keeps no host-local copy.)
-for _rank, (_name, _keep, _offload) in ((0, ("staged_keep", True, False)),
-                                        (2, ("staged_offload", False, True)),
-                                        (3, ("staged", False, False))):
+    (LOCAL,), lambda layout: min(layout.devices_per_host, layout.num_devices), per_host=True))
+# Stored as fsdp, gathered across hosts to a host-local copy: staged_keep keeps that copy for
+# the backward on the device, staged_offload in host memory, staged nowhere (gathered again).
+for _name, _copy in (("staged_keep", "device"), ("staged_offload", "host"), ("staged", None)):
     PARAM_SHARDINGS.register(_name, Strategy(
-        (LOCAL, HOST), lambda layout: layout.num_devices, per_host=True, use_axes=(LOCAL,),
-        keep_host_copy=_keep, offload_host_copy=_offload,
-        tables=None if _keep or _offload else "fsdp", applies=_several_hosts, auto_rank=_rank,
-        streamed=not (_keep or _offload)))
+        (LOCAL, HOST), lambda layout: layout.num_devices, per_host=True,
+        use=ParamUse(axes=(LOCAL,), copy=_copy), tables="fsdp" if _copy is None else None))
 PARAM_SHARDINGS.register("replicated", Strategy((), lambda layout: 1))
+
+
+def needs_devices_per_host(param_sharding: str) -> bool:
+    """Whether a strategy places parameters per host (Strategy.per_host), so its rules need the
+    devices of one host. A ValueError names the choices for an unknown one."""
+    return PARAM_SHARDINGS.get(param_sharding).per_host
+
+
 DEFAULT_STRATEGY = "fsdp"  # parameters' placement unless told otherwise (models.RunOptions)
 SPLIT = "split"  # in RULES: split over the strategy's parameter axes
 
@@ -182,11 +170,10 @@ def sums_per_host(param_sharding: str, layout, grad_accum: int) -> bool:
     H100). staged_keep keeps them on 2 hosts all the same, for the written-out reduce-scatter
     (the same bytes in the GPU program, half in the CPU one)."""
     entry = PARAM_SHARDINGS.get(param_sharding)
-    holds_host_copy = entry.per_host and (entry.use_axes is None or entry.keep_host_copy)
-    if not (holds_host_copy and layout.groups > 1 and layout.sp == layout.devices_per_host
+    if not (entry.holds_host_copy and layout.groups > 1 and layout.sp == layout.devices_per_host
             and layout.ring == 1):
         return False
-    return grad_accum > 1 or (entry.keep_host_copy and layout.groups == 2)
+    return grad_accum > 1 or (entry.use.copy == "device" and layout.groups == 2)
 
 
 def host_mesh(mesh: Mesh, devices_per_host: int) -> Mesh:
@@ -327,8 +314,13 @@ class ShardingRules:
 
     @property
     def staged(self) -> bool:
-        """Whether parameters are gathered across hosts to a host-local copy before use."""
-        return self.entry.use_axes is not None
+        """Whether parameters are gathered (across hosts, for the staged strategies) before use."""
+        return self.entry.staged
+
+    @property
+    def use(self) -> ParamUse:
+        """Where and when layers gather their parameters (basp_jax.param_use)."""
+        return self.entry.use
 
     def use_spec(self, names, shape) -> P:
         """The PartitionSpec a parameter is used in: the stored one, less the axes a staged
@@ -337,7 +329,7 @@ class ShardingRules:
         spec = self.spec(names, shape)
         if not self.staged or self.for_names(names) is not self:
             return spec
-        keep = set(self.entry.use_axes)
+        keep = set(self.entry.use.axes)
 
         def kept(entry):
             axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
@@ -354,9 +346,7 @@ class ShardingRules:
             x = x.astype(dtype)  # cast first: the gather (and a kept copy) moves fewer bytes
         if not self.staged or self.for_names(names) is not self:
             return x
-        use = NamedSharding(self.placement, self.use_spec(names, x.shape))
-        stored = NamedSharding(self.placement, self.spec(names, x.shape))
-        return _gather_to(x, use, stored)
+        return self.entry.use.gather(self, x, names)
 
     def shardings(self, names, tree):
         """NamedShardings for the array (or ShapeDtypeStruct) leaves of `tree`, from `names`: a
@@ -366,26 +356,6 @@ class ShardingRules:
     @property
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _gather_to(x: jax.Array, use: NamedSharding, stored: NamedSharding) -> jax.Array:
-    """x, placed as `use`; its cotangent summed as `use` places it (inside each host), then
-    onto `stored` (across hosts, on the stored shards) where the layer's backward produced it,
-    so the two reductions stay apart instead of one over the whole mesh."""
-    return jax.lax.with_sharding_constraint(x, use)
-
-
-def _gather_to_fwd(x, use, stored):
-    return _gather_to(x, use, stored), None
-
-
-def _gather_to_bwd(use, stored, _, g):
-    g = jax.lax.with_sharding_constraint(g, use)
-    return (jax.lax.with_sharding_constraint(g, stored),)
-
-
-_gather_to.defvjp(_gather_to_fwd, _gather_to_bwd)
 
 
 def abstract_arrays(tree, shardings=None):

@@ -44,42 +44,6 @@ def param_names(state: nnx.State) -> dict:
     return traverse_util.unflatten_dict(dict(flat))
 
 
-def stage_params(state: nnx.State, rules: ShardingRules | None, dtype) -> nnx.State:
-    """A layer's parameters as it uses them (ShardingRules.stage: under a staged strategy each
-    gathered across hosts to its host-local copy; else the state itself). The matrices are cast
-    to the compute `dtype` first, as every projection casts them (half the bytes to gather and
-    keep); vectors keep their dtype (Gated DeltaNet's decay parameters and the (1 + w) norms
-    are used in float32). A stacked layer's slice keeps its 'layers' name, which the slice no
-    longer has."""
-    if rules is None or not rules.staged:
-        return state
-
-    def stage(v):
-        if not isinstance(v, nnx.Param):
-            return v
-        names = axis_names(v)
-        names = names[len(names) - v[...].ndim:]  # a scanned slice: without 'layers'
-        return v.replace(rules.stage(v[...], names, dtype if v[...].ndim >= 2 else None))
-
-    return jax.tree.map(stage, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def stage_layer_params(params: dict, names: dict, rules: ShardingRules | None, dtype) -> dict:
-    """The layers' parameters (params['layers'], a scanned stack or a list of layers) staged as
-    stage_params stages them inside the layer loop, every other parameter as it is; `names`:
-    param_names of the same tree. Staging them again in the loop then moves nothing: a train
-    step that gathers the layers across hosts once for all its microbatches passes this to the
-    model (train.program.step)."""
-    if rules is None or not rules.staged or "layers" not in params:
-        return params
-
-    def stage(x, n):
-        matrix = x.ndim - (1 if n[0] == "layers" else 0) >= 2  # a stack: one axis more
-        return rules.stage(x, n, dtype if matrix else None)
-
-    return {**params, "layers": jax.tree.map(stage, params["layers"], names["layers"])}
-
-
 def constrain(x: jax.Array, mesh: Mesh | None) -> jax.Array:
     """Constrain [B, S, ...] activations to rows over groups, sequence over a group (no-op
     without a mesh)."""

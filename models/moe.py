@@ -13,10 +13,17 @@ needs no padding of each expert's tokens to a common size (a dense dispatch woul
 T * experts rows, or drop tokens beyond a capacity); on CPU it masks to a dense product
 internally, on GPUs XLA lowers it to grouped GEMMs.
 
-The layer is token-local: on a mesh the router runs on the activations as they are placed, and
-the sort and the experts in a shard_map on each device's own tokens (BASP and Ulysses alike),
-with whole copies of the expert weights (gathered as every layer gathers its stored-sharded
-weights).
+On a mesh the router runs on the activations as they are placed, and the experts in a
+shard_map, in one of two ways (RunOptions.expert_parallel):
+- split over a sequence group ("seq": each of the group's sp devices holds experts/sp of them):
+  the group's tokens are gathered inside the group, each device runs every (token, expert) pair
+  of its own experts, and the partial outputs are summed and scattered back to the devices that
+  hold the tokens (an all-gather and a reduce-scatter of [tokens, hidden] over the seq axis, as
+  attention's all-to-alls: inside the group, so inside the host where groups are placed in hosts;
+  nothing routed crosses hosts). Dropless with static shapes: each device's grouped matmuls
+  take all sp x tokens x k pairs as rows, those of other devices' experts in a trailing part no
+  group covers (zero rows), so no bound on an expert's tokens is needed;
+- whole ("none"): every device runs its own tokens through whole copies of the expert weights.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from basp_jax.mesh import SEQ
 from basp_jax.sharding import rows_spec
 
 from .config import ModelConfig
@@ -86,7 +94,8 @@ class SparseMoE(nnx.Module):
     """The sparse MLP: `gate` (the router, [hidden, experts], no bias) and `experts`.
     `moe(x)` -> (y [B, S, hidden], RouterStats of x's tokens)."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype, mesh=None):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype, mesh=None,
+                 split_experts: bool = False):
         self.gate = Linear(config.hidden_size, config.num_experts, ("mlp_up_embed", "expert"),
                            use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
                            init_std=config.initializer_range)
@@ -95,6 +104,7 @@ class SparseMoE(nnx.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.dtype = dtype
         self.mesh = mesh
+        self.split_experts = split_experts  # over the seq axis (models.options.experts_split)
 
     def route(self, x):
         """(top-k weights [B, S, k] in the compute dtype, experts [B, S, k], RouterStats)."""
@@ -117,9 +127,14 @@ class SparseMoE(nnx.Module):
                         (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj))
         if self.mesh is None:
             return _dispatch(x.astype(self.dtype), weights, experts, kernels), stats
-        rows = rows_spec()  # each device's own tokens, whole expert weights
-        local = jax.shard_map(_dispatch, mesh=self.mesh, in_specs=(rows, rows, rows, P()),
-                              out_specs=rows, check_vma=False)
+        rows = rows_spec()  # each device's own tokens
+        if self.split_experts:  # experts/sp of them on each device of a seq group
+            local = jax.shard_map(_dispatch_in_group, mesh=self.mesh,
+                                  in_specs=(rows, rows, rows, P(SEQ)), out_specs=rows,
+                                  check_vma=False)
+        else:  # whole copies of the expert weights
+            local = jax.shard_map(_dispatch, mesh=self.mesh, in_specs=(rows, rows, rows, P()),
+                                  out_specs=rows, check_vma=False)
         x = constrain(x.astype(self.dtype), self.mesh)
         return constrain(local(x, weights, experts, kernels), self.mesh), stats
 
@@ -139,3 +154,26 @@ def _dispatch(x, weights, experts, kernels):
     out = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # back in pair order
     out = out.reshape(-1, k, shape[-1]) * weights.reshape(-1, k, 1)
     return out.sum(axis=1).reshape(shape)
+
+
+def _dispatch_in_group(x, weights, experts, kernels):
+    """_dispatch inside a shard_map whose kernels hold this device's experts/sp of the experts
+    (a slice of the expert axis over SEQ): the seq group's tokens gathered, every pair routed to
+    one of this device's experts run, the weighted outputs summed over the group and each
+    device's own tokens' sums scattered back to it."""
+    gate, up, down = kernels
+    shape, k, mine_count = x.shape, experts.shape[-1], gate.shape[0]
+    x = jax.lax.all_gather(x.reshape(-1, shape[-1]), SEQ, tiled=True)  # [sp * tokens, hidden]
+    experts = jax.lax.all_gather(experts.reshape(-1, k), SEQ, tiled=True).reshape(-1)
+    weights = jax.lax.all_gather(weights.reshape(-1, k), SEQ, tiled=True)
+    local = experts - jax.lax.axis_index(SEQ) * mine_count
+    mine = (local >= 0) & (local < mine_count)
+    key = jnp.where(mine, local, mine_count)  # other devices' pairs sort last, in no group
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.bincount(key, length=mine_count + 1)[:mine_count].astype(jnp.int32)
+    rows = x[order // k]
+    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
+    out = jax.lax.ragged_dot(h, down, sizes)
+    out = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # back in pair order
+    out = jnp.where(mine[:, None], out, 0).reshape(-1, k, shape[-1]) * weights[..., None]
+    return jax.lax.psum_scatter(out.sum(axis=1), SEQ, tiled=True).reshape(shape)

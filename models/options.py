@@ -19,13 +19,15 @@ from jax.sharding import Mesh
 import basp_jax
 from basp_jax import Layout
 from basp_jax import kernels as basp_kernels
-from basp_jax.mesh import layout_on
+from basp_jax.mesh import SEQ, layout_on
 from basp_jax.remat import REMAT_POLICIES
 from basp_jax import vocab
-from basp_jax.sharding import DEFAULT_STRATEGY, PARAM_SHARDINGS, ShardingRules
+from basp_jax.sharding import (DEFAULT_STRATEGY, PARAM_SHARDINGS, ShardingRules,
+                               needs_devices_per_host)
 
 from .config import ModelConfig, ModelError
 
+EXPERT_PARALLEL = ("auto", "seq", "none")
 # the fields the ShardingRules are made of (RunOptions.of builds them anew when one changes)
 _RULES_FIELDS = ("mesh", "layout", "param_sharding")
 
@@ -62,6 +64,10 @@ class RunOptions:
         bf16; the kernel computes on them dequantized to `dtype`, the output's exchange stays
         in `dtype`. Nothing changes where no all-to-all runs (no mesh, seq degree 1), nor in a
         Gated DeltaNet layer's exchanges.
+    expert_parallel: where a sparse layer's experts run (models.moe): "seq", split over the
+        devices of each seq group (the group's tokens gathered and the outputs scattered back
+        inside the group); "none", whole copies on every device; "auto", "seq" where the seq
+        group has several devices and the experts divide over them, else "none".
     rules: where parameters and activations live on the mesh (basp_jax.sharding.ShardingRules,
         None without a mesh): built from mesh, param_sharding and the layout's
         devices_per_host when not given; a run's trainer passes its own, so the run has one.
@@ -79,6 +85,7 @@ class RunOptions:
     param_sharding: str = DEFAULT_STRATEGY
     fp8: bool = False
     fp8_exchange: bool = False
+    expert_parallel: str = "auto"
     rules: ShardingRules | None = None
 
     def __post_init__(self):
@@ -97,6 +104,9 @@ class RunOptions:
         if not isinstance(self.fp8, bool):
             raise ModelError(f"fp8 must be True or False, got {self.fp8!r} (resolve 'auto' for "
                              "the device first: models.fp8.enabled)")
+        if self.expert_parallel not in EXPERT_PARALLEL:
+            raise ModelError(f"unknown expert_parallel {self.expert_parallel!r}; use one of "
+                             f"{', '.join(EXPERT_PARALLEL)}")
         if not isinstance(self.fp8_exchange, bool):
             raise ModelError(f"fp8_exchange must be True or False, got {self.fp8_exchange!r}")
         if self.param_sharding not in PARAM_SHARDINGS:
@@ -109,7 +119,7 @@ class RunOptions:
             )
         if self.layout is not None and self.mesh is None:
             raise ModelError("a layout needs its mesh: pass mesh=basp_jax.make_mesh(layout)")
-        if PARAM_SHARDINGS.get(self.param_sharding).per_host and self.mesh is not None \
+        if needs_devices_per_host(self.param_sharding) and self.mesh is not None \
                 and self.layout is None:
             raise ModelError(f"param_sharding={self.param_sharding!r} needs the layout the mesh "
                              "was made from (its devices_per_host): pass layout=layout")
@@ -143,6 +153,24 @@ class RunOptions:
     def remat_policy(self):
         """The jax.checkpoint policy (None: the layers are not rematerialised)."""
         return REMAT_POLICIES.get(self.remat).policy
+
+    def experts_split(self, config: ModelConfig) -> bool:
+        """Whether a sparse layer's experts are split over the seq axis (expert_parallel); a
+        one-line ModelError where "seq" cannot be."""
+        sp = 1 if self.mesh is None else self.mesh.shape[SEQ]
+        divides = config.num_experts % sp == 0
+        if self.expert_parallel != "seq":
+            return self.expert_parallel == "auto" and sp > 1 and divides
+        if sp == 1:
+            raise ModelError("expert_parallel=seq splits the experts over a seq group, and this "
+                             "layout's groups have one device each; use a layout with sp > 1 "
+                             "or expert_parallel=none (whole experts on every device)")
+        if not divides:
+            raise ModelError(f"expert_parallel=seq splits num_experts={config.num_experts} "
+                             f"over the seq group's {sp} devices, which does not divide them; "
+                             f"use a layout whose sp divides {config.num_experts} or "
+                             "expert_parallel=none")
+        return True
 
     def layout_for(self, config: ModelConfig, batch: int, seq_len: int) -> Layout | None:
         """The Layout that runs [batch, seq_len] tokens of `config` on the mesh (None without

@@ -25,14 +25,14 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import basp_jax
-from basp_jax.remat import name_host_copy, name_layer_input, offload_host_copy
+from basp_jax.param_use import LayerParams
+from basp_jax.remat import name_layer_input
 from basp_jax.sharding import ShardingRules, abstract_arrays, activation_spec
 from basp_jax.vocab import LOSS_CHUNK_TOKENS, Table
 
 from . import tiling
 from .config import LINEAR_ATTENTION, ModelConfig, ModelError
-from .layers import (MLP, Attention, Embed, Linear, axis_names, constrain, param_names, rms_norm,
-                     stage_params)
+from .layers import MLP, Attention, Embed, Linear, axis_names, constrain, param_names, rms_norm
 from .linear_attention import GatedDeltaNet
 from .loss import causal_lm_loss
 from .moe import RouterStats, SparseMoE, load_balancing_loss
@@ -55,6 +55,7 @@ class Block(nnx.Module):
         self.sparse = config.layer_is_sparse(layer_index)
         if self.sparse:
             self.mlp = SparseMoE(config, rngs=rngs, dtype=options.dtype,
+                                 split_experts=options.experts_split(config),
                                  param_dtype=options.param_dtype, mesh=options.mesh)
         else:
             self.mlp = MLP(config, rngs=rngs, dtype=options.dtype,
@@ -194,27 +195,13 @@ class Transformer(nnx.Module):
         """(hidden_states, the sparse layers' models.moe.RouterStats summed over them and over
         every token, or None without sparse layers)."""
         x, positions, segment_ids = self.embed_inputs(tokens, segment_ids, positions, _table)
-        remat = self.options.remat_policy is not None  # (remat="none": not wrapped)
-        rules = self.options.rules
-        # A staged strategy gathers each layer's parameters across hosts (stage_params): inside
-        # the rematerialised body, so the backward gathers again, or before it (keep_host_copy),
-        # so the backward reuses the forward's host-local copy; offload_host_copy gathers it
-        # inside and parks the copy in host memory for the backward (basp_jax.remat).
-        entry = rules.entry if rules is not None else None
-        offload = entry is not None and entry.offload_host_copy
-        keep = entry is not None and entry.keep_host_copy
-        policy = self.options.remat_policy
-        if offload:
-            # without a remat policy every other residual is saved, as unwrapped layers save it
-            remat = True
-            policy = offload_host_copy(policy if policy is not None
-                                       else jax.checkpoint_policies.everything_saveable)
+        # how the parameter strategy hands each layer its parameters: before the
+        # rematerialised body, inside it, and the body's remat policy (basp_jax.param_use)
+        params = LayerParams(self.options.rules, self.dtype)
+        remat, policy = params.checkpoint(self.options.remat_policy)  # (None: not wrapped)
 
         def run_layer(x, graphdef, layer):
-            if not keep:
-                layer = stage_params(layer, rules, self.dtype)
-                if offload:
-                    layer = name_host_copy(layer)
+            layer = params.in_body(layer)
             return nnx.merge(graphdef, layer).forward(x, positions, segment_ids)
 
         if remat:
@@ -226,7 +213,7 @@ class Transformer(nnx.Module):
                                        prevent_cse=not self.scanned, static_argnums=(1,))
 
         def body(x, graphdef, layer):
-            return run_layer(x, graphdef, stage_params(layer, rules, self.dtype) if keep else layer)
+            return run_layer(x, graphdef, params.before_body(layer))
 
         if self.scanned:
             graphdef, stacked = nnx.split(self.layers)

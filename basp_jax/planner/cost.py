@@ -20,6 +20,7 @@ from ..sharding import PARAM_SHARDINGS
 from .hardware import Hardware
 from .memory import (host_copy_bytes, host_sum_devices, kept_share, memory_bytes, shard_devices,
                      step_copy_bytes)
+from . import strategies
 from .precisions import Precisions
 from .shape import ModelShape
 from .traffic import (Traffic, attention_traffic, host_traffic, linear_exchange_traffic,
@@ -151,7 +152,7 @@ def candidates(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
     {fsdp, host, hsdp} (host on several hosts; hsdp where it differs from both), with head
     padding where no ring split divides the heads, and up to max_pad_rows masked rows; rings in
     zig-zag token order with zigzag. Ties go to the earlier sharding: fewest inter-host bytes
-    first (host, hsdp, fsdp: basp_jax.sharding.Strategy.auto_rank)."""
+    first (host, hsdp, fsdp: basp_jax.planner.strategies)."""
     out = []
     # each group count once, with the fewest pad rows that make the rows divisible by it (more
     # would only add masked work): one split per divisor, however large max_pad_rows is
@@ -200,11 +201,9 @@ def _host_rings(layout: Layout) -> list[int]:
 
 
 def _shardings(layout: Layout) -> list[str]:
-    """The parameter shardings that differ from each other for one split, in auto_rank order
-    (basp_jax.sharding.Strategy)."""
-    offered = [(s.auto_rank, name) for name, s in PARAM_SHARDINGS.items()
-               if s.auto_rank is not None and s.applies(layout) and not s.same_as_another(layout)]
-    return [name for _, name in sorted(offered)]
+    """The parameter shardings that differ from each other for one split, in the planner's
+    order (basp_jax.planner.strategies)."""
+    return strategies.ranked(layout)
 
 
 def plan_table(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int, hw: Hardware,
@@ -225,7 +224,7 @@ def plan_table(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
                                            num_devices=num_devices, max_pad_rows=max_pad_rows,
                                            devices_per_host=hw.devices_per_host,
                                            zigzag=zigzag)
-        if not (offload_state and not PARAM_SHARDINGS.get(sharding).streamed)
+        if not (offload_state and not PARAM_SHARDINGS.get(sharding).streams)
     ]
     return sorted(preds, key=lambda p: (p.memory_bytes > limit, p.step_s))
 

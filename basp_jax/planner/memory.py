@@ -211,9 +211,9 @@ def shard_devices(layout: Layout, param_sharding: str) -> int:
 def kept_share(layout: Layout, param_sharding: str, *, offloaded: bool = False) -> float:
     """The share of the layers' weights each device keeps from forward to backward under a
     strategy (memory_terms' kept): a staged strategy's host-local copy when it keeps it on the
-    device (keep_host_copy); offloaded: in pinned host memory (offload_host_copy) instead."""
+    device (ParamUse copy="device"); offloaded: in pinned host memory (copy="host") instead."""
     strategy = PARAM_SHARDINGS.get(param_sharding)
-    if not (strategy.offload_host_copy if offloaded else strategy.keep_host_copy):
+    if strategy.use.copy != ("host" if offloaded else "device"):
         return 0.0
     return 1.0 / min(layout.devices_per_host, layout.num_devices)
 

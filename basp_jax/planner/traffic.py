@@ -19,6 +19,7 @@ from .hardware import Hardware
 from .memory import host_memory_bytes, shard_devices, state_bytes_per_param
 from .precisions import Precisions
 from .shape import ModelShape
+from .strategies import gradient_sync
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +85,7 @@ def min_inter_host_gradient_bytes(gradient_bytes: float, num_devices: int,
 
 def _gradient_sync(sync: str | None, layout: Layout, all_params: float) -> Traffic:
     """The gradient reduction of one microbatch a strategy adds beyond its shard group's
-    (basp_jax.sharding.Strategy.sync)."""
+    (basp_jax.planner.strategies.Candidacy.sync)."""
     g, sp, n, dph = layout.groups, layout.sp, layout.num_devices, layout.devices_per_host
     if sync == "groups" and g > 1:  # hsdp: the local 1/sp shard all-reduced across groups
         share = _remote_share(g, dph, spread=sp)
@@ -105,7 +106,7 @@ def vocab_parallel(shape: ModelShape, param_sharding: str, shard_group: int,
     are stored over all num_devices, split on the vocabulary where that divides it), at token
     counts where it is preferred (prefer_vocab_parallel; None: any count)."""
     strategy = PARAM_SHARDINGS.get(param_sharding)
-    staged = strategy.use_axes is not None
+    staged = strategy.staged
     stored = num_devices if staged and num_devices else shard_group
     if not ((strategy.vocab_parallel or staged) and shard_group > 1
             and shape.vocab_size % stored == 0):
@@ -182,8 +183,8 @@ def param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gra
     all_params = shape.num_params * param_bytes
     strategy = PARAM_SHARDINGS.get(param_sharding)
     table_sharding = strategy.tables or param_sharding  # staged: fsdp's tables (Strategy.tables)
-    staged = strategy.use_axes is not None
-    staged_tables = PARAM_SHARDINGS.get(table_sharding).use_axes is not None
+    staged = strategy.staged
+    staged_tables = PARAM_SHARDINGS.get(table_sharding).staged
     shard_group = strategy.shard_devices(layout)
     dph = min(layout.devices_per_host, layout.num_devices)
     # staged_keep's tables: used split over the devices of the host-local copy's host
@@ -218,9 +219,10 @@ def param_traffic(shape: ModelShape, layout: Layout, param_sharding: str, *, gra
         per_micro = per_micro + _gathered_traffic(
             layers + gathered_tables, shard_group, _shard_share(param_sharding, layout))
     synced = all_params * summed
-    if strategy.sync == "hosts" and not once:  # its tables' gradient crosses in the master dtype
+    sync_kind = gradient_sync(param_sharding)
+    if sync_kind == "hosts" and not once:  # its tables' gradient crosses in the master dtype
         synced += gathered_tables * (precisions.master / param_bytes - 1)
-    sync = _gradient_sync(strategy.sync, layout, synced)
+    sync = _gradient_sync(sync_kind, layout, synced)
     if once:
         return per_micro.scale(grad_accum) + sync + per_step
     return (per_micro + sync).scale(grad_accum) + per_step
@@ -281,9 +283,9 @@ def _staged_traffic(layer_bytes: float, layout: Layout, strategy: Strategy,
     dph = layout.devices_per_host
     hosts = max(layout.num_devices // dph, 1)
     host_copy = layer_bytes / dph
-    if strategy.keep_host_copy:
+    if strategy.use.copy == "device":
         gathers = 1
-    elif strategy.offload_host_copy:
+    elif strategy.use.copy == "host":
         gathers = grad_accum
     else:  # forward, and again for the recomputed backward
         gathers = 2 * grad_accum

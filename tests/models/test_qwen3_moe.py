@@ -9,6 +9,7 @@ rounding. Two checkpoints: every layer sparse (one scanned stack) and, mixed, th
 a dense middle one (mlp_only_layers: a list of layers).
 """
 
+import dataclasses
 import json
 
 import jax
@@ -25,6 +26,7 @@ from models import moe  # noqa: E402
 
 from tests.helpers import hf_tiny  # noqa: E402
 from tests.helpers.errors import assert_one_line_model_error as _one_line_error  # noqa: E402
+from tests.helpers.flags import WHOLE_MATRIX  # noqa: E402
 
 ATOL = 1e-5  # logits of magnitude ~3; observed differences ~2e-6
 MARGIN = 1e-3
@@ -93,17 +95,27 @@ def test_logits_and_aux_loss_match_transformers(checkpoints, tokens, mixed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("groups,sp,mixed", [(2, 4, False), (1, 8, True)])
-def test_layouts_match_transformers(checkpoints, tokens, groups, sp, mixed):
-    """BASP (2 groups of 4) and Ulysses (8): each device routes and runs its own tokens through
-    the experts; logits and the load-balancing loss (its statistics summed over every device's
-    tokens) are transformers'."""
+@pytest.mark.parametrize("groups,sp,mixed,experts", [
+    (2, 4, False, "auto"), (1, 8, True, "auto"),
+    pytest.param(2, 4, True, "none", marks=WHOLE_MATRIX)])
+def test_layouts_match_transformers(checkpoints, tokens, groups, sp, mixed, experts):
+    """BASP (2 groups of 4) and Ulysses (8): each device routes its own tokens; the experts split
+    over each seq group (expert_parallel auto: 2 or 1 of the 8 per device, the group's tokens
+    gathered and the outputs scattered back inside it) or whole on every device (none); logits and the load-balancing loss (its
+    statistics summed over every device's tokens) are transformers'."""
     import basp_jax
 
     directory, _, (want_logits, want_aux) = checkpoints[mixed]
     layout = basp_jax.Layout.plan(8, BATCH, SEQ, 8, 2, groups=groups)
     assert (layout.groups, layout.sp) == (groups, sp)
-    model = models.from_pretrained(directory, mesh=basp_jax.make_mesh(layout), layout=layout)
+    model = models.from_pretrained(directory, mesh=basp_jax.make_mesh(layout), layout=layout,
+                                   expert_parallel=experts)
+    sparse = [layer.mlp for layer in ([model.layers] if model.scanned else model.layers)
+              if isinstance(layer.mlp, moe.SparseMoE)]
+    assert sparse and all(m.split_experts == (experts == "auto" and sp > 1) for m in sparse)
+    if sparse[0].split_experts:  # each device's grouped matmuls hold experts / sp of them
+        hlo = jax.jit(lambda t: model.forward_with_aux(t)).lower(jnp.asarray(tokens)).as_text()
+        assert f"{8 // sp}x{hf_tiny.hf_config(hf_tiny.QWEN3_MOE).hidden_size}x32" in hlo
     logits, aux = _forward_program(model)(tokens)
     np.testing.assert_allclose(np.asarray(logits), want_logits, atol=ATOL, rtol=0)
     np.testing.assert_allclose(float(aux), want_aux, rtol=1e-6)
@@ -291,6 +303,18 @@ def test_bad_moe_configs_are_one_line(checkpoints):
     _one_line_error(read(router_aux_loss_coef=-1.0), "router_aux_loss_coef")
     no_width = {k: v for k, v in good.items() if k != "moe_intermediate_size"}
     _one_line_error(lambda: models.ModelConfig.from_hf(no_width), "moe_intermediate_size")
+    import basp_jax
+
+    config = models.ModelConfig.from_hf(good)
+    # experts split over a seq group of one device, or over 4 devices that 6 experts do not fill
+    for batch, experts, fix in ((8, 8, "sp > 1"), (2, 6, "sp divides 6")):
+        layout = basp_jax.Layout.plan(8, batch, SEQ, 8, 2, groups=batch)
+        options = models.RunOptions(mesh=basp_jax.make_mesh(layout), layout=layout,
+                                    expert_parallel="seq")
+        _one_line_error(lambda: models.abstract_model(
+            dataclasses.replace(config, num_experts=experts), options=options),
+            "expert_parallel=seq", fix)
+    _one_line_error(lambda: models.RunOptions(expert_parallel="all"), "expert_parallel", "seq")
     tiny = models.ModelConfig.preset("tiny")
     _one_line_error(lambda: models.ModelConfig(**{**tiny.__dict__, "num_experts": 4}),
                     "num_experts", "llama")

@@ -1,9 +1,9 @@
-"""train.observe.compile_progress: a compile says that it started, that it goes on, and the next
+"""train.program.compile_progress: a compile says that it started, that it goes on, and the next
 start says how long the last one took."""
 
 import time
 
-from train.observe import compile_progress
+from train.program import compile_progress
 
 
 def test_a_compile_is_announced_reminded_and_remembered(tmp_path):

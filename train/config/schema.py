@@ -106,6 +106,10 @@ class ModelSection:
     # gradients back in e5m2): half the bytes of bf16 across the seq groups; any GPU or the CPU
     # (the bytes travel as uint8); the output's exchange stays in model.dtype
     fp8_exchange: bool = False
+    # where a mixture-of-experts model's experts run: seq (split over each seq group's devices,
+    # routed tokens gathered and scattered back inside the group: inside the host), none (whole
+    # copies on every device), auto (seq where the seq group has several devices dividing them)
+    expert_parallel: Literal["auto", "seq", "none"] = "auto"
 
     def validate(self) -> None:
         if (self.preset is None) == (self.hf_path is None):

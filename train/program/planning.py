@@ -26,8 +26,8 @@ from basp_jax.planner import cost, memory
 from basp_jax.planner.hardware import HARDWARE, Hardware
 from basp_jax.planner.precisions import Precisions
 from basp_jax.planner.shape import ModelShape
+from basp_jax.planner import strategies as planner_strategies
 from basp_jax.remat import REMAT_POLICIES, auto_policies
-from basp_jax.sharding import PARAM_SHARDINGS
 
 from ..config import dtypes
 from ..config.schema import Config, ConfigError, replace
@@ -138,14 +138,12 @@ def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[La
     )
     if p.param_sharding != "auto":
         return layout, p.param_sharding
-    # Fewest inter-host bytes first (auto_rank), the first whose memory fits; the last (fsdp,
-    # the least memory) is taken whether or not it fits (check_memory says so). Adaptive layouts
-    # take only a placement every layout of the set shares (not hsdp).
-    choices = [name for _, name in sorted(
-        (s.auto_rank, name) for name, s in PARAM_SHARDINGS.items()
-        if s.auto_rank is not None and s.applies(layout)
-        and (s.streamed or cfg.optimizer.offload is not True)
-        and (p.mode != "adaptive" or adaptive.shares_placement(name)))]
+    # Fewest inter-host bytes first (basp_jax.planner.strategies), the first whose memory fits;
+    # the last (fsdp, the least memory) is taken whether or not it fits (check_memory says so).
+    # Adaptive layouts take only a placement every layout of the set shares (not hsdp).
+    choices = planner_strategies.ranked(
+        layout, streamed=cfg.optimizer.offload is True, distinct=False,
+        keep=lambda name: p.mode != "adaptive" or adaptive.shares_placement(name))
     for strategy in choices[:-1]:
         pred = cost.predict(shape, layout, strategy, **common)
         # (staged_offload's host-local copies, an offload policy's residuals: host memory)

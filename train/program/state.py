@@ -31,7 +31,7 @@ from . import planning
 from . import streamed
 from ..checkpoint.store import Checkpointer, first_non_finite
 from .model_setup import model_config, model_options
-from ..observe import compile_progress
+from . import compile_progress
 from ..process.outputs import write_collectives
 from ..config.schema import Config, ConfigError
 from .step import (build_model, compute_dtype, from_module, init_opt_state, initial_loss_scale, loss_scaling, make_optimizer, make_train_step, opt_state_shardings)

@@ -26,9 +26,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from basp_jax.param_use import LayerParams
 from basp_jax.sharding import ShardingRules, abstract_arrays, activation_spec
 from models.hf import is_stacked
-from models.layers import param_names, stage_layer_params
+from models.layers import param_names
 from models.transformer import build_sharded, with_values
 
 from ..config.schema import OptimizerConfig
@@ -231,7 +232,7 @@ def make_micro_objective(parts: ModelParts, loss_fn: Callable) -> Callable:
 def _accumulate(grad_fn, params, batch, param_shardings, packed: bool):
     """The float32 sums of the microbatches' gradients (constrained to the parameters' sharding),
     losses, loss tokens and weighted aux losses, under lax.scan over the accumulation axis of
-    `batch`. `params` may be the parameters as the layers use them (stage_layer_params: the
+    `batch`. `params` may be the parameters as the layers use them (LayerParams.once_per_step: the
     same values, staged matrices in the compute dtype), whose gradients are the parameters'."""
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     zeros = jax.lax.with_sharding_constraint(zeros, param_shardings)
@@ -267,10 +268,8 @@ def make_step_gradients(parts: ModelParts, param_shardings, *, loss_fn: Callable
         the copies are what the backward keeps anyway); else the parameters (staged_offload
         keeps them in host memory, a microbatch at a time: gathered once per microbatch)."""
         model = parts.module(params)
-        rules = model.options.rules
-        if rules is None or not rules.entry.keep_host_copy or batch["tokens"].shape[0] == 1:
-            return params
-        return stage_layer_params(params, names, rules, model.dtype)
+        layers = LayerParams(model.options.rules, model.dtype)
+        return layers.once_per_step(params, names, microbatches=batch["tokens"].shape[0])
 
     def grad_fn_at(scale, loss_of=micro_objective, micro_tokens=None):
         """((loss sum, count, weighted aux loss), gradients of scale x the objective) of one

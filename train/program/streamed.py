@@ -43,8 +43,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from basp_jax.param_use import LayerParams
 from basp_jax.sharding import PARAM_SHARDINGS
-from models.layers import axis_names, stage_params
+from models.layers import axis_names
 from models.transformer import with_values
 
 from ..config.schema import Config, ConfigError
@@ -79,12 +80,12 @@ def check_offload(cfg: Config, strategy: str, compute_dtype: str, mcfg=None) -> 
         raise ConfigError(f"optimizer.offload=true streams the layers of a scanned stack; set "
                           f"model.scan_layers=true {fix}")
     entry = PARAM_SHARDINGS.get("fsdp" if strategy == "auto" else strategy)
-    if entry.keep_host_copy or entry.offload_host_copy:
+    if entry.use.copy is not None:
         raise ConfigError(f"optimizer.offload=true copies each layer's weights in again for its "
                           f"backward, so {strategy} (which keeps the forward's host-local copy) "
                           f"does not apply; set parallel.param_sharding=staged (the same "
                           f"two-stage gathers) {fix}")
-    if not entry.streamed:
+    if not entry.streams:
         raise ConfigError(f"optimizer.offload=true keeps the weights in host memory, so {strategy} "
                           f"parameter sharding (device copies of the weights per host) does not "
                           f"apply; set parallel.param_sharding=staged (on several hosts) or fsdp "
@@ -133,9 +134,9 @@ def _split_layers(parts: ModelParts, params):
 
 def _staged(model, weights):
     """A layer's weights, on the device, as the layer uses them: under a staged strategy
-    gathered across hosts to the host-local copy (models.layers.stage_params), whose gradient
-    is reduce-scattered back onto the stored shards; else as they are."""
-    return stage_params(weights, model.options.rules, model.dtype)
+    gathered across hosts to the host-local copy (basp_jax.param_use.LayerParams.gather),
+    whose gradient is reduce-scattered back onto the stored shards; else as they are."""
+    return LayerParams(model.options.rules, model.dtype).gather(weights)
 
 
 def _as_stored(model, grads):
