@@ -17,7 +17,7 @@ from basp_jax.planner import calibration
 from benchmarks import calibrate
 from benchmarks.gpu_check import attention_check, attention_time, gemm, profiling
 from benchmarks.gpu_check.common import Shapes
-from tests.helpers.flags import TEST_XLA_FLAGS
+from tests.helpers.flags import ONE_PASS, TEST_XLA_FLAGS
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = Shapes(smoke=True)
@@ -116,6 +116,7 @@ def _check_steps(r):
 
 
 @pytest.mark.slow
+@ONE_PASS
 def test_the_script_runs_every_section_and_names_what_it_skipped(tmp_path):
     out = tmp_path / "check.json"
     proc = _smoke(out)
@@ -131,6 +132,7 @@ def test_the_script_runs_every_section_and_names_what_it_skipped(tmp_path):
 
 
 @pytest.mark.slow
+@ONE_PASS
 def test_a_run_stopped_at_its_time_limit_keeps_the_sections_that_finished(tmp_path):
     out = tmp_path / "check.json"
     proc = _smoke(out, timeout=300, GPU_CHECK_TIMEOUT_S="25")

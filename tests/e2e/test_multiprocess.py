@@ -15,7 +15,7 @@ import pytest
 
 from train.loop import run
 
-from tests.helpers.flags import TEST_XLA_FLAGS
+from tests.helpers.flags import ONE_PASS, TEST_XLA_FLAGS
 from tests.helpers.trainer import adaptive_documents, cache_env, tiny_config, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -355,6 +355,7 @@ def test_joining_waits_for_late_peers_longer_than_a_silent_peer_is_tolerated_mid
 
 
 @pytest.mark.slow
+@ONE_PASS
 def test_processes_started_45_s_apart_train_under_the_default_timeouts(tmp_path):
     """Process 1 starts 45 s after process 0 (a scheduler, a container, CUDA start-up), longer
     than peer_timeout_s (30 s): process 0 waits for it at the join, and both train."""

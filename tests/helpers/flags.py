@@ -59,3 +59,11 @@ WHOLE_MATRIX = pytest.mark.skipif(
     jaxlib_minor() >= (0, 11), reason="a further case of an equivalence matrix: the whole "
     "matrix runs under jaxlib < 0.11 (CI's Python 3.11 pass), its representative cases under "
     "every jaxlib")
+
+# A test of processes or a script whose cost is wall-clock waiting, not compiling, and whose
+# code does not change with the jaxlib (peers started 45 s apart; the GPU check's whole smoke
+# run, which CI's GPU-check pass also runs under the GPU machine's jax): once per CI, in the
+# older jaxlib's pass.
+ONE_PASS = pytest.mark.skipif(
+    jaxlib_minor() >= (0, 11), reason="runs once per CI, under jaxlib < 0.11 (CI's Python 3.11 "
+    "pass): its cost is waiting, and its code does not change with the jaxlib")
