@@ -129,8 +129,8 @@ DEFAULT_STRATEGY = "fsdp"  # parameters' placement unless told otherwise (models
 SPLIT = "split"  # in RULES: split over the strategy's parameter axes
 
 # The one table. One axis of each parameter is split: the major axis of each matrix (a gather or
-# scatter along a minor one makes XLA transpose the whole stacked parameter first: 0.9 GiB per
-# MLP matrix of an 8B model) and the vocabulary wherever it is, so the embedding and the LM head
+# scatter along a minor one makes XLA transpose the whole stacked parameter first: BENCHMARKS.md
+# section 6, "Figures behind design choices") and the vocabulary wherever it is, so the embedding and the LM head
 # are used where they are stored (basp_jax.vocab). Activations: rows over groups, the
 # sequence over the devices of a group; an axis not named here (hidden, heads) is whole.
 RULES: dict[str, str | None] = {
@@ -165,10 +165,10 @@ def sums_per_host(param_sharding: str, layout, grad_accum: int) -> bool:
 
     With one microbatch there is no sum to keep, and the copies' gradients wait for the step's
     end, 1/(devices per host) of them in the compute dtype, where the plain step reduces each
-    layer's as it comes onto float32 1/N shards: as much memory on 2 hosts (the 8B step on
-    2 x 4 A100: 21.33 against 21.34 GiB), more on more (+1.07 GiB per GPU on 8 hosts x 8
-    H100). staged_keep keeps them on 2 hosts all the same, for the written-out reduce-scatter
-    (the same bytes in the GPU program, half in the CPU one)."""
+    layer's as it comes onto float32 1/N shards: as much memory on 2 hosts, more on more
+    (BENCHMARKS.md section 6, "Figures behind design choices"). staged_keep keeps them on 2
+    hosts all the same, for the written-out reduce-scatter (the same bytes in the GPU program,
+    half in the CPU one)."""
     entry = PARAM_SHARDINGS.get(param_sharding)
     if not (entry.holds_host_copy and layout.groups > 1 and layout.sp == layout.devices_per_host
             and layout.ring == 1):

@@ -207,8 +207,8 @@ class Transformer(nnx.Module):
         if remat:
             # Under lax.scan the recomputation cannot be merged with the forward pass; in a
             # Python loop (a hybrid's layers) XLA would merge them without prevent_cse, keeping
-            # every layer's intermediates alive to the backward pass (the 9B hybrid's step at
-            # 16K on 2 x 4 A100-40GB: 60.6 GiB per device instead of 34.8).
+            # every layer's intermediates alive to the backward pass (BENCHMARKS.md section 6,
+            # "Figures behind design choices").
             run_layer = jax.checkpoint(run_layer, policy=policy,
                                        prevent_cse=not self.scanned, static_argnums=(1,))
 
