@@ -147,7 +147,13 @@ RULES: dict[str, str | None] = {
     "mlp_down": SPLIT,       # down_proj input [mlp, embed]
     "norm": SPLIT,           # RMSNorm weights [embed]
     "head_dim": SPLIT,       # q/k norm weights [head_dim] (Qwen3)
-    "expert": None,          # the experts of a sparse MLP's weights (models.moe): all on each device
+    # a sparse MLP's expert weights [experts, in, out] (models.moe) split on the expert axis, as
+    # the experts split over a seq group use them (a slice of the stored shards' axis, not a
+    # transpose of every expert); the router's [embed, experts] output axis is whole
+    "expert": SPLIT,
+    "expert_in": None,
+    "expert_out": None,
+    "router": None,
     # activations [batch, sequence, ...]
     "batch": GROUP,
     "sequence": SEQ,

@@ -85,9 +85,10 @@ class Experts(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype):
         e, d, f = config.num_experts, config.hidden_size, config.moe_intermediate_size
         kw = dict(rngs=rngs, param_dtype=param_dtype, init_std=config.initializer_range)
-        self.gate_proj = ExpertKernel(e, d, f, ("expert", "mlp_up_embed", "mlp_up"), **kw)
-        self.up_proj = ExpertKernel(e, d, f, ("expert", "mlp_up_embed", "mlp_up"), **kw)
-        self.down_proj = ExpertKernel(e, f, d, ("expert", "mlp_down", "embed"), **kw)
+        # split on the expert axis, where the experts split over a seq group are used
+        self.gate_proj = ExpertKernel(e, d, f, ("expert", "expert_in", "expert_out"), **kw)
+        self.up_proj = ExpertKernel(e, d, f, ("expert", "expert_in", "expert_out"), **kw)
+        self.down_proj = ExpertKernel(e, f, d, ("expert", "expert_in", "expert_out"), **kw)
 
 
 class SparseMoE(nnx.Module):
@@ -96,7 +97,7 @@ class SparseMoE(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype, mesh=None,
                  split_experts: bool = False):
-        self.gate = Linear(config.hidden_size, config.num_experts, ("mlp_up_embed", "expert"),
+        self.gate = Linear(config.hidden_size, config.num_experts, ("mlp_up_embed", "router"),
                            use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
                            init_std=config.initializer_range)
         self.experts = Experts(config, rngs=rngs, param_dtype=param_dtype)

@@ -55,6 +55,10 @@ WHOLE_TIER = pytest.mark.skipif(
 CONFIG_LONG = "configs/gpu/llama-3.1-8b_long.yaml"
 CONFIG_8B_FSDP = f"{CONFIG_8B},parallel.param_sharding=fsdp"  # the paper's ZeRO-3
 CONFIG_ADAPTIVE = "configs/gpu/llama-3.1-8b_adaptive.yaml"  # 4 layouts, each compiled
+# The mixture of experts on its own cluster (2 x 8 H100) with its own test: it does not fit yet
+# (XLA's GPU lowering of ragged_dot is a dense loop over the experts: docs/limitations.md).
+CONFIG_MOE = "configs/gpu/qwen3-30b-a3b_basp.yaml"
+MOE_CONFIGS = (CONFIG_MOE, "configs/gpu/qwen3-30b-a3b_ulysses.yaml")
 # The hybrid's layers are a Python list, not a scan: its 32-layer step takes 7-12 minutes to
 # compile on 2 CPU cores, so its programs are compiled by hand and recorded (BENCHMARKS.md
 # section 6, with the command); tests/train/test_hybrid_compiled.py checks the planner against
@@ -131,7 +135,7 @@ def reports(cuda_plugin, tmp_path_factory):
     (test_ulysses_configs_are_their_basp_twins), and the layout leaves the memory unchanged."""
     configs = sorted(glob.glob(str(ROOT / "configs/gpu/*_basp.yaml")))
     cases = [os.path.relpath(c, ROOT) for c in configs]
-    cases = [c for c in cases if c not in _recorded()]
+    cases = [c for c in cases if c not in _recorded() and c not in MOE_CONFIGS]
     cases += ["configs/gpu/llama-3.1-8b_ulysses.yaml", CONFIG_8B_FSDP, CONFIG_ADAPTIVE]
     out = tmp_path_factory.mktemp("aot") / "reports.json"
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {NO_OVERLAP}".strip())
@@ -376,7 +380,7 @@ def test_every_gpu_config_names_its_cluster_and_fits_it(reports):
                                                              rel=0.02)  # layout-independent
     for path in glob.glob(str(ROOT / "configs/gpu/[!_]*.yaml")):  # _base.yaml: included by them
         case = os.path.relpath(path, ROOT)
-        if case == CONFIG_LONG:  # 8 x H100, its own test: test_long_context_config_fits
+        if case == CONFIG_LONG or case in MOE_CONFIGS:  # on H100s, each with its own test
             continue
         r = every.get(case) or every.get(_twin(case)) or _recorded()[case]
         assert (r["target"]["name"], r["hosts"], r["gpus_per_host"]) == ("a100-40gb", 2, 4), case
@@ -691,3 +695,30 @@ def test_every_ring_hop_runs_the_fused_kernel(cuda_plugin, target, ring, order):
     assert set(kernels) == {"triton"}, kernels
     assert {"flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"} <= \
         set(kernels["triton"]["targets"]), kernels
+
+
+@pytest.fixture(scope="session")
+def moe_30b(cuda_plugin, tmp_path_factory):
+    """Qwen3-30B-A3B's BASP step on 2 x 8 H100 (the shipped config), with the GPU defaults."""
+    out = tmp_path_factory.mktemp("aot") / "moe.json"
+    done = _run("tests/e2e/aot_worker.py", str(out), CONFIG_MOE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())[0]
+
+
+@WHOLE_TIER
+def test_the_moe_step_keeps_experts_and_all_to_alls_inside_the_hosts(moe_30b):
+    """One BASP group per host: the experts split over its 8 GPUs (16 each), the routed tokens'
+    gathers and scatters and the attention all-to-alls run inside the host; only the staged
+    parameters and their gradients cross, under 8 GiB per GPU per step (BENCHMARKS.md section 6:
+    Ulysses sends about 124 GiB)."""
+    r = moe_30b
+    assert (r["layout"]["groups"], r["layout"]["sp"], r["hosts"]) == (2, 8, 2)
+    rows = r["collectives"]
+    assert sum(c["count"] for c in rows if c["kind"] == "all-to-all") > 0
+    assert all(c["inter_host_wire_bytes"] == 0 for c in rows
+               if c["kind"] in ("all-to-all", "collective-permute") and c["bytes"] > 2**20), rows
+    crossing = sum(c["inter_host_wire_bytes"] for c in rows)
+    assert 0 < crossing <= 8 * GiB, crossing / GiB
+    # the gathers that cross hosts are the staged layers' (groups of 2: one GPU per host)
+    assert all(c["group_size"] == 2 for c in rows if c["inter_host_wire_bytes"] > 2**20), rows
