@@ -181,9 +181,11 @@ def test_shipped_configs_load_and_plan():
         planned = "staged_keep" if devices > per_host else "fsdp"
         named = cfg.parallel.param_sharding
         assert strategy == (planned if named == "auto" else named), path
-        layout = Layout.plan(num_devices=8, batch=cfg.train.microbatch_size, seq_len=cfg.data.seq_len,
-                             num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
-                             mode="basp" if adaptive else cfg.parallel.mode, devices_per_host=4)
+        layout = Layout.plan(num_devices=devices, batch=cfg.train.microbatch_size,
+                             seq_len=cfg.data.seq_len, num_heads=mc.num_heads,
+                             num_kv_heads=mc.num_kv_heads,
+                             mode="basp" if adaptive else cfg.parallel.mode,
+                             devices_per_host=per_host)
         assert cfg.data.eos_id < mc.vocab_size
         if adaptive:  # one sequence per microbatch: (1,8) and 2, 4, 8 groups of shorter rows
             from basp_jax import adaptive as adapt
@@ -195,6 +197,11 @@ def test_shipped_configs_load_and_plan():
             continue
         if path.stem.endswith("_long"):  # one 4M sequence: one group of 8
             assert (layout.groups, layout.sp, cfg.data.seq_len) == (1, 8, 4194304)
+            continue
+        if mc.is_moe:  # 32K tokens on 2 hosts x 8 H100: one group per host
+            assert (devices, per_host, cfg.data.seq_len) == (16, 8, 32768)
+            assert (layout.groups, layout.sp) == ((2, 8) if cfg.parallel.mode == "basp"
+                                                  else (1, 16))
             continue
         assert (layout.groups, layout.sp) == ((2, 4) if cfg.parallel.mode == "basp" else (1, 8))
         assert cfg.data.seq_len == 16384
@@ -321,7 +328,7 @@ def test_gpu_configs_state_only_what_differs_from_what_they_include():
     from train.config.tree import load_tree, read_yaml
 
     paths = shipped_configs("gpu/*.yaml")
-    assert len(paths) == 14  # six models x basp/ulysses, the 8B's long-context and adaptive ones
+    assert len(paths) == 16  # seven models x basp/ulysses, the 8B's long-context and adaptive ones
     for path in paths:
         own = read_yaml(str(path))
         included = load_tree(str(path.parent / own.pop("include")))
