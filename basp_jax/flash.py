@@ -200,14 +200,14 @@ def _q_ranges(batch, q_seg, k_seg, shift, *, causal, bq, bk, sq_pad, sk_pad, sq)
 # The kernels. Refs arrive in the order of the pallas_call's inputs, then its outputs.
 
 
-def _dot(a, b, trans_a=False, trans_b=False):
+def triton_dot(a, b, trans_a=False, trans_b=False):
     """a @ b (either transposed) in float32: Triton's tensor-core dot on a GPU."""
     from jax.experimental.pallas import triton as plgpu  # Triton bits: imported when traced
 
     return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b)
 
 
-def _scalar(ref):
+def block_scalar(ref):
     return jnp.min(ref[...])  # a (1,) block: reduce to the scalar (Triton loads tensors)
 
 
@@ -234,7 +234,7 @@ def _forward_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len):
     (q_ref, k_ref, v_ref, shift_ref, lo_ref, hi_ref), (qs_ref, ks_ref), (o_ref, lse_ref) = \
         _unpack(refs, has_seg, 8 if has_seg else 6)
     qi = pl.program_id(0)
-    shift = _scalar(shift_ref)
+    shift = block_scalar(shift_ref)
     q = q_ref[...]
     q_pos = qi * bq + jnp.arange(bq)
     q_seg = None if qs_ref is None else qs_ref[...]
@@ -244,7 +244,7 @@ def _forward_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len):
         acc, m, l = carry
         ks = pl.ds(kj * bk, bk)
         k = k_ref[ks, :]
-        s = _dot(q, k, trans_b=True) * scale
+        s = triton_dot(q, k, trans_b=True) * scale
         k_seg = None if ks_ref is None else ks_ref[ks]
         mask = _mask(q_pos, kj * bk + jnp.arange(bk), shift, q_len, k_len, causal, q_seg, k_seg)
         s = jnp.where(mask, s, _NEG)
@@ -253,12 +253,12 @@ def _forward_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len):
         alpha = jnp.exp(m - m_new)
         l = alpha * l + jnp.sum(p, axis=1)
         v = v_ref[ks, :]
-        acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
+        acc = alpha[:, None] * acc + triton_dot(p.astype(v.dtype), v)
         return acc, m_new, l
 
     init = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), _NEG, jnp.float32),
             jnp.zeros((bq,), jnp.float32))
-    lo, hi = _scalar(lo_ref), _scalar(hi_ref)
+    lo, hi = block_scalar(lo_ref), block_scalar(hi_ref)
     acc, m, l = lax.fori_loop(lo, hi, body, init)
     seen = l > 0.0
     l_safe = jnp.where(seen, l, 1.0)
@@ -270,7 +270,7 @@ def _dq_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len):
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, shift_ref, lo_ref, hi_ref), \
         (qs_ref, ks_ref), (dq_ref,) = _unpack(refs, has_seg, 11 if has_seg else 9)
     qi = pl.program_id(0)
-    shift = _scalar(shift_ref)
+    shift = block_scalar(shift_ref)
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
     q_pos = qi * bq + jnp.arange(bq)
@@ -279,15 +279,15 @@ def _dq_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len):
     def body(kj, dq):
         ks = pl.ds(kj * bk, bk)
         k, v = k_ref[ks, :], v_ref[ks, :]
-        s = _dot(q, k, trans_b=True) * scale
+        s = triton_dot(q, k, trans_b=True) * scale
         k_seg = None if ks_ref is None else ks_ref[ks]
         mask = _mask(q_pos, kj * bk + jnp.arange(bk), shift, q_len, k_len, causal, q_seg, k_seg)
         p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
-        dp = _dot(do, v, trans_b=True)
+        dp = triton_dot(do, v, trans_b=True)
         ds = p * (dp - delta[:, None])
-        return dq + _dot(ds.astype(k.dtype), k)
+        return dq + triton_dot(ds.astype(k.dtype), k)
 
-    lo, hi = _scalar(lo_ref), _scalar(hi_ref)
+    lo, hi = block_scalar(lo_ref), block_scalar(hi_ref)
     dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
@@ -296,11 +296,11 @@ def _dkv_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len, group, head
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, shift_ref, lo_ref, hi_ref), \
         (qs_ref, ks_ref), (dk_ref, dv_ref) = _unpack(refs, has_seg, 11 if has_seg else 9)
     kj = pl.program_id(0)
-    shift = _scalar(shift_ref)
+    shift = block_scalar(shift_ref)
     k, v = k_ref[...], v_ref[...]
     k_pos = kj * bk + jnp.arange(bk)
     k_seg = None if ks_ref is None else ks_ref[...]
-    lo, hi = _scalar(lo_ref), _scalar(hi_ref)
+    lo, hi = block_scalar(lo_ref), block_scalar(hi_ref)
 
     def head(gi, carry):  # the group's query heads: columns gi * head_dim of q and dO
         cols = pl.ds(gi * head_dim, head_dim)
@@ -311,15 +311,15 @@ def _dkv_kernel(*refs, causal, has_seg, scale, bq, bk, q_len, k_len, group, head
             q, do = q_ref[rows, cols], do_ref[rows, cols]
             at = pl.ds(gi * sq_pad + qi * bq, bq)
             lse, delta = lse_ref[at], delta_ref[at]
-            s = _dot(q, k, trans_b=True) * scale
+            s = triton_dot(q, k, trans_b=True) * scale
             q_seg = None if qs_ref is None else qs_ref[rows]
             mask = _mask(qi * bq + jnp.arange(bq), k_pos, shift, q_len, k_len, causal, q_seg,
                          k_seg)
             p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
-            dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-            dp = _dot(do, v, trans_b=True)
+            dv = dv + triton_dot(p.astype(do.dtype), do, trans_a=True)
+            dp = triton_dot(do, v, trans_b=True)
             ds = p * (dp - delta[:, None])
-            dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
+            dk = dk + triton_dot(ds.astype(q.dtype), q, trans_a=True)
             return dk, dv
 
         return lax.fori_loop(lo, hi, body, carry)

@@ -28,6 +28,7 @@ shard_map, in one of two ways (RunOptions.expert_parallel):
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from basp_jax import grouped_matmul as gmm
 from basp_jax.mesh import SEQ
 from basp_jax.sharding import rows_spec
 
@@ -96,7 +98,7 @@ class SparseMoE(nnx.Module):
     `moe(x)` -> (y [B, S, hidden], RouterStats of x's tokens)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype, mesh=None,
-                 split_experts: bool = False):
+                 split_experts: bool = False, grouped_matmul: str = "auto"):
         self.gate = Linear(config.hidden_size, config.num_experts, ("mlp_up_embed", "router"),
                            use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
                            init_std=config.initializer_range)
@@ -106,6 +108,10 @@ class SparseMoE(nnx.Module):
         self.dtype = dtype
         self.mesh = mesh
         self.split_experts = split_experts  # over the seq axis (models.options.experts_split)
+        device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+        # the experts' grouped matmuls (basp_jax.grouped_matmul: XLA's ragged_dot or ours)
+        self.grouped_matmul = gmm.resolve_impl(grouped_matmul, device.platform)
+        self.platform = device.platform
 
     def route(self, x):
         """(top-k weights [B, S, k] in the compute dtype, experts [B, S, k], RouterStats)."""
@@ -126,21 +132,24 @@ class SparseMoE(nnx.Module):
         weights, experts, stats = self.route(x)
         kernels = tuple(k.kernel[...].astype(self.dtype) for k in
                         (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj))
+        matmul = gmm.grouped_matmul_fn(self.grouped_matmul, self.platform)
         if self.mesh is None:
-            return _dispatch(x.astype(self.dtype), weights, experts, kernels), stats
+            return _dispatch(x.astype(self.dtype), weights, experts, kernels, matmul), stats
         rows = rows_spec()  # each device's own tokens
         if self.split_experts:  # experts/sp of them on each device of a seq group
-            local = jax.shard_map(_dispatch_in_group, mesh=self.mesh,
+            local = jax.shard_map(functools.partial(_dispatch_in_group, matmul=matmul),
+                                  mesh=self.mesh,
                                   in_specs=(rows, rows, rows, P(SEQ)), out_specs=rows,
                                   check_vma=False)
         else:  # whole copies of the expert weights
-            local = jax.shard_map(_dispatch, mesh=self.mesh, in_specs=(rows, rows, rows, P()),
+            local = jax.shard_map(functools.partial(_dispatch, matmul=matmul), mesh=self.mesh,
+                                  in_specs=(rows, rows, rows, P()),
                                   out_specs=rows, check_vma=False)
         x = constrain(x.astype(self.dtype), self.mesh)
         return constrain(local(x, weights, experts, kernels), self.mesh), stats
 
 
-def _dispatch(x, weights, experts, kernels):
+def _dispatch(x, weights, experts, kernels, matmul=jax.lax.ragged_dot):
     """Every token of x [..., hidden] through its k experts (experts, weights [..., k]), the
     outputs weighted and summed: the pairs sorted by expert, the experts as ragged_dots."""
     gate, up, down = kernels
@@ -150,14 +159,14 @@ def _dispatch(x, weights, experts, kernels):
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
     rows = x[order // k]
-    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
-    out = jax.lax.ragged_dot(h, down, sizes)
+    h = jax.nn.silu(matmul(rows, gate, sizes)) * matmul(rows, up, sizes)
+    out = matmul(h, down, sizes)
     out = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # back in pair order
     out = out.reshape(-1, k, shape[-1]) * weights.reshape(-1, k, 1)
     return out.sum(axis=1).reshape(shape)
 
 
-def _dispatch_in_group(x, weights, experts, kernels):
+def _dispatch_in_group(x, weights, experts, kernels, matmul=jax.lax.ragged_dot):
     """_dispatch inside a shard_map whose kernels hold this device's experts/sp of the experts
     (a slice of the expert axis over SEQ): the seq group's tokens gathered, every pair routed to
     one of this device's experts run, the weighted outputs summed over the group and each
@@ -173,8 +182,8 @@ def _dispatch_in_group(x, weights, experts, kernels):
     order = jnp.argsort(key, stable=True)
     sizes = jnp.bincount(key, length=mine_count + 1)[:mine_count].astype(jnp.int32)
     rows = x[order // k]
-    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
-    out = jax.lax.ragged_dot(h, down, sizes)
+    h = jax.nn.silu(matmul(rows, gate, sizes)) * matmul(rows, up, sizes)
+    out = matmul(h, down, sizes)
     out = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # back in pair order
     out = jnp.where(mine[:, None], out, 0).reshape(-1, k, shape[-1]) * weights[..., None]
     return jax.lax.psum_scatter(out.sum(axis=1), SEQ, tiled=True).reshape(shape)

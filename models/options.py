@@ -21,7 +21,7 @@ from basp_jax import Layout
 from basp_jax import kernels as basp_kernels
 from basp_jax.mesh import SEQ, layout_on
 from basp_jax.remat import REMAT_POLICIES
-from basp_jax import vocab
+from basp_jax import grouped_matmul, vocab
 from basp_jax.sharding import (DEFAULT_STRATEGY, PARAM_SHARDINGS, ShardingRules,
                                needs_devices_per_host)
 
@@ -68,6 +68,9 @@ class RunOptions:
         devices of each seq group (the group's tokens gathered and the outputs scattered back
         inside the group); "none", whole copies on every device; "auto", "seq" where the seq
         group has several devices and the experts divide over them, else "none".
+    grouped_matmul: how a sparse layer's experts multiply their tokens (basp_jax.grouped_matmul):
+        "pallas" (our grouped-matmul kernels; interpreted off a GPU), "xla" (jax.lax.ragged_dot,
+        a dense loop over the experts on a GPU), "auto" (pallas on a GPU, else xla).
     rules: where parameters and activations live on the mesh (basp_jax.sharding.ShardingRules,
         None without a mesh): built from mesh, param_sharding and the layout's
         devices_per_host when not given; a run's trainer passes its own, so the run has one.
@@ -86,6 +89,7 @@ class RunOptions:
     fp8: bool = False
     fp8_exchange: bool = False
     expert_parallel: str = "auto"
+    grouped_matmul: str = "auto"
     rules: ShardingRules | None = None
 
     def __post_init__(self):
@@ -107,6 +111,9 @@ class RunOptions:
         if self.expert_parallel not in EXPERT_PARALLEL:
             raise ModelError(f"unknown expert_parallel {self.expert_parallel!r}; use one of "
                              f"{', '.join(EXPERT_PARALLEL)}")
+        if self.grouped_matmul not in grouped_matmul.IMPLS:
+            raise ModelError(f"unknown grouped_matmul {self.grouped_matmul!r}; use one of "
+                             f"{', '.join(grouped_matmul.IMPLS)}")
         if not isinstance(self.fp8_exchange, bool):
             raise ModelError(f"fp8_exchange must be True or False, got {self.fp8_exchange!r}")
         if self.param_sharding not in PARAM_SHARDINGS:

@@ -56,6 +56,7 @@ class Block(nnx.Module):
         if self.sparse:
             self.mlp = SparseMoE(config, rngs=rngs, dtype=options.dtype,
                                  split_experts=options.experts_split(config),
+                                 grouped_matmul=options.grouped_matmul,
                                  param_dtype=options.param_dtype, mesh=options.mesh)
         else:
             self.mlp = MLP(config, rngs=rngs, dtype=options.dtype,

@@ -148,8 +148,9 @@ def attention_kernels(hlo_text: str) -> dict[str, dict]:
                 add(KERNEL_CUDNN, inst.executions, target)
                 continue
             if "triton" in target:  # named by the function around the pallas_call
-                name = re.search(r'op_name="[^"]*?([\w.\-]+)/pallas_call"', inst.line)
-                add(KERNEL_TRITON, inst.executions, name.group(1) if name else target)
+                name = _pallas_name(inst.line)
+                if not (name or "").startswith(GROUPED_MATMUL):  # the experts': expert_kernels
+                    add(KERNEL_TRITON, inst.executions, name or target)
                 continue
         if not _SCOPE_RE.search(inst.line):
             continue
@@ -159,6 +160,35 @@ def attention_kernels(hlo_text: str) -> dict[str, dict]:
             other_attention_ops += 1
     if not found and other_attention_ops:
         found[KERNEL_XLA] = {"count": other_attention_ops, "targets": []}
+    return found
+
+
+GROUPED_MATMUL = "grouped_matmul"  # basp_jax.grouped_matmul's kernels' names start so
+KERNEL_RAGGED_DOT = "xla ragged_dot"  # jax.lax.ragged_dot as XLA lowers it
+
+
+def _pallas_name(line: str) -> str | None:
+    name = re.search(r'op_name="[^"]*?([\w.\-]+)/pallas_call"', line)
+    return name.group(1) if name else None
+
+
+def expert_kernels(hlo_text: str) -> dict[str, dict]:
+    """The grouped matmuls of a mixture of experts' layers in a compiled program: our Pallas
+    kernels (basp_jax.grouped_matmul, kind "triton") or XLA's ragged_dot (on a GPU a dense loop
+    over the experts, counted by the instructions it became), as attention_kernels reports."""
+    found: dict[str, dict] = {}
+    for inst in Module(hlo_text).instructions():
+        name = _pallas_name(inst.line) if inst.op == "custom-call" else None
+        if name is not None and name.startswith(GROUPED_MATMUL):
+            kind, target = KERNEL_TRITON, name
+        elif inst.op in ("dot", "fusion") and "/ragged_dot_general" in inst.line:
+            kind, target = KERNEL_RAGGED_DOT, inst.op
+        else:
+            continue
+        entry = found.setdefault(kind, {"count": 0, "targets": []})
+        entry["count"] += inst.executions
+        if target not in entry["targets"]:
+            entry["targets"].append(target)
     return found
 
 

@@ -55,8 +55,7 @@ WHOLE_TIER = pytest.mark.skipif(
 CONFIG_LONG = "configs/gpu/llama-3.1-8b_long.yaml"
 CONFIG_8B_FSDP = f"{CONFIG_8B},parallel.param_sharding=fsdp"  # the paper's ZeRO-3
 CONFIG_ADAPTIVE = "configs/gpu/llama-3.1-8b_adaptive.yaml"  # 4 layouts, each compiled
-# The mixture of experts on its own cluster (2 x 8 H100) with its own test: it does not fit yet
-# (XLA's GPU lowering of ragged_dot is a dense loop over the experts: docs/limitations.md).
+# The mixture of experts on its own cluster (2 x 8 H100), with its own test.
 CONFIG_MOE = "configs/gpu/qwen3-30b-a3b_basp.yaml"
 MOE_CONFIGS = (CONFIG_MOE, "configs/gpu/qwen3-30b-a3b_ulysses.yaml")
 # The hybrid's layers are a Python list, not a scan: its 32-layer step takes 7-12 minutes to
@@ -707,12 +706,19 @@ def moe_30b(cuda_plugin, tmp_path_factory):
 
 
 @WHOLE_TIER
-def test_the_moe_step_keeps_experts_and_all_to_alls_inside_the_hosts(moe_30b):
+def test_the_moe_step_fits_with_experts_and_all_to_alls_inside_the_hosts(moe_30b):
     """One BASP group per host: the experts split over its 8 GPUs (16 each), the routed tokens'
     gathers and scatters and the attention all-to-alls run inside the host; only the staged
     parameters and their gradients cross, under 8 GiB per GPU per step (BENCHMARKS.md section 6:
-    Ulysses sends about 124 GiB)."""
+    Ulysses sends about 124 GiB). The experts run as our grouped-matmul kernels, forward and
+    backward (12 per layer, recomputed forward included), no ragged_dot's dense loop."""
     r = moe_30b
+    assert r["fits"], r["peak_bytes_per_device"] / GiB
+    assert r["expert_kernels"] == {"triton": {
+        "count": 12 * r["model"]["num_layers"],
+        "targets": ["grouped_matmul", "grouped_matmul_rhs_grad"]}}, r["expert_kernels"]
+    assert set(r["attention_kernels"]["triton"]["targets"]) == {
+        "flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"}
     assert (r["layout"]["groups"], r["layout"]["sp"], r["hosts"]) == (2, 8, 2)
     rows = r["collectives"]
     assert sum(c["count"] for c in rows if c["kind"] == "all-to-all") > 0

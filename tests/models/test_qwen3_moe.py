@@ -95,24 +95,26 @@ def test_logits_and_aux_loss_match_transformers(checkpoints, tokens, mixed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("groups,sp,mixed,experts", [
-    (2, 4, False, "auto"), (1, 8, True, "auto"),
-    pytest.param(2, 4, True, "none", marks=WHOLE_MATRIX)])
-def test_layouts_match_transformers(checkpoints, tokens, groups, sp, mixed, experts):
+@pytest.mark.parametrize("groups,sp,mixed,experts,matmul", [
+    (2, 4, False, "auto", "pallas"), (1, 8, True, "auto", "xla"),
+    pytest.param(2, 4, True, "none", "xla", marks=WHOLE_MATRIX)])
+def test_layouts_match_transformers(checkpoints, tokens, groups, sp, mixed, experts, matmul):
     """BASP (2 groups of 4) and Ulysses (8): each device routes its own tokens; the experts split
     over each seq group (expert_parallel auto: 2 or 1 of the 8 per device, the group's tokens
     gathered and the outputs scattered back inside it) or whole on every device (none); logits and the load-balancing loss (its
-    statistics summed over every device's tokens) are transformers'."""
+    statistics summed over every device's tokens) are transformers'. The experts' grouped
+    matmuls are XLA's ragged_dot or our Pallas kernels (basp_jax.grouped_matmul, interpreted)."""
     import basp_jax
 
     directory, _, (want_logits, want_aux) = checkpoints[mixed]
     layout = basp_jax.Layout.plan(8, BATCH, SEQ, 8, 2, groups=groups)
     assert (layout.groups, layout.sp) == (groups, sp)
     model = models.from_pretrained(directory, mesh=basp_jax.make_mesh(layout), layout=layout,
-                                   expert_parallel=experts)
+                                   expert_parallel=experts, grouped_matmul=matmul)
     sparse = [layer.mlp for layer in ([model.layers] if model.scanned else model.layers)
               if isinstance(layer.mlp, moe.SparseMoE)]
     assert sparse and all(m.split_experts == (experts == "auto" and sp > 1) for m in sparse)
+    assert all(m.grouped_matmul == matmul for m in sparse)
     if sparse[0].split_experts:  # each device's grouped matmuls hold experts / sp of them
         hlo = jax.jit(lambda t: model.forward_with_aux(t)).lower(jnp.asarray(tokens)).as_text()
         assert f"{8 // sp}x{hf_tiny.hf_config(hf_tiny.QWEN3_MOE).hidden_size}x32" in hlo
@@ -184,7 +186,9 @@ def _basp_step_gradients(directory, run_dir, tokens):
 
     cfg = load_config(None, [*_overrides(run_dir, "model.dtype=float32", f"data.seq_len={SEQ}",
                                          f"train.microbatch_size={BATCH}", "parallel.mode=basp",
-                                         "parallel.devices_per_host=4"),
+                                         "parallel.devices_per_host=4",
+                                         # the experts' backward through our kernels (interpreted)
+                                         "model.grouped_matmul=pallas"),
                              f"model.hf_path={directory}"])
     mcfg = model_config(cfg)
     plan = prog.plan_run(cfg, mcfg, jax.devices(), 4)

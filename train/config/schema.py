@@ -110,6 +110,9 @@ class ModelSection:
     # routed tokens gathered and scattered back inside the group: inside the host), none (whole
     # copies on every device), auto (seq where the seq group has several devices dividing them)
     expert_parallel: Literal["auto", "seq", "none"] = "auto"
+    # the experts' grouped matmuls: pallas (our kernels, basp_jax.grouped_matmul), xla
+    # (jax.lax.ragged_dot: a dense loop over the experts on a GPU), auto (pallas on a GPU)
+    grouped_matmul: Literal["auto", "xla", "pallas"] = "auto"
 
     def validate(self) -> None:
         if (self.preset is None) == (self.hf_path is None):

@@ -80,7 +80,8 @@ def model_options(cfg: Config, plan=None, *,
                   attn_impl=m.attn_impl, remat="none" if m.remat == "auto" else m.remat,
                   tile_tokens=m.tile_tokens, vocab_parallel=m.vocab_parallel,
                   scan_layers=m.scan_layers, fp8=fp8_enabled(cfg, device),
-                  fp8_exchange=m.fp8_exchange, expert_parallel=m.expert_parallel)
+                  fp8_exchange=m.fp8_exchange, expert_parallel=m.expert_parallel,
+                  grouped_matmul=m.grouped_matmul)
     if plan is not None:
         fields.update(mesh=plan.mesh, layout=plan.layout, param_sharding=plan.strategy,
                       rules=plan.rules,  # the run's one ShardingRules: the trainer's are the model's

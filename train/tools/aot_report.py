@@ -72,6 +72,11 @@ def _kernels_and_prediction(r: dict) -> list[str]:
         lines = ["attention kernel: " + "; ".join(parts)]
     else:
         lines = ["attention kernel: none found"]
+    experts = r.get("expert_kernels")
+    if experts:  # a mixture of experts' grouped matmuls (basp_jax.grouped_matmul)
+        lines.append("expert grouped matmuls: " + "; ".join(
+            f"{kind} ({', '.join(v['targets'])}; {v['count']} per step)"
+            for kind, v in experts.items()))
     if r.get("fp8") or r.get("fp8_gemms", {}).get("total"):
         from basp_jax.compiled.hlo import CUBLASLT_FP8
 

@@ -63,6 +63,7 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False,
                                                           remat=run_plan.remat),
         "host_transfers": comm.host_transfers(text),
         "attention_kernels": hlo.attention_kernels(text),
+        "expert_kernels": hlo.expert_kernels(text),
         # model.fp8: the FP8 GEMMs the program runs per step (cuBLASLt calls and GEMM fusions)
         "fp8": fp8_enabled(cfg, devices[0]), "fp8_gemms": hlo.fp8_gemms(text),
         # the planner's step time for this layout (basp_jax.planner.cost.predict; FP8 FLOPs at the FP8 peak)
