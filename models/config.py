@@ -221,7 +221,7 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Total parameter count, as Hugging Face reports it (tied embeddings counted once)."""
-        return self.shape.num_params + moe_config.extra_params(self)
+        return self.shape.num_params
 
     # -- construction ------------------------------------------------------------------------
 
@@ -492,6 +492,7 @@ def _preset(shape: ModelShape, **model_only) -> ModelConfig:
     """A preset of one of MODEL_SHAPES: its shape and the model-only fields."""
     fields = dataclasses.asdict(shape)
     fields.pop("linear_layers")  # the config counts its own from layer_types
+    fields.pop("sparse_layers")  # and its sparse ones from its MoE fields
     return ModelConfig(**fields, **model_only)
 
 

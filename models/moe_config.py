@@ -86,13 +86,3 @@ def hf_keys(config) -> dict[str, Any]:
     out["mlp_only_layers"] = list(config.mlp_only_layers)
     out["output_router_logits"] = False
     return out
-
-
-def extra_params(config) -> int:
-    """The parameters the sparse layers add to the dense count (basp_jax.planner.shape's, which
-    has a dense MLP in every layer): each sparse layer's experts and router, less its MLP."""
-    if not config.is_moe:
-        return 0
-    d = config.hidden_size
-    sparse = config.num_experts * (3 * d * config.moe_intermediate_size + d)
-    return config.sparse_layers * (sparse - 3 * d * config.intermediate_size)

@@ -23,8 +23,8 @@ from .memory import (host_copy_bytes, host_sum_devices, kept_share, memory_bytes
 from . import strategies
 from .precisions import Precisions
 from .shape import ModelShape
-from .traffic import (Traffic, attention_traffic, host_traffic, linear_exchange_traffic,
-                      param_traffic)
+from .traffic import (Traffic, attention_traffic, expert_dispatch_traffic, host_traffic,
+                      linear_exchange_traffic, param_traffic)
 
 
 
@@ -101,6 +101,9 @@ def predict(
     if shape.linear_layers:
         a2a = a2a + linear_exchange_traffic(shape, layout, policy, act).scale(
             shape.linear_layers)
+    if shape.sparse_layers:  # the routed tokens' exchanges: priced with attention's
+        a2a = a2a + expert_dispatch_traffic(shape, layout, policy, act).scale(
+            shape.sparse_layers)
     a2a = a2a.scale(grad_accum)
     params = param_traffic(shape, layout, param_sharding, grad_accum=grad_accum,
                            precisions=precisions)
@@ -114,7 +117,8 @@ def predict(
                           kept_share=kept_share(layout, param_sharding), grad_accum=grad_accum,
                           host_sums=host_sum_devices(layout, param_sharding, grad_accum),
                           step_copies=step_copy_bytes(shape, layout, param_sharding, grad_accum,
-                                                      precisions))
+                                                      precisions),
+                          expert_split=shape.expert_split(layout.sp))
     host, host_s = host_traffic(shape, layout, shard_group, hw, remat=remat,
                                 precisions=precisions, grad_accum=grad_accum,
                                 offload_state=offload_state)

@@ -38,6 +38,10 @@ _TILED_WORKING_EXCHANGED = 0.64  # per value of q, k, v and output as exchanged
 # query-sized buffer per step and piece. Rounded up: the factor just below it puts a step that
 # does not fit under the limit.
 _RING_WORKING = 0.38
+# A sparse layer's routed (token, expert) rows (models.moe: the group's pairs on each device
+# where the experts are split over it): values of the rows' input, gate, up, their product and
+# output (hidden x 2 + moe_intermediate x 3) per row, forward and backward.
+_ROUTED_FACTOR = 3.4  # fitted: Qwen3-30B-A3B under BASP and Ulysses (BENCHMARKS.md section 6)
 # The streamed step's working set (train.program.streamed, optimizer.offload) as a share of the
 # `working` term: it gathers no weights.
 _STREAMED_WORKING_SHARE = 0.78
@@ -55,7 +59,7 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
                  ring: int = 1, zigzag: bool = False, offload_state: bool = False,
                  kept_share: float = 0.0, grad_accum: int = 1,
                  host_sums: int | None = None,
-                 step_copies: float = 0.0) -> dict[str, float]:
+                 step_copies: float = 0.0, expert_split: int = 1) -> dict[str, float]:
     """Peak memory per device of a train step (layers under a scan, chunked loss), by term:
 
     - state: parameters and Adam's second moment in the master dtype, its first moment in
@@ -72,6 +76,9 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
       kept_share of them per device (staged_keep: 1/devices per host, its host-local copies),
       plus step_copies bytes (step_copy_bytes: the copies a step that keeps each host's
       gradient sum holds beyond those).
+    - routed (mixtures of experts): one sparse layer's (token, expert) rows, expert_split x
+      the device's tokens x top-k of them where the experts are split over expert_split
+      devices (ModelShape.expert_split; _ROUTED_FACTOR);
     - accumulate (grad_accum > 1): the float32 gradient sum of the microbatches and the
       microbatch's gradient beside it, sharded as the parameters (_ACCUMULATE_BUFFERS: with
       one microbatch XLA folds the sum away); where each host keeps its own sum
@@ -91,10 +98,13 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
                        + shape.linear_layers * _linear_saved_per_token(shape, remat))
     recompute = (_UNSCANNED_RECOMPUTE * shape.num_layers * tokens_per_device * layer_per_token
                  * act) if shape.linear_layers else 0.0
-    working = _working_bytes(shape, tokens_per_device, q_heads, kv_heads, act, tile_tokens)
+    working = _working_bytes(shape, tokens_per_device, q_heads, kv_heads, act, tile_tokens,
+                             expert_split)
+    routed = (_ROUTED_FACTOR * expert_split * tokens_per_device * shape.num_experts_per_tok
+              * (2 * shape.hidden_size + 3 * shape.moe_intermediate_size) * act)
     ring_working = _ring_bytes(shape, tokens_per_device, q_heads, ring, zigzag)
     if offload_state:
-        return {"ring": ring_working, "state": 0.0,
+        return {"ring": ring_working, "state": 0.0, "routed": routed,
                 "grads": shape.num_layers * shape.layer_params * act / shard_group,
                 "saved": 0.0, "working": _STREAMED_WORKING_SHARE * working}
     per_param = state_bytes_per_param(precisions.master, precisions.moments)
@@ -105,6 +115,7 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
         "saved": _SAVED_SHARE * tokens_per_device * saved_per_token * act,
         "working": working,
         "recompute": recompute,
+        "routed": routed,
         "kept": kept_share * act * _layer_weights(shape) + step_copies,
         "accumulate": 0.0 if grad_accum < 2 else (
             _HOST_SUM_BUFFERS * p * 4 / host_sums if host_sums
@@ -118,23 +129,41 @@ def memory_bytes(*args, **kwargs) -> float:
 
 
 def _working_bytes(shape: ModelShape, tokens_per_device: float, q_heads: int, kv_heads: int,
-                   act_bytes: int, tile_tokens: int | None) -> float:
+                   act_bytes: int, tile_tokens: int | None, expert_split: int = 1) -> float:
     """memory_terms' working: one layer being recomputed and differentiated (its gathered
     weights, twice, and ~ (hidden x 6 + intermediate x 4) values per token), with what the loss
     holds; with tile_tokens the intermediate's share is one chunk's and the per-token share the
     attention's whole-shard tensors (_TILED_WORKING_HIDDENS, _TILED_WORKING_EXCHANGED). Of a
     hybrid's two kinds of layer, the larger is the one being recomputed at the peak."""
-    layer_params = max(shape.layer_params, shape.linear_layer_params if shape.linear_layers else 0)
+    layer_params = max(_used_layer_params(shape, expert_split),
+                       shape.linear_layer_params if shape.linear_layers else 0)
+    inter = _dense_intermediate(shape)
     if tile_tokens is None:
-        layer_per_token = 6 * shape.hidden_size + 4 * shape.intermediate_size
+        layer_per_token = 6 * shape.hidden_size + 4 * inter
         return _WORKING_FACTOR * act_bytes * (
             2 * layer_params + tokens_per_device * layer_per_token)
     exchanged = (2 * q_heads + 2 * kv_heads) * shape.head_dim
     chunk = min(tile_tokens, tokens_per_device)
     return act_bytes * (
-        _WORKING_FACTOR * (2 * layer_params + chunk * 4 * shape.intermediate_size)
+        _WORKING_FACTOR * (2 * layer_params + chunk * 4 * inter)
         + tokens_per_device * (_TILED_WORKING_HIDDENS * shape.hidden_size
                                + _TILED_WORKING_EXCHANGED * exchanged))
+
+
+def _dense_intermediate(shape: ModelShape) -> int:
+    """The dense MLPs' width where a layer has one (a model whose every MLP is sparse: 0; its
+    experts' rows are memory_terms' routed)."""
+    return shape.intermediate_size if shape.sparse_layers < shape.num_layers else 0
+
+
+def _used_layer_params(shape: ModelShape, expert_split: int) -> float:
+    """The largest attention layer's parameters as one device uses them: a sparse layer's
+    experts split over expert_split devices."""
+    if not shape.sparse_layers:
+        return shape.layer_params
+    dense_mlp = 3 * shape.hidden_size * shape.intermediate_size
+    sparse = shape.layer_params - dense_mlp + shape.sparse_mlp_params / expert_split
+    return max(sparse, shape.layer_params if shape.sparse_layers < shape.num_layers else 0)
 
 
 def _ring_bytes(shape: ModelShape, tokens_per_device: float, q_heads: int, ring: int,

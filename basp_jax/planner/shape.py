@@ -31,6 +31,12 @@ class ModelShape:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
+    # Mixtures of experts (Qwen3-MoE): how many layers' MLPs are sparse, and their experts'
+    # shapes (models.moe); the other layers' MLPs are dense ones of intermediate_size
+    sparse_layers: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
     @property
     def attention_layers(self) -> int:
@@ -54,6 +60,33 @@ class ModelShape:
     def _mlp_and_norm_params(self) -> int:
         return 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
 
+    def expert_split(self, sp: int) -> int:
+        """Over how many devices a seq group of sp splits the experts (model.expert_parallel=auto,
+        models.options.RunOptions.experts_split): sp where it has several devices and divides
+        them, else 1 (whole experts on every device)."""
+        if self.sparse_layers and sp > 1 and self.num_experts % sp == 0:
+            return sp
+        return 1
+
+    @property
+    def sparse_mlp_params(self) -> int:
+        """A sparse layer's MLP: every expert's SwiGLU and the router."""
+        d = self.hidden_size
+        return self.num_experts * (3 * d * self.moe_intermediate_size + d)
+
+    @property
+    def _sparse_extra_params(self) -> int:
+        """What the sparse layers add to a dense model's count: their experts and routers, less
+        their dense MLPs."""
+        return self.sparse_layers * (self.sparse_mlp_params
+                                     - 3 * self.hidden_size * self.intermediate_size)
+
+    @property
+    def inactive_expert_params(self) -> int:
+        """The experts' parameters a token does not run through: all but its top-k, per layer."""
+        d, f = self.hidden_size, self.moe_intermediate_size
+        return self.sparse_layers * (self.num_experts - self.num_experts_per_tok) * 3 * d * f
+
     @property
     def linear_layer_params(self) -> int:
         """A Gated DeltaNet layer's parameters: the q/k/v, z, beta and decay projections, the
@@ -76,12 +109,13 @@ class ModelShape:
         layers = self.attention_layers * self.layer_params
         if self.linear_layers:
             layers += self.linear_layers * self.linear_layer_params
-        return layers + self.embedding_params + self.hidden_size
+        return layers + self._sparse_extra_params + self.embedding_params + self.hidden_size
 
     def dense_flops_per_token(self) -> float:
-        """6 N, forward and backward: N counts every parameter except the input embedding table
-        when it is not tied to the output projection (a lookup costs no FLOPs)."""
-        n = self.num_params
+        """6 N, forward and backward: N counts every parameter a token runs through, so not the
+        input embedding table when it is not tied to the output projection (a lookup costs no
+        FLOPs), nor the experts beyond a token's top-k."""
+        n = self.num_params - self.inactive_expert_params
         if not self.tie_word_embeddings:
             n -= self.vocab_size * self.hidden_size
         return 6.0 * n
@@ -112,7 +146,9 @@ class ModelShape:
         key_dim = self.linear_num_key_heads * self.linear_key_head_dim
         value_dim = self.linear_num_value_heads * self.linear_value_head_dim
         linear = d * (2 * key_dim + value_dim) + 2 * d * value_dim + mlp
-        return self.attention_layers * attention + self.linear_layers * linear
+        # a sparse layer's experts stay in the compute dtype (models.moe)
+        return (self.attention_layers * attention + self.linear_layers * linear
+                - self.sparse_layers * mlp)
 
     def fp8_flops_per_token(self) -> float:
         """Of train_flops_per_token, those model.fp8 runs as FP8 matmuls: 6 x fp8_params."""

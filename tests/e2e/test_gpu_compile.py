@@ -719,6 +719,8 @@ def test_the_moe_step_fits_with_experts_and_all_to_alls_inside_the_hosts(moe_30b
         "targets": ["grouped_matmul", "grouped_matmul_rhs_grad"]}}, r["expert_kernels"]
     assert set(r["attention_kernels"]["triton"]["targets"]) == {
         "flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"}
+    # the planner's MoE terms (the routed rows, the experts split over the group)
+    assert abs(r["formula_memory_bytes"] / r["peak_bytes_per_device"] - 1) <= 0.15
     assert (r["layout"]["groups"], r["layout"]["sp"], r["hosts"]) == (2, 8, 2)
     rows = r["collectives"]
     assert sum(c["count"] for c in rows if c["kind"] == "all-to-all") > 0
