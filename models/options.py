@@ -66,8 +66,9 @@ class RunOptions:
         Gated DeltaNet layer's exchanges.
     expert_parallel: where a sparse layer's experts run (models.moe): "seq", split over the
         devices of each seq group (the group's tokens gathered and the outputs scattered back
-        inside the group); "none", whole copies on every device; "auto", "seq" where the seq
-        group has several devices and the experts divide over them, else "none".
+        inside the group); "none", whole copies on every device; "auto", "seq" on a mesh of
+        several devices (refused in one line where its seq groups cannot split them), whole
+        on one device.
     grouped_matmul: how a sparse layer's experts multiply their tokens (basp_jax.grouped_matmul):
         "pallas" (our grouped-matmul kernels; interpreted off a GPU), "xla" (jax.lax.ragged_dot,
         a dense loop over the experts on a GPU), "auto" (pallas on a GPU, else xla).
@@ -162,22 +163,20 @@ class RunOptions:
         return REMAT_POLICIES.get(self.remat).policy
 
     def experts_split(self, config: ModelConfig) -> bool:
-        """Whether a sparse layer's experts are split over the seq axis (expert_parallel); a
-        one-line ModelError where "seq" cannot be."""
-        sp = 1 if self.mesh is None else self.mesh.shape[SEQ]
-        divides = config.num_experts % sp == 0
-        if self.expert_parallel != "seq":
-            return self.expert_parallel == "auto" and sp > 1 and divides
-        if sp == 1:
-            raise ModelError("expert_parallel=seq splits the experts over a seq group, and this "
-                             "layout's groups have one device each; use a layout with sp > 1 "
-                             "or expert_parallel=none (whole experts on every device)")
-        if not divides:
-            raise ModelError(f"expert_parallel=seq splits num_experts={config.num_experts} "
-                             f"over the seq group's {sp} devices, which does not divide them; "
-                             f"use a layout whose sp divides {config.num_experts} or "
-                             "expert_parallel=none")
-        return True
+        """Whether a sparse layer's experts are split over the seq axis (expert_parallel). On a
+        mesh of several devices where they cannot be (seq groups of one device, or experts the
+        group does not divide), "auto" and "seq" are a one-line ModelError rather than every
+        expert whole on every device unasked: expert_parallel=none asks for that."""
+        if self.expert_parallel == "none" or self.mesh is None or self.mesh.devices.size == 1:
+            return False
+        sp, experts = self.mesh.shape[SEQ], config.num_experts
+        if sp > 1 and experts % sp == 0:
+            return True
+        why = ("this layout's seq groups have one device each" if sp == 1 else
+               f"the seq group's {sp} devices do not divide num_experts={experts}")
+        raise ModelError(f"expert_parallel={self.expert_parallel} splits the experts over each "
+                         f"seq group, and {why}; use a layout whose sp (> 1) divides {experts}, "
+                         "or expert_parallel=none (every expert whole on every device)")
 
     def layout_for(self, config: ModelConfig, batch: int, seq_len: int) -> Layout | None:
         """The Layout that runs [batch, seq_len] tokens of `config` on the mesh (None without

@@ -310,14 +310,19 @@ def test_bad_moe_configs_are_one_line(checkpoints):
     import basp_jax
 
     config = models.ModelConfig.from_hf(good)
-    # experts split over a seq group of one device, or over 4 devices that 6 experts do not fill
-    for batch, experts, fix in ((8, 8, "sp > 1"), (2, 6, "sp divides 6")):
+    # experts split over a seq group of one device, or over 4 devices that 6 experts do not
+    # fill: refused, asked for or by default, never whole on every device unasked
+    for batch, experts, why in ((8, 8, "one device each"), (2, 6, "do not divide")):
         layout = basp_jax.Layout.plan(8, batch, SEQ, 8, 2, groups=batch)
-        options = models.RunOptions(mesh=basp_jax.make_mesh(layout), layout=layout,
-                                    expert_parallel="seq")
-        _one_line_error(lambda: models.abstract_model(
-            dataclasses.replace(config, num_experts=experts), options=options),
-            "expert_parallel=seq", fix)
+        for mode in ("seq", "auto"):
+            options = models.RunOptions(mesh=basp_jax.make_mesh(layout), layout=layout,
+                                        expert_parallel=mode)
+            _one_line_error(lambda: models.abstract_model(
+                dataclasses.replace(config, num_experts=experts), options=options),
+                f"expert_parallel={mode}", why, "expert_parallel=none")
+        whole = models.abstract_model(dataclasses.replace(config, num_experts=experts),
+                                      options=dataclasses.replace(options, expert_parallel="none"))
+        assert all(not layer.mlp.split_experts for layer in whole.layers if layer.sparse)
     _one_line_error(lambda: models.RunOptions(expert_parallel="all"), "expert_parallel", "seq")
     tiny = models.ModelConfig.preset("tiny")
     _one_line_error(lambda: models.ModelConfig(**{**tiny.__dict__, "num_experts": 4}),
