@@ -15,6 +15,8 @@ case):
   and packed, with JAX's own Pallas flash attention beside ours (64K tokens near the end);
 - gemm: the 1B's and the 8B's projections and LM head at 16K tokens, forward and both backward
   GEMMs, achieved TFLOP/s per shape;
+- experts: a mixture of experts' grouped matmuls, our Pallas kernels and XLA's ragged_dot, at
+  Qwen3-30B-A3B's shapes on one GPU of a BASP group of 8, checked and timed;
 - train_8b: 2 layers of Llama-3.1-8B's shape at 16K tokens, timed and profiled;
 - train_fp8: the 1B steps with FP8 projections on sm89+ and the FP8 GEMMs in their program;
 - calibration: benchmarks/calibrate.py's fit of the results above, a candidate for the planner.

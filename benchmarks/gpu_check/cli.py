@@ -14,7 +14,7 @@ from .common import Budget, Shapes, environment, section
 
 # About how long each part takes on one H100, from BENCHMARKS.md section 12's H200 run (189 s
 # in all: the 1B compile 11 s, the FP8 one 91 s, a kernel check ~3 s with its reference): what
-# the budget holds back before starting one. Cases: per case. In all about 400 s.
+# the budget holds back before starting one. Cases: per case. In all about 415 s.
 ESTIMATE_S = {
     "train": 25,          # compile 11 s, 6 + 2 profiled steps of ~0.75 s, the trace's parse
     "checkpoint": 25,     # ~15 GB of state: the save's copy (8 s there), 3 steps, the write
@@ -22,6 +22,7 @@ ESTIMATE_S = {
     "ring case": 4,       # the hop kernels of 2 ranks, forward and backward
     "short timing case": 3,
     "gemm case": 1,
+    "expert case": 4,     # a grouped matmul's compile, its check and timing, fwd and fwd+bwd
     "train_8b": 35,       # 2 layers of the 8B (1.49B parameters with the embeddings)
     "train_fp8": 105,     # its compile took 91 s on the H200
     "long timing case": 5,
@@ -61,7 +62,7 @@ def run_sections(report: dict, shapes: Shapes, args, on_gpu: bool, budget: Budge
     """Most valuable first: a run cut short keeps those."""
     from . import attention_check as ac
     from . import attention_time as at
-    from . import candidate, gemm, steps
+    from . import candidate, experts, gemm, steps
 
     est, runs = ESTIMATE_S, []
     # the 1B steps first: device.memory_stats()'s peak then is theirs, not a later section's
@@ -88,6 +89,9 @@ def run_sections(report: dict, shapes: Shapes, args, on_gpu: bool, budget: Budge
                             gemm.gemm_cases(shapes)),
            lambda k, n, which: gemm.time_gemm(k, n, which, shapes, peak), budget,
            est["gemm case"], save)
+    _cases(report, "experts", experts.expert_cases(shapes),
+           lambda impl, k, n: experts.check_and_time(impl, k, n, shapes, on_gpu, args.repeats),
+           budget, est["expert case"], save)
     report["train_8b"] = section(
         f"train steps: {shapes.big_preset}'s first 2 layers at {shapes.step_seq} tokens",
         functools.partial(steps.train_steps, preset=shapes.big_preset, layers=2),

@@ -16,6 +16,7 @@ import pytest
 from basp_jax.planner import calibration
 from benchmarks import calibrate
 from benchmarks.gpu_check import attention_check, attention_time, gemm, profiling
+from benchmarks.gpu_check import experts as gm_experts
 from benchmarks.gpu_check.common import Shapes
 from tests.helpers.flags import ONE_PASS, TEST_XLA_FLAGS
 
@@ -81,6 +82,11 @@ def _check_timing(r):
     assert list(rows) == [c[0] for c in gemm.gemm_cases(SMOKE)] and len(rows) == 18
     assert all(row["status"] == "ok" and row["tflops"] > 0 and row["m"] == 256
                for row in rows.values())
+    experts = r["experts"]  # the grouped matmuls: ours (interpreted) and ragged_dot
+    assert list(experts) == [c[0] for c in gm_experts.expert_cases(SMOKE)] and len(experts) == 4
+    for row in experts.values():
+        assert row["status"] == "ok" and max(row["errors"].values()) < 1e-4, row
+        assert row["fwd"]["tflops"] > 0 and row["fwd_bwd"]["median_s"] > 0
 
 
 def _check_profile(profile):
@@ -135,9 +141,9 @@ def test_the_script_runs_every_section_and_names_what_it_skipped(tmp_path):
 @ONE_PASS
 def test_a_run_stopped_at_its_time_limit_keeps_the_sections_that_finished(tmp_path):
     out = tmp_path / "check.json"
-    proc = _smoke(out, timeout=300, GPU_CHECK_TIMEOUT_S="25")
+    proc = _smoke(out, timeout=300, GPU_CHECK_TIMEOUT_S="15")
     assert proc.returncode == 124, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "stopped at the 25 s limit" in proc.stderr
+    assert "stopped at the 15 s limit" in proc.stderr
     r = json.loads(out.read_text())  # whole: replaced after each case, never written over
     assert r["environment"]["platform"] == "cpu" and "failed" not in r
     finished = [k for k in proc.stdout.splitlines() if not k.startswith(" ")]
@@ -154,7 +160,8 @@ def test_sections_past_the_budget_are_skipped_saying_so(tmp_path):
     assert proc.returncode == 0, proc.stderr
     r = json.loads(out.read_text())
     rows = [r[k] for k in ("train", "checkpoint", "train_8b", "train_fp8", "calibration")]
-    rows += [row for k in ("kernels", "ring", "timing", "gemm") for row in r[k].values()]
+    rows += [row for k in ("kernels", "ring", "timing", "gemm", "experts")
+             for row in r[k].values()]
     assert all(row["status"] == "skipped" and row["reason"].startswith("out of time: 0 s of the "
                                                                         "check's 0 s left")
                for row in rows), rows
