@@ -87,6 +87,10 @@ class ModelConfig:
     decoder_sparse_step: int = 1  # layer i's MLP is sparse when (i + 1) % this == 0 (1: all)
     mlp_only_layers: tuple[int, ...] = ()  # layers whose MLP stays dense whatever the step says
     router_aux_loss_coef: float = 0.001  # the load-balancing loss's weight in the training loss
+    # the routers' z-loss weight (ST-MoE: the mean squared log-sum-exp of each token's router
+    # logits; keeps the logits small). Not a Hugging Face field: set it with
+    # model.shape.router_z_loss_coef; 0 leaves it out of the program
+    router_z_loss_coef: float = 0.0
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:

@@ -47,11 +47,12 @@ from .layers import Linear, constrain, param
 class RouterStats(NamedTuple):
     """Sums over tokens (and layers) of per-token terms, so sums over sharded tokens add up:
     counts [experts] (top-k assignments), probs [experts] (router probabilities), tokens (how
-    many token-layer rows were routed). float32."""
+    many token-layer rows were routed), z (squared log-sum-exps of the router logits). float32."""
 
     counts: jax.Array
     probs: jax.Array
     tokens: jax.Array
+    z: jax.Array
 
     def __add__(self, other: "RouterStats") -> "RouterStats":
         return RouterStats(*(a + b for a, b in zip(self, other)))
@@ -59,6 +60,11 @@ class RouterStats(NamedTuple):
     def total(self) -> "RouterStats":
         """A stack of per-layer stats ([layers, ...] leaves) summed over the layers."""
         return RouterStats(*(x.sum(axis=0) for x in self))
+
+
+def router_z_loss(stats: RouterStats) -> jax.Array:
+    """ST-MoE's router z-loss: the mean over token-layer rows of logsumexp(router logits)^2."""
+    return stats.z / jnp.maximum(stats.tokens, 1.0)
 
 
 def load_balancing_loss(stats: RouterStats) -> jax.Array:
@@ -124,8 +130,9 @@ class SparseMoE(nnx.Module):
             weights = weights / weights.sum(axis=-1, keepdims=True)
         n = probs.shape[-1]
         counts = jax.nn.one_hot(experts, n, dtype=jnp.float32).sum(axis=-2)
+        z = jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
         stats = RouterStats(counts.reshape(-1, n).sum(0), probs.reshape(-1, n).sum(0),
-                            jnp.float32(probs.size // n))
+                            jnp.float32(probs.size // n), z)
         return weights.astype(self.dtype), experts, stats
 
     def __call__(self, x):

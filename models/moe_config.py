@@ -32,6 +32,9 @@ def check(config) -> None:
     object.__setattr__(config, "mlp_only_layers", tuple(layers))
     experts = config.num_experts
     if config.model_type not in MOE_TYPES:
+        if config.router_z_loss_coef:
+            raise ModelError(f"router_z_loss_coef={config.router_z_loss_coef!r} weighs a sparse "
+                             f"model's routers, and {config.model_type} has none; leave it 0")
         if experts != 0:
             raise ModelError(f"num_experts={experts!r}: sparse layers are a "
                              f"{' or '.join(MOE_TYPES)} model's, not {config.model_type}'s")
@@ -51,10 +54,11 @@ def check(config) -> None:
                          f"0..{config.num_layers - 1}")
     if not isinstance(config.norm_topk_prob, bool):
         raise ModelError(f"norm_topk_prob must be true or false, got {config.norm_topk_prob!r}")
-    coef = config.router_aux_loss_coef
-    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) \
-            or coef < 0:
-        raise ModelError(f"router_aux_loss_coef must be a number >= 0, got {coef!r}")
+    for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+        coef = getattr(config, name)
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) \
+                or not math.isfinite(coef) or coef < 0:
+            raise ModelError(f"{name} must be a number >= 0, got {coef!r}")
 
 
 def fields(data: dict, source: str) -> dict[str, Any]:

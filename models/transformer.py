@@ -35,7 +35,7 @@ from .config import LINEAR_ATTENTION, ModelConfig, ModelError
 from .layers import MLP, Attention, Embed, Linear, axis_names, constrain, param_names, rms_norm
 from .linear_attention import GatedDeltaNet
 from .loss import causal_lm_loss
-from .moe import RouterStats, SparseMoE, load_balancing_loss
+from .moe import RouterStats, SparseMoE, load_balancing_loss, router_z_loss
 from .options import RunOptions
 
 
@@ -330,6 +330,18 @@ class Transformer(nnx.Module):
         hidden, stats = self.hidden_and_router_stats(tokens, segment_ids, positions, _table=table)
         loss = self._loss_of_hidden(hidden, targets, weight, loss_fn, chunk_tokens)
         return (*loss, _aux_loss(stats))
+
+    def loss_and_router_losses(self, tokens, targets, segment_ids=None, positions=None, *,
+                               loss_fn=causal_lm_loss, chunk_tokens: int = LOSS_CHUNK_TOKENS):
+        """(loss sum, count, the load-balancing loss, the routers' z-loss
+        (models.moe.router_z_loss)): loss_and_aux's, and the z-loss beside it (0.0 without
+        sparse layers); the trainer weighs them by router_aux_loss_coef and
+        router_z_loss_coef."""
+        weight, table = self._head_weight()
+        hidden, stats = self.hidden_and_router_stats(tokens, segment_ids, positions, _table=table)
+        loss = self._loss_of_hidden(hidden, targets, weight, loss_fn, chunk_tokens)
+        z = jnp.zeros((), jnp.float32) if stats is None else router_z_loss(stats)
+        return (*loss, _aux_loss(stats), z)
 
     def forward_with_aux(self, tokens, segment_ids=None, positions=None):
         """(logits as __call__ gives them, the load-balancing loss as loss_and_aux's), traced

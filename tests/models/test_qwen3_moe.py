@@ -327,6 +327,10 @@ def test_bad_moe_configs_are_one_line(checkpoints):
     tiny = models.ModelConfig.preset("tiny")
     _one_line_error(lambda: models.ModelConfig(**{**tiny.__dict__, "num_experts": 4}),
                     "num_experts", "llama")
+    _one_line_error(lambda: models.ModelConfig(**{**tiny.__dict__, "router_z_loss_coef": 0.1}),
+                    "router_z_loss_coef", "leave it 0")
+    _one_line_error(lambda: dataclasses.replace(config, router_z_loss_coef=-1.0),
+                    "router_z_loss_coef must be a number >= 0")
 
 
 def test_presets():
@@ -347,3 +351,52 @@ def test_presets():
     assert sum(p.numel() for p in hf_model.parameters()) == big.num_params()
     tiny = models.ModelConfig.preset("tiny-qwen3-moe")
     assert tiny.layers_alike and tiny.sparse_layers == tiny.num_layers
+
+
+def test_router_z_loss_and_its_gradients_on_basp_equal_one_device(checkpoints, tokens):
+    """router_z_loss_coef: the mean over token-layer rows of logsumexp(router logits)^2 (from
+    transformers' router logits), added to the objective; its gradients on BASP (2, 4), experts
+    split over each group, equal one device's."""
+    import torch
+
+    import basp_jax
+    from train.program.objective import objective
+
+    directory, torch_model, _ = checkpoints[False]
+    with torch.no_grad():
+        out = torch_model(input_ids=torch.from_numpy(tokens).long(), output_router_logits=True)
+    want_z = float((torch.logsumexp(torch.cat(out.router_logits), -1) ** 2).mean())
+    targets = np.roll(tokens, -1, axis=-1)
+    targets[:, -1] = -100
+
+    @nnx.jit
+    def run(model):
+        def total(model):
+            value, terms = objective(model, jnp.asarray(tokens), jnp.asarray(targets), None,
+                                     models.causal_lm_loss)
+            return value, terms
+        (value, (loss, count, weighted)), grads = nnx.value_and_grad(total, has_aux=True)(model)
+        z = model.loss_and_router_losses(jnp.asarray(tokens), jnp.asarray(targets))[3]
+        # the objective holds the z-loss: what is left beside the loss and the balancing term
+        z_term = (value - loss - model.config.router_aux_loss_coef * weighted) / count
+        return value, z, z_term, grads
+
+    layout = basp_jax.Layout.plan(8, BATCH, SEQ, 8, 2, groups=2)
+    results = []
+    for mesh in (None, basp_jax.make_mesh(layout)):
+        model = models.from_pretrained(directory, **({} if mesh is None else
+                                                     dict(mesh=mesh, layout=layout)))
+        model.config = dataclasses.replace(model.config, router_z_loss_coef=0.5)
+        value, z, z_term, grads = run(model)
+        np.testing.assert_allclose(float(z_term), 0.5 * float(z), rtol=1e-4)
+        results.append((float(value), float(z), traverse_util.flatten_dict(
+            nnx.to_pure_dict(nnx.state(grads, nnx.Param)))))
+    (v1, z1, g1), (v8, z8, g8) = results
+    np.testing.assert_allclose(z1, want_z, rtol=1e-5)
+    np.testing.assert_allclose(z8, z1, rtol=1e-5)
+    np.testing.assert_allclose(v8, v1, rtol=1e-5)
+    router = ("layers", "mlp", "gate", "kernel")
+    assert np.abs(g1[router]).max() > 0
+    for name, grad in g1.items():
+        scale = max(np.abs(grad).max(), 1e-3)
+        assert np.abs(g8[name] - grad).max() / scale < 2e-5, name
