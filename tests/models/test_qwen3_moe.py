@@ -252,6 +252,34 @@ def test_tiny_moe_config_trains(tmp_path):
     assert all(1.5 < row["aux_loss"] < 4 for row in rows), rows
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("compile_cache")
+def test_a_stopped_moe_run_resumes_to_the_losses_of_an_uninterrupted_one(tmp_path):
+    """configs/qwen3_moe_tiny_cpu.yaml (BASP, experts split over each group) stopped after step
+    2 of 4 with a checkpoint and resumed: the losses and the routers' aux losses of the steps
+    are those of a run that was never stopped."""
+    from train.config.schema import load_config
+    from train.loop import run
+    from tests.helpers.trainer import ROOT
+
+    def config(run_dir):
+        return load_config(str(ROOT / "configs/qwen3_moe_tiny_cpu.yaml"),
+                           [f"run.dir={run_dir}", "train.steps=4", "optimizer.warmup_steps=1",
+                            "checkpoint.every=0", "metrics.progress=false"])
+
+    first = run(config(tmp_path / "cut"), stop_at=2)
+    second = run(config(tmp_path / "cut"))
+    straight = run(config(tmp_path / "straight"))
+    assert second["start_step"] == 2 and len(straight["losses"]) == 4
+    assert first["losses"] + second["losses"] == straight["losses"]
+
+    def aux(run_dir):
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {row["step"]: row["aux_loss"] for row in rows if "aux_loss" in row}
+
+    assert aux(tmp_path / "cut") == aux(tmp_path / "straight") and len(aux(tmp_path / "cut")) == 4
+
+
 def test_streaming_the_layers_is_refused_in_one_line(tmp_path):
     """optimizer.offload=true's streamed step has no load-balancing loss: refused at planning."""
     from train.config.schema import ConfigError, load_config
