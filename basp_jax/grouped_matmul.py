@@ -32,6 +32,10 @@ from jax.experimental import pallas as pl
 from .flash import block_scalar, triton_dot
 
 _MIN_TILE = 16  # Triton's dot needs every side >= 16
+# The named scope around a mixture of experts' token exchanges and grouped matmuls (models.moe):
+# what a compiled instruction's op_name holds when the experts' layer made it
+# (basp_jax.compiled.comm.Collective.op_name; train.tools.aot lists those collectives apart).
+EXPERTS_SCOPE = "basp_experts"
 
 
 class Tiles(NamedTuple):

@@ -41,6 +41,7 @@ class Collective:
     bytes: int  # the full (unsharded-within-group) buffer each device handles, see below
     groups: tuple[tuple[int, ...], ...]  # logical device ids, one tuple per group
     executions: int = 1  # times it runs per program execution (inside loops: the trip count)
+    op_name: str = ""  # the instruction's op_name metadata: the scopes of the code that made it
 
     @property
     def group_size(self) -> int:
@@ -212,8 +213,9 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Col
         for dtype, b in sizes:
             by_dtype[dtype] += b
         dtype = max(by_dtype, key=lambda d: (by_dtype[d], d == sizes[0][0]))
+        op_name = re.search(r'op_name="([^"]*)"', inst.line)
         found.append(Collective(kind, dtype, total, tuple(tuple(g) for g in groups),
-                                inst.executions))
+                                inst.executions, op_name.group(1) if op_name else ""))
     return found
 
 

@@ -719,6 +719,13 @@ def test_the_moe_step_fits_with_experts_and_all_to_alls_inside_the_hosts(moe_30b
         "targets": ["grouped_matmul", "grouped_matmul_rhs_grad"]}}, r["expert_kernels"]
     assert set(r["attention_kernels"]["triton"]["targets"]) == {
         "flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"}
+    # the experts' token exchanges, listed apart: inside the host, 3 all-gathers (forward,
+    # recomputed, backward) and 2 reduce-scatters per layer, as the planner prices them
+    experts = {c["kind"]: c for c in r["expert_collectives"]}
+    assert set(experts) == {"all-gather", "reduce-scatter"}, r["expert_collectives"]
+    assert (experts["all-gather"]["per_layer"], experts["reduce-scatter"]["per_layer"]) == (3, 2)
+    assert all(c["group_size"] == 8 and c["inter_host_wire_bytes"] == 0
+               for c in experts.values())
     # the planner's MoE terms (the routed rows, the experts split over the group)
     assert abs(r["formula_memory_bytes"] / r["peak_bytes_per_device"] - 1) <= 0.15
     assert (r["layout"]["groups"], r["layout"]["sp"], r["hosts"]) == (2, 8, 2)

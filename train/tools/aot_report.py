@@ -106,6 +106,13 @@ def _collectives(r: dict) -> list[str]:
             f"  {c['kind']:<20}{c['dtype']:<7}{c['group_size']:>6}{c['count']:>7}"
             f"{c['per_layer']:>8.2f}{c['bytes'] / 2**20:>11.1f}{c['wire_bytes'] / 2**20:>11.1f}"
             f"{c['inter_host_wire_bytes'] / 2**20:>16.1f}")
+    if r.get("expert_collectives"):
+        lines.append("  of which the experts' token exchanges (models.moe):")
+        for c in r["expert_collectives"]:
+            lines.append(
+                f"  {c['kind']:<20}{c['dtype']:<7}{c['group_size']:>6}{c['count']:>7}"
+                f"{c['per_layer']:>8.2f}{c['bytes'] / 2**20:>11.1f}"
+                f"{c['wire_bytes'] / 2**20:>11.1f}{c['inter_host_wire_bytes'] / 2**20:>16.1f}")
     if r.get("collectives_in_unknown_loops"):
         lines.append(f"  note: {r['collectives_in_unknown_loops']} of these sit in a loop whose "
                      f"trip count XLA did not record, counted once: the step runs them more often")

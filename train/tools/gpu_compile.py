@@ -18,6 +18,7 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False,
     import jax
 
     from basp_jax.compiled import comm, hlo
+    from basp_jax.grouped_matmul import EXPERTS_SCOPE
 
     from ..program.model_setup import fp8_enabled
     from ..program.planning import (hardware, host_memory_estimate, memory_estimate,
@@ -72,6 +73,10 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False,
         # async collectives with compute between start and done: the latency-hiding scheduler's work
         "overlapped_collectives": hlo.overlapped_collectives(text),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        # of those, a mixture of experts' token exchanges (models.moe's scope)
+        "expert_collectives": collective_rows(
+            [c for c in collectives if EXPERTS_SCOPE in c.op_name], layout.devices_per_host,
+            mcfg.num_layers, cfg.train.grad_accum),
         "collectives": collective_rows(collectives, layout.devices_per_host, mcfg.num_layers,
                                        cfg.train.grad_accum),
         # collectives in a loop whose trip count XLA left unrecorded, counted once above (e.g. a
