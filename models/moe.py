@@ -33,15 +33,20 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from basp_jax import grouped_matmul as gmm
-from basp_jax.mesh import SEQ
+from basp_jax.mesh import GROUP, SEQ
 from basp_jax.sharding import rows_spec
 
 from .config import ModelConfig
 from .layers import Linear, constrain, param
+
+
+# the axes of expert_mesh: sets of consecutive groups, and the groups of one set (a host's)
+GROUP_SETS, GROUPS_LOCAL = "group_sets", "groups_local"
 
 
 class RouterStats(NamedTuple):
@@ -104,7 +109,7 @@ class SparseMoE(nnx.Module):
     `moe(x)` -> (y [B, S, hidden], RouterStats of x's tokens)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype, mesh=None,
-                 split_experts: bool = False, grouped_matmul: str = "auto"):
+                 split_experts: int = 1, grouped_matmul: str = "auto"):
         self.gate = Linear(config.hidden_size, config.num_experts, ("mlp_up_embed", "router"),
                            use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
                            init_std=config.initializer_range)
@@ -113,7 +118,9 @@ class SparseMoE(nnx.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.dtype = dtype
         self.mesh = mesh
-        self.split_experts = split_experts  # over the seq axis (models.options.experts_split)
+        # over how many devices the experts split (models.options.RunOptions.experts_split): 1
+        # (whole), a seq group's, or a host's where seq groups are smaller than a host
+        self.split_experts = split_experts
         device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
         # the experts' grouped matmuls (basp_jax.grouped_matmul: XLA's ragged_dot or ours)
         self.grouped_matmul = gmm.resolve_impl(grouped_matmul, device.platform)
@@ -143,11 +150,11 @@ class SparseMoE(nnx.Module):
         if self.mesh is None:
             return _dispatch(x.astype(self.dtype), weights, experts, kernels, matmul), stats
         rows = rows_spec()  # each device's own tokens
-        if self.split_experts:  # experts/sp of them on each device of a seq group
-            local = jax.shard_map(functools.partial(_dispatch_in_group, matmul=matmul),
-                                  mesh=self.mesh,
-                                  in_specs=(rows, rows, rows, P(SEQ)), out_specs=rows,
-                                  check_vma=False)
+        if self.split_experts > 1:  # experts / split of them on each device of the split
+            mesh, rows, axes = expert_mesh(self.mesh, self.split_experts)
+            local = jax.shard_map(functools.partial(_dispatch_in_group, matmul=matmul, axes=axes),
+                                  mesh=mesh, in_specs=(rows, rows, rows, P(axes)),
+                                  out_specs=rows, check_vma=False)
         else:  # whole copies of the expert weights
             local = jax.shard_map(functools.partial(_dispatch, matmul=matmul), mesh=self.mesh,
                                   in_specs=(rows, rows, rows, P()),
@@ -175,17 +182,35 @@ def _dispatch(x, weights, experts, kernels, matmul=jax.lax.ragged_dot):
     return out.sum(axis=1).reshape(shape)
 
 
-def _dispatch_in_group(x, weights, experts, kernels, matmul=jax.lax.ragged_dot):
-    """_dispatch inside a shard_map whose kernels hold this device's experts/sp of the experts
-    (a slice of the expert axis over SEQ): the seq group's tokens gathered, every pair routed to
-    one of this device's experts run, the weighted outputs summed over the group and each
-    device's own tokens' sums scattered back to it."""
+@functools.cache
+def expert_mesh(mesh: Mesh, split: int):
+    """(the mesh the experts' shard_map runs on, the [B, S, ...] rows' PartitionSpec there, the
+    mesh axes the experts split over) for experts split over `split` devices: the seq axis of
+    `mesh` where split is its size; else the same devices as (group sets, GROUPS_LOCAL, seq),
+    the split over the split / sp consecutive groups of a set and their seq devices (a host's
+    devices: basp_jax.mesh orders the groups host-major). XLA sees the same device assignment
+    for both meshes, so the rows do not move."""
+    groups, sp = mesh.shape[GROUP], mesh.shape[SEQ]
+    if split == sp:
+        return mesh, rows_spec(), SEQ
+    local = split // sp
+    grid = np.asarray(mesh.devices).reshape(groups // local, local, sp)
+    auto = (jax.sharding.AxisType.Auto,) * 3
+    split_mesh = Mesh(grid, (GROUP_SETS, GROUPS_LOCAL, SEQ), axis_types=auto)
+    return split_mesh, P((GROUP_SETS, GROUPS_LOCAL), SEQ), (GROUPS_LOCAL, SEQ)
+
+
+def _dispatch_in_group(x, weights, experts, kernels, matmul=jax.lax.ragged_dot, axes=SEQ):
+    """_dispatch inside a shard_map whose kernels hold this device's slice of the expert axis
+    split over `axes`: the tokens of the devices along `axes` (the seq group, or a host's
+    devices) gathered, every pair routed to one of this device's experts run, the weighted
+    outputs summed over those devices and each device's own tokens' sums scattered back."""
     gate, up, down = kernels
     shape, k, mine_count = x.shape, experts.shape[-1], gate.shape[0]
-    x = jax.lax.all_gather(x.reshape(-1, shape[-1]), SEQ, tiled=True)  # [sp * tokens, hidden]
-    experts = jax.lax.all_gather(experts.reshape(-1, k), SEQ, tiled=True).reshape(-1)
-    weights = jax.lax.all_gather(weights.reshape(-1, k), SEQ, tiled=True)
-    local = experts - jax.lax.axis_index(SEQ) * mine_count
+    x = jax.lax.all_gather(x.reshape(-1, shape[-1]), axes, tiled=True)  # [sp * tokens, hidden]
+    experts = jax.lax.all_gather(experts.reshape(-1, k), axes, tiled=True).reshape(-1)
+    weights = jax.lax.all_gather(weights.reshape(-1, k), axes, tiled=True)
+    local = experts - jax.lax.axis_index(axes) * mine_count
     mine = (local >= 0) & (local < mine_count)
     key = jnp.where(mine, local, mine_count)  # other devices' pairs sort last, in no group
     order = jnp.argsort(key, stable=True)
@@ -195,4 +220,4 @@ def _dispatch_in_group(x, weights, experts, kernels, matmul=jax.lax.ragged_dot):
     out = matmul(h, down, sizes)
     out = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # back in pair order
     out = jnp.where(mine[:, None], out, 0).reshape(-1, k, shape[-1]) * weights[..., None]
-    return jax.lax.psum_scatter(out.sum(axis=1), SEQ, tiled=True).reshape(shape)
+    return jax.lax.psum_scatter(out.sum(axis=1), axes, tiled=True).reshape(shape)

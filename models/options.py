@@ -66,9 +66,9 @@ class RunOptions:
         Gated DeltaNet layer's exchanges.
     expert_parallel: where a sparse layer's experts run (models.moe): "seq", split over the
         devices of each seq group (the group's tokens gathered and the outputs scattered back
-        inside the group); "none", whole copies on every device; "auto", "seq" on a mesh of
-        several devices (refused in one line where its seq groups cannot split them), whole
-        on one device.
+        inside the group); "auto", over a host's devices where the seq groups are smaller than
+        a host, else as "seq"; "none", whole copies on every device (experts_split; a layout
+        that cannot split them is refused in one line).
     grouped_matmul: how a sparse layer's experts multiply their tokens (basp_jax.grouped_matmul):
         "pallas" (our grouped-matmul kernels; interpreted off a GPU), "xla" (jax.lax.ragged_dot,
         a dense loop over the experts on a GPU), "auto" (pallas on a GPU, else xla).
@@ -162,21 +162,28 @@ class RunOptions:
         """The jax.checkpoint policy (None: the layers are not rematerialised)."""
         return REMAT_POLICIES.get(self.remat).policy
 
-    def experts_split(self, config: ModelConfig) -> bool:
-        """Whether a sparse layer's experts are split over the seq axis (expert_parallel). On a
-        mesh of several devices where they cannot be (seq groups of one device, or experts the
-        group does not divide), "auto" and "seq" are a one-line ModelError rather than every
-        expert whole on every device unasked: expert_parallel=none asks for that."""
+    def experts_split(self, config: ModelConfig) -> int:
+        """Over how many devices a sparse layer's experts are split (expert_parallel; 1: whole
+        on every device): "seq", a seq group's; "auto", a host's devices where the seq groups
+        are smaller than a host (their tokens gathered inside the host), else a seq group's
+        (basp_jax.planner.shape.ModelShape.expert_split, the planner's same rule). On a mesh
+        of several devices where they cannot be split, "auto" and "seq" are a one-line
+        ModelError rather than every expert whole on every device unasked: expert_parallel=none
+        asks for that."""
         if self.expert_parallel == "none" or self.mesh is None or self.mesh.devices.size == 1:
-            return False
+            return 1
         sp, experts = self.mesh.shape[SEQ], config.num_experts
-        if sp > 1 and experts % sp == 0:
-            return True
-        why = ("this layout's seq groups have one device each" if sp == 1 else
-               f"the seq group's {sp} devices do not divide num_experts={experts}")
-        raise ModelError(f"expert_parallel={self.expert_parallel} splits the experts over each "
-                         f"seq group, and {why}; use a layout whose sp (> 1) divides {experts}, "
-                         "or expert_parallel=none (every expert whole on every device)")
+        per_host = None if self.layout is None else min(self.layout.devices_per_host,
+                                                         self.mesh.devices.size)
+        split = config.shape.expert_split(sp, per_host if self.expert_parallel == "auto" else None)
+        if split > 1:
+            return split
+        over = (f"a seq group ({sp} devices)" if self.expert_parallel == "seq" or per_host is None
+                else f"a host ({per_host} devices) or a seq group ({sp})")
+        raise ModelError(f"expert_parallel={self.expert_parallel} splits the experts over {over}, "
+                         f"which is one device or does not divide num_experts={experts}; use a "
+                         "layout whose seq groups or hosts divide them, or expert_parallel=none "
+                         "(every expert whole on every device)")
 
     def layout_for(self, config: ModelConfig, batch: int, seq_len: int) -> Layout | None:
         """The Layout that runs [batch, seq_len] tokens of `config` on the mesh (None without

@@ -118,7 +118,8 @@ def predict(
                           host_sums=host_sum_devices(layout, param_sharding, grad_accum),
                           step_copies=step_copy_bytes(shape, layout, param_sharding, grad_accum,
                                                       precisions),
-                          expert_split=shape.expert_split(layout.sp))
+                          expert_split=shape.expert_split(
+                              layout.sp, min(layout.devices_per_host, layout.num_devices)))
     host, host_s = host_traffic(shape, layout, shard_group, hw, remat=remat,
                                 precisions=precisions, grad_accum=grad_accum,
                                 offload_state=offload_state)

@@ -60,13 +60,19 @@ class ModelShape:
     def _mlp_and_norm_params(self) -> int:
         return 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
 
-    def expert_split(self, sp: int) -> int:
-        """Over how many devices a seq group of sp splits the experts (model.expert_parallel=auto,
-        models.options.RunOptions.experts_split): sp where it has several devices and divides
-        them, else 1 (whole experts on every device)."""
-        if self.sparse_layers and sp > 1 and self.num_experts % sp == 0:
-            return sp
-        return 1
+    def expert_split(self, sp: int, devices_per_host: int | None = None) -> int:
+        """Over how many devices the experts split (model.expert_parallel=auto,
+        models.options.RunOptions.experts_split): a host's devices where seq groups of sp
+        devices are smaller than a host and fill it (devices_per_host; None: unknown), else the
+        seq group's sp; whichever first has several devices and divides the experts, else 1
+        (whole on every device)."""
+        if not self.sparse_layers:
+            return 1
+        splits = [sp]
+        if devices_per_host is not None and devices_per_host > sp \
+                and devices_per_host % sp == 0:
+            splits.insert(0, devices_per_host)
+        return next((n for n in splits if n > 1 and self.num_experts % n == 0), 1)
 
     @property
     def sparse_mlp_params(self) -> int:

@@ -171,7 +171,7 @@ def expert_dispatch_traffic(shape: ModelShape, layout: Layout, policy: RematPoli
     nothing the backward needs: the compiled 30B step runs 3 all-gathers and 2 reduce-scatters
     per layer); each token's expert ids (int32) and weights gathered beside the tokens. None
     where the experts are whole on every device."""
-    split = shape.expert_split(layout.sp)
+    split = shape.expert_split(layout.sp, min(layout.devices_per_host, layout.num_devices))
     if split == 1:
         return Traffic()
     share = _remote_share(split, layout.devices_per_host)

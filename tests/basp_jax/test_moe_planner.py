@@ -35,8 +35,12 @@ def test_parameters_and_flops_count_every_expert_and_a_tokens_top_k():
         SHAPE.intermediate_size
 
 
-def test_the_experts_split_over_a_seq_group_that_divides_them():
+def test_the_experts_split_over_a_host_or_a_seq_group_that_divides_them():
     assert SHAPE.expert_split(8) == 8 and SHAPE.expert_split(1) == 1
+    # seq groups smaller than a host: over the host; a seq group across hosts: over the group
+    assert SHAPE.expert_split(2, 8) == 8 and SHAPE.expert_split(1, 8) == 8
+    assert SHAPE.expert_split(16, 8) == 16 and SHAPE.expert_split(2, 3) == 2
+    assert dataclasses.replace(SHAPE, num_experts=12).expert_split(2, 8) == 2  # 8 ∤ 12
     assert dataclasses.replace(SHAPE, num_experts=12).expert_split(8) == 1  # whole: 8 ∤ 12
     assert dataclasses.replace(SHAPE, sparse_layers=0).expert_split(8) == 1
 

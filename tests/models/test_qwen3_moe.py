@@ -10,6 +10,7 @@ a dense middle one (mlp_only_layers: a list of layers).
 """
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -95,29 +96,32 @@ def test_logits_and_aux_loss_match_transformers(checkpoints, tokens, mixed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("groups,sp,mixed,experts,matmul", [
-    (2, 4, False, "auto", "pallas"), (1, 8, True, "auto", "xla"),
-    pytest.param(2, 4, True, "none", "xla", marks=WHOLE_MATRIX)])
-def test_layouts_match_transformers(checkpoints, tokens, groups, sp, mixed, experts, matmul):
+@pytest.mark.parametrize("groups,sp,per_host,mixed,experts,matmul,split", [
+    (2, 4, 4, False, "auto", "pallas", 4), (1, 8, 4, True, "auto", "xla", 8),
+    (2, 4, 8, True, "auto", "xla", 8),
+    pytest.param(2, 4, 4, True, "none", "xla", 1, marks=WHOLE_MATRIX)])
+def test_layouts_match_transformers(checkpoints, tokens, groups, sp, per_host, mixed, experts,
+                                    matmul, split):
     """BASP (2 groups of 4) and Ulysses (8): each device routes its own tokens; the experts split
     over each seq group (expert_parallel auto: 2 or 1 of the 8 per device, the group's tokens
-    gathered and the outputs scattered back inside it) or whole on every device (none); logits and the load-balancing loss (its
+    gathered and the outputs scattered back inside it), over a host of 8 holding both groups,
+    or whole on every device (none); logits and the load-balancing loss (its
     statistics summed over every device's tokens) are transformers'. The experts' grouped
     matmuls are XLA's ragged_dot or our Pallas kernels (basp_jax.grouped_matmul, interpreted)."""
     import basp_jax
 
     directory, _, (want_logits, want_aux) = checkpoints[mixed]
-    layout = basp_jax.Layout.plan(8, BATCH, SEQ, 8, 2, groups=groups)
+    layout = basp_jax.Layout.plan(8, BATCH, SEQ, 8, 2, groups=groups, devices_per_host=per_host)
     assert (layout.groups, layout.sp) == (groups, sp)
     model = models.from_pretrained(directory, mesh=basp_jax.make_mesh(layout), layout=layout,
                                    expert_parallel=experts, grouped_matmul=matmul)
     sparse = [layer.mlp for layer in ([model.layers] if model.scanned else model.layers)
               if isinstance(layer.mlp, moe.SparseMoE)]
-    assert sparse and all(m.split_experts == (experts == "auto" and sp > 1) for m in sparse)
+    assert sparse and all(m.split_experts == split for m in sparse)
     assert all(m.grouped_matmul == matmul for m in sparse)
-    if sparse[0].split_experts:  # each device's grouped matmuls hold experts / sp of them
+    if split > 1:  # each device's grouped matmuls hold experts / split of them
         hlo = jax.jit(lambda t: model.forward_with_aux(t)).lower(jnp.asarray(tokens)).as_text()
-        assert f"{8 // sp}x{hf_tiny.hf_config(hf_tiny.QWEN3_MOE).hidden_size}x32" in hlo
+        assert f"{8 // split}x{hf_tiny.hf_config(hf_tiny.QWEN3_MOE).hidden_size}x32" in hlo
     logits, aux = _forward_program(model)(tokens)
     np.testing.assert_allclose(np.asarray(logits), want_logits, atol=ATOL, rtol=0)
     np.testing.assert_allclose(float(aux), want_aux, rtol=1e-6)
@@ -338,19 +342,28 @@ def test_bad_moe_configs_are_one_line(checkpoints):
     import basp_jax
 
     config = models.ModelConfig.from_hf(good)
-    # experts split over a seq group of one device, or over 4 devices that 6 experts do not
-    # fill: refused, asked for or by default, never whole on every device unasked
-    for batch, experts, why in ((8, 8, "one device each"), (2, 6, "do not divide")):
+    # experts over a seq group of one device (seq; auto places them over the host instead), or
+    # over 4 devices and a host of 8 that 6 experts do not fill: refused, never whole on every
+    # device unasked
+    def sparse_splits(model):
+        return {layer.mlp.split_experts for layer in model.layers if layer.sparse}
+
+    for batch, experts, refused in ((8, 8, ("seq",)), (2, 6, ("seq", "auto"))):
         layout = basp_jax.Layout.plan(8, batch, SEQ, 8, 2, groups=batch)
         for mode in ("seq", "auto"):
             options = models.RunOptions(mesh=basp_jax.make_mesh(layout), layout=layout,
                                         expert_parallel=mode)
-            _one_line_error(lambda: models.abstract_model(
-                dataclasses.replace(config, num_experts=experts), options=options),
-                f"expert_parallel={mode}", why, "expert_parallel=none")
+            build = functools.partial(models.abstract_model,
+                                      dataclasses.replace(config, num_experts=experts),
+                                      options=options)
+            if mode in refused:
+                _one_line_error(build, f"expert_parallel={mode}", f"num_experts={experts}",
+                                "expert_parallel=none")
+            else:  # one device per sequence: the experts split over the host's 8
+                assert sparse_splits(build()) == {8}
         whole = models.abstract_model(dataclasses.replace(config, num_experts=experts),
                                       options=dataclasses.replace(options, expert_parallel="none"))
-        assert all(not layer.mlp.split_experts for layer in whole.layers if layer.sparse)
+        assert sparse_splits(whole) == {1}
     _one_line_error(lambda: models.RunOptions(expert_parallel="all"), "expert_parallel", "seq")
     tiny = models.ModelConfig.preset("tiny")
     _one_line_error(lambda: models.ModelConfig(**{**tiny.__dict__, "num_experts": 4}),

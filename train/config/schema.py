@@ -107,9 +107,9 @@ class ModelSection:
     # (the bytes travel as uint8); the output's exchange stays in model.dtype
     fp8_exchange: bool = False
     # where a mixture-of-experts model's experts run: seq (split over each seq group's devices,
-    # routed tokens gathered and scattered back inside the group: inside the host), none (whole
-    # copies on every device), auto (seq on several devices; a layout whose seq groups cannot
-    # split the experts is refused in one line: set none to run it with whole experts)
+    # routed tokens gathered and scattered back inside the group), auto (over a host's devices
+    # where seq groups are smaller than a host, else as seq), none (whole copies on every
+    # device); a layout that cannot split them is refused in one line (none runs it whole)
     expert_parallel: Literal["auto", "seq", "none"] = "auto"
     # the experts' grouped matmuls: pallas (our kernels, basp_jax.grouped_matmul), xla
     # (jax.lax.ragged_dot: a dense loop over the experts on a GPU), auto (pallas on a GPU)

@@ -350,8 +350,9 @@ def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,
         step_copies=memory.step_copy_bytes(model_shape(mcfg), layout, strategy,
                                            cfg.train.grad_accum, sizes),
         offload_state=cfg.optimizer.offload is True,
-        expert_split=1 if cfg.model.expert_parallel == "none"
-        else model_shape(mcfg).expert_split(layout.sp))
+        expert_split=1 if cfg.model.expert_parallel == "none" else model_shape(mcfg).expert_split(
+            layout.sp, None if cfg.model.expert_parallel == "seq"
+            else min(layout.devices_per_host, layout.num_devices)))
     detail = ", ".join(f"{name} {value / 1e9:.3g} GB" for name, value in terms.items())
     return sum(terms.values()), detail
 
