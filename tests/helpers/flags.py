@@ -60,10 +60,11 @@ WHOLE_MATRIX = pytest.mark.skipif(
     "matrix runs under jaxlib < 0.11 (CI's Python 3.11 pass), its representative cases under "
     "every jaxlib")
 
-# A test of processes or a script whose cost is wall-clock waiting, not compiling, and whose
-# code does not change with the jaxlib (peers started 45 s apart; the GPU check's whole smoke
-# run, which CI's GPU-check pass also runs under the GPU machine's jax): once per CI, in the
-# older jaxlib's pass.
+# A test of processes or a script whose cost is mostly wall-clock waiting and process start-up,
+# and whose code under test is ours, not the jaxlib's (peers started 45 s apart, a frozen peer's
+# 10 s of silence, two processes stopped by one signal; the GPU check's whole smoke run, which
+# CI's GPU-check pass also runs under the GPU machine's jax): once per CI, in the older
+# jaxlib's pass, to keep both passes under 30 minutes.
 ONE_PASS = pytest.mark.skipif(
     jaxlib_minor() >= (0, 11), reason="runs once per CI, under jaxlib < 0.11 (CI's Python 3.11 "
-    "pass): its cost is waiting, and its code does not change with the jaxlib")
+    "pass): its cost is waiting and process start-up, and the code it tests is ours")
