@@ -85,8 +85,9 @@ def _bounds(group_sizes, m_pad: int, tm: int) -> _Bounds:
     firsts, lasts = row_group[::tm], row_group[tm - 1::tm]
     tile_lo = jnp.minimum(firsts, g)
     tile_hi = jnp.where(firsts >= g, firsts, jnp.minimum(lasts, g - 1) + 1)
-    group_lo = starts // tm
-    group_hi = jnp.where(group_sizes > 0, -(-ends // tm), group_lo)
+    group_lo = jnp.minimum(starts // tm, m_pad // tm)
+    # (clamped to the rows there are: sizes summing past M must not read past them on a GPU)
+    group_hi = jnp.minimum(jnp.where(group_sizes > 0, -(-ends // tm), group_lo), m_pad // tm)
     return _Bounds(row_group, tile_lo, tile_hi, group_lo.astype(jnp.int32),
                    group_hi.astype(jnp.int32))
 
@@ -136,7 +137,8 @@ def _rhs_grad_kernel(lhs_ref, dout_ref, rows_ref, lo_ref, hi_ref, drhs_ref, *, t
         rs = pl.ds(t * tm, tm)
         mine = (rows_ref[rs] == g)[:, None]
         lhs = jnp.where(mine, lhs_ref[rs, :], 0).astype(lhs_ref.dtype)
-        return acc + triton_dot(lhs, dout_ref[rs, :], trans_a=True)
+        dout = jnp.where(mine, dout_ref[rs, :], 0).astype(dout_ref.dtype)  # (no 0 x inf)
+        return acc + triton_dot(lhs, dout, trans_a=True)
 
     acc = lax.fori_loop(block_scalar(lo_ref), block_scalar(hi_ref), tile, jnp.zeros((tk, tn), jnp.float32))
     drhs_ref[...] = acc.astype(drhs_ref.dtype)
@@ -205,14 +207,16 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
 IMPLS = ("auto", "xla", "pallas")
 
 
-def resolve_impl(impl: str, platform: str) -> str:
+def resolve_impl(impl: str, platform: str, dims: tuple[int, ...] = ()) -> str:
     """The grouped matmul `impl` names, on `platform`: "auto" is the Pallas kernel on a GPU
-    (where XLA's ragged_dot is a dense loop over the groups) and XLA's ragged_dot elsewhere (on
-    CPU it masks to dense too, but the kernels would run interpreted)."""
+    (where XLA's ragged_dot is a dense loop over the groups) where the matrices' `dims` (K and
+    N of each product) are multiples of 16, as its tiles need, and XLA's ragged_dot elsewhere
+    (on CPU it masks to dense too, but the kernels would run interpreted)."""
     if impl not in IMPLS:
         raise ValueError(f"unknown grouped matmul {impl!r}; use one of {', '.join(IMPLS)}")
     if impl == "auto":
-        return "pallas" if platform == "gpu" else "xla"
+        fits = all(d % _MIN_TILE == 0 for d in dims)
+        return "pallas" if platform == "gpu" and fits else "xla"
     return impl
 
 

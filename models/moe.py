@@ -28,6 +28,7 @@ shard_map, in one of two ways (RunOptions.expert_parallel):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import NamedTuple
 
@@ -123,7 +124,8 @@ class SparseMoE(nnx.Module):
         self.split_experts = split_experts
         device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
         # the experts' grouped matmuls (basp_jax.grouped_matmul: XLA's ragged_dot or ours)
-        self.grouped_matmul = gmm.resolve_impl(grouped_matmul, device.platform)
+        self.grouped_matmul = gmm.resolve_impl(
+            grouped_matmul, device.platform, (config.hidden_size, config.moe_intermediate_size))
         self.platform = device.platform
 
     def route(self, x):
@@ -149,18 +151,23 @@ class SparseMoE(nnx.Module):
         matmul = gmm.grouped_matmul_fn(self.grouped_matmul, self.platform)
         if self.mesh is None:
             return _dispatch(x.astype(self.dtype), weights, experts, kernels, matmul), stats
-        rows = rows_spec()  # each device's own tokens
+        mesh, rows = self.mesh, rows_spec()  # each device's own tokens
         if self.split_experts > 1:  # experts / split of them on each device of the split
-            mesh, rows, axes = expert_mesh(self.mesh, self.split_experts)
+            mesh, grid_rows, axes = expert_mesh(self.mesh, self.split_experts)
+            rows = rows if mesh is self.mesh else grid_rows
             local = jax.shard_map(functools.partial(_dispatch_in_group, matmul=matmul, axes=axes),
                                   mesh=mesh, in_specs=(rows, rows, rows, P(axes)),
                                   out_specs=rows, check_vma=False)
         else:  # whole copies of the expert weights
-            local = jax.shard_map(functools.partial(_dispatch, matmul=matmul), mesh=self.mesh,
+            local = jax.shard_map(functools.partial(_dispatch, matmul=matmul), mesh=mesh,
                                   in_specs=(rows, rows, rows, P()),
                                   out_specs=rows, check_vma=False)
         x = constrain(x.astype(self.dtype), self.mesh)
-        with jax.named_scope(gmm.EXPERTS_SCOPE):  # its collectives, as the aot report lists them
+        # a shard_map on the host-split mesh is traced under that mesh (the step's context mesh,
+        # jax.set_mesh, is the run's: a shard_map refuses another)
+        scope = (contextlib.nullcontext() if mesh is self.mesh
+                 else jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
+        with jax.named_scope(gmm.EXPERTS_SCOPE), scope:  # named: the aot report's expert rows
             y = local(x, weights, experts, kernels)
         return constrain(y, self.mesh), stats
 
@@ -184,15 +191,15 @@ def _dispatch(x, weights, experts, kernels, matmul=jax.lax.ragged_dot):
 
 @functools.cache
 def expert_mesh(mesh: Mesh, split: int):
-    """(the mesh the experts' shard_map runs on, the [B, S, ...] rows' PartitionSpec there, the
-    mesh axes the experts split over) for experts split over `split` devices: the seq axis of
+    """(the mesh the experts' shard_map runs on, the [B, S, ...] rows' PartitionSpec there (None
+    on `mesh` itself: rows_spec()), the mesh axes the experts split over) for experts split over `split` devices: the seq axis of
     `mesh` where split is its size; else the same devices as (group sets, GROUPS_LOCAL, seq),
     the split over the split / sp consecutive groups of a set and their seq devices (a host's
     devices: basp_jax.mesh orders the groups host-major). XLA sees the same device assignment
     for both meshes, so the rows do not move."""
     groups, sp = mesh.shape[GROUP], mesh.shape[SEQ]
     if split == sp:
-        return mesh, rows_spec(), SEQ
+        return mesh, None, SEQ  # (the caller's rows_spec(), which depends on the trace)
     local = split // sp
     grid = np.asarray(mesh.devices).reshape(groups // local, local, sp)
     auto = (jax.sharding.AxisType.Auto,) * 3

@@ -60,4 +60,6 @@ def test_bad_shapes_and_impls_are_one_line():
     with pytest.raises(ValueError, match="auto, xla, pallas"):
         gmm.resolve_impl("cutlass", "gpu")
     assert gmm.resolve_impl("auto", "gpu") == "pallas"
+    assert gmm.resolve_impl("auto", "gpu", (2048, 768)) == "pallas"
+    assert gmm.resolve_impl("auto", "gpu", (2048, 24)) == "xla"  # no tile of 16 divides 24
     assert gmm.resolve_impl("auto", "cpu") == "xla"
