@@ -82,6 +82,7 @@ def predict(
     offload_state: bool = False,
     fp8: bool = False,
     attn_impl: str = "auto",
+    expert_parallel: str = "auto",
 ) -> Prediction:
     """Predicted per-step time and memory of a layout (for `shape`'s heads; its batch with its
     pad rows, its devices per host) under a parameter sharding strategy, on `hw`'s links. With
@@ -90,7 +91,8 @@ def predict(
     fp8: the layers' projections run at hw's FP8 peak (model.fp8). precisions: the bytes of the
     compute dtype, the gathered weights, the hosts' sums, the master weights and the moments
     (basp_jax.planner.precisions). attn_impl: the attention kernel, for a calibrated GPU's
-    rates (model.attn_impl)."""
+    rates (model.attn_impl). expert_parallel: where a sparse model's experts run
+    (model.expert_parallel: ModelShape.expert_split)."""
     if offload_state:
         remat = "offload"
     act = precisions.act
@@ -102,7 +104,7 @@ def predict(
         a2a = a2a + linear_exchange_traffic(shape, layout, policy, act).scale(
             shape.linear_layers)
     if shape.sparse_layers:  # the routed tokens' exchanges: priced with attention's
-        a2a = a2a + expert_dispatch_traffic(shape, layout, policy, act).scale(
+        a2a = a2a + expert_dispatch_traffic(shape, layout, policy, act, expert_parallel).scale(
             shape.sparse_layers)
     a2a = a2a.scale(grad_accum)
     params = param_traffic(shape, layout, param_sharding, grad_accum=grad_accum,
@@ -119,7 +121,8 @@ def predict(
                           step_copies=step_copy_bytes(shape, layout, param_sharding, grad_accum,
                                                       precisions),
                           expert_split=shape.expert_split(
-                              layout.sp, min(layout.devices_per_host, layout.num_devices)))
+                              layout.sp, min(layout.devices_per_host, layout.num_devices),
+                              expert_parallel))
     host, host_s = host_traffic(shape, layout, shard_group, hw, remat=remat,
                                 precisions=precisions, grad_accum=grad_accum,
                                 offload_state=offload_state)
@@ -216,7 +219,8 @@ def plan_table(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
                overlap: float = 0.0, remat: str = "full",
                precisions: Precisions = Precisions(), tile_tokens: int | None = None,
                zigzag: bool = False, offload_state: bool = False,
-               fp8: bool = False, attn_impl: str = "auto") -> list[Prediction]:
+               fp8: bool = False, attn_impl: str = "auto",
+               expert_parallel: str = "auto") -> list[Prediction]:
     """Predictions for every valid candidate, fastest first; those over memory last. With
     offload_state (the streamed step) host sharding is no candidate: it keeps per-host device
     copies of the weights, which the streamed step keeps in host memory instead."""
@@ -224,7 +228,8 @@ def plan_table(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int,
     preds = [
         predict(shape, layout, sharding, hw=hw, grad_accum=grad_accum, overlap=overlap,
                 remat=remat, precisions=precisions, tile_tokens=tile_tokens,
-                offload_state=offload_state, fp8=fp8, attn_impl=attn_impl)
+                offload_state=offload_state, fp8=fp8, attn_impl=attn_impl,
+                expert_parallel=expert_parallel)
         for layout, sharding in candidates(shape, batch=batch, seq_len=seq_len,
                                            num_devices=num_devices, max_pad_rows=max_pad_rows,
                                            devices_per_host=hw.devices_per_host,
@@ -253,7 +258,8 @@ def auto_layout(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int
                 memory_limit: float | None = None, max_pad_rows: int | None = None,
                 overlap: float = 0.0, remat: str = "full", zigzag: bool = False,
                 precisions: Precisions = Precisions(), tile_tokens: int | None = None,
-                offload_state: bool = False, fp8: bool = False) -> tuple[Layout, Prediction]:
+                offload_state: bool = False, fp8: bool = False,
+                expert_parallel: str = "auto") -> tuple[Layout, Prediction]:
     """mode="auto": the fastest predicted layout that fits in memory, as a validated Layout.
 
     The Layout's batch includes any pad rows (Layout.pad_rows, which the trainer masks out of
@@ -268,7 +274,7 @@ def auto_layout(shape: ModelShape, *, batch: int, seq_len: int, num_devices: int
                        grad_accum=grad_accum, memory_limit=memory_limit,
                        max_pad_rows=max_pad_rows, overlap=overlap, remat=remat,
                        precisions=precisions, tile_tokens=tile_tokens, zigzag=zigzag,
-                       offload_state=offload_state, fp8=fp8)
+                       offload_state=offload_state, fp8=fp8, expert_parallel=expert_parallel)
     if not preds:
         raise ValueError(
             f"no layout splits seq_len={seq_len} over {num_devices} devices; use a multiple of "

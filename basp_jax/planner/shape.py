@@ -60,14 +60,17 @@ class ModelShape:
     def _mlp_and_norm_params(self) -> int:
         return 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
 
-    def expert_split(self, sp: int, devices_per_host: int | None = None) -> int:
-        """Over how many devices the experts split (model.expert_parallel=auto,
-        models.options.RunOptions.experts_split): a host's devices where seq groups of sp
-        devices are smaller than a host and fill it (devices_per_host; None: unknown), else the
-        seq group's sp; whichever first has several devices and divides the experts, else 1
-        (whole on every device)."""
-        if not self.sparse_layers:
+    def expert_split(self, sp: int, devices_per_host: int | None = None,
+                     expert_parallel: str = "auto") -> int:
+        """Over how many devices the experts split (model.expert_parallel,
+        models.options.RunOptions.experts_split): under "auto" a host's devices where seq
+        groups of sp devices are smaller than a host and fill it (devices_per_host; None:
+        unknown), else the seq group's sp; under "seq" the seq group's; whichever first has
+        several devices and divides the experts, else 1 (whole on every device; "none": 1)."""
+        if not self.sparse_layers or expert_parallel == "none":
             return 1
+        if expert_parallel == "seq":
+            devices_per_host = None
         splits = [sp]
         if devices_per_host is not None and devices_per_host > sp \
                 and devices_per_host % sp == 0:

@@ -163,7 +163,7 @@ def linear_exchange_traffic(shape: ModelShape, layout: Layout, policy: RematPoli
 
 
 def expert_dispatch_traffic(shape: ModelShape, layout: Layout, policy: RematPolicy,
-                            act_bytes: int) -> Traffic:
+                            act_bytes: int, expert_parallel: str = "auto") -> Traffic:
     """One sparse layer's routed-token exchanges for one microbatch where its experts are split
     over the seq group (models.moe, ModelShape.expert_split): the group's tokens all-gathered
     and the experts' outputs reduce-scattered forward, their gradients the other way backward,
@@ -171,7 +171,8 @@ def expert_dispatch_traffic(shape: ModelShape, layout: Layout, policy: RematPoli
     nothing the backward needs: the compiled 30B step runs 3 all-gathers and 2 reduce-scatters
     per layer); each token's expert ids (int32) and weights gathered beside the tokens. None
     where the experts are whole on every device."""
-    split = shape.expert_split(layout.sp, min(layout.devices_per_host, layout.num_devices))
+    split = shape.expert_split(layout.sp, min(layout.devices_per_host, layout.num_devices),
+                               expert_parallel)
     if split == 1:
         return Traffic()
     share = _remote_share(split, layout.devices_per_host)

@@ -41,6 +41,8 @@ def test_the_experts_split_over_a_host_or_a_seq_group_that_divides_them():
     assert SHAPE.expert_split(2, 8) == 8 and SHAPE.expert_split(1, 8) == 8
     assert SHAPE.expert_split(16, 8) == 16 and SHAPE.expert_split(2, 3) == 2
     assert dataclasses.replace(SHAPE, num_experts=12).expert_split(2, 8) == 2  # 8 ∤ 12
+    # as model.expert_parallel asks: the seq group only, or whole
+    assert SHAPE.expert_split(2, 8, "seq") == 2 and SHAPE.expert_split(8, 8, "none") == 1
     assert dataclasses.replace(SHAPE, num_experts=12).expert_split(8) == 1  # whole: 8 ∤ 12
     assert dataclasses.replace(SHAPE, sparse_layers=0).expert_split(8) == 1
 
@@ -67,3 +69,8 @@ def test_the_routed_rows_grow_with_the_group_that_splits_the_experts():
     # 2 x the rows per device under Ulysses (a group of 16, not 8): ~10 GiB more, as compiled
     assert 8 * 2**30 < ulysses.memory_bytes - basp.memory_bytes < 12 * 2**30
     assert basp.all_to_all.inter < ulysses.all_to_all.inter / 10
+    # whole experts (expert_parallel=none): no routed exchange, and every expert's weights
+    whole = cost.predict(SHAPE, _layout("basp"), "staged_keep", hw=hw, expert_parallel="none")
+    assert whole.all_to_all.intra < basp.all_to_all.intra
+    assert traffic.expert_dispatch_traffic(SHAPE, _layout("basp"), REMAT_POLICIES.get("full"),
+                                           2, "none") == traffic.Traffic()

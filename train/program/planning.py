@@ -77,7 +77,7 @@ def predicted_step_s(cfg: Config, mcfg, run_plan) -> float:
                         grad_accum=cfg.train.grad_accum, remat=run_plan.remat,
                         tile_tokens=run_plan.tile_tokens, fp8=fp8_planned(cfg),
                         attn_impl=planned_attn_impl(cfg, mcfg, run_plan.layout),
-                        precisions=precisions(cfg),
+                        precisions=precisions(cfg), expert_parallel=cfg.model.expert_parallel,
                         offload_state=cfg.optimizer.offload is True).step_s
 
 
@@ -118,7 +118,8 @@ def plan(cfg: Config, mcfg, num_devices: int, devices_per_host: int) -> tuple[La
     state = precisions(cfg)
     common = dict(hw=hw, grad_accum=cfg.train.grad_accum, remat=remat, tile_tokens=tile,
                   precisions=Precisions(master=state.master, moments=state.moments),
-                  offload_state=cfg.optimizer.offload is True, fp8=fp8_planned(cfg))
+                  offload_state=cfg.optimizer.offload is True, fp8=fp8_planned(cfg),
+                  expert_parallel=cfg.model.expert_parallel)
     if p.mode == "auto":
         try:
             layout, best = cost.auto_layout(
@@ -308,6 +309,7 @@ def memory_policy(cfg: Config, mcfg, layout: Layout, strategy: str,
                                 fp8=fp8_planned(cfg),
                                 tile_tokens=tile, grad_accum=cfg.train.grad_accum,
                                 precisions=precisions(cfg),
+                                expert_parallel=cfg.model.expert_parallel,
                                 offload_state=cfg.optimizer.offload is True)
             if pred.memory_bytes <= hw.memory_bytes and \
                     pred.host_memory_bytes <= hw.host_memory_bytes:
@@ -350,9 +352,9 @@ def memory_estimate(cfg: Config, mcfg, layout: Layout, strategy: str, *,
         step_copies=memory.step_copy_bytes(model_shape(mcfg), layout, strategy,
                                            cfg.train.grad_accum, sizes),
         offload_state=cfg.optimizer.offload is True,
-        expert_split=1 if cfg.model.expert_parallel == "none" else model_shape(mcfg).expert_split(
-            layout.sp, None if cfg.model.expert_parallel == "seq"
-            else min(layout.devices_per_host, layout.num_devices)))
+        expert_split=model_shape(mcfg).expert_split(
+            layout.sp, min(layout.devices_per_host, layout.num_devices),
+            cfg.model.expert_parallel))
     detail = ", ".join(f"{name} {value / 1e9:.3g} GB" for name, value in terms.items())
     return sum(terms.values()), detail
 

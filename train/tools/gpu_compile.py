@@ -203,6 +203,7 @@ def plan_compiled(cfg, target: str, hosts: int, gpus_per_host: int) -> list[dict
         pred = cost.predict(shape, layout, sharding, hw=hw, grad_accum=cfg.train.grad_accum,
                             remat=remat, tile_tokens=tile, fp8=fp8_planned(variant),
                             precisions=precisions(variant),
+                            expert_parallel=cfg.model.expert_parallel,
                             offload_state=variant.optimizer.offload is True)
         r = report(variant, target, hosts, gpus_per_host)
         rows.append({"name": pred.name, "predicted_step_s": pred.step_s,
