@@ -441,3 +441,53 @@ def test_router_z_loss_and_its_gradients_on_basp_equal_one_device(checkpoints, t
     for name, grad in g1.items():
         scale = max(np.abs(grad).max(), 1e-3)
         assert np.abs(g8[name] - grad).max() / scale < 2e-5, name
+
+
+@pytest.mark.slow
+# (rows, length, seed): random tokens whose routers' top-k choices are far from ties
+@pytest.mark.parametrize("groups,rows,length,seed,mixed", [(1, BATCH, SEQ, 2, True),
+                                                           (8, 8, 32, 0, False)])
+def test_objective_and_gradients_on_ulysses_and_one_device_per_sequence_equal_one_device(
+        checkpoints, groups, rows, length, seed, mixed):
+    """The training objective (the loss plus router_aux_loss_coef x the load-balancing loss) and
+    every gradient on Ulysses (1, 8: the experts split over its 8 devices) and on one device per
+    sequence (8, 1: the experts split over the host's 8, the 8 sequences' tokens gathered
+    inside it) equal one device's. (BASP (2, 4): the trainer's step, above.)"""
+    import basp_jax
+    from train.program.objective import objective
+
+    directory, torch_model, _ = checkpoints[mixed]
+    tokens = np.random.default_rng(seed).integers(0, hf_tiny.VOCAB, (rows, length)).astype(
+        np.int32)
+    assert hf_tiny.router_margin(torch_model, tokens) > MARGIN  # no top-k near-tie
+    targets = np.roll(tokens, -1, axis=-1)
+    targets[:, -1] = -100
+
+    @nnx.jit
+    def run(model):
+        def total(model):
+            return objective(model, jnp.asarray(tokens), jnp.asarray(targets), None,
+                             models.causal_lm_loss)
+        (value, (_, _, weighted)), grads = nnx.value_and_grad(total, has_aux=True)(model)
+        return value, weighted, grads
+
+    layout = basp_jax.Layout.plan(8, rows, length, 8, 2, groups=groups)
+    assert (layout.groups, layout.sp) == (groups, 8 // groups)
+    results = []
+    for mesh in (None, basp_jax.make_mesh(layout)):
+        model = models.from_pretrained(directory, **({} if mesh is None else
+                                                     dict(mesh=mesh, layout=layout)))
+        if mesh is not None:
+            assert {layer.mlp.split_experts for layer in (
+                [model.layers] if model.scanned else model.layers) if layer.sparse} == {8}
+        value, weighted, grads = run(model)
+        results.append((float(value), float(weighted), traverse_util.flatten_dict(
+            nnx.to_pure_dict(nnx.state(grads, nnx.Param)))))
+    (v1, a1, g1), (v8, a8, g8) = results
+    np.testing.assert_allclose(v8, v1, rtol=1e-5)
+    np.testing.assert_allclose(a8, a1, rtol=1e-5)
+    assert np.abs(g1[("layers", "mlp", "gate", "kernel")] if not mixed else
+                  g1[("layers", 0, "mlp", "gate", "kernel")]).max() > 0
+    for name, grad in g1.items():
+        scale = max(np.abs(grad).max(), 1e-3)
+        assert np.abs(g8[name] - grad).max() / scale < 2e-5, name
