@@ -175,7 +175,7 @@ class RunOptions:
         sp, experts = self.mesh.shape[SEQ], config.num_experts
         per_host = None if self.layout is None else min(self.layout.devices_per_host,
                                                          self.mesh.devices.size)
-        split = config.shape.expert_split(sp, per_host if self.expert_parallel == "auto" else None)
+        split = config.shape.expert_split(sp, per_host, self.expert_parallel)
         if split > 1:
             return split
         over = (f"a seq group ({sp} devices)" if self.expert_parallel == "seq" or per_host is None
