@@ -63,8 +63,9 @@ class ParamUse:
     def gathers(self) -> bool:
         return self.axes is not None
 
-    def gather(self, rules: "basp_jax.sharding.ShardingRules", x: jax.Array, names) -> jax.Array:
-        """Parameter x (axes named `names`) placed where its layer uses it (rules.use_spec);
+    def gather(self, rules, x: jax.Array, names) -> jax.Array:
+        """Parameter x (axes named `names`) placed where its layer uses it (rules: a
+        basp_jax.sharding.ShardingRules, its use_spec);
         its gradient summed there, then onto the stored shards (two reductions, not one over
         the whole mesh)."""
         use = NamedSharding(rules.placement, rules.use_spec(names, x.shape))
@@ -77,7 +78,7 @@ class LayerParams:
     basp_jax.sharding.ShardingRules, or None without a mesh), matrices cast to `dtype`
     where they are gathered (half the bytes to move and keep)."""
 
-    def __init__(self, rules: "basp_jax.sharding.ShardingRules | None", dtype):
+    def __init__(self, rules, dtype):
         self.rules = rules
         self.dtype = dtype
         self.use = rules.use if rules is not None else ParamUse()

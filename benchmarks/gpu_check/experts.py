@@ -20,7 +20,6 @@ def expert_cases(shapes: Shapes):
 
 
 def _operands(shapes: Shapes, k: int, n: int):
-    import jax
     import jax.numpy as jnp
     import numpy as np
 

@@ -3,8 +3,9 @@
 import pytest
 
 
-def assert_one_line_model_error(fn, *fragments):
-    """fn() raises models.ModelError with a one-line message that holds every fragment."""
+def assert_one_line_model_error(fn, *fragments) -> str:
+    """fn() raises models.ModelError with a one-line message that holds every fragment; the
+    message."""
     import models
 
     with pytest.raises(models.ModelError) as info:
@@ -13,3 +14,4 @@ def assert_one_line_model_error(fn, *fragments):
     assert "\n" not in message
     for fragment in fragments:
         assert fragment in message, message
+    return message

@@ -21,6 +21,7 @@ import basp_jax  # noqa: E402
 import models  # noqa: E402
 
 from tests.helpers import hf_tiny  # noqa: E402
+from tests.helpers.errors import assert_one_line_model_error as _one_line_error  # noqa: E402
 
 ATOL = 1e-4
 BATCH, SEQ = 4, 32
@@ -214,16 +215,6 @@ def test_bfloat16_checkpoint_and_compute(tmp_path, checkpoints, tokens):
 
 
 # -- errors: one line each ----------------------------------------------------------------------
-
-
-def _one_line_error(fn, *match):
-    with pytest.raises(models.ModelError) as info:
-        fn()
-    message = str(info.value)
-    assert "\n" not in message
-    for m in match:
-        assert m in message, message
-    return message
 
 
 def test_errors_are_one_line(checkpoints, tmp_path):
