@@ -7,8 +7,8 @@
 Each process runs `train.py` (train.cli.main) with two wrappers and nothing else changed: the
 compiled train step records when each step is dispatched and how long the call takes, and
 jax.device_get how long the host blocks on the devices; a watcher thread records when each step's
-outputs are ready. Per step (medians over the steps after the first few, checkpoint steps
-excluded; the period of the steps a checkpoint follows apart, as "save period"):
+outputs are ready. Per step (medians over the steps after the first few, the three periods
+from each checkpoint's step on excluded):
 
     period      time between consecutive dispatches (the loop's step time, host gaps included)
     device      from the step's start (its dispatch, or the previous step's end) to its end
@@ -16,6 +16,14 @@ excluded; the period of the steps a checkpoint follows apart, as "save period"):
                 (median, and mean: a few long gaps show in the mean)
     host work   period - time in device_get and in the step call (on CPU the call waits for the
                 step before): what the loop does besides waiting for the devices
+    save adds   per checkpoint (--checkpoint-every): the three periods from its step's dispatch
+                on, less three ordinary periods: what the save costs the run, however the loop
+                spreads it (the step after a save costs period + this)
+    save blocks per checkpoint: the loop's time in Checkpointer.save, when it dispatches nothing
+                (on a GPU the devices idle once their queue drains; on CPU devices the save's
+                work also competes with the steps for the same cores). The state's copy on the
+                devices (checkpoint.copy_on_device) is dispatched like a step: on CPU devices
+                that call, like a step's, waits for the step before
 
 Prints one table row per process, a digest of the losses (to compare versions bit for bit) and a
 JSON line (--json FILE writes it too).
@@ -100,6 +108,22 @@ def worker(args) -> None:
         return Lowered()
 
     program.TrainProgram.lower = timed_lower
+    from train.checkpoint import store
+
+    saving = []  # seconds the loop's thread spent in Checkpointer.save
+    save_calls = []
+
+    def timed(fn):
+        def call(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                saving.append(time.perf_counter() - t)
+        return call
+
+    save = timed(store.Checkpointer.save)
+    store.Checkpointer.save = lambda *a, **k: (save_calls.append(1), save(*a, **k))[1]
     status = cli.main(args.train_args)
     watch.put(None)
     if status:
@@ -108,10 +132,14 @@ def worker(args) -> None:
         time.sleep(0.01)
 
     every = args.checkpoint_every
-    periods, host, idle, device, saving = [], [], [], [], []
+    # a save's window: the period of the step it follows and the two after it (a save written
+    # after the next dispatch, or on a CPU client whose calls wait for the step before, shows
+    # in those), less three ordinary periods
+    saves = [i for i in range(args.skip, len(dispatches) - 3) if every and (i + 1) % every == 0]
+    in_window = {i + k for i in saves for k in range(3)}
+    periods, host, idle, device = [], [], [], []
     for i in range(args.skip, len(dispatches) - 1):
-        if every and (i + 1) % every == 0:  # a checkpoint follows step i + 1
-            saving.append(dispatches[i + 1] - dispatches[i])
+        if i in in_window:
             continue
         a, b = dispatches[i], dispatches[i + 1]
         blocked = sum(d for t0, d in waits if a <= t0 < b)
@@ -119,13 +147,19 @@ def worker(args) -> None:
         host.append(b - a - blocked)
         idle.append(max(0.0, b - ends[i]))  # step i ended before step i + 1 was dispatched
         device.append(ends[i] - max(a, ends[i - 1]))
+    period = statistics.median(periods)
+    costs = [dispatches[i + 3] - dispatches[i] - 3 * period for i in saves]
     row = {"source": str(Path(cli.__file__).parent.parent), "process": jax.process_index(),
-           "steps": len(periods), "period_ms": 1e3 * statistics.median(periods),
+           "steps": len(periods), "period_ms": 1e3 * period,
            "device_ms": 1e3 * statistics.median(device),
            "idle_ms": 1e3 * statistics.median(idle), "idle_mean_ms": 1e3 * statistics.mean(idle),
-           "host_work_ms": 1e3 * statistics.median(host),
-           # the period of a step a checkpoint follows (its save's synchronous part included)
-           "save_period_ms": 1e3 * statistics.median(saving) if saving else None}
+           "host_work_ms": 1e3 * statistics.median(host), "saves": len(saves),
+           # what a save adds to the run (median over the saves): the step after a save costs
+           # period + this
+           "save_cost_ms": 1e3 * statistics.median(costs) if costs else None,
+           # the loop's thread in Checkpointer.save, per save (the loop dispatches nothing
+           # meanwhile: on a GPU the devices idle once the queue drains)
+           "save_blocks_ms": 1e3 * sum(saving) / len(save_calls) if save_calls else None}
     print("HOST_STALL " + json.dumps(row), flush=True)
 
 
@@ -177,13 +211,13 @@ def main() -> None:
         for r in rows:
             r["losses_sha256"] = digest
     print(f"{'process':>7} {'steps':>5} {'period ms':>10} {'device ms':>10} {'idle ms':>8} "
-          f"{'idle mean':>10} {'host work ms':>13} {'save period ms':>15}")
+          f"{'idle mean':>10} {'host work ms':>13} {'save adds ms':>15} {'save blocks ms':>15}")
     for r in rows:
-        save = "-" if r["save_period_ms"] is None else \
-            f"{r['save_period_ms']:.2f} ({r['save_period_ms'] / r['period_ms']:.2f}x)"
+        save = "-" if r["save_cost_ms"] is None else \
+            f"{r['save_cost_ms']:.1f} ({r['save_cost_ms'] / r['period_ms']:+.0%})"
         print(f"{r['process']:>7} {r['steps']:>5} {r['period_ms']:>10.2f} {r['device_ms']:>10.2f} "
               f"{r['idle_ms']:>8.2f} {r['idle_mean_ms']:>10.2f} {r['host_work_ms']:>13.2f} "
-              f"{save:>15}")
+              f"{save:>15} {'-' if r['save_blocks_ms'] is None else round(r['save_blocks_ms'], 1):>15}")
     print(f"{len(losses)} losses, {losses[0]:.6f} -> {losses[-1]:.6f}, sha256 {digest}")
     print(json.dumps(rows))
     if args.json:

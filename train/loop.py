@@ -17,6 +17,7 @@ from basp_jax.adaptive import relabel
 from .observe import evaluate
 from .observe import profiling
 from .observe import writers
+from .checkpoint import snapshot
 from .checkpoint.store import checkpoint_dir, complete_steps, storage_error
 from .config.schema import Config
 from .data.batches import for_run
@@ -29,6 +30,7 @@ from .process.peers import PeerWatchdog
 from .process.step_watch import StepWatchdog
 from .process.stop import StopRequest
 from .observe.report import NonFiniteError, StepReport, log_start
+from .program import planning
 from .program.state import TrainState, build_state, compile_steps
 
 __all__ = ["run", "model_config", "select_devices", "NonFiniteError", "PeerFailure"]
@@ -136,11 +138,30 @@ def _train(run: Run, state: TrainState, stop_at: int | None) -> dict[str, Any]:
     return report.summary(time.perf_counter() - wall0, collectives)
 
 
-def save_checkpoint(run: Run, state: TrainState, step: int, force: bool) -> None:
-    """The state after `step` (1-based), with what a resume checks and reads."""
+def save_checkpoint(run: Run, state: TrainState, step: int, force: bool, copy=None) -> None:
+    """The state after `step` (1-based), or `copy`, its (params, opt_state) copied on the
+    devices, with what a resume checks and reads."""
     meta = {"step": step, "data_step": step, "seed": run.cfg.run.seed,
             "layout": run.layout.describe(), "resume": run.record}
-    state.ckpt.save(step, state.params, state.opt_state, meta, force=force)
+    params, opt_state = copy if copy is not None else (state.params, state.opt_state)
+    # a copy no step donates: its copy to host memory overlaps the next step (in a thread
+    # beside the next steps where one process runs)
+    state.ckpt.save(step, params, opt_state, meta, force=force, background=copy is not None)
+
+
+def copies_before_saving(run: Run, state: TrainState, compiled: list, log) -> bool:
+    """checkpoint.copy_on_device: whether periodic saves write a copy of the state made on the
+    devices, while the next step runs (train.checkpoint.snapshot)."""
+    setting = run.cfg.checkpoint.copy_on_device
+    if setting is False or run.cfg.checkpoint.every == 0:
+        return False
+    fits, why = snapshot.copy_fits(compiled, planning.device_memory(run.devices[0]),
+                                   (state.params, state.opt_state),
+                                   run.devices[0].platform == "cpu")
+    if setting == "auto" and not fits:
+        log(f"checkpoints copy the state to host memory before the next step ({why}); "
+            "checkpoint.copy_on_device=true copies it on the device anyway")
+    return setting is True or fits
 
 
 def export(run: Run, state: TrainState, log) -> None:
@@ -184,6 +205,8 @@ def _steps(run: Run, state: TrainState, end: int, report: StepReport, profiler,
     # cross-process check (assert_equal) in multi-process runs
     step_arr = state.program.step_index(state.start)
     pending = None  # (step, metrics, evaluation) read after the next dispatch
+    copy_saves = copies_before_saving(run, state, compiled, log)
+    deferred = None  # a periodic save's (step, state copy): written once its metrics are read
     last_end = time.perf_counter()  # when the previous step was seen to end
     for step in range(state.start, end):
         done = step + 1
@@ -212,12 +235,22 @@ def _steps(run: Run, state: TrainState, end: int, report: StepReport, profiler,
             last_end = report.finish(*pending, last_end)
             watch.progress(step=pending[0] + 1)
             pending = None
+            if deferred is not None:  # its host copy overlaps the step just dispatched
+                save_checkpoint(run, state, deferred[0], False, copy=deferred[1])
+                deferred = None
+                watch.progress()
         last = done == end
         if not last:  # build the next batch while the device runs this step
             index, batch = batches.get(done, prefetch=done + 1 < end)
         stopping = stop.agree_at_end() if last else stop.should_stop(done)
         force = stopping or (last and (cfg.checkpoint.save_final or done < cfg.train.steps))
         if not (last or force or evaluation or ckpt.due(done)):
+            pending = (step, metrics, evaluation)
+            continue
+        if copy_saves and not (last or force or evaluation):  # a periodic save: after the next
+            # dispatch, from a copy the next step does not donate (unsaved if that step's
+            # dispatch raises; a non-finite step under on_nonfinite=stop is never saved)
+            deferred = (done, snapshot.copy_state(state.params, state.opt_state))
             pending = (step, metrics, evaluation)
             continue
         # the last step, an evaluation, a checkpoint or a stop: this step's metrics first (a

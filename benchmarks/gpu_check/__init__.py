@@ -7,7 +7,8 @@ case):
   time, tokens/s, MFU, peak memory against the compiled prediction, and a jax.profiler trace of
   two more steps summarised (device time by kind of work, the top operations: profiling.py);
 - checkpoint: the step after an asynchronous save with the trainer's Checkpointer, against the
-  median step;
+  median step, with the state saved itself and from a copy on the device (the train loop's
+  checkpoint.copy_on_device);
 - kernels: every attention kernel (xla, cudnn, pallas, blockwise) against a float32 reference,
   output and the three input gradients, at head_dim 128 and 256, unpacked and packed (4 and 64
   documents), bf16 and fp16; ring: a ring of 2 hops (basp_jax/ring.py's hop kernels) likewise;

@@ -17,7 +17,7 @@ from .common import Budget, Shapes, environment, section
 # the budget holds back before starting one. Cases: per case. In all about 415 s.
 ESTIMATE_S = {
     "train": 25,          # compile 11 s, 6 + 2 profiled steps of ~0.75 s, the trace's parse
-    "checkpoint": 25,     # ~15 GB of state: the save's copy (8 s there), 3 steps, the write
+    "checkpoint": 45,     # ~15 GB of state, twice: the save's copy (8 s there), 3 steps, the write
     "kernel case": 2,     # a fwd+bwd compile at 2,048 tokens; 4 and 64 documents share it
     "ring case": 4,       # the hop kernels of 2 ranks, forward and backward
     "short timing case": 3,

@@ -47,13 +47,16 @@ class Run:
                       "targets": jax.device_put(np.roll(tokens, -1, axis=-1),
                                                 program.batch_sharding)}
 
-    def step(self) -> tuple[float, float]:
-        """(seconds, loss) of one step, waited for."""
+    def step(self, after_dispatch=None) -> tuple[float, float]:
+        """(seconds, loss) of one step, waited for; `after_dispatch` runs once it is dispatched
+        (as the train loop saves a copy of the state while the next step runs)."""
         import jax
 
         t = time.perf_counter()
         self.params, self.opt_state, metrics = self.compiled(
             self.params, self.opt_state, self.batch, self.program.step_index(self.steps_run))
+        if after_dispatch is not None:
+            after_dispatch()
         loss = float(jax.device_get(metrics["loss"]))
         self.steps_run += 1
         return time.perf_counter() - t, loss
@@ -228,27 +231,51 @@ def train_steps_fp8(shapes: Shapes, steps: int, on_gpu: bool, bf16: dict) -> dic
 
 
 def step_after_save(runs: list, median_s: float | None, more_steps: int = 2) -> dict:
-    """Save the state with the trainer's Checkpointer (train/checkpoint/store.py, asynchronous)
-    after the steps run so far, then time the next step against the median step: what a save
-    stalls a run by. The next `more_steps` steps run while the write goes on; then it is waited
-    for and deleted."""
+    """Save the state with the trainer's Checkpointer (train/checkpoint/store.py) after the
+    steps run so far, both ways the loop can (checkpoint.copy_on_device), and time the next step
+    against the median step: what a save stalls a run by.
+    - "host": orbax's save of the state itself; it returns once the state is in host memory,
+      and only then can the next step, which donates that state, be dispatched.
+    - "device": the state copied on the device (train.checkpoint.snapshot), the next step
+      dispatched, then the copy saved in a thread while that step runs.
+    The `more_steps` steps after run while the write goes on; then it is waited for and
+    deleted."""
+    if not runs or median_s is None:
+        return skip("the bf16 train steps did not run")
+    out = {"status": "ok", "median_step_s": median_s}
+    for way in ("host", "device"):
+        out[way] = _one_save(runs[0], median_s, way, more_steps)
+    return out
+
+
+def _one_save(run, median_s: float, way: str, more_steps: int) -> dict:
     import shutil
 
+    import jax
+
+    from train.checkpoint import snapshot
     from train.checkpoint.store import Checkpointer
     from train.config.schema import CheckpointConfig
 
-    if not runs or median_s is None:
-        return skip("the bf16 train steps did not run")
-    run = runs[0]
     k = run.steps_run
     directory = tempfile.mkdtemp(prefix="gpu-check-ckpt-")
     try:
         ckpt = Checkpointer(directory, CheckpointConfig(every=0, keep=1, async_save=True),
                             total_steps=k + 1 + more_steps)
         t0 = time.perf_counter()
-        ckpt.save(k, run.params, run.opt_state, {"step": k}, force=True)
-        save_call = time.perf_counter() - t0
-        after, _ = run.step()
+        if way == "host":
+            ckpt.save(k, run.params, run.opt_state, {"step": k}, force=True)
+            save_call = time.perf_counter() - t0
+            after, _ = run.step()
+        else:
+            copy = snapshot.copy_state(run.params, run.opt_state)
+            jax.block_until_ready(copy)  # (the first call compiles the copy)
+            copy_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            after, _ = run.step(after_dispatch=lambda: ckpt.save(
+                k, *copy, {"step": k}, force=True, background=True))
+            save_call = copy_s
+            del copy
         later = [run.step()[0] for _ in range(more_steps)]
         t0 = time.perf_counter()
         ckpt.close()  # waits for the write
@@ -257,12 +284,12 @@ def step_after_save(runs: list, median_s: float | None, more_steps: int = 2) -> 
                    for f in files)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    out = {"status": "ok", "saved_after_step": k, "save_call_s": save_call,
-           "step_after_save_s": after, "median_step_s": median_s,
+    out = {"saved_after_step": k, "save_call_s": save_call, "step_after_save_s": after,
            "ratio": after / median_s, "later_steps_s": later, "wait_for_write_s": wait,
            "checkpoint_bytes": size}
-    print(f"  save() returned in {save_call:.2f} s; the next step took {after:.3f} s against "
-          f"the median {median_s:.3f} s ({after / median_s:.1f}x), the two after it "
+    what = "save() returned" if way == "host" else "the copy on the device took"
+    print(f"  {way}: {what} {save_call:.2f} s; the next step took {after:.3f} s against the "
+          f"median {median_s:.3f} s ({after / median_s:.2f}x), the two after it "
           + ", ".join(f"{t:.3f}" for t in later) + f" s; the write ({size / GiB:.2f} GiB) "
           f"finished {wait:.1f} s later", flush=True)
     return out

@@ -20,6 +20,7 @@ _save = checkpoint.Checkpointer.save
 def save_then_die(self, step, *args, **kwargs):
     started = _save(self, step, *args, **kwargs)
     if started and step == CRASH_STEP:
+        self.wait_for_handover()  # a save of a state copy, handed to a thread: orbax writes now
         os.kill(os.getpid(), signal.SIGKILL)
     return started
 

@@ -104,8 +104,13 @@ def _check_steps(r):
     assert "CPU devices keep no memory statistics" in train["measured_peak_reason"]
     _check_profile(train["profile"])
     ckpt = r["checkpoint"]
-    assert ckpt["status"] == "ok" and ckpt["saved_after_step"] == 4  # 2 timed, 2 profiled
-    assert ckpt["step_after_save_s"] > 0 and ckpt["checkpoint_bytes"] > 0 and ckpt["ratio"] > 0
+    assert ckpt["status"] == "ok"
+    host, device = ckpt["host"], ckpt["device"]  # the state itself saved; a device copy
+    assert host["saved_after_step"] == 4 and device["saved_after_step"] == 7  # 2 timed, 2
+    # profiled; the host save's next step and 2 more
+    for way in (host, device):
+        assert way["step_after_save_s"] > 0 and way["checkpoint_bytes"] > 0 and way["ratio"] > 0
+    assert abs(device["checkpoint_bytes"] / host["checkpoint_bytes"] - 1) < 0.05  # same state
     big = r["train_8b"]
     assert big["status"] == "ok" and big["num_layers"] == 2 and big["model"].startswith("tiny, 2")
     _check_profile(big["profile"])

@@ -169,11 +169,11 @@ def test_files_put_into_the_export_directory_during_the_run_are_kept(tmp_path, c
     theirs = {"notes.txt": b"my notes\n", "model.safetensors": b"someone else's weights"}
     save = loop.save_checkpoint
 
-    def save_and_meanwhile(run, state, step, force):
+    def save_and_meanwhile(run, state, step, force, **copy):
         if step == 1:  # after the first of 2 steps
             for name, data in theirs.items():
                 (export / name).write_bytes(data)
-        return save(run, state, step, force)
+        return save(run, state, step, force, **copy)
 
     monkeypatch.setattr(loop, "save_checkpoint", save_and_meanwhile)
     capsys.readouterr()

@@ -338,8 +338,8 @@ def test_checkpoints_removed_under_a_running_trainer_is_one_line(tmp_path, capsy
 
     save = loop.save_checkpoint
 
-    def save_then_remove(run_, state, step, force):
-        started = save(run_, state, step, force)
+    def save_then_remove(run_, state, step, force, **copy):
+        started = save(run_, state, step, force, **copy)
         if step == 2:
             t = time.monotonic()
             while time.monotonic() - t < 0.5:  # while orbax's threads write it, and after

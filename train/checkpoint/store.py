@@ -298,6 +298,10 @@ class Checkpointer:
         self.failed = False
         self.saved = False  # a save was started
         self._purger: threading.Thread | None = None
+        # a save handed to a thread (save(..., background=True)): joined before the manager is
+        # used again, its failure raised there
+        self._background: threading.Thread | None = None
+        self._background_error: BaseException | None = None
         options = ocp.CheckpointManagerOptions(
             # due() decides when to save; orbax's own rule would also save the first step of every
             # invocation, even with checkpoint.every=0 ("only at the end")
@@ -307,9 +311,13 @@ class Checkpointer:
             create=True,
             todelete_subdir=PRUNED,
         )
+        # written uncompressed: zstd took 3.5x the host CPU time of the whole save of float
+        # weights (which barely compress), competing with the steps; reads take either
+        tree = lambda: ocp.PyTreeCheckpointHandler(use_compression=False)  # noqa: E731
         self.manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=ITEMS
-        )
+            self.directory, options=options,
+            item_handlers={"params": tree(), "opt_state": tree(),
+                           "meta": ocp.JsonCheckpointHandler()})
         self._start_purge()  # what a crashed earlier run left there
 
     def _start_purge(self) -> None:
@@ -325,10 +333,19 @@ class Checkpointer:
         """Whether `step` lies on the checkpoint.every interval (0: never; the loop forces the
         final save) and has no checkpoint yet."""
         every = self.cfg.every
-        return every > 0 and step % every == 0 and step not in self.manager.all_steps()
+        if every <= 0 or step % every:
+            return False
+        self.wait_for_handover()
+        return step not in self.manager.all_steps()
 
-    def save(self, step: int, params, opt_state, meta: dict[str, Any], *, force: bool = False) -> bool:
-        """Save after `step` completed steps when the interval says so (or `force`)."""
+    def save(self, step: int, params, opt_state, meta: dict[str, Any], *, force: bool = False,
+             background: bool = False) -> bool:
+        """Save after `step` completed steps when the interval says so (or `force`). With
+        `background`, orbax's blocking part (the copy to host memory) runs in a thread while the
+        caller goes on: `params` and `opt_state` must then be buffers no later step donates (a
+        copy: train.checkpoint.snapshot). Only where one process runs: orbax's barriers between
+        processes are collective programs, which must not run beside the steps' own."""
+        self.wait_for_handover()
         if step in self.manager.all_steps() or not (force or self.due(step)):
             return False
         self._start_purge()  # the steps the previous save pruned
@@ -338,16 +355,41 @@ class Checkpointer:
             self.failed = True
             raise save_failed(FileNotFoundError(f"{self.directory} does not exist"), self.directory)
         self.saved = True
+        if not background or jax.process_count() > 1:
+            return self._save(step, params, opt_state, meta)
+
+        def save_and_keep_error():
+            try:
+                self._save(step, params, opt_state, meta)
+            except BaseException as e:  # noqa: BLE001 (raised by wait_for_handover)
+                self._background_error = e
+
+        self._background = threading.Thread(target=save_and_keep_error, daemon=True,
+                                            name=f"checkpoint-save-{step}")
+        self._background.start()
+        return True
+
+    def _save(self, step: int, params, opt_state, meta: dict[str, Any]) -> bool:
         with self._failures():
             return self.manager.save(
                 step,
                 args=ocp.args.Composite(
-                    params=ocp.args.StandardSave(params),
-                    opt_state=ocp.args.StandardSave(opt_state),
+                    params=ocp.args.PyTreeSave(params),
+                    opt_state=ocp.args.PyTreeSave(opt_state),
                     meta=ocp.args.JsonSave(meta),
                 ),
                 force=True,
             )
+
+    def wait_for_handover(self) -> None:
+        """Wait until a save handed to a thread has passed the state to orbax (whose write goes
+        on in the background); raise its failure here."""
+        if self._background is not None:
+            self._background.join()
+            self._background = None
+        if self._background_error is not None:
+            error, self._background_error = self._background_error, None
+            raise error
 
     @contextlib.contextmanager
     def _failures(self):
@@ -367,8 +409,8 @@ class Checkpointer:
             restored = self.manager.restore(
                 step,
                 args=ocp.args.Composite(
-                    params=ocp.args.StandardRestore(abstract_params),
-                    opt_state=ocp.args.StandardRestore(abstract_opt_state),
+                    params=_restore_args(abstract_params),
+                    opt_state=_restore_args(abstract_opt_state),
                     meta=ocp.args.JsonRestore(),
                 ),
             )
@@ -399,10 +441,13 @@ class Checkpointer:
                                   f"{what} {name}: it is damaged; {fix}")
 
     def wait(self) -> None:
+        self.wait_for_handover()
         with self._failures():
             self.manager.wait_until_finished()
 
     def close(self) -> None:
+        if self._background is not None:
+            self._background.join()  # (its failure, if any, was or is raised by wait() below)
         if self.failed:
             try:
                 self.manager.close()
@@ -417,6 +462,12 @@ class Checkpointer:
             _purge(self.directory)  # what the last save pruned
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.join(self.directory, PRUNED))
+
+
+def _restore_args(abstract):
+    """Arrays of `abstract`'s shapes, dtypes and shardings."""
+    return ocp.args.PyTreeRestore(
+        item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
 
 
 PRUNE_RETRIES = 5  # a trainer prunes at most once per save: this many in one read is no race
