@@ -57,9 +57,8 @@ def ring_local_attention(q, k, v, seg, *, layout: Layout, causal: bool, block_si
     The k/v hops happen here, outside the attention proper (`_ring_attention`, with its own
     backward pass): their transposes send the k/v gradients back, and remat policies see them
     as the exchanges they are. The attention keeps only its final output and log-sum-exp for the
-    backward pass, not every ring step's partial result (16M tokens on 32 GPUs, ring 4: 271.5 ->
-    242.9 GiB per device with blockwise hops; 82.4 with the Pallas hop kernel, 71.25 once each
-    hop is merged and summed before the next runs, `_after`).
+    backward pass, not every ring step's partial result, and each hop is merged and summed
+    before the next runs (`_after`): BENCHMARKS.md, "Figures behind design choices".
     """
     inner = layout.a2a
     groups = layout.a2a_runs
@@ -133,8 +132,7 @@ def _after(inputs, sums):
     only once the running sums (the merged outputs, the gradient sums) are computed, and those
     sums as values later merges start from. Without it XLA runs every hop's kernel first and
     fuses all the merges or additions into one computation at the end, holding every hop's
-    output at once: at 16M tokens on 32 GPUs (ring 4, zig-zag) 16 outputs of 2 GiB in the
-    forward pass and 16 dq pieces of 2 GiB in the backward."""
+    output at once (every hop's output in the forward pass, every dq piece in the backward)."""
     return lax.optimization_barrier((inputs, sums))
 
 
@@ -222,7 +220,7 @@ def _ring_attention_bwd(static: _Ring, residuals, d_out):
     Every hop's gradients are added to float32 running sums before the next hop's kernels run
     (`_after`). With the Pallas kernel, whose dq and dk/dv are separate kernels, dq is summed over
     all hops one query piece at a time and then each step's dk/dv over the query pieces: one dq
-    sum exists at a time (4 GiB at 16M tokens on 32 GPUs, ring 4) instead of one per piece, and
+    sum exists at a time instead of one per piece, and
     none while the dk/dv kernels run. The blockwise hop computes all three in one loop: its hops
     run in the forward's order. Either way every sum adds the same terms in the same order."""
     q, ks, vs, full_seg, rank, out, lses = residuals

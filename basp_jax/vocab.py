@@ -63,15 +63,15 @@ def flat_spec() -> P:
     return activation_spec(TOKENS)
 
 
-# Tokens per device whose logits exist at once in chunked_lm_loss (and parallel_loss):
-# 128 x a 128K vocabulary in float32 is 64 MiB per buffer, against 2.1 GB for 4,096 tokens. At
-# 1,024 the 8B step at 16K held 1.5 GiB of chunk buffers, at 256 0.06 GiB more than at 128
-# (compiled GPU program); more, smaller chunks cost no FLOPs, only more (small) collectives.
+# Tokens per device whose logits exist at once in chunked_lm_loss (and parallel_loss): small,
+# because a float32 chunk of logits over a whole vocabulary is large and larger chunks held more
+# buffers at once; more, smaller chunks cost no FLOPs, only more (small) collectives (BENCHMARKS.md,
+# "Figures behind design choices").
 LOSS_CHUNK_TOKENS = 128
 
 # Tokens per device above which the gathering embedding and loss cost too much memory whatever
 # they save in bytes: their float32 [tokens, hidden] rows and whole float32 tables and gradients
-# (the 8B step at 512K tokens per device: 82.3 GiB gathering, 66.8 vocabulary-parallel).
+# (BENCHMARKS.md, "Figures behind design choices").
 GATHER_MAX_TOKENS_PER_DEVICE = 65536
 
 
@@ -109,9 +109,9 @@ def vocab_axes(names: tuple[str, ...], shape: tuple[int, ...],
 
 
 # parallel_lookup gathers its rows (shards x tokens x embed, float32 per device) in one
-# piece up to LOOKUP_WHOLE_BYTES, where XLA fuses the lookup into the reduce-scatter (the 8B step
-# at 8 shards x 512K tokens: 64 GiB of rows, 66.8 GiB peak; in 1 GiB chunks: 71.7), and in
-# chunks of LOOKUP_CHUNK_BYTES beyond (32 shards x 512K: 135.4 GiB whole, 62.2 in 1 GiB chunks).
+# piece up to LOOKUP_WHOLE_BYTES, where XLA fuses the lookup into the reduce-scatter (chunks
+# would cost more there), and in chunks of LOOKUP_CHUNK_BYTES beyond, where the whole rows would
+# not fit (BENCHMARKS.md, "Figures behind design choices").
 LOOKUP_WHOLE_BYTES = 2**36
 LOOKUP_CHUNK_BYTES = 2**30
 
@@ -175,7 +175,7 @@ def parallel_lookup(table: jax.Array, flat_tokens: jax.Array, *, mesh: Mesh,
         if c == local_tokens:
             return chunk(table, tokens)
         # rematerialised: kept for the backward pass, each chunk's [rows, embed] mask of which
-        # rows this shard holds would be stacked over the chunks (64 GiB at 32 shards, 512K)
+        # rows this shard holds would be stacked over the chunks
         remat_chunk = jax.checkpoint(chunk)
         out = lax.map(lambda t: remat_chunk(table, t), tokens.reshape(-1, c))
         return out.reshape(local_tokens, -1)
@@ -357,9 +357,8 @@ def _per_device_chunks(hidden, targets, project, weight, loss_fn, mesh: Mesh, c:
     with a whole copy of `weight` (gathered once if it is stored sharded). Made device-varying
     before the loop, the copy's cotangent accumulates on the device and its transpose sums it
     over the mesh once; differentiated through a scan over a replicated weight, XLA would
-    all-reduce the whole [vocab, hidden] gradient once per chunk (the emulated cluster's B=8 step
-    under hsdp: 16.5 instead of 9.0 MiB across hosts per device; a 128K x 2048 fp32 head at 4K
-    tokens per device: 32 chunks of 1 GB per step)."""
+    all-reduce the whole [vocab, hidden] gradient once per chunk (BENCHMARKS.md, "Figures
+    behind design choices")."""
     axes = unmapped_axes(mesh)
     loop = _device_loop(project, loss_fn, c, axes)
 
@@ -395,7 +394,7 @@ def _per_host_chunks(hidden, targets, project, copies, loss_fn, mesh: Mesh, host
     inside the host once. The copy's cotangent is summed inside the host once, after the loop,
     and the copies' across hosts once (host_copies' transpose). Scanned in the global view
     instead, XLA gathered the copy inside the host for every chunk and reduce-scattered its f32
-    gradient per chunk (a 128K x 4096 head at 256K tokens: 188 GiB per device per step)."""
+    gradient per chunk (BENCHMARKS.md, "Figures behind design choices")."""
     hidden = host_major(hidden, mesh, host_mesh)  # [hosts, tokens per host, D]
     targets = host_major(targets, mesh, host_mesh)
     loop = _device_loop(project, loss_fn, c, tuple(host_mesh.axis_names))

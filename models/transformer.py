@@ -94,7 +94,7 @@ class Block(nnx.Module):
         """__call__ with everything after attention (output projection, residual adds, norm,
         MLP) over chunks of tile_tokens tokens per device (models.tiling), so no [tokens,
         intermediate] buffer of the whole shard exists. (Tiling the q/k/v projections too made
-        XLA keep extra copies of q, k, v: +15 GiB for the 8B step at 512K tokens per device.)"""
+        XLA keep extra copies of q, k, v: BENCHMARKS.md, "Figures behind design choices".)"""
         mixer = self.mixer
         with jax.named_scope("attention"):
             out = mixer.mix(self.input_layernorm(x), positions, segment_ids)

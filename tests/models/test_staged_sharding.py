@@ -19,6 +19,7 @@ from basp_jax.compiled import comm
 from train.tools.collectives import step_collectives
 
 from tests.helpers.flags import WHOLE_MATRIX
+from tests.helpers.one_device import assert_equal_to_one_device, mean_loss_and_grads
 from tests.helpers.trees import flat_state
 
 pytestmark = pytest.mark.usefixtures("compile_cache")  # this run's (tests/conftest.py)
@@ -39,14 +40,6 @@ def _batch(batch: int, seed: int):
     targets[:, -1] = -100
     segments = np.repeat(np.arange(1, 3, dtype=np.int32), SEQ // 2)[None].repeat(batch, 0)
     return jnp.asarray(tokens), jnp.asarray(targets), jnp.asarray(segments)
-
-
-@nnx.jit
-def _loss_and_grads(model, tokens, targets, segments):
-    def mean_loss(model):
-        total, count = model.loss(tokens, targets, segment_ids=segments)
-        return total / count
-    return nnx.value_and_grad(mean_loss)(model)
 
 
 # (batch, groups): BASP (2,4), Ulysses (1,8), one device per sequence (8,1); each strategy, with
@@ -71,8 +64,7 @@ CASES = [(2, 2, "staged_keep", "full", False, "auto"),
 def test_loss_and_gradients_equal_one_device(batch, groups, strategy, remat, tied, vocab):
     config = _config(tied)
     tokens, targets, segments = _batch(batch, seed=batch + groups)
-    loss_1, grads_1 = _loss_and_grads(models.init_model(config, seed=3), tokens, targets, segments)
-    reference = flat_state(grads_1)
+    want = mean_loss_and_grads(models.init_model(config, seed=3), tokens, targets, segments)
 
     layout = basp_jax.Layout.plan(8, batch, SEQ, config.num_heads, config.num_kv_heads,
                                   groups=groups, devices_per_host=HOST)
@@ -84,13 +76,7 @@ def test_loss_and_gradients_equal_one_device(batch, groups, strategy, remat, tie
     stored = {k: v.sharding for k, v in _flat_arrays(model).items()}
     assert all(s.num_devices == 8 and not s.is_fully_replicated for k, s in stored.items()
                if "norm" not in k[-2]), stored  # stored split over all 8 devices
-    loss_m, grads_m = _loss_and_grads(model, tokens, targets, segments)
-    np.testing.assert_allclose(float(loss_m), float(loss_1), rtol=1e-6)
-    flat = flat_state(grads_m)
-    assert flat.keys() == reference.keys()
-    assert max(np.abs(g).max() for g in reference.values()) > 1e-3
-    for key, g in reference.items():
-        np.testing.assert_allclose(flat[key], g, atol=1e-6, rtol=1e-4, err_msg=str(key))
+    assert_equal_to_one_device(mean_loss_and_grads(model, tokens, targets, segments), want)
 
 
 def _flat_arrays(model):
@@ -255,7 +241,7 @@ def _check_one_device(mcfg, params, batch, compiled, scan_layers: bool = True):
     nnx.replace_by_pure_dict(state, jax.device_get(params))
     nnx.update(model, state)
     rows = lambda x: np.asarray(x).reshape(-1, x.shape[-1])  # noqa: E731
-    loss_1, grads_1 = _loss_and_grads(model, rows(batch["tokens"]), rows(batch["targets"]), None)
+    loss_1, grads_1 = mean_loss_and_grads(model, rows(batch["tokens"]), rows(batch["targets"]))
     np.testing.assert_allclose(float(loss_sum / count), float(loss_1), rtol=1e-6)
     reference = flat_state(grads_1)
     flat = {k: np.asarray(v) for k, v in traverse_util.flatten_dict(jax.device_get(grads)).items()}
@@ -318,24 +304,14 @@ def test_a_loss_other_than_plain_cross_entropy_uses_the_hosts_copies():
     def loss_fn(logits, targets):  # the same cross-entropy, but not models.causal_lm_loss itself
         return models.causal_lm_loss(logits, targets)
 
-    @nnx.jit
-    def loss_and_grads(model, tokens, targets):
-        def mean_loss(model):
-            total, count = model.loss(tokens, targets, loss_fn=loss_fn)
-            return total / count
-        return nnx.value_and_grad(mean_loss)(model)
-
     config = _config(False)
     tokens, targets, _ = _batch(2, seed=5)
-    loss_1, grads_1 = loss_and_grads(models.init_model(config, seed=3), tokens, targets)
+    want = mean_loss_and_grads(models.init_model(config, seed=3), tokens, targets,
+                               loss_fn=loss_fn)
     layout = basp_jax.Layout.plan(8, 2, SEQ, config.num_heads, config.num_kv_heads, groups=2,
                                   devices_per_host=HOST)
     model = models.init_model(config, seed=3, mesh=basp_jax.make_mesh(layout), layout=layout,
                               param_sharding="staged_keep", remat="full")
     assert model.head_table.host_active_axes(tokens.size) is not None
-    loss_m, grads_m = loss_and_grads(model, tokens, targets)
-    np.testing.assert_allclose(float(loss_m), float(loss_1), rtol=1e-6)
-    reference, flat = flat_state(grads_1), flat_state(grads_m)
-    assert flat.keys() == reference.keys()
-    for key, g in reference.items():
-        np.testing.assert_allclose(flat[key], g, atol=1e-6, rtol=1e-4, err_msg=str(key))
+    assert_equal_to_one_device(
+        mean_loss_and_grads(model, tokens, targets, loss_fn=loss_fn), want)

@@ -277,10 +277,9 @@ AUTO_TILE_TOKENS = 4096
 # Where the fastest policy that fits leaves less than AUTO_HEADROOM of the device's budget
 # (parallel.hardware's, what JAX may take) free by the formula's prediction, model.remat=auto
 # takes the leanest one predicted at most AUTO_HEADROOM_COST slower: memory a step need not fill
-# is left to what runs beside it and to the formula's error (within 15% of the compiled
-# programs, tests/e2e/test_gpu_compile.py). Llama-3.1-8B, B=2 x 128K on 8 x H100: full,
-# predicted at 81% of the budget, compiles to 60.19 GiB; inputs, predicted 0.35% slower, to
-# 40.72. No shipped config changes policy.
+# is left to what runs beside it and to the formula's error (tests/e2e/test_gpu_compile.py
+# bounds it; BENCHMARKS.md, "Figures behind design choices", has an example). No shipped config
+# changes policy.
 AUTO_HEADROOM = 0.25
 AUTO_HEADROOM_COST = 0.01
 

@@ -20,8 +20,9 @@ device one layer at a time:
 
 The layer loop is written out rather than left to jax.grad: the cotangent JAX gives a master
 weight is float32 (its dtype) and lives in device memory whatever memory the weight is in, so
-jax.grad would stack a float32 gradient of the whole stack on the device (30 GiB for the 8B,
-measured), and moving it to the host inside the transposed scan is not expressible (custom_vjp
+jax.grad would stack a float32 gradient of the whole stack on the device (BENCHMARKS.md,
+"Figures behind design choices"), and moving it to the host inside the transposed scan is not
+expressible (custom_vjp
 rules must return device-typed cotangents). Here each layer's gradient is cast to the compute
 dtype before it is stacked. The update uses the run's own optax
 transformation on views of the state (a layer's slice, zero-size stand-ins for everything
@@ -142,8 +143,7 @@ def _staged(model, weights):
 def _as_stored(model, grads):
     """A layer's gradient placed as its weights are stored (a layer slice of the stack's
     sharding): reduce-scattered where it is produced, not summed whole on every device and then
-    cut (which XLA otherwise picks for the stacked gradient: the 8B step on 2 x 4 GPUs
-    all-reduced 11.5 GiB across hosts)."""
+    cut, which XLA otherwise picks for the stacked gradient, all-reducing it across hosts."""
     rules = model.options.rules
     if rules is None:
         return grads
@@ -180,8 +180,8 @@ def streamed_loss_and_grads(parts: ModelParts, params, tokens, targets, segment_
                             loss_fn: Callable, grad_dtype):
     """((loss sum, token count), gradients of the mean loss, their squared norm) of one
     microbatch, with params['layers'] (in host memory) streamed a layer at a time; the layers'
-    gradient is stacked on the device in `grad_dtype` (the compute dtype: 13 GiB for the 8B
-    model's layers in bf16, where its master weights and moments are 75 GiB)."""
+    gradient is stacked on the device in `grad_dtype` (the compute dtype: a fraction of the
+    master weights and moments it stands beside in host memory)."""
     model_with, outer, layer_def, layer_state = _split_layers(parts, params)
 
     def embed(outer_params):  # (first layer's input, (positions, segment ids) as placed)
