@@ -4,7 +4,12 @@ All take q [b, s, hq, d], k/v [b, s, hkv, d] (hq a multiple of hkv, grouped-quer
 head h reads kv head h // (hq // hkv)) and optional segment_ids [b, s], and return [b, s, hq, d].
 
 - "xla":       jax.nn.dot_product_attention with the XLA implementation (materialises S x S).
-- "cudnn":     the same API with cuDNN flash attention (GPU, bf16/fp16).
+- "cudnn":     cuDNN flash attention (GPU, bf16/fp16; basp_jax.cudnn): unpacked through
+               jax.nn.dot_product_attention; packed documents on Hopper and newer through
+               cuDNN's packed layout (per-document lengths and offsets, no S x S mask; a step
+               whose rows hold more documents than its bound runs "pallas"), before Hopper as
+               a dense segment mask. Input cuDNN refuses while it is traced runs "pallas",
+               with one logged note.
 - "pallas":    our flash attention in Pallas/Triton (basp_jax.flash; any GPU from sm80), fused
                forward and backward, segment ids (packed documents) and grouped-query heads read
                in place, tiles by the GPU's shared memory. On CPU it runs in interpret mode
@@ -14,8 +19,9 @@ head h reads kv head h // (hq // hkv)) and optional segment_ids [b, s], and retu
                that no query of a block can see (causal future, other documents) are skipped.
 
 "auto" on a GPU from sm80 (Ampere) takes a fused kernel whenever one applies: cuDNN for unpacked
-half-precision input (its fastest path), Pallas for packed input (cuDNN would take the segment
-mask as a dense [b, 1, S, S] bias) and for what cuDNN refuses; on an older GPU (the T4, sm75),
+half-precision input (its fastest path), Pallas for packed input (before Hopper cuDNN would take
+the segment mask as a dense [b, 1, S, S] bias; from Hopper impl="cudnn" runs its packed layout)
+and for what cuDNN refuses; on an older GPU (the T4, sm75),
 on CPU and for what neither takes: blockwise from BLOCKWISE_MIN_SEQ tokens, else xla (bf16 on a
 pre-Ampere GPU, and float16 on CPU: blockwise always, since the xla kernel's dot does not compile
 there). Which GPU runs what: gpu_kernels, by compute capability.
@@ -30,7 +36,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from . import gpus
+from . import cudnn, gpus
 from .blockwise import DEFAULT_BLOCK, blockwise_attention
 from .flash import FlashBlocks, flash_attention, flash_blocks
 from .registry import Registry
@@ -62,8 +68,9 @@ class Kernel:
     supports(platform, capability, dtype): None where it runs (capability: a CUDA GPU's, None:
         unknown; dtype None: any), else why not and what to use, one line naming `impl=`.
     accepts(q, full_seq_len): None when it takes inputs of this shape, else why not.
-    auto(q, full_seq_len, platform, has_segments): whether "auto" wants it where it runs and
-        takes the input; auto_rank: the order "auto" asks (None: auto never picks it).
+    auto(q, full_seq_len, platform, has_segments, capability): whether "auto" wants it where
+        it runs and takes the input; auto_rank: the order "auto" asks (None: auto never picks
+        it).
     options(platform, block_size, capability): the keyword arguments attention() passes fn.
     doc: what the config reference says of it ("" for none).
     """
@@ -71,7 +78,7 @@ class Kernel:
     fn: Callable
     supports: Callable[..., str | None] = _runs_anywhere
     accepts: Callable[..., str | None] = _takes_any
-    auto: Callable[..., bool] = lambda q, full_seq_len, platform, has_segments: True
+    auto: Callable[..., bool] = lambda q, full_seq_len, platform, has_segments, capability: True
     auto_rank: int | None = None
     options: Callable[..., dict] = _no_options
     doc: str = ""
@@ -110,11 +117,13 @@ def xla_attention(q, k, v, *, causal: bool, segment_ids=None):
     )
 
 
-def cudnn_attention(q, k, v, *, causal: bool, segment_ids=None):
-    # cuDNN takes a boolean mask as a bias, i.e. it materialises [b, 1, s, s] for packed input.
-    return jax.nn.dot_product_attention(
-        q, k, v, mask=_segment_mask(segment_ids), is_causal=causal, implementation="cudnn"
-    )
+def _cudnn_options(platform: str, block_size: int, capability) -> dict:
+    """The GPU generation (cuDNN's packed layout on Hopper and newer) and, for a step whose
+    rows hold more documents than that layout's bound, our Pallas kernel."""
+    if platform != "gpu":
+        return {}
+    return {"capability": capability,
+            "fallback": KERNELS.get("pallas").bind(platform, block_size, capability)}
 
 
 def _cudnn_runs(platform: str, capability, dtype) -> str | None:
@@ -123,13 +132,14 @@ def _cudnn_runs(platform: str, capability, dtype) -> str | None:
     return _fused_runs("cudnn", platform, capability)
 
 
-def cudnn_supported(q: jax.ShapeDtypeStruct, platform: str) -> bool:
-    """Whether cuDNN flash attention accepts these inputs (GPU, half precision, head_dim <= 128)."""
+def cudnn_supported(q: jax.ShapeDtypeStruct, platform: str, capability=None) -> bool:
+    """Whether cuDNN flash attention accepts these inputs (GPU, half precision, head_dim <= 128,
+    or 256 on Hopper and newer)."""
     head_dim = q.shape[-1]
     return (
         platform == "gpu"
         and q.dtype in (jnp.bfloat16, jnp.float16)
-        and head_dim <= 128
+        and head_dim <= (256 if cudnn.packed_supported(capability) else 128)
         and head_dim % 8 == 0
     )
 
@@ -190,10 +200,14 @@ def _xla_runs(platform: str, capability, dtype) -> str | None:
 
 KERNELS.register("xla", Kernel(xla_attention, supports=_xla_runs, auto_rank=3))
 KERNELS.register("cudnn", Kernel(
-    cudnn_attention, supports=_cudnn_runs, auto_rank=0, doc="GPU, sm80+",
-    # its fastest path; packed input would cost a dense [b, 1, S, S] mask
-    auto=lambda q, full_seq_len, platform, has_segments: (
-        cudnn_supported(q, platform) and not has_segments)))
+    cudnn.attention, supports=_cudnn_runs, auto_rank=0, doc="GPU, sm80+",
+    options=_cudnn_options,
+    # not for packed input: before Hopper it would cost a dense [b, 1, S, S] mask; from Hopper
+    # its packed layout compiles in one-host programs only so far (a step vmapped over groups
+    # or placed on a second, per-host mesh fails in JAX's cuDNN wrapper), so impl='cudnn' asks
+    # for it there
+    auto=lambda q, full_seq_len, platform, has_segments, capability: (
+        cudnn_supported(q, platform, capability) and not has_segments)))
 
 
 def device_capability(device) -> tuple[int, int] | None:
@@ -248,7 +262,8 @@ def resolve_impl(impl: str, q_shape_dtype, full_seq_len: int, platform: str, has
     for name, kernel in ranked:
         if kernel.supports(platform, capability, q_shape_dtype.dtype) is None \
                 and kernel.accepts(q_shape_dtype, full_seq_len) is None \
-                and kernel.auto(q_shape_dtype, full_seq_len, platform, has_segments):
+                and kernel.auto(q_shape_dtype, full_seq_len, platform, has_segments,
+                                capability):
             return name
     return AUTO_FALLBACK
 
@@ -280,7 +295,8 @@ KERNELS.register("pallas", Kernel(
     pallas_attention, supports=lambda platform, capability, dtype: _fused_runs(
         "pallas", platform, capability),
     accepts=lambda q, full_seq_len: pallas_supported(q, full_seq_len), auto_rank=1,
-    auto=lambda q, full_seq_len, platform, has_segments: platform == "gpu",  # CPU: interpret
+    auto=lambda q, full_seq_len, platform, has_segments, capability: platform == "gpu",  # CPU:
+    # interpret mode
     options=_pallas_options, doc="Triton, GPU, sm80+"))
 
 
@@ -300,7 +316,8 @@ def ring_hop_kernel(impl: str, platform: str, capability, head_dim: int,
 
 KERNELS.register("blockwise", Kernel(
     blockwise_attention, auto_rank=2, doc="memory-efficient, pure JAX",
-    auto=lambda q, full_seq_len, platform, has_segments: full_seq_len >= BLOCKWISE_MIN_SEQ,
+    auto=lambda q, full_seq_len, platform, has_segments, capability: (
+        full_seq_len >= BLOCKWISE_MIN_SEQ),
     options=lambda platform, block_size, capability: {"block_size": block_size}))
 # What "auto" takes when no kernel above wants the input: blockwise runs everywhere.
 AUTO_FALLBACK = "blockwise"

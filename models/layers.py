@@ -184,10 +184,12 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 def local_attention(q, k, v, *, segment_ids, impl: str):
     """Single-device attention through the basp_jax kernels (no mesh, no all-to-all)."""
     device = jax.devices()[0]
+    capability = basp_kernels.device_capability(device)
     name = basp_kernels.resolve_impl(impl, q, q.shape[1], device.platform, segment_ids is not None,
-                                     basp_kernels.device_capability(device))
+                                     capability)
+    kernel = basp_kernels.KERNELS.get(name).bind(device.platform, capability=capability)
     with jax.named_scope(ATTENTION_SCOPE):  # as basp_jax.attention names it
-        return basp_kernels.KERNELS.get(name).fn(q, k, v, causal=True, segment_ids=segment_ids)
+        return kernel(q, k, v, causal=True, segment_ids=segment_ids)
 
 
 class Attention(nnx.Module):

@@ -20,6 +20,7 @@ from collections import defaultdict
 from functools import cached_property
 
 from ..attention import ATTENTION_SCOPE
+from ..cudnn import FALLBACK_SCOPE
 
 _COMPUTATION_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTRUCTION_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
@@ -121,6 +122,9 @@ KERNEL_CUDNN = "cudnn"  # cuDNN fused (flash) attention custom calls
 KERNEL_TRITON = "triton"  # a Pallas/Triton kernel (custom call __gpu$xla.gpu.triton)
 KERNEL_LOOP = "pure-JAX loop"  # the blockwise kernel: while loops over key/query blocks
 KERNEL_XLA = "xla"  # jax.nn.dot_product_attention's XLA path: materialised scores
+# a Pallas/Triton kernel compiled as cuDNN's packed layout's fallback (basp_jax.cudnn): it runs
+# only in a step whose rows hold more documents than the layout's bound
+KERNEL_TRITON_FALLBACK = "triton, over cuDNN's document bound only"
 
 # The named scope around every local kernel (basp_jax.attention.ATTENTION_SCOPE): what an
 # instruction's op_name holds as one path component when attention computed it.
@@ -150,7 +154,9 @@ def attention_kernels(hlo_text: str) -> dict[str, dict]:
             if "triton" in target:  # named by the function around the pallas_call
                 name = _pallas_name(inst.line)
                 if not (name or "").startswith(GROUPED_MATMUL):  # the experts': expert_kernels
-                    add(KERNEL_TRITON, inst.executions, name or target)
+                    kind = KERNEL_TRITON_FALLBACK if f"/{FALLBACK_SCOPE}/" in inst.line \
+                        else KERNEL_TRITON
+                    add(kind, inst.executions, name or target)
                 continue
         if not _SCOPE_RE.search(inst.line):
             continue

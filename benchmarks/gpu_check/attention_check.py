@@ -97,12 +97,13 @@ def off_gpu(impl: str, on_gpu: bool) -> str | None:
 
 
 def unsupported(impl: str, heads, seq: int, docs: int, dtype: str, on_gpu: bool) -> str | None:
-    """Why this case does not run: off a GPU, float16 on the CPU, cuDNN on packed input or past
-    its head_dim, the Pallas kernel past its head_dim."""
+    """Why this case does not run: off a GPU, float16 on the CPU, cuDNN on packed input before
+    Hopper or past its head_dim, the Pallas kernel past its head_dim."""
     import jax
     import jax.numpy as jnp
 
-    from basp_jax.kernels import KERNELS, cudnn_supported
+    from basp_jax import cudnn
+    from basp_jax.kernels import KERNELS, cudnn_supported, device_capability
 
     if not on_gpu and dtype == "float16":
         return ("--cpu-smoke: float16 is checked on a GPU only (XLA's CPU backend has no "
@@ -110,12 +111,14 @@ def unsupported(impl: str, heads, seq: int, docs: int, dtype: str, on_gpu: bool)
     if why := off_gpu(impl, on_gpu):
         return why
     q = jax.ShapeDtypeStruct((1, seq, heads[0], heads[2]), jnp.dtype(dtype))
-    if impl == "cudnn" and docs:
-        return ("packed input: auto never runs cudnn there (it would take the segment mask as a "
-                "dense S x S bias); pallas does")
-    if impl == "cudnn" and not cudnn_supported(q, "gpu"):
-        return (f"cuDNN flash attention is used for head_dim <= 128, a multiple of 8 "
-                f"(basp_jax.kernels.cudnn_supported); auto runs pallas at {heads[2]}")
+    capability = device_capability(jax.devices()[0])
+    if impl == "cudnn" and docs and not cudnn.packed_supported(capability):
+        return ("packed input before Hopper: auto never runs cudnn there (it would take the "
+                "segment mask as a dense S x S bias); pallas does")
+    if impl == "cudnn" and not cudnn_supported(q, "gpu", capability):
+        return (f"cuDNN flash attention is used for head_dim <= 128 (256 on Hopper and newer), "
+                f"a multiple of 8 (basp_jax.kernels.cudnn_supported); auto runs pallas at "
+                f"{heads[2]}")
     return KERNELS.get(impl).accepts(q, seq)
 
 

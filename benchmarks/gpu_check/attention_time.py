@@ -63,7 +63,7 @@ def _upstream_pallas_attention(heads, interpret: bool):
 def not_timed(impl: str, seq: int, heads, docs: int, shapes: Shapes, on_gpu: bool) -> str | None:
     """Why a case is not timed: what a kernel cannot run here, and what would spend the check's
     minutes without telling anything new."""
-    from basp_jax.kernels import cudnn_supported
+    from basp_jax.kernels import cudnn_supported, device_capability
 
     if impl == UPSTREAM:
         if docs:
@@ -71,9 +71,9 @@ def not_timed(impl: str, seq: int, heads, docs: int, shapes: Shapes, on_gpu: boo
         return _upstream_missing()
     if why := off_gpu(impl, on_gpu):
         return why
-    if impl == "cudnn" and docs:
-        return ("packed input: auto never runs cudnn there (it would take the segment mask as a "
-                "dense S x S bias); pallas does")
+    if impl == "cudnn" and docs and not _packed_cudnn():
+        return ("packed input before Hopper: auto never runs cudnn there (it would take the "
+                "segment mask as a dense S x S bias); pallas does")
     if impl == "xla" and docs:
         return "the xla kernel's work and memory do not depend on the packing (S x S scores)"
     if impl == "xla" and on_gpu:
@@ -92,9 +92,20 @@ def not_timed(impl: str, seq: int, heads, docs: int, shapes: Shapes, on_gpu: boo
         import jax.numpy as jnp
 
         q = jax.ShapeDtypeStruct((1, seq, heads[0], heads[2]), jnp.dtype(shapes.dtype))
-        if not cudnn_supported(q, "gpu"):
-            return f"cuDNN flash attention is used for head_dim <= 128, not {heads[2]}"
+        if not cudnn_supported(q, "gpu", device_capability(jax.devices()[0])):
+            return (f"cuDNN flash attention is used for head_dim <= 128 (256 on Hopper and "
+                    f"newer), not {heads[2]}")
     return None
+
+
+def _packed_cudnn() -> bool:
+    """Whether this GPU runs cuDNN's packed layout (basp_jax.cudnn)."""
+    import jax
+
+    from basp_jax import cudnn
+    from basp_jax.kernels import device_capability
+
+    return cudnn.packed_supported(device_capability(jax.devices()[0]))
 
 
 def causal_pairs(seq: int, seg) -> float:

@@ -346,9 +346,15 @@ def test_the_kernel_follows_the_gpu_generation():
         assert resolve_impl("auto", bf16, 4096, "gpu", segments, t4) == "blockwise"
         assert resolve_impl("auto", bf16_short, 1024, "gpu", segments, t4) == "blockwise"
         assert resolve_impl("auto", f32_short, 1024, "gpu", segments, t4) == "xla"
-    for cc in ((8, 0), (8, 6), (8, 9), (9, 0)):
+    for cc in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0)):
         assert resolve_impl("auto", bf16, 4096, "gpu", False, cc) == "cudnn"
+        # packed documents: ours (impl='cudnn' asks for cuDNN's packed layout from Hopper)
         assert resolve_impl("auto", bf16, 4096, "gpu", True, cc) == "pallas"
+        assert resolve_impl("cudnn", bf16, 4096, "gpu", True, cc) == "cudnn"
+    # head_dim 256 (Qwen3.5): cuDNN from Hopper, before it ours
+    wide = jax.ShapeDtypeStruct((1, 4096, 8, 256), jnp.bfloat16)
+    assert resolve_impl("auto", wide, 4096, "gpu", False, (8, 0)) == "pallas"
+    assert resolve_impl("auto", wide, 4096, "gpu", False, (9, 0)) == "cudnn"
     for impl in ("cudnn", "pallas"):
         with pytest.raises(ValueError, match=f"impl='{impl}' needs a GPU of compute capability "
                                              "8.0 .* this one is sm75; use 'auto', 'blockwise'"):

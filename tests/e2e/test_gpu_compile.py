@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from basp_jax import gpus
-from basp_jax.compiled import comm
+from basp_jax.compiled import comm, hlo
 from basp_jax.planner import cost, memory, traffic
 from basp_jax.planner.hardware import HARDWARE
 from basp_jax.planner.precisions import Precisions
@@ -110,6 +110,31 @@ def basp_8b(cuda_plugin, tmp_path_factory):
     return {"stdout": done.stdout, "stderr": done.stderr,
             "report": json.loads((out / "r.json").read_text()),
             "hlo": (out / "s.hlo").read_text()}
+
+
+@WHOLE_TIER
+def test_packed_documents_run_cudnn_packed_layout_on_hopper(cuda_plugin, tmp_path):
+    """The shipped packed 8B config on one host of 8 H100s with model.attn_impl=cudnn: every
+    layer's attention is cuDNN's fused kernel on its packed layout (basp_jax.cudnn; forward,
+    recomputed forward and backward: 3 per layer), no [S, S] buffer anywhere; our Pallas
+    kernel is compiled only as the fallback of a step whose rows hold more documents than the
+    layout's bound."""
+    done = _run("-m", "train.tools.aot", "--config", CONFIG_8B, "--target", "h100-80gb",
+                "--hosts", "1", "--gpus-per-host", "8", "parallel.devices_per_host=8",
+                "runtime.devices=8", "parallel.hardware=h100-80gb", "model.attn_impl=cudnn",
+                "--json", str(tmp_path / "r.json"), "--hlo", str(tmp_path / "s.hlo"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    kernels, layers = r["attention_kernels"], r["model"]["num_layers"]
+    assert set(kernels) == {"cudnn", hlo.KERNEL_TRITON_FALLBACK}, kernels
+    assert kernels["cudnn"]["count"] == 3 * layers, kernels
+    assert set(kernels["cudnn"]["targets"]) == {"__cudnn$fmhaSoftmax",
+                                                "__cudnn$fmhaSoftmaxBackward"}, kernels
+    seq = r["layout"]["seq_len"]
+    assert r["layout"]["batch"] == 2 and seq == 16384
+    text = (tmp_path / "s.hlo").read_text()
+    assert f"{seq},{seq}]" not in text.replace(" ", ""), "an S x S buffer"
+    assert "cuDNN's document bound" in done.stdout
 
 
 def _twin(path: str) -> str:

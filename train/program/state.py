@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import models
-from basp_jax import Layout, make_mesh
+from basp_jax import Layout, cudnn, kernels, make_mesh
 from basp_jax.compiled import comm
 from basp_jax.sharding import ShardingRules, abstract_arrays
 
@@ -130,7 +130,9 @@ class TrainProgram:
     def lower(self, params, opt_state):
         """Lower the step for these parameters and optimizer state (arrays or ShapeDtypeStructs
         with shardings) and an abstract batch: compile() it to run or to inspect."""
-        with jax.set_mesh(self.plan.mesh):
+        # a compile for GPUs from a host without one: JAX's trace-time cuDNN checks see them
+        capability = kernels.device_capability(self.plan.mesh.devices.flat[0])
+        with jax.set_mesh(self.plan.mesh), cudnn.capability_seen_as(capability):
             return self.step_fn.lower(params, opt_state, self.abstract_batch(),
                                       self.abstract_step_index())
 

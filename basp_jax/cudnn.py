@@ -1,0 +1,139 @@
+"""cuDNN's fused attention, on packed documents too.
+
+jax.nn.dot_product_attention takes packed documents only as a boolean mask, which cuDNN reads
+as a dense [b, 1, S, S] bias. On Hopper and newer cuDNN also has a packed ("ragged") layout:
+each row's documents as lengths and start offsets, each attended alone (causal within itself),
+no S x S buffer. `packed_layout` derives them from the segment ids inside the step: a document
+is a run of equal ids, so ids must not repeat apart (the packer numbers its documents in order).
+The layout holds a static number of documents per row (`bound`); a step whose rows hold more
+runs the fallback kernel instead (lax.cond), so documents are never merged.
+
+JAX checks the GPU's compute capability while tracing, through the default backend
+(`check_compute_capability` in jax._src.cudnn.fused_attention_stablehlo): a compile for a GPU
+from a host without one would see no Hopper and refuse the layout (and head_dim 256).
+`capability_seen_as` answers that check with the target's capability: whatever traces a step
+for GPU devices wraps its whole lowering in it (the backward pass is traced after the forward's
+call returns; train.program.state.TrainProgram.lower does). Both are private JAX names: FUSED is None where a jax version lacks any of them, and
+the packed path is then not offered (tests/basp_jax/test_cudnn_packed.py fails on such a jax).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# the named scope of the fallback kernel's call: a compiled program's report counts its kernels
+# apart (basp_jax.compiled.hlo), as they run only in a step over the bound
+FALLBACK_SCOPE = "over_document_bound"
+PACKED_MIN_CC = (9, 0)  # cuDNN's packed layout, and head_dim up to 256: Hopper and newer
+DOCUMENT_BOUND = 64  # documents per row the packed layout holds (more: the fallback kernel)
+_PRIVATE = ("dot_product_attention", "check_compute_capability",
+            "is_cuda_compute_capability_equal", "MaskType")
+
+
+def _fused_module():
+    try:
+        module = importlib.import_module("jax._src.cudnn.fused_attention_stablehlo")
+    except ImportError:
+        return None
+    return module if all(hasattr(module, name) for name in _PRIVATE) else None
+
+
+FUSED = _fused_module()
+
+
+def packed_supported(capability) -> bool:
+    """Whether cuDNN's packed layout runs on a GPU of this compute capability with this jax."""
+    return FUSED is not None and capability is not None and tuple(capability) >= PACKED_MIN_CC
+
+
+def packed_layout(segment_ids: jax.Array, bound: int):
+    """(lengths [b, bound], offsets [b, bound + 1], fits) of each row's documents: the runs of
+    equal segment ids, in order. Entries past a row's last document are -1, and offsets holds
+    the row's end after its last start. fits: whether every row has at most `bound`
+    documents (where not, the layout is cut and must not be used)."""
+    b, s = segment_ids.shape
+    starts = jnp.concatenate([jnp.ones((b, 1), bool),
+                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    index = jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1  # each token's document
+    count = index[:, -1] + 1
+    rows = jnp.arange(b)[:, None]
+    where = jnp.where(starts, index, bound + 1)  # not a start: dropped below
+    offsets = jnp.full((b, bound + 1), -1, jnp.int32)
+    offsets = offsets.at[rows, where].set(jnp.arange(s, dtype=jnp.int32)[None], mode="drop")
+    offsets = offsets.at[jnp.arange(b), count].set(s, mode="drop")  # the end after the last
+    ends = jnp.where(offsets[:, 1:] >= 0, offsets[:, 1:], 0)
+    lengths = jnp.where(jnp.arange(bound)[None] < count[:, None], ends - offsets[:, :-1], -1)
+    return lengths, offsets, jnp.all(count <= bound)
+
+
+@contextlib.contextmanager
+def capability_seen_as(capability):
+    """JAX's trace-time compute-capability checks answer for `capability` (the target's)."""
+    if FUSED is None or capability is None:
+        yield
+        return
+    have = tuple(capability)
+    at_least, equal = FUSED.check_compute_capability, FUSED.is_cuda_compute_capability_equal
+    FUSED.check_compute_capability = lambda c: have >= tuple(int(x) for x in c.split("."))
+    FUSED.is_cuda_compute_capability_equal = lambda c: have == tuple(
+        int(x) for x in c.split("."))
+    try:
+        yield
+    finally:
+        FUSED.check_compute_capability, FUSED.is_cuda_compute_capability_equal = at_least, equal
+
+
+def attention(q, k, v, *, causal: bool, segment_ids=None, capability=None,
+              bound: int = DOCUMENT_BOUND, fallback=None):
+    """cuDNN attention (see _cudnn_attention); where cuDNN refuses the input while it is traced
+    (a head_dim, a dtype, a layout its checks reject) and a fallback kernel is given, that
+    kernel, with one logged note."""
+    try:
+        return _cudnn_attention(q, k, v, causal=causal, segment_ids=segment_ids,
+                                capability=capability, bound=bound, fallback=fallback)
+    except (NotImplementedError, RuntimeError) as e:
+        if fallback is None:
+            raise
+        reason = " ".join(str(e).split())[:200]
+        if reason not in _NOTED:
+            _NOTED.add(reason)
+            logging.getLogger(__name__).warning(
+                "cuDNN attention refused q %s %s (%s); running the fallback kernel",
+                q.shape, q.dtype, reason)
+        return fallback(q, k, v, causal=causal, segment_ids=segment_ids)
+
+
+_NOTED: set[str] = set()  # the refusals noted (once each)
+
+
+def _cudnn_attention(q, k, v, *, causal: bool, segment_ids, capability, bound: int, fallback):
+    """cuDNN attention, q [b, s, hq, d], k/v [b, s, hkv, d] -> [b, s, hq, d]. Packed input on
+    a GPU that has the packed layout (capability: the GPU's) goes through it, a step whose rows
+    hold more than `bound` documents through `fallback` (an attention kernel of the same
+    signature); elsewhere as a dense mask."""
+    if segment_ids is None or not packed_supported(capability):
+        mask = None if segment_ids is None else \
+            (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [b, 1, s, s]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
+                                            implementation="cudnn")
+    lengths, offsets, fits = packed_layout(segment_ids, bound)
+
+    def packed(q, k, v):
+        mask = FUSED.MaskType.PADDING_CAUSAL if causal else FUSED.MaskType.PADDING
+        return FUSED.dot_product_attention(
+            q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
+            scale=float(q.shape[-1]) ** -0.5, mask_type=mask)
+
+    if fallback is None:
+        return packed(q, k, v)
+    def over_bound(q, k, v):
+        with jax.named_scope(FALLBACK_SCOPE):
+            return fallback(q, k, v, causal=causal, segment_ids=segment_ids)
+
+    return lax.cond(fits, packed, over_bound, q, k, v)

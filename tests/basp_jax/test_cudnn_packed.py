@@ -1,0 +1,188 @@
+"""basp_jax.cudnn on CPU: the packed layout's lengths and offsets, derived from segment ids,
+describe the same attention as the segment mask (forward and gradients, fresh random documents);
+a step whose rows hold more documents than the layout's bound runs the fallback kernel; JAX's
+private cuDNN names it relies on are where it looks (this test fails when a jax moves them).
+The cuDNN kernel itself needs a GPU: the GPU check runs it, the GPU-compile tier compiles it."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from basp_jax import cudnn
+
+from tests.helpers.reference import reference_attention
+
+B, S, HQ, HKV, D = 3, 48, 4, 2, 8
+
+
+def _layout_attention(q, k, v, lengths, offsets, *, causal):
+    """Attention whose mask is built from the packed layout alone: a query sees the keys of
+    its own document (start offsets[j], lengths[j] tokens), the earlier ones where causal."""
+    pos = jnp.arange(q.shape[1])
+    starts, lens = offsets[:, :-1], lengths
+    inside = (pos[None, :, None] >= starts[:, None, :]) & \
+        (pos[None, :, None] < starts[:, None, :] + lens[:, None, :]) & (lens[:, None, :] > 0)
+    doc = jnp.where(inside.any(-1), jnp.argmax(inside, -1), -1 - pos[None])  # [b, s]
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    mask = (doc[:, :, None] == doc[:, None, :])[:, None]
+    if causal:
+        mask = mask & jnp.tril(jnp.ones((q.shape[1],) * 2, bool))[None, None]
+    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def _random_documents(rng, rows: int, most: int) -> np.ndarray:
+    """Segment ids of rows packed with 1..most documents of random lengths, numbered in order
+    (as the packer numbers them), some of one token."""
+    out = np.zeros((rows, S), np.int32)
+    for r in range(rows):
+        count = rng.integers(1, most + 1)
+        cuts = np.sort(rng.choice(np.arange(1, S), count - 1, replace=False))
+        for doc, (a, b) in enumerate(zip([0, *cuts], [*cuts, S])):
+            out[r, a:b] = doc + 1
+    return out
+
+
+def _qkv(seed):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    return (jax.random.normal(keys[0], (B, S, HQ, D)), jax.random.normal(keys[1], (B, S, HKV, D)),
+            jax.random.normal(keys[2], (B, S, HKV, D)), jax.random.normal(keys[3], (B, S, HQ, D)))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("bound", [1, 5, 16])
+def test_the_layout_is_the_segment_mask_forward_and_gradients(causal, bound):
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng = np.random.default_rng(seed)
+    segments = jnp.asarray(_random_documents(rng, B, bound))
+    lengths, offsets, fits = cudnn.packed_layout(segments, bound)
+    assert bool(fits), seed
+    q, k, v, cotangent = _qkv(seed)
+
+    def from_layout(q, k, v):
+        return jnp.vdot(_layout_attention(q, k, v, lengths, offsets, causal=causal), cotangent)
+
+    def from_segments(q, k, v):
+        return jnp.vdot(reference_attention(q, k, v, causal=causal, segment_ids=segments),
+                        cotangent)
+
+    got = jax.value_and_grad(from_layout, argnums=(0, 1, 2))(q, k, v)
+    want = jax.value_and_grad(from_segments, argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, err_msg=f"seed {seed}")
+    for g, w, name in zip(got[1], want[1], "qkv"):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5, err_msg=f"d{name}, seed {seed}")
+
+
+def test_lengths_offsets_and_the_bound():
+    segments = jnp.asarray([[1, 1, 1, 2, 2, 3, 3, 3], [4] * 8, [1, 2, 3, 4, 5, 6, 7, 8],
+                            [0, 0, 7, 7, 7, 7, 0, 0]], jnp.int32)
+    lengths, offsets, fits = cudnn.packed_layout(segments[:2], 4)
+    np.testing.assert_array_equal(lengths, [[3, 2, 3, -1], [8, -1, -1, -1]])
+    np.testing.assert_array_equal(offsets, [[0, 3, 5, 8, -1], [0, 8, -1, -1, -1]])
+    assert bool(fits)
+    # a row of 8 documents does not fit 4: the layout would merge them, the step must not use it
+    assert not bool(cudnn.packed_layout(segments[2:3], 4)[2])
+    assert bool(cudnn.packed_layout(segments[2:3], 8)[2])
+    # ids repeated apart are separate documents (runs), as the packer never writes them
+    np.testing.assert_array_equal(cudnn.packed_layout(segments[3:], 4)[0], [[2, 4, 2, -1]])
+
+
+@pytest.fixture
+def fake_cudnn(monkeypatch):
+    """basp_jax.cudnn's view of JAX's private module, its kernel replaced by the layout's
+    reference (the GPU runs the real one): what the packed path passes it, checked."""
+    calls = []
+
+    def kernel(q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offsets, scale, mask_type):
+        calls.append(mask_type)
+        assert q_seqlen is kv_seqlen and q_offsets is kv_offsets
+        assert scale == pytest.approx(D ** -0.5)
+        causal = mask_type == fake.MaskType.PADDING_CAUSAL
+        assert causal or mask_type == fake.MaskType.PADDING
+        return _layout_attention(q, k, v, q_seqlen, q_offsets, causal=causal)
+
+    real = cudnn._fused_module()
+    assert real is not None
+    fake = types.SimpleNamespace(dot_product_attention=kernel, MaskType=real.MaskType,
+                                 check_compute_capability=real.check_compute_capability,
+                                 is_cuda_compute_capability_equal=(
+                                     real.is_cuda_compute_capability_equal))
+    monkeypatch.setattr(cudnn, "FUSED", fake)
+    return calls
+
+
+def test_a_row_over_the_bound_runs_the_fallback_kernel(fake_cudnn):
+    q, k, v, _ = _qkv(1)
+    fallback_used = []
+
+    def fallback(q, k, v, *, causal, segment_ids):
+        fallback_used.append(True)
+        return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids) + 1000.0
+
+    run = jax.jit(lambda q, k, v, seg: cudnn.attention(
+        q, k, v, causal=True, segment_ids=seg, capability=(9, 0), bound=4, fallback=fallback))
+    rng = np.random.default_rng(0)
+    few, many = _random_documents(rng, B, 4), _random_documents(rng, B, 4)
+    many[1] = np.arange(S) // 4 + 1  # 12 documents in one row
+    want = reference_attention(q, k, v, causal=True, segment_ids=jnp.asarray(few))
+    np.testing.assert_allclose(run(q, k, v, jnp.asarray(few)), want, atol=1e-5)
+    over = run(q, k, v, jnp.asarray(many))  # the whole step takes the fallback
+    want = reference_attention(q, k, v, causal=True, segment_ids=jnp.asarray(many)) + 1000.0
+    np.testing.assert_allclose(over, want, atol=1e-4)
+    assert fallback_used and fake_cudnn == [cudnn.FUSED.MaskType.PADDING_CAUSAL]
+
+
+def test_the_packed_layout_needs_hopper_and_the_check_sees_the_target():
+    assert cudnn.packed_supported((9, 0)) and cudnn.packed_supported((10, 0))
+    assert not cudnn.packed_supported((8, 0)) and not cudnn.packed_supported(None)
+    fused = cudnn._fused_module()
+    before = fused.check_compute_capability
+    with cudnn.capability_seen_as((9, 0)):
+        assert fused.check_compute_capability("9.0") and not fused.check_compute_capability("10.0")
+        assert fused.is_cuda_compute_capability_equal("9.0")
+    assert fused.check_compute_capability is before
+    assert fused.check_compute_capability("9.0") is False  # this host has no GPU
+
+
+def test_jax_keeps_the_private_names_the_packed_path_uses():
+    """jax._src.cudnn.fused_attention_stablehlo: its dot_product_attention with the packed
+    layout's arguments and its trace-time capability checks. A jax that moves them makes
+    basp_jax.cudnn offer no packed path (FUSED is None): this test says so first."""
+    import inspect
+
+    fused = cudnn._fused_module()
+    assert fused is not None, f"jax {jax.__version__} moved one of {cudnn._PRIVATE}"
+    params = inspect.signature(fused.dot_product_attention).parameters
+    for name in ("q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "scale", "mask_type"):
+        assert name in params, (jax.__version__, name)
+    assert {"PADDING", "PADDING_CAUSAL"} <= set(fused.MaskType.__members__)
+
+
+def test_a_refusal_while_tracing_runs_the_fallback_with_one_note(fake_cudnn, monkeypatch, caplog):
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("The head dim must be <= 256 and a multiple of 8, but got 7.")
+
+    monkeypatch.setattr(cudnn.FUSED, "dot_product_attention", refuse)
+    q, k, v, _ = _qkv(2)
+    segments = jnp.asarray(_random_documents(np.random.default_rng(2), B, 3))
+    used = []
+
+    def fallback(q, k, v, *, causal, segment_ids):
+        used.append(True)
+        return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+
+    for _ in range(2):
+        out = cudnn.attention(q, k, v, causal=True, segment_ids=segments, capability=(9, 0),
+                              fallback=fallback)
+    np.testing.assert_allclose(out, reference_attention(q, k, v, causal=True,
+                                                        segment_ids=segments), atol=1e-5)
+    assert len(used) == 2
+    notes = [r for r in caplog.records if "cuDNN attention refused" in r.getMessage()]
+    assert len(notes) == 1 and "head dim must be" in notes[0].getMessage()
+    with pytest.raises(NotImplementedError):  # no fallback (CPU, tests): the error itself
+        cudnn.attention(q, k, v, causal=True, segment_ids=segments, capability=(9, 0))
