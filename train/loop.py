@@ -155,6 +155,13 @@ def copies_before_saving(run: Run, state: TrainState, compiled: list, log) -> bo
     setting = run.cfg.checkpoint.copy_on_device
     if setting is False or run.cfg.checkpoint.every == 0:
         return False
+    if jax.process_count() > 1:
+        # orbax's barriers between processes are collective programs: one after the next
+        # dispatch waits for that step, so a save there stalls the loop for a whole step
+        if setting is True:
+            log("checkpoint.copy_on_device=true applies to one process only; with "
+                f"{jax.process_count()} the state is saved itself before the next step")
+        return False
     fits, why = snapshot.copy_fits(compiled, planning.device_memory(run.devices[0]),
                                    (state.params, state.opt_state),
                                    run.devices[0].platform == "cpu")

@@ -340,7 +340,7 @@ class CheckpointConfig:
     save_final: bool = True
     # copy the state on the device and write the copy while the next step runs (auto: where the
     # compiled step's memory plus the copy fits the device; false: the next step waits for the
-    # state's copy to host memory)
+    # state's copy to host memory, as it always does in a run of several processes)
     copy_on_device: Union[bool, Literal["auto"]] = "auto"
     resume: bool = True  # continue from the latest checkpoint in run.dir/checkpoints
     export_hf: Optional[str] = None  # write final weights as HF safetensors to this directory
