@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -53,10 +54,11 @@ def packed_supported(capability) -> bool:
 
 
 def packed_layout(segment_ids: jax.Array, bound: int):
-    """(lengths [b, bound], offsets [b, bound + 1], fits) of each row's documents: the runs of
-    equal segment ids, in order. Entries past a row's last document are -1, and offsets holds
-    the row's end after its last start. fits: whether every row has at most `bound`
-    documents (where not, the layout is cut and must not be used)."""
+    """(lengths [b, bound], offsets [b, bound + 1], fits) of each row's documents, as JAX's
+    cuDNN wrapper takes them: the runs of equal segment ids in order, each row's lengths and
+    start offsets (within the row) first, -1 after them (so offsets' last column is -1 in a row
+    that fits). fits: whether every row has at most `bound` documents (where not, the layout
+    is cut and must not be used)."""
     b, s = segment_ids.shape
     starts = jnp.concatenate([jnp.ones((b, 1), bool),
                               segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
@@ -64,12 +66,16 @@ def packed_layout(segment_ids: jax.Array, bound: int):
     count = index[:, -1] + 1
     rows = jnp.arange(b)[:, None]
     where = jnp.where(starts, index, bound + 1)  # not a start: dropped below
-    offsets = jnp.full((b, bound + 1), -1, jnp.int32)
-    offsets = offsets.at[rows, where].set(jnp.arange(s, dtype=jnp.int32)[None], mode="drop")
-    offsets = offsets.at[jnp.arange(b), count].set(s, mode="drop")  # the end after the last
-    ends = jnp.where(offsets[:, 1:] >= 0, offsets[:, 1:], 0)
-    lengths = jnp.where(jnp.arange(bound)[None] < count[:, None], ends - offsets[:, :-1], -1)
+    bounds = jnp.full((b, bound + 2), -1, jnp.int32)  # starts, then the row's end
+    bounds = bounds.at[rows, where].set(jnp.arange(s, dtype=jnp.int32)[None], mode="drop")
+    bounds = bounds.at[jnp.arange(b), count].set(s, mode="drop")
+    inside = jnp.arange(bound + 1)[None] < count[:, None]
+    offsets = jnp.where(inside, bounds[:, :bound + 1], -1)
+    lengths = jnp.where(inside[:, :bound], bounds[:, 1:bound + 1] - bounds[:, :bound], -1)
     return lengths, offsets, jnp.all(count <= bound)
+
+
+_PATCHING = threading.RLock()  # one lowering at a time answers for its target
 
 
 @contextlib.contextmanager
@@ -78,7 +84,12 @@ def capability_seen_as(capability):
     if FUSED is None or capability is None:
         yield
         return
-    have = tuple(capability)
+    with _PATCHING, _patched(tuple(capability)):
+        yield
+
+
+@contextlib.contextmanager
+def _patched(have: tuple[int, int]):
     at_least, equal = FUSED.check_compute_capability, FUSED.is_cuda_compute_capability_equal
     FUSED.check_compute_capability = lambda c: have >= tuple(int(x) for x in c.split("."))
     FUSED.is_cuda_compute_capability_equal = lambda c: have == tuple(
@@ -116,12 +127,15 @@ def _cudnn_attention(q, k, v, *, causal: bool, segment_ids, capability, bound: i
     """cuDNN attention, q [b, s, hq, d], k/v [b, s, hkv, d] -> [b, s, hq, d]. Packed input on
     a GPU that has the packed layout (capability: the GPU's) goes through it, a step whose rows
     hold more than `bound` documents through `fallback` (an attention kernel of the same
-    signature); elsewhere as a dense mask."""
-    if segment_ids is None or not packed_supported(capability):
+    signature; None: cuDNN with a dense mask); elsewhere as a dense mask."""
+    def dense(q, k, v):
         mask = None if segment_ids is None else \
             (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [b, 1, s, s]
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
                                             implementation="cudnn")
+
+    if segment_ids is None or not packed_supported(capability):
+        return dense(q, k, v)
     lengths, offsets, fits = packed_layout(segment_ids, bound)
 
     def packed(q, k, v):
@@ -130,10 +144,10 @@ def _cudnn_attention(q, k, v, *, causal: bool, segment_ids, capability, bound: i
             q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
             scale=float(q.shape[-1]) ** -0.5, mask_type=mask)
 
-    if fallback is None:
-        return packed(q, k, v)
     def over_bound(q, k, v):
         with jax.named_scope(FALLBACK_SCOPE):
+            if fallback is None:
+                return dense(q, k, v)
             return fallback(q, k, v, causal=causal, segment_ids=segment_ids)
 
     return lax.cond(fits, packed, over_bound, q, k, v)

@@ -257,6 +257,7 @@ def _steps(run: Run, state: TrainState, end: int, report: StepReport, profiler,
         if copy_saves and not (last or force or evaluation):  # a periodic save: after the next
             # dispatch, from a copy the next step does not donate (unsaved if that step's
             # dispatch raises; a non-finite step under on_nonfinite=stop is never saved)
+            ckpt.wait()  # the previous save's write holds its copy: one copy at a time
             deferred = (done, snapshot.copy_state(state.params, state.opt_state))
             pending = (step, metrics, evaluation)
             continue

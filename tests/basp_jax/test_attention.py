@@ -334,6 +334,7 @@ def test_the_kernel_follows_the_gpu_generation():
     input is bf16 (XLA has no bf16 dot there); an explicit kernel the GPU cannot run is refused
     with one line naming what would run."""
     from basp_jax import gpus
+    from basp_jax import kernels as kernels_mod
     from basp_jax.kernels import device_capability, gpu_kernels, resolve_impl
 
     t4 = device_capability(_Device("gpu", "7.5"))
@@ -351,10 +352,12 @@ def test_the_kernel_follows_the_gpu_generation():
         # packed documents: ours (impl='cudnn' asks for cuDNN's packed layout from Hopper)
         assert resolve_impl("auto", bf16, 4096, "gpu", True, cc) == "pallas"
         assert resolve_impl("cudnn", bf16, 4096, "gpu", True, cc) == "cudnn"
-    # head_dim 256 (Qwen3.5): cuDNN from Hopper, before it ours
+    # head_dim 256 (Qwen3.5): ours; cuDNN takes it from Hopper when asked for
     wide = jax.ShapeDtypeStruct((1, 4096, 8, 256), jnp.bfloat16)
-    assert resolve_impl("auto", wide, 4096, "gpu", False, (8, 0)) == "pallas"
-    assert resolve_impl("auto", wide, 4096, "gpu", False, (9, 0)) == "cudnn"
+    for cc in ((8, 0), (9, 0)):
+        assert resolve_impl("auto", wide, 4096, "gpu", False, cc) == "pallas"
+    assert kernels_mod.cudnn_supported(wide, "gpu", (9, 0))
+    assert not kernels_mod.cudnn_supported(wide, "gpu", (8, 0))
     for impl in ("cudnn", "pallas"):
         with pytest.raises(ValueError, match=f"impl='{impl}' needs a GPU of compute capability "
                                              "8.0 .* this one is sm75; use 'auto', 'blockwise'"):

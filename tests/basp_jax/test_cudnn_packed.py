@@ -18,14 +18,30 @@ from tests.helpers.reference import reference_attention
 B, S, HQ, HKV, D = 3, 48, 4, 2, 8
 
 
+def _documents_as_cudnn_reads_them(q, k, lengths, offsets):
+    """[b, s] document of each token (-1 - position: none) as cuDNN reads the layout, after
+    JAX's wrapper turned the per-row lengths and offsets into one list of segments over the
+    flattened batch (its _fix_seqlen_offsets, with more than one document per row)."""
+    b, s, heads, dim = q.shape
+    if offsets.shape[1] - 1 > 1:
+        fused = cudnn._fused_module()
+        lengths, _, offsets, _ = fused._fix_seqlen_offsets(lengths, lengths, offsets, offsets,
+                                                           q, k)
+        starts = offsets.reshape(-1)[:lengths.size] // (heads * dim)  # per token, not element
+        lengths = lengths.reshape(-1)
+    else:  # one document per row: each row's own length from its start
+        starts = jnp.where(offsets[:, 0] >= 0, offsets[:, 0] + jnp.arange(b) * s, -1)
+        lengths = lengths[:, 0]
+    pos = jnp.arange(b * s)
+    inside = (pos[:, None] >= starts[None]) & (pos[:, None] < starts[None] + lengths[None]) & \
+        (lengths[None] > 0) & (starts[None] >= 0)
+    return jnp.where(inside.any(-1), jnp.argmax(inside, -1), -1 - pos).reshape(b, s)
+
+
 def _layout_attention(q, k, v, lengths, offsets, *, causal):
-    """Attention whose mask is built from the packed layout alone: a query sees the keys of
-    its own document (start offsets[j], lengths[j] tokens), the earlier ones where causal."""
-    pos = jnp.arange(q.shape[1])
-    starts, lens = offsets[:, :-1], lengths
-    inside = (pos[None, :, None] >= starts[:, None, :]) & \
-        (pos[None, :, None] < starts[:, None, :] + lens[:, None, :]) & (lens[:, None, :] > 0)
-    doc = jnp.where(inside.any(-1), jnp.argmax(inside, -1), -1 - pos[None])  # [b, s]
+    """Attention whose mask is built from the packed layout alone, read as cuDNN reads it: a
+    query sees the keys of its own document, the earlier ones where causal."""
+    doc = _documents_as_cudnn_reads_them(q, k, lengths, offsets)
     group = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
@@ -82,8 +98,10 @@ def test_lengths_offsets_and_the_bound():
     segments = jnp.asarray([[1, 1, 1, 2, 2, 3, 3, 3], [4] * 8, [1, 2, 3, 4, 5, 6, 7, 8],
                             [0, 0, 7, 7, 7, 7, 0, 0]], jnp.int32)
     lengths, offsets, fits = cudnn.packed_layout(segments[:2], 4)
+    # JAX's wrapper takes each row's starts, -1 after them (its docstring's example:
+    # [[0, 1, 2, -1], [0, 1, -1, -1]] for rows of 3 and 2 one-token documents)
     np.testing.assert_array_equal(lengths, [[3, 2, 3, -1], [8, -1, -1, -1]])
-    np.testing.assert_array_equal(offsets, [[0, 3, 5, 8, -1], [0, 8, -1, -1, -1]])
+    np.testing.assert_array_equal(offsets, [[0, 3, 5, -1, -1], [0, -1, -1, -1, -1]])
     assert bool(fits)
     # a row of 8 documents does not fit 4: the layout would merge them, the step must not use it
     assert not bool(cudnn.packed_layout(segments[2:3], 4)[2])

@@ -103,3 +103,11 @@ def test_a_background_save_that_fails_is_one_error_at_the_next_use(tmp_path, mon
         checkpointer.due(2)
     checkpointer.due(2)  # raised once
     checkpointer.close()
+
+
+def test_a_state_partly_in_host_memory_is_saved_itself():
+    params, opt_state = _state()
+    host = jax.device_put(opt_state["mu"], opt_state["mu"].sharding.with_memory_kind("pinned_host"))
+    fits, why = snapshot.copy_fits([_compiled(0)], 1e12, (params, {**opt_state, "mu": host}),
+                                   on_cpu=True)
+    assert not fits and "host memory" in why

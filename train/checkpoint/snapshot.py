@@ -34,7 +34,11 @@ def device_bytes(tree) -> int:
 
 def copy_fits(compiled_steps, limit: float | None, state, on_cpu: bool) -> tuple[bool, str]:
     """Whether the largest compiled step plus one copy of `state` fits a device of `limit` bytes,
-    and why (one line for the run's log)."""
+    and why (one line for the run's log). A state partly in host memory (optimizer.offload)
+    is not copied: a compiled copy between host buffers is untried on a GPU."""
+    if any(getattr(leaf.sharding, "memory_kind", None) not in (None, "device")
+           for leaf in jax.tree.leaves(state)):
+        return False, "the state is partly in host memory"
     extra = device_bytes(state)
     try:
         peak = max(float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes

@@ -447,7 +447,11 @@ class Checkpointer:
 
     def close(self) -> None:
         if self._background is not None:
-            self._background.join()  # (its failure, if any, was or is raised by wait() below)
+            self._background.join()
+        if self._background_error is not None:  # (a normal end raised it from wait() first)
+            logging.getLogger(__name__).warning("a checkpoint save failed: %s",
+                                                self._background_error)
+            self._background_error = None
         if self.failed:
             try:
                 self.manager.close()
