@@ -14,6 +14,9 @@ path), Qwen3 and the Qwen3.5 text model. The switches that distinguish the famil
                  'full_attention' (with a sigmoid output gate, attention_output_gate=True, and
                  RoPE on the first partial_rotary_factor of each head); every RMSNorm but the
                  DeltaNet's gated one scales by (1 + weight) (rms_norm_zero_centered=True)
+    qwen3_5_moe_text  the qwen3_5_text hybrid whose every MLP is sparse, with a shared expert
+                 (shared_expert_intermediate_size) beside the routed ones, gated per token by a
+                 sigmoid; its router always renormalises the top-k weights
 """
 
 from __future__ import annotations
@@ -33,16 +36,19 @@ from .errors import ModelError
 
 log = logging.getLogger(__name__)
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text")
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
+# The Qwen3.5 text models: the hybrid's layers and norms, dense or with sparse MLPs
+QWEN3_5_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
 # Multimodal model types whose text model is one of ours: {its type: the text model's type}.
 # Their checkpoints keep the text model under model.language_model. (models.safetensors_io).
-MULTIMODAL_TYPES = {"qwen3_5": "qwen3_5_text"}
+MULTIMODAL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 LINEAR_SHAPE_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                        "linear_value_head_dim", "linear_conv_kernel_dim")
 ROPE_TYPES = ("default", "llama3", "linear")
@@ -65,7 +71,7 @@ class ModelConfig:
     attention_out_bias: bool = False  # bias on o_proj (llama/qwen3 attention_bias=True only)
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
     max_position_embeddings: int = 8192  # the context it was trained for (recorded in exports)
-    model_type: str = "llama"  # llama, qwen2, qwen3, qwen3_moe or qwen3_5_text (Qwen3.5 hybrid)
+    model_type: str = "llama"  # one of MODEL_TYPES (qwen3_5_text: the Qwen3.5 hybrid)
     initializer_range: float = 0.02  # standard deviation of the initial weights
     bos_token_id: int | None = None  # beginning-of-sequence id (exports, generation)
     eos_token_id: int | list[int] | None = None  # end-of-sequence id(s) (exports, generation)
@@ -80,13 +86,16 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * this channels of a head
     attention_output_gate: bool = False  # attention output * sigmoid(gate); q_proj emits the gate
     rms_norm_zero_centered: bool = False  # RMSNorm scales by (1 + weight), weight stored centred
-    num_experts: int = 0  # SwiGLU experts of a sparse MLP (qwen3_moe; models.moe); 0: all dense
+    num_experts: int = 0  # SwiGLU experts of a sparse MLP (models.moe); 0: all dense
     num_experts_per_tok: int = 0  # experts each token goes through (top-k)
     moe_intermediate_size: int = 0  # each expert's inner width
     norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to one
     decoder_sparse_step: int = 1  # layer i's MLP is sparse when (i + 1) % this == 0 (1: all)
     mlp_only_layers: tuple[int, ...] = ()  # layers whose MLP stays dense whatever the step says
     router_aux_loss_coef: float = 0.001  # the load-balancing loss's weight in the training loss
+    # a SwiGLU every token runs through beside its routed experts, its output scaled by
+    # sigmoid(x @ shared_expert_gate) (Qwen3.5-MoE); 0: none
+    shared_expert_intermediate_size: int = 0
     # the routers' z-loss weight (ST-MoE: the mean squared log-sum-exp of each token's router
     # logits; keeps the logits small). Not a Hugging Face field: set it with
     # model.shape.router_z_loss_coef; 0 leaves it out of the program
@@ -205,7 +214,16 @@ class ModelConfig:
     def layers_alike(self) -> bool:
         """Whether every layer has the same parameters' shapes, so the layers can be one
         scanned stack: no hybrid's mixers, and all MLPs sparse or all dense."""
-        return not self.is_hybrid and self.sparse_layers in (0, self.num_layers)
+        return self.layer_period == 1
+
+    @property
+    def layer_period(self) -> int:
+        """The fewest consecutive layers whose kinds (token mixer; MLP sparse or dense) repeat
+        through the whole stack: 1 where the layers are alike, a hybrid's pattern (Qwen3.5: 3
+        Gated DeltaNet layers and 1 attention layer, 4), num_layers where nothing repeats."""
+        kinds = [(self.layer_type(i), self.layer_is_sparse(i)) for i in range(self.num_layers)]
+        return next(p for p in range(1, self.num_layers + 1) if not self.num_layers % p
+                    and all(kind == kinds[i % p] for i, kind in enumerate(kinds)))
 
     def layer_type(self, index: int) -> str:
         return FULL_ATTENTION if self.layer_types is None else self.layer_types[index]
@@ -288,9 +306,9 @@ class ModelConfig:
         if self.model_type in ("qwen2", "qwen3", "qwen3_moe"):
             out["use_sliding_window"] = False
             out["sliding_window"] = None
-        if self.model_type == "qwen3_moe":
+        if self.model_type in moe_config.MOE_TYPES:
             out.update(moe_config.hf_keys(self))
-        if self.model_type == "qwen3_5_text":  # its RoPE lives in rope_parameters
+        if self.model_type in QWEN3_5_TYPES:  # its RoPE lives in rope_parameters
             del out["rope_scaling"], out["rope_theta"]
             out.update(self._qwen3_5_hf())
         return out
@@ -412,8 +430,13 @@ def _from_hf_dict(data: dict, source: str) -> ModelConfig:
         rope["rope_type"] = rope.pop("type")
     theta = _float(rope.pop("rope_theta", None) or data.get("rope_theta") or 10000.0, "rope_theta",
                    source)
-    qwen3_5 = _qwen3_5_fields(data, rope, source) if model_type == "qwen3_5_text" else {}
+    qwen3_5 = _qwen3_5_fields(data, rope, source) if model_type in QWEN3_5_TYPES else {}
     moe = moe_config.fields(data, source) if model_type in moe_config.MOE_TYPES else {}
+    # a Qwen3.5-MoE text config has no dense MLP, nor its width: an expert's stands in (unused:
+    # every layer is sparse)
+    dense_width = (_get(data, "intermediate_size", source)
+                   if model_type not in moe_config.SHARED_EXPERT_TYPES
+                   else data.get("intermediate_size") or moe["moe_intermediate_size"])
     rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
 
     if model_type == "qwen2":
@@ -425,7 +448,7 @@ def _from_hf_dict(data: dict, source: str) -> ModelConfig:
         return ModelConfig(
             vocab_size=_get(data, "vocab_size", source),
             hidden_size=hidden,
-            intermediate_size=_get(data, "intermediate_size", source),
+            intermediate_size=dense_width,
             num_layers=_get(data, "num_hidden_layers", source),
             num_heads=heads,
             num_kv_heads=data.get("num_key_value_heads") or heads,
@@ -436,7 +459,7 @@ def _from_hf_dict(data: dict, source: str) -> ModelConfig:
             tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             attention_out_bias=out_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_5_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", *QWEN3_5_TYPES),
             max_position_embeddings=_get(data, "max_position_embeddings", source, 8192),
             model_type=model_type,
             initializer_range=_float(data.get("initializer_range", 0.02), "initializer_range",
@@ -474,112 +497,6 @@ def _qwen3_5_fields(data: dict, rope: dict, source: str) -> dict[str, Any]:
                 attention_output_gate=True, rms_norm_zero_centered=True)
 
 
-# Shapes of the paper's models (as in their Hugging Face config.json): what the planner
-# (basp_jax.planner.shape) is given for them; PRESETS adds the model-only fields (RoPE, norms'
-# epsilon, token ids) to these, so each shape is written once.
-MODEL_SHAPES = {
-    "llama-3.2-1b": ModelShape(16, 2048, 8192, 32, 8, 64, 128256, tie_word_embeddings=True),
-    "llama-3.2-3b": ModelShape(28, 3072, 8192, 24, 8, 128, 128256, tie_word_embeddings=True),
-    "llama-3.1-8b": ModelShape(32, 4096, 14336, 32, 8, 128, 128256),
-    "qwen2.5-3b": ModelShape(36, 2048, 11008, 16, 2, 128, 151936, tie_word_embeddings=True,
-                             attention_bias=True),
-    "qwen3-8b": ModelShape(36, 4096, 12288, 32, 8, 128, 151936, qk_norm=True),
-}
-
-
-def _llama3_rope(factor: float) -> dict:
-    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
-def _preset(shape: ModelShape, **model_only) -> ModelConfig:
-    """A preset of one of MODEL_SHAPES: its shape and the model-only fields."""
-    fields = dataclasses.asdict(shape)
-    fields.pop("linear_layers")  # the config counts its own from layer_types
-    fields.pop("sparse_layers")  # and its sparse ones from its MoE fields
-    return ModelConfig(**fields, **model_only)
-
-
-_LLAMA3 = dict(rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
-               model_type="llama", bos_token_id=128000, eos_token_id=128001)
-
-# From the models' published config.json files: the paper's five models take their shapes from
-# MODEL_SHAPES (which the planner reads), the others state theirs here.
-PRESETS: dict[str, ModelConfig] = {
-    "llama-3.2-1b": _preset(MODEL_SHAPES["llama-3.2-1b"], rope_scaling=_llama3_rope(32.0),
-                            **_LLAMA3),
-    "llama-3.2-3b": _preset(MODEL_SHAPES["llama-3.2-3b"], rope_scaling=_llama3_rope(32.0),
-                            **_LLAMA3),
-    "llama-3.1-8b": _preset(MODEL_SHAPES["llama-3.1-8b"], rope_scaling=_llama3_rope(8.0),
-                            **_LLAMA3),
-    "qwen2.5-3b": _preset(
-        MODEL_SHAPES["qwen2.5-3b"], rope_theta=1000000.0, rms_norm_eps=1e-6,
-        max_position_embeddings=32768, model_type="qwen2", bos_token_id=151643,
-        eos_token_id=151643,
-    ),
-    "qwen3-8b": _preset(
-        MODEL_SHAPES["qwen3-8b"], rope_theta=1000000.0, rms_norm_eps=1e-6,
-        max_position_embeddings=40960, model_type="qwen3", bos_token_id=151643,
-        eos_token_id=151645,
-    ),
-    "qwen1.5-1.8b": ModelConfig(
-        vocab_size=151936, hidden_size=2048, intermediate_size=5504, num_layers=24, num_heads=16,
-        num_kv_heads=16, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, attention_bias=True, max_position_embeddings=32768,
-        model_type="qwen2", bos_token_id=151643, eos_token_id=151643,
-    ),
-    # The shape of transformers' Qwen3_5TextConfig defaults (its docstring: "Qwen3.5-9B style"),
-    # 8.95B parameters: 24 Gated DeltaNet layers and 8 gated attention layers (every 4th), with
-    # that class's RoPE theta and context; a real checkpoint's config.json says its own
-    # (model.hf_path reads it).
-    "qwen3.5-9b": ModelConfig(
-        vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_layers=32,
-        num_heads=16, num_kv_heads=4, head_dim=256, rope_theta=10000.0, rms_norm_eps=1e-6,
-        max_position_embeddings=32768, model_type="qwen3_5_text", qk_norm=True,
-        layer_types=((LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)) * 8,
-        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
-        attention_output_gate=True, rms_norm_zero_centered=True,
-    ),
-    # Qwen3-30B-A3B (its config.json): 48 layers, each MLP 128 experts of which 8 run per token
-    # (30.5B parameters, 3.3B active); intermediate_size is a dense layer's, which it has none of.
-    "qwen3-30b-a3b": ModelConfig(
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
-        num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, max_position_embeddings=40960, model_type="qwen3_moe",
-        qk_norm=True, bos_token_id=151643, eos_token_id=151645, num_experts=128,
-        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
-        decoder_sparse_step=1, mlp_only_layers=(), router_aux_loss_coef=0.001,
-    ),
-    # Small enough for tests and CPU demos; 8 query heads so sp in {1, 2, 4, 8} all work.
-    "tiny": ModelConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8,
-        num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, max_position_embeddings=4096, model_type="llama",
-    ),
-    # The Qwen3.5 hybrid at tiny's size, for tests and trying the hybrid on a CPU: 4 layers (3
-    # Gated DeltaNet + 1 gated attention), 8 value heads so sp in {1, 2, 4, 8} all work.
-    "tiny-qwen3.5": ModelConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=8,
-        num_kv_heads=2, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, max_position_embeddings=4096, model_type="qwen3_5_text",
-        qk_norm=True, layer_types=(LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,),
-        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
-        attention_output_gate=True, rms_norm_zero_centered=True,
-    ),
-    # Qwen3-MoE at tiny's size, for tests and trying the experts on a CPU: 4 layers, 8 experts
-    # of which 2 run per token.
-    "tiny-qwen3-moe": ModelConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=8,
-        num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, max_position_embeddings=4096, model_type="qwen3_moe",
-        qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
-        norm_topk_prob=True,
-    ),
-}
-
-
 def _hashable(value):
     if isinstance(value, dict):
         return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
@@ -594,3 +511,7 @@ def _config_hash(self) -> int:
 
 # The config rides on the NNX module as static data, so it must hash although rope_scaling is a dict.
 ModelConfig.__hash__ = _config_hash
+
+
+# the presets are ModelConfigs: made once the class is whole (models.presets)
+from .presets import MODEL_SHAPES, PRESETS  # noqa: E402

@@ -23,7 +23,9 @@ checkpoints (and reads them, fusing them in memory in transformers 5); the route
 With scanned layers (the default) a layer parameter is one stacked array, e.g.
 ('layers', 'self_attn', 'q_proj', 'kernel') [num_layers, in, out]: its slice i is
 model.layers.{i}.self_attn.q_proj.weight (T). Loading reads the layers' tensors into the stack
-(each device only its slice), saving writes one tensor per layer again.
+(each device only its slice), saving writes one tensor per layer again. Layers stacked by their
+pattern of `period` kinds (a hybrid's, models.transformer.Period) are
+('layers', 'blocks', j, ...) [num_layers / period, ...]: slice r is layer r * period + j.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from .config import ModelConfig, ModelError
 from .layers import axis_names
 from .options import RunOptions
 from .safetensors_io import INDEX_FILE, SINGLE_FILE, Checkpoint, write_safetensors
-from .transformer import Transformer, abstract_model
+from .transformer import PERIOD_BLOCKS, Transformer, abstract_model
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3  # transformers' default max_shard_size, "5GB"
 
@@ -75,24 +77,34 @@ def stack_axes(path: tuple) -> int:
     return int(is_stacked(path)) + int(is_expert(path))
 
 
-def _slice_path(path: tuple, layer=None, expert=None) -> tuple:
+def _slice_path(path: tuple, layer=None, expert=None, period: int = 1) -> tuple:
     """A stacked parameter's path with its layer and expert indices written in, where Hugging
-    Face's names hold them (after 'layers', after 'experts')."""
+    Face's names hold them (after 'layers', after 'experts'); slice `layer` of a stack by
+    period, ('layers', 'blocks', j, ...), is layer layer * period + j ('*' stays '*')."""
     parts = list(path)
     if expert is not None:
         parts.insert([str(p) for p in parts].index("experts") + 1, expert)
     if layer is not None:
-        parts.insert(1, layer)
+        if str(parts[1]) == PERIOD_BLOCKS:
+            parts[1:3] = [layer if layer == "*" else layer * period + int(parts[2])]
+        else:
+            parts.insert(1, layer)
     return tuple(parts)
 
 
-def hf_names(path: tuple, shape: tuple) -> tuple[list[str], bool]:
+def layer_period(paths) -> int:
+    """The period of a stack by period among parameter paths (how many of its blocks), else 1."""
+    return 1 + max((int(p[2]) for p in paths if len(p) > 2 and str(p[0]) == "layers"
+                    and str(p[1]) == PERIOD_BLOCKS), default=0)
+
+
+def hf_names(path: tuple, shape: tuple, period: int = 1) -> tuple[list[str], bool]:
     """([Hugging Face tensor name per slice], transposed?) of a parameter: one name, or one per
     index of its leading stack axes (stack_axes: a stacked parameter's layers, an expert
-    array's experts), in C order."""
+    array's experts), in C order. period: of the layers' stack (layer_period)."""
     layers = range(shape[0]) if is_stacked(path) else [None]
     experts = range(shape[stack_axes(path) - 1]) if is_expert(path) else [None]
-    names = [hf_name(_slice_path(path, i, e))[0] for i in layers for e in experts]
+    names = [hf_name(_slice_path(path, i, e, period))[0] for i in layers for e in experts]
     return names, hf_name(path)[1]
 
 
@@ -147,9 +159,11 @@ def _expected_tensors(checkpoint: Checkpoint, config: ModelConfig, param_dtype=j
     state = nnx.state(abstract_model(config, param_dtype=param_dtype, scan_layers=scan_layers),
                       nnx.Param)
     out = []
-    for key, leaf in _param_leaves(state):
+    leaves = _param_leaves(state)
+    period = layer_period(key for key, _ in leaves)
+    for key, leaf in leaves:
         shape = tuple(_leaf_value(leaf).shape)
-        names, transpose = hf_names(key, shape)
+        names, transpose = hf_names(key, shape, period)
         one = shape[stack_axes(key):]
         hf_shape = one[::-1] if transpose else one
         for name in names:
@@ -237,9 +251,11 @@ def hf_state_dict(model_or_state) -> dict[str, np.ndarray]:
     if isinstance(model_or_state, nnx.Module):
         state = nnx.state(model_or_state, nnx.Param)
     out = {}
-    for key, leaf in _param_leaves(state):
+    leaves = _param_leaves(state)
+    period = layer_period(key for key, _ in leaves)
+    for key, leaf in leaves:
         array = _to_host(_leaf_value(leaf))
-        names, transpose = hf_names(key, array.shape)
+        names, transpose = hf_names(key, array.shape, period)
         n = stack_axes(key)
         for name, part in zip(names, array.reshape(-1, *array.shape[n:]) if n else [array]):
             out[name] = np.ascontiguousarray(part.T) if transpose else part
@@ -304,9 +320,11 @@ def save_pretrained(model: Transformer, path: str, *,
     state = nnx.state(model, nnx.Param) if params is None else params
     check_exportable(state, dtype)
     values, transposed = {}, {}  # per Hugging Face tensor; stacks split per layer
-    for key, leaf in _param_leaves(state):
+    leaves = _param_leaves(state)
+    period = layer_period(key for key, _ in leaves)
+    for key, leaf in leaves:
         value = _leaf_value(leaf)
-        names, transpose = hf_names(key, value.shape)
+        names, transpose = hf_names(key, value.shape, period)
         n = stack_axes(key)
         parts = _to_host(value).reshape(-1, *value.shape[n:]) if n else [value]
         for name, part in zip(names, parts):

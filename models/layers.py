@@ -293,8 +293,8 @@ class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype,
-                 fp8: bool = False):
-        d, f = config.hidden_size, config.intermediate_size
+                 fp8: bool = False, intermediate_size: int | None = None):
+        d, f = config.hidden_size, intermediate_size or config.intermediate_size
         kw = dict(use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
                   init_std=config.initializer_range, fp8=fp8)
         self.gate_proj = Linear(d, f, ("mlp_up_embed", "mlp_up"), **kw)

@@ -1,10 +1,11 @@
-"""A sparse mixture-of-experts MLP as transformers' Qwen3MoeSparseMoeBlock computes it, and the
-router statistics its load-balancing loss is made of.
+"""A sparse mixture-of-experts MLP as transformers' Qwen3MoeSparseMoeBlock and
+Qwen3_5MoeSparseMoeBlock compute it, and the router statistics its load-balancing loss is made of.
 
     router logits = x @ gate            [tokens, experts], float32
     probs = softmax(logits)             float32
     weights, experts = top_k(probs, k)  renormalised to sum to one when norm_topk_prob
     y = sum_k weights_k * down_e(silu(gate_e(x)) * up_e(x))   e = the token's k-th expert
+      (+ sigmoid(x @ shared_expert_gate) * shared_expert(x)   Qwen3.5-MoE's shared SwiGLU)
 
 Dropless with static shapes: no capacity and no dropped token. The T * k (token, expert) pairs
 are sorted by expert and the experts run as grouped matmuls with jax.lax.ragged_dot, whose group
@@ -43,7 +44,7 @@ from basp_jax.mesh import GROUP, SEQ
 from basp_jax.sharding import rows_spec
 
 from .config import ModelConfig
-from .layers import Linear, constrain, param
+from .layers import MLP, Linear, constrain, param
 
 
 # the axes of expert_mesh: sets of consecutive groups, and the groups of one set (a host's)
@@ -115,6 +116,13 @@ class SparseMoE(nnx.Module):
                            use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
                            init_std=config.initializer_range)
         self.experts = Experts(config, rngs=rngs, param_dtype=param_dtype)
+        if config.shared_expert_intermediate_size:  # a dense SwiGLU on the activations as placed
+            self.shared_expert = MLP(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                                     intermediate_size=config.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(config.hidden_size, 1, ("mlp_up_embed", "router"),
+                                             use_bias=False, rngs=rngs, dtype=dtype,
+                                             param_dtype=param_dtype,
+                                             init_std=config.initializer_range)
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.dtype = dtype
@@ -145,6 +153,14 @@ class SparseMoE(nnx.Module):
         return weights.astype(self.dtype), experts, stats
 
     def __call__(self, x):
+        y, stats = self.routed(x)
+        if hasattr(self, "shared_expert"):
+            with jax.named_scope("shared_expert"):
+                y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y, stats
+
+    def routed(self, x):
+        """(the routed experts' weighted sum [B, S, hidden], RouterStats of x's tokens)."""
         weights, experts, stats = self.route(x)
         kernels = tuple(k.kernel[...].astype(self.dtype) for k in
                         (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj))

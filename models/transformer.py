@@ -125,15 +125,36 @@ def _output_and_mlp(modules, x, attended):
     return x + mlp(norm(x))
 
 
-def _stacked_blocks(config: ModelConfig, rngs: nnx.Rngs, options: RunOptions) -> Block:
-    """One Block whose parameters carry a leading [num_layers] axis (each layer its own init)."""
+PERIOD_BLOCKS = "blocks"  # Period's attribute: a parameter path ('layers', 'blocks', j, ...)
 
-    @nnx.split_rngs(splits=config.num_layers)
+
+class Period(nnx.Module):
+    """`period` consecutive layers unlike each other (a hybrid's pattern: config.layer_period),
+    `blocks[j]` being layer j of the pattern; stacked over the pattern's repeats like a Block."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, options: RunOptions,
+                 period: int):
+        self.blocks = nnx.List([Block(config, rngs=rngs, options=options, layer_index=j)
+                                for j in range(period)])
+
+
+def _stacked_layers(config: ModelConfig, rngs: nnx.Rngs, options: RunOptions,
+                    period: int) -> Block | Period:
+    """The layers as one module whose parameters carry a leading [num_layers / period] axis
+    (each layer its own init): a Block where the layers are alike (period 1), else a Period."""
+
+    @nnx.split_rngs(splits=config.num_layers // period)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make(rngs):
-        return Block(config, rngs=rngs, options=options)
+        if period == 1:
+            return Block(config, rngs=rngs, options=options)
+        return Period(config, rngs=rngs, options=options, period=period)
 
     return make(rngs)
+
+
+def _add_stats(total: RouterStats | None, stats: RouterStats | None) -> RouterStats | None:
+    return stats if total is None else total if stats is None else total + stats
 
 
 class Transformer(nnx.Module):
@@ -166,11 +187,14 @@ class Transformer(nnx.Module):
                                   tied=config.tie_word_embeddings)
         # scan_layers: one Block of stacked [num_layers, ...] parameters run under lax.scan, so
         # the step compiles one layer whatever the depth; else a list of Blocks in a Python loop.
-        # A hybrid's layers, or dense layers among sparse ones, differ in their parameters, so
-        # they cannot be one stack.
-        self.scanned = options.scan_layers and config.layers_alike
+        # Layers unlike each other (a hybrid's; dense MLPs among sparse ones) are stacked by
+        # the pattern they repeat (config.layer_period): one Period of stacked
+        # [num_layers / period, ...] parameters, the scan compiling one period.
+        period = config.layer_period
+        self.scanned = options.scan_layers and period < config.num_layers
+        self.period = period if self.scanned else None
         if self.scanned:
-            self.layers = _stacked_blocks(config, rngs, options)
+            self.layers = _stacked_layers(config, rngs, options, period)
         else:
             self.layers = nnx.List([Block(config, rngs=rngs, options=options, layer_index=i)
                                     for i in range(config.num_layers)])
@@ -206,26 +230,33 @@ class Transformer(nnx.Module):
             return nnx.merge(graphdef, layer).forward(x, positions, segment_ids)
 
         if remat:
-            # Under lax.scan the recomputation cannot be merged with the forward pass; in a
-            # Python loop (a hybrid's layers) XLA would merge them without prevent_cse, keeping
-            # every layer's intermediates alive to the backward pass (BENCHMARKS.md section 6,
-            # "Figures behind design choices").
-            run_layer = jax.checkpoint(run_layer, policy=policy,
-                                       prevent_cse=not self.scanned, static_argnums=(1,))
+            # Under lax.scan one layer's recomputation cannot be merged with its forward pass;
+            # several layers in a Python loop (a list, or a period's) XLA would merge and
+            # schedule together without prevent_cse, keeping their intermediates alive to the
+            # backward pass (BENCHMARKS.md section 6, "Figures behind design choices").
+            run_layer = jax.checkpoint(run_layer, policy=policy, prevent_cse=self.period != 1,
+                                       static_argnums=(1,))
 
         def body(x, graphdef, layer):
             return run_layer(x, graphdef, params.before_body(layer))
 
-        if self.scanned:
-            graphdef, stacked = nnx.split(self.layers)
-            x, stats = jax.lax.scan(lambda x, layer: body(x, graphdef, layer), x, stacked)
-            return self.norm(x), None if stats is None else stats.total()
-        total = None
-        for layer in self.layers:
-            x, stats = body(x, *nnx.split(layer))
-            if stats is not None:
-                total = stats if total is None else total + stats
-        return self.norm(x), total
+        def run_layers(x, layers):  # Blocks in turn: (x, their router stats summed)
+            total = None
+            for layer in layers:
+                x, stats = body(x, *nnx.split(layer))
+                total = _add_stats(total, stats)
+            return x, total
+
+        if not self.scanned:
+            x, total = run_layers(x, self.layers)
+            return self.norm(x), total
+        graphdef, stacked = nnx.split(self.layers)
+        if self.period == 1:
+            step = lambda x, layer: body(x, graphdef, layer)  # noqa: E731
+        else:  # each repeat of the pattern: its layers in turn, each rematerialised apart
+            step = lambda x, state: run_layers(x, nnx.merge(graphdef, state).blocks)  # noqa: E731
+        x, stats = jax.lax.scan(step, x, stacked)
+        return self.norm(x), None if stats is None else stats.total()
 
     def embed_inputs(self, tokens, segment_ids=None, positions=None, _table=None):
         """(the first layer's input [B, S, hidden], positions, segment_ids), placed on the mesh:
@@ -271,23 +302,29 @@ class Transformer(nnx.Module):
         self._check_decodable()
         cache_k, cache_v = cache
         x = self.embed_tokens(tokens)
-        if self.scanned:
-            graphdef, stacked = nnx.split(self.layers)
-
-            def body(x, layer_and_cache):
-                layer, k, v = layer_and_cache
-                x, k, v = nnx.merge(graphdef, layer).decode(x, index, k, v)
-                return x, (k, v)
-
-            x, (cache_k, cache_v) = jax.lax.scan(body, x, (stacked, cache_k, cache_v))
-        else:
+        def decode_layers(x, layers, cache_k, cache_v):  # Blocks in turn, a cache row each
             ks, vs = [], []
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(layers):
                 x, k, v = layer.decode(x, index, cache_k[i], cache_v[i])
                 ks.append(k)
                 vs.append(v)
-            cache_k, cache_v = jnp.stack(ks), jnp.stack(vs)
-        return self.norm(x), (cache_k, cache_v)
+            return x, (jnp.stack(ks), jnp.stack(vs))
+
+        if not self.scanned:
+            x, cache = decode_layers(x, self.layers, cache_k, cache_v)
+            return self.norm(x), cache
+        graphdef, stacked = nnx.split(self.layers)
+        period, shape = self.period, cache_k.shape
+
+        def body(x, layer_and_cache):  # one repeat of the layers' pattern (one layer if alike)
+            module = nnx.merge(graphdef, layer_and_cache[0])
+            return decode_layers(x, [module] if period == 1 else module.blocks,
+                                 *layer_and_cache[1:])
+
+        by_repeat = (shape[0] // period, period, *shape[1:])  # cache rows as [repeat, j]
+        x, (cache_k, cache_v) = jax.lax.scan(
+            body, x, (stacked, cache_k.reshape(by_repeat), cache_v.reshape(by_repeat)))
+        return self.norm(x), (cache_k.reshape(shape), cache_v.reshape(shape))
 
     def _check_decodable(self):
         if self.config.is_hybrid:

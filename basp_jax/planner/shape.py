@@ -31,12 +31,14 @@ class ModelShape:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
-    # Mixtures of experts (Qwen3-MoE): how many layers' MLPs are sparse, and their experts'
-    # shapes (models.moe); the other layers' MLPs are dense ones of intermediate_size
+    # Mixtures of experts (Qwen3-MoE, Qwen3.5-MoE): how many layers' MLPs are sparse, and their
+    # experts' shapes (models.moe), with a shared expert every token runs through where its
+    # width is not 0; the other layers' MLPs are dense ones of intermediate_size
     sparse_layers: int = 0
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     @property
     def attention_layers(self) -> int:
@@ -79,9 +81,11 @@ class ModelShape:
 
     @property
     def sparse_mlp_params(self) -> int:
-        """A sparse layer's MLP: every expert's SwiGLU and the router."""
-        d = self.hidden_size
-        return self.num_experts * (3 * d * self.moe_intermediate_size + d)
+        """A sparse layer's MLP: every expert's SwiGLU and the router; the shared expert's
+        SwiGLU and its gate (a [hidden, 1] projection) where there is one."""
+        d, shared = self.hidden_size, self.shared_expert_intermediate_size
+        return (self.num_experts * (3 * d * self.moe_intermediate_size + d)
+                + (3 * d * shared + d if shared else 0))
 
     @property
     def _sparse_extra_params(self) -> int:

@@ -18,6 +18,9 @@ QWEN3_5 = "qwen3_5"
 # Qwen3-MoE (tests/models/test_qwen3_moe.py): 8 experts, 2 per token, every layer sparse; with
 # mixed=True three layers, the middle one dense (mlp_only_layers), so the layers are a list.
 QWEN3_MOE = "qwen3_moe"
+# Qwen3.5-MoE (tests/models/test_qwen35_moe.py): QWEN3_5's hybrid layers, each MLP 8 experts of
+# which 2 run per token, beside a shared expert gated by a sigmoid.
+QWEN3_5_MOE = "qwen3_5_moe"
 ROUTER_STD = 0.5  # the routers' spread: top-k choices far from ties (router_margin)
 
 
@@ -62,12 +65,22 @@ def hf_config(family: str, tied: bool = False, mixed: bool = False):
                                                         "rope_theta": 10000.0},
             **{**common, "num_hidden_layers": 3 if mixed else 2},
         )
+    if family == QWEN3_5_MOE:
+        return transformers.Qwen3_5MoeTextConfig(
+            hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            num_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.01,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
+            linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            tie_word_embeddings=tied, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                       "partial_rotary_factor": 0.25},
+            **{**common, "num_hidden_layers": 4},
+        )
     raise ValueError(family)
 
 
 def _random_base(family: str, name: str) -> float | None:
     """The value a random parameter is centred on (None: keep transformers' init)."""
-    if family == QWEN3_5:
+    if family in (QWEN3_5, QWEN3_5_MOE):
         if name.endswith(("A_log", "dt_bias")):
             return None  # the decay rates' spread, as trained models have
         # Qwen3.5's RMSNorms store (scale - 1); the DeltaNet's gated norm stores the scale
@@ -87,7 +100,8 @@ def build(family: str, seed: int = 0, tied: bool = False, mixed: bool = False):
     config._attn_implementation = "eager"
     model = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
              "qwen3": transformers.Qwen3ForCausalLM, QWEN3_MOE: transformers.Qwen3MoeForCausalLM,
-             QWEN3_5: transformers.Qwen3_5ForCausalLM}[family](config).float().eval()
+             QWEN3_5: transformers.Qwen3_5ForCausalLM,
+             QWEN3_5_MOE: transformers.Qwen3_5MoeForCausalLM}[family](config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             base = _random_base(family, name)
@@ -105,7 +119,7 @@ def router_margin(model, tokens: np.ndarray) -> float:
     with torch.no_grad():
         out = model(input_ids=torch.from_numpy(np.asarray(tokens)).long(),
                     output_router_logits=True)
-    k = model.config.num_experts_per_tok
+    k = getattr(model.config, "text_config", model.config).num_experts_per_tok
     gaps = [np.diff(-np.sort(-logits.numpy(), axis=-1)[:, k - 1:k + 1], axis=-1)
             for logits in out.router_logits]
     return float(-np.max(np.concatenate(gaps)))
@@ -136,24 +150,30 @@ def load_torch(directory):
         directory, attn_implementation="eager", dtype="float32").eval()
 
 
-def save_qwen3_5_multimodal(directory, seed: int = 0, tied: bool = False):
-    """A tiny Qwen3.5 vision-language checkpoint (one vision block) whose text model is
-    hf_config(QWEN3_5)'s, random as `build` makes it; returns the transformers model."""
+def save_qwen3_5_multimodal(directory, seed: int = 0, tied: bool = False,
+                            family: str = QWEN3_5):
+    """A tiny Qwen3.5 (or, family=QWEN3_5_MOE, Qwen3.5-MoE) vision-language checkpoint (one
+    vision block) whose text model is hf_config(family)'s, random as `build` makes it; returns
+    the transformers model."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    text = hf_config(QWEN3_5).to_dict()  # untied: the outer config's tie_word_embeddings decides
+    text = hf_config(family).to_dict()  # untied: the outer config's tie_word_embeddings decides
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                   out_hidden_size=text["hidden_size"], num_position_embeddings=16)
-    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision,
-                                        tie_word_embeddings=tied)
+    config_class, model_class = {
+        QWEN3_5: (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration),
+        QWEN3_5_MOE: (transformers.Qwen3_5MoeConfig,
+                      transformers.Qwen3_5MoeForConditionalGeneration)}[family]
+    config = config_class(text_config=text, vision_config=vision, tie_word_embeddings=tied)
     config._attn_implementation = "eager"
-    model = transformers.Qwen3_5ForConditionalGeneration(config).float().eval()
+    model = model_class(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            base = _random_base(QWEN3_5, name)
+            base = _random_base(family, name)
             if base is not None and "visual" not in name:
-                p.copy_(base + 0.08 * torch.randn_like(p))
+                std = ROUTER_STD if name.endswith("mlp.gate.weight") else 0.08
+                p.copy_(base + std * torch.randn_like(p))
     model.save_pretrained(directory)
     return model

@@ -19,6 +19,8 @@ PUBLISHED = {
     "qwen3-8b": 8_190_735_360,
     "qwen1.5-1.8b": 1_836_828_672,
     "qwen3.5-9b": 8_953_803_264,  # transformers' Qwen3_5TextConfig() defaults, counted on meta
+    # transformers' Qwen3_5MoeTextConfig() defaults (Qwen3.5-35B-A3B's text model), on meta
+    "qwen3.5-35b-a3b": 34_660_610_688,
 }
 
 
@@ -35,7 +37,8 @@ def test_preset_parameter_counts_match_published(name):
     assert _count(models.abstract_model(config)) == PUBLISHED[name]
 
 
-@pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen2.5-3b", "qwen3-8b", "qwen3.5-9b"])
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen2.5-3b", "qwen3-8b", "qwen3.5-9b",
+                                  "qwen3.5-35b-a3b"])
 def test_preset_configs_build_the_same_model_in_transformers(name):
     """Our config.json, read by transformers, gives a model with the published parameter count."""
     torch = pytest.importorskip("torch")

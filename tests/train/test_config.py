@@ -328,7 +328,7 @@ def test_gpu_configs_state_only_what_differs_from_what_they_include():
     from train.config.tree import load_tree, read_yaml
 
     paths = shipped_configs("gpu/*.yaml")
-    assert len(paths) == 16  # seven models x basp/ulysses, the 8B's long-context and adaptive ones
+    assert len(paths) == 18  # eight models x basp/ulysses, the 8B's long-context and adaptive ones
     for path in paths:
         own = read_yaml(str(path))
         included = load_tree(str(path.parent / own.pop("include")))

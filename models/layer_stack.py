@@ -1,0 +1,57 @@
+"""A model's layer parameters as a list, ('layers', i, ...), or stacked as models.Transformer
+scans them: alike layers as one Block's [num_layers, ...] leaves ('layers', <name>, ...), layers
+repeating a pattern of `period` kinds as a Period's ('layers', 'blocks', j, ...) [num_layers /
+period, ...] leaves (slice r of block j is layer r * period + j). The conversions between the
+two, on pure dicts of arrays (the parameters, or an optimizer state's trees shaped like them), so
+a checkpoint written with one layout reads into the other."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .transformer import PERIOD_BLOCKS
+
+
+def is_list(layers: dict) -> bool:
+    """Whether a 'layers' subtree holds one entry per layer (integer keys)."""
+    return bool(layers) and all(isinstance(k, int) for k in layers)
+
+
+def stack(layers: dict, period: int) -> dict:
+    """{i: layer i's tree} -> the stack by `period` (1: a Block's stack)."""
+    count = len(layers)
+    if period < 1 or count % period:
+        raise ValueError(f"a stack by period {period} needs a multiple of {period} layers, got "
+                         f"{count}")
+
+    def stacked(indices):
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *[layers[i] for i in indices])
+
+    if period == 1:
+        return stacked(range(count))
+    return {PERIOD_BLOCKS: {j: stacked(range(j, count, period)) for j in range(period)}}
+
+
+def unstack(stacked: dict) -> dict:
+    """The stack (by period, or a Block's) -> {i: layer i's tree}."""
+    blocks = stacked[PERIOD_BLOCKS] if PERIOD_BLOCKS in stacked else {0: stacked}
+    period = len(blocks)
+    repeats = jax.tree.leaves(blocks[0])[0].shape[0]
+    return {r * period + j: jax.tree.map(lambda x, r=r: x[r], blocks[j])
+            for r in range(repeats) for j in range(period)}
+
+
+def restack(tree, period: int | None):
+    """Every 'layers' subtree of a pure dict (nested anywhere: an optimizer state's moments)
+    in the layout of `period`: stacked by it, or a list where period is None."""
+    if not isinstance(tree, dict):
+        return tree
+    out = {}
+    for key, value in tree.items():
+        if key == "layers" and isinstance(value, dict):
+            listed = value if is_list(value) else unstack(value)
+            out[key] = listed if period is None else stack(listed, period)
+        else:
+            out[key] = restack(value, period)
+    return out
