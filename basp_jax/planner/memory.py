@@ -22,11 +22,6 @@ _ACCUMULATE_BUFFERS = 2.0
 _HOST_SUM_BUFFERS = 1.0
 _SAVED_SHARE = 0.55  # of _saved_per_token that XLA keeps
 _WORKING_FACTOR = 2.95  # a layer's recompute, its gathered weights and the chunked loss's buffers
-# A hybrid's (Qwen3.5) layers run as a Python list, not under a scan (models.transformer): XLA's
-# scheduler then recomputes many layers' forward passes ahead of their backward ones and holds
-# their outputs together, where one layer's working set holds a few. Per layer, this share of the
-# working set's per-token values (hidden x 6 + intermediate x 4).
-_UNSCANNED_RECOMPUTE = 0.68
 # A tiled layer (models.tiling, tile_tokens) keeps per token only what attention needs whole: the
 # layer input and the residual stream's gradient (hidden width), and q, k, v and the output on
 # both sides of the all-to-alls with their gradients (the exchanged heads' width, padded heads
@@ -60,7 +55,9 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
                  kept_share: float = 0.0, grad_accum: int = 1,
                  host_sums: int | None = None,
                  step_copies: float = 0.0, expert_split: int = 1) -> dict[str, float]:
-    """Peak memory per device of a train step (layers under a scan, chunked loss), by term:
+    """Peak memory per device of a train step (layers under a scan, chunked loss), by term
+    (a hybrid's layers scanned by period as models.transformer runs them; run as a list,
+    model.scan_layers=false, XLA holds several layers' recomputed outputs beyond this):
 
     - state: parameters and Adam's second moment in the master dtype, its first moment in
       precisions.moments (default: the master dtype), over the devices that shard them (exactly
@@ -70,8 +67,6 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
       a hybrid's Gated DeltaNet layers their own tensors, _linear_tensor_widths);
     - working: one layer being recomputed and differentiated (_working_bytes);
     - ring (ring > 1): the ring attention's working set (_ring_bytes);
-    - recompute (hybrids): the layers' recomputed outputs XLA holds ahead of their backward
-      pass when the layers are a Python list (_UNSCANNED_RECOMPUTE);
     - kept: the layers' weights in the compute dtype that the forward keeps for the backward,
       kept_share of them per device (staged_keep: 1/devices per host, its host-local copies),
       plus step_copies bytes (step_copy_bytes: the copies a step that keeps each host's
@@ -92,12 +87,9 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
     """
     p, act = shape.num_params, precisions.act
     per_token = _saved_per_token(shape, remat, q_heads, kv_heads)
-    layer_per_token = 6 * shape.hidden_size + 4 * shape.intermediate_size
     # a hybrid's Gated DeltaNet layers keep their own exchanged tensors
     saved_per_token = (shape.attention_layers * per_token
                        + shape.linear_layers * _linear_saved_per_token(shape, remat))
-    recompute = (_UNSCANNED_RECOMPUTE * shape.num_layers * tokens_per_device * layer_per_token
-                 * act) if shape.linear_layers else 0.0
     working = _working_bytes(shape, tokens_per_device, q_heads, kv_heads, act, tile_tokens,
                              expert_split)
     routed = (_ROUTED_FACTOR * expert_split * tokens_per_device * shape.num_experts_per_tok
@@ -114,7 +106,6 @@ def memory_terms(shape: ModelShape, tokens_per_device: float, shard_group: int, 
         "grads": _GRADIENT_BUFFERS * p * 4 / shard_group,
         "saved": _SAVED_SHARE * tokens_per_device * saved_per_token * act,
         "working": working,
-        "recompute": recompute,
         "routed": routed,
         "kept": kept_share * act * _layer_weights(shape) + step_copies,
         "accumulate": 0.0 if grad_accum < 2 else (

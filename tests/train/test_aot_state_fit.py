@@ -53,12 +53,13 @@ def _on_cluster(name, target, hosts, per_host, *overrides):
 
 
 def test_a_step_the_planner_puts_far_past_the_memory_is_refused_in_one_line():
-    """The 9B hybrid on 2 x 4 T4s: its state fits (10 GiB per GPU), the step (the planner: about
-    32 GiB) does not, by far more than the formula's error."""
+    """The 9B hybrid at 64K tokens on 2 x 4 T4s: its state fits (10 GiB per GPU), the step (the
+    planner: about 32 GiB) does not, by far more than the formula's error."""
     from train.tools.aot_errors import DoesNotFitUncompiled
     from train.tools.fit_advice import check_planned_fit, check_state_fits
 
-    cfg, mcfg = _on_cluster("qwen3.5-9b_basp.yaml", "t4-16gb", 2, 4, "model.dtype=float16")
+    cfg, mcfg = _on_cluster("qwen3.5-9b_basp.yaml", "t4-16gb", 2, 4, "model.dtype=float16",
+                            "data.seq_len=65536")
     check_state_fits(cfg, mcfg, "t4-16gb", 8)
     with pytest.raises(DoesNotFitUncompiled) as err:
         check_planned_fit(cfg, mcfg, "t4-16gb", 8)

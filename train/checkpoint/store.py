@@ -40,8 +40,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from ..config.schema import CheckpointConfig
+from . import relayout
 
-
+log = logging.getLogger(__name__)
 ITEMS = ("params", "opt_state", "meta")
 
 
@@ -199,18 +200,17 @@ def _check_shapes(path: str, found: dict, found_opt: dict, expected_params,
                   expected_opt_state) -> None:
     """The checkpoint at `path` holds this model's parameters and this optimizer's state."""
     wanted = _param_shapes(expected_params)
-    if _per_layer(found) and not _per_layer(wanted):
-        raise CheckpointError(
-            f"checkpoint {path} holds per-layer parameters (layers.0..., written before the layers "
-            "were stacked under a scan); this version stacks them (layers.<name> [num_layers, "
-            "...]); resume it with the version that wrote it, or start a new run.dir (e.g. from "
-            "its Hugging Face export)")
+    wanted_opt = _param_shapes(expected_opt_state)
+    layout = relayout.layout_of(wanted)
+    if relayout.layout_of(found) != layout:  # restored into this run's (Checkpointer.restore)
+        found = relayout.shapes_in_layout(found, layout)
+        found_opt = relayout.shapes_in_layout(found_opt, layout)
     mismatch = _first_difference(found, wanted)
     if mismatch:
         raise CheckpointError(
             f"checkpoint {path} holds another model: parameter {mismatch}; use the model it was "
             "trained with, or a new run.dir")
-    mismatch = _first_difference(found_opt, _param_shapes(expected_opt_state))
+    mismatch = _first_difference(found_opt, wanted_opt)
     if mismatch:
         raise CheckpointError(
             f"checkpoint {path} holds another optimizer state: {mismatch}; the optimizer settings "
@@ -242,11 +242,6 @@ def _check_meta(meta, step: int) -> None:
         raise ValueError(f"meta seed={seed!r}, expected an integer in [0, {MAX_SEED}]")
     if not isinstance(meta.get("resume", {}), dict):  # train.config.resume.record's values
         raise ValueError(f"meta resume holds {type(meta['resume']).__name__}, not an object")
-
-
-def _per_layer(shapes: dict) -> bool:
-    """Whether parameter names hold one entry per layer (layers.0.*), not stacked layers."""
-    return any(name.startswith("layers.0.") for name in shapes)
 
 
 def _first_difference(found: dict, wanted: dict) -> str | None:
@@ -404,13 +399,24 @@ class Checkpointer:
             raise (storage_error(e, self.directory) or save_failed(e, self.directory)) from None
 
     def restore(self, step: int, abstract_params, abstract_opt_state):
-        """(params, opt_state, meta) of `step`, placed as the abstract trees' shardings say."""
+        """(params, opt_state, meta) of `step`, placed as the abstract trees' shardings say; a
+        checkpoint whose layers are laid out otherwise (a list against a stack) is read in its
+        layout and restacked into the trees' (train.checkpoint.relayout)."""
+        stored = relayout.layout_of(_param_shapes(ocp.StandardCheckpointHandler().metadata(
+            epath.Path(self.directory) / str(step) / "params")))
+        wanted = relayout.layout_of(_param_shapes(abstract_params))
+        targets = (abstract_params, abstract_opt_state)
+        if stored != wanted:
+            log.info("checkpoint %s/%d holds its layers %s; restacking them %s as this run "
+                     "runs them", self.directory, step, _layout_words(stored),
+                     _layout_words(wanted))
+            targets = tuple(relayout.abstract_in_layout(t, stored) for t in targets)
         try:
             restored = self.manager.restore(
                 step,
                 args=ocp.args.Composite(
-                    params=_restore_args(abstract_params),
-                    opt_state=_restore_args(abstract_opt_state),
+                    params=_restore_args(targets[0]),
+                    opt_state=_restore_args(targets[1]),
                     meta=ocp.args.JsonRestore(),
                 ),
             )
@@ -421,6 +427,10 @@ class Checkpointer:
                 f"{detail}); if it is damaged, move it out of {self.directory} to resume from an "
                 "earlier one") from None
         params, opt_state = restored["params"], restored["opt_state"]
+        if stored != wanted:
+            params, opt_state = (relayout.restack_on_devices(tree, wanted, abstract) for
+                                 tree, abstract in ((params, abstract_params),
+                                                    (opt_state, abstract_opt_state)))
         self._check_finite(step, params, opt_state)
         return params, opt_state, dict(restored["meta"])
 
@@ -466,6 +476,11 @@ class Checkpointer:
             _purge(self.directory)  # what the last save pruned
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.join(self.directory, PRUNED))
+
+
+def _layout_words(layout) -> str:
+    return "as a list" if layout is None else (
+        "stacked" if layout == 1 else f"stacked by a period of {layout}")
 
 
 def _restore_args(abstract):
