@@ -25,6 +25,7 @@ from models import moe  # noqa: E402
 
 from tests.helpers import hf_tiny  # noqa: E402
 from tests.helpers.errors import assert_one_line_model_error as _one_line_error  # noqa: E402
+from tests.helpers.flags import WHOLE_MATRIX  # noqa: E402
 
 ATOL = 5e-5
 MARGIN = 1e-3
@@ -144,7 +145,7 @@ def test_layouts_match_transformers(checkpoint, tokens, groups, sp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("groups", [2, 1])
+@pytest.mark.parametrize("groups", [2, pytest.param(1, marks=WHOLE_MATRIX)])
 def test_objective_and_gradients_on_basp_and_ulysses_equal_one_device(checkpoint, tokens,
                                                                      groups):
     """The training objective (the loss plus router_aux_loss_coef x the load-balancing loss) and

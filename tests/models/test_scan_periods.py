@@ -16,6 +16,7 @@ import models
 from models import layer_stack
 from models.config import FULL_ATTENTION, LINEAR_ATTENTION
 
+from tests.helpers.flags import WHOLE_MATRIX
 from tests.helpers.one_device import assert_equal_to_one_device, mean_loss_and_grads
 
 BATCH, SEQ = 2, 64
@@ -91,7 +92,7 @@ def test_scanned_periods_equal_the_list_on_one_device(make, remat):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("groups", [2, 1])
+@pytest.mark.parametrize("groups", [2, pytest.param(1, marks=WHOLE_MATRIX)])
 def test_scanned_periods_on_basp_and_ulysses_equal_the_list_on_one_device(groups):
     import basp_jax
 
@@ -143,3 +144,29 @@ def test_scanned_alternating_moe_decodes_as_the_list():
     prompt = np.random.default_rng(0).integers(0, config.vocab_size, 10)
     assert models.sampler.generate(scanned, prompt, max_new_tokens=6) == \
         models.sampler.generate(listed, prompt, max_new_tokens=6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["staged_keep", pytest.param("staged_offload",
+                                                                  marks=WHOLE_MATRIX)])
+def test_scanned_periods_under_staged_parameters_equal_one_device(strategy):
+    """The layers' parameters gathered inside each host of 2 x 4 (basp_jax.param_use: before
+    the rematerialised layer and kept on the device, or inside it with the copy in host
+    memory), every layer of each period apart: the loss and every gradient equal one
+    device's."""
+    import basp_jax
+
+    config = _hybrid()
+    tokens, targets = _batch(config.vocab_size, seed=2)
+    want = mean_loss_and_grads(models.init_model(config, seed=3, remat="full"), tokens, targets)
+    layout = basp_jax.Layout.plan(8, BATCH, SEQ, 8, 2, groups=2, devices_per_host=4)
+    model = models.init_model(config, seed=3, mesh=basp_jax.make_mesh(layout), layout=layout,
+                              param_sharding=strategy, remat="full")
+    assert model.period == 4
+    loss, grads = mean_loss_and_grads(model, tokens, targets)
+    np.testing.assert_allclose(float(loss), float(want[0]), rtol=1e-6)
+    got, reference = (traverse_util.flatten_dict(nnx.to_pure_dict(g)) for g in (grads, want[1]))
+    assert got.keys() == reference.keys()
+    for name, grad in reference.items():  # as test_scanned_periods_on_basp_and_ulysses_...
+        scale = max(np.abs(grad).max(), 1e-6)
+        assert np.abs(got[name] - grad).max() / scale < 2e-3, (strategy, name)
