@@ -514,4 +514,4 @@ ModelConfig.__hash__ = _config_hash
 
 
 # the presets are ModelConfigs: made once the class is whole (models.presets)
-from .presets import MODEL_SHAPES, PRESETS  # noqa: E402
+from .presets import MODEL_SHAPES, PRESETS  # noqa: E402, F401

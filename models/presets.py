@@ -38,6 +38,29 @@ def _preset(shape: ModelShape, **model_only) -> ModelConfig:
 _LLAMA3 = dict(rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
                model_type="llama", bos_token_id=128000, eos_token_id=128001)
 
+# The Qwen3.5 text models' own fields (their hybrid's norms, gates and partial RoPE), and the
+# published models' Gated DeltaNet shapes
+_QWEN3_5 = dict(rms_norm_eps=1e-6, qk_norm=True, partial_rotary_factor=0.25,
+                attention_output_gate=True, rms_norm_zero_centered=True, linear_conv_kernel_dim=4)
+_QWEN3_5_LINEAR = dict(linear_num_key_heads=16, linear_num_value_heads=32,
+                       linear_key_head_dim=128, linear_value_head_dim=128)
+
+
+def _hybrid_layer_types(repeats: int) -> tuple[str, ...]:
+    """Qwen3.5's pattern, repeated: 3 Gated DeltaNet layers, then one attention layer."""
+    return ((LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)) * repeats
+
+
+# The Qwen3.5 hybrid at tiny's size, for tests and trying the hybrid on a CPU: 4 layers (3 Gated
+# DeltaNet + 1 gated attention), 8 value heads so sp in {1, 2, 4, 8} all work.
+_TINY_QWEN3_5 = ModelConfig(
+    vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=8,
+    num_kv_heads=2, head_dim=32, rope_theta=10000.0, tie_word_embeddings=True,
+    max_position_embeddings=4096, model_type="qwen3_5_text", layer_types=_hybrid_layer_types(1),
+    linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
+    linear_value_head_dim=16, **_QWEN3_5,
+)
+
 # From the models' published config.json files: the paper's five models take their shapes from
 # MODEL_SHAPES (which the planner reads), the others state theirs here.
 PRESETS: dict[str, ModelConfig] = {
@@ -69,12 +92,9 @@ PRESETS: dict[str, ModelConfig] = {
     # (model.hf_path reads it).
     "qwen3.5-9b": ModelConfig(
         vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_layers=32,
-        num_heads=16, num_kv_heads=4, head_dim=256, rope_theta=10000.0, rms_norm_eps=1e-6,
-        max_position_embeddings=32768, model_type="qwen3_5_text", qk_norm=True,
-        layer_types=((LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)) * 8,
-        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
-        attention_output_gate=True, rms_norm_zero_centered=True,
+        num_heads=16, num_kv_heads=4, head_dim=256, rope_theta=10000.0,
+        max_position_embeddings=32768, model_type="qwen3_5_text",
+        layer_types=_hybrid_layer_types(8), **_QWEN3_5_LINEAR, **_QWEN3_5,
     ),
     # Qwen3-30B-A3B (its config.json): 48 layers, each MLP 128 experts of which 8 run per token
     # (30.5B parameters, 3.3B active); intermediate_size is a dense layer's, which it has none of.
@@ -91,12 +111,9 @@ PRESETS: dict[str, ModelConfig] = {
     # intermediate_size stands in for a dense MLP it has none of.
     "qwen3.5-35b-a3b": ModelConfig(
         vocab_size=248320, hidden_size=2048, intermediate_size=512, num_layers=40,
-        num_heads=16, num_kv_heads=2, head_dim=256, rope_theta=10000000.0, rms_norm_eps=1e-6,
-        max_position_embeddings=262144, model_type="qwen3_5_moe_text", qk_norm=True,
-        layer_types=((LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)) * 10,
-        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
-        attention_output_gate=True, rms_norm_zero_centered=True, num_experts=256,
+        num_heads=16, num_kv_heads=2, head_dim=256, rope_theta=10000000.0,
+        max_position_embeddings=262144, model_type="qwen3_5_moe_text",
+        layer_types=_hybrid_layer_types(10), **_QWEN3_5_LINEAR, **_QWEN3_5, num_experts=256,
         num_experts_per_tok=8, moe_intermediate_size=512, norm_topk_prob=True,
         shared_expert_intermediate_size=512, router_aux_loss_coef=0.001,
     ),
@@ -106,30 +123,13 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
         tie_word_embeddings=True, max_position_embeddings=4096, model_type="llama",
     ),
-    # The Qwen3.5 hybrid at tiny's size, for tests and trying the hybrid on a CPU: 4 layers (3
-    # Gated DeltaNet + 1 gated attention), 8 value heads so sp in {1, 2, 4, 8} all work.
-    "tiny-qwen3.5": ModelConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=8,
-        num_kv_heads=2, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, max_position_embeddings=4096, model_type="qwen3_5_text",
-        qk_norm=True, layer_types=(LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,),
-        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
-        attention_output_gate=True, rms_norm_zero_centered=True,
-    ),
+    "tiny-qwen3.5": _TINY_QWEN3_5,
     # Qwen3.5-MoE at tiny-qwen3.5's size: its 4 hybrid layers, each MLP 8 experts of which 2
     # run per token beside a shared expert.
-    "tiny-qwen3.5-moe": ModelConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=64, num_layers=4, num_heads=8,
-        num_kv_heads=2, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, max_position_embeddings=4096, model_type="qwen3_5_moe_text",
-        qk_norm=True, layer_types=(LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,),
-        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
-        attention_output_gate=True, rms_norm_zero_centered=True, num_experts=8,
-        num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
-        shared_expert_intermediate_size=64,
-    ),
+    "tiny-qwen3.5-moe": dataclasses.replace(
+        _TINY_QWEN3_5, intermediate_size=64, tie_word_embeddings=False,
+        model_type="qwen3_5_moe_text", num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=64, norm_topk_prob=True, shared_expert_intermediate_size=64),
     # Qwen3-MoE at tiny's size, for tests and trying the experts on a CPU: 4 layers, 8 experts
     # of which 2 run per token.
     "tiny-qwen3-moe": ModelConfig(

@@ -143,6 +143,27 @@ def torch_logits(model, tokens: np.ndarray, positions: np.ndarray | None = None)
     return out.logits.float().numpy()
 
 
+def torch_logits_and_aux(torch_model, tokens: np.ndarray) -> tuple[np.ndarray, float]:
+    """(logits, aux_loss) of a transformers MoE model, router logits on."""
+    import torch
+
+    with torch.no_grad():
+        out = torch_model(input_ids=torch.from_numpy(tokens).long(), output_router_logits=True)
+    return out.logits.numpy(), float(out.aux_loss)
+
+
+def logits_and_aux_program(model):
+    """Our model's (logits, aux loss) of tokens, one jit with the parameters passed in (on a
+    mesh too)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    run = jax.jit(lambda p, t: nnx.merge(graphdef, p, rest).forward_with_aux(t))
+    return lambda tokens: run(params, jnp.asarray(tokens))
+
+
 def load_torch(directory):
     import transformers
 

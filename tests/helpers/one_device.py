@@ -32,3 +32,30 @@ def assert_equal_to_one_device(got, want, label: str = "") -> None:
         np.testing.assert_allclose(flat[key], g, atol=1e-6, rtol=1e-4,
                                    err_msg=f"{label} {key}".strip())
 
+
+
+def objective_and_gradients(model, tokens):
+    """(the trainer's objective, train.program.objective: the loss plus the routers' weighted
+    terms; its weighted load-balancing sum; {parameter path: gradient}) of `model` on tokens
+    [B, S] predicting the next token, compiled."""
+    import jax.numpy as jnp
+    from flax import traverse_util
+
+    import models
+    from train.program.objective import objective
+
+    tokens = np.asarray(tokens)
+    targets = np.roll(tokens, -1, axis=-1)
+    targets[:, -1] = -100
+
+    @nnx.jit
+    def run(model):
+        def total(model):
+            return objective(model, jnp.asarray(tokens), jnp.asarray(targets), None,
+                             models.causal_lm_loss)
+        (value, (_, _, weighted)), grads = nnx.value_and_grad(total, has_aux=True)(model)
+        return value, weighted, grads
+
+    value, weighted, grads = run(model)
+    return float(value), float(weighted), traverse_util.flatten_dict(
+        nnx.to_pure_dict(nnx.state(grads, nnx.Param)))

@@ -11,11 +11,10 @@ the Gated DeltaNet's recurrence, tests/models/test_qwen35.py); gradients as test
 import dataclasses
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx, traverse_util
+from flax import nnx
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -26,27 +25,12 @@ from models import moe  # noqa: E402
 from tests.helpers import hf_tiny  # noqa: E402
 from tests.helpers.errors import assert_one_line_model_error as _one_line_error  # noqa: E402
 from tests.helpers.flags import WHOLE_MATRIX  # noqa: E402
+from tests.helpers.one_device import objective_and_gradients  # noqa: E402
 
 ATOL = 5e-5
 MARGIN = 1e-3
 BATCH, SEQ = 2, 64
 SEED = 4  # the tiny model's: its routers' choices on `tokens` are far from ties
-
-
-def _forward_program(model):
-    """jit of (logits, aux loss) of tokens, parameters passed in (on a mesh too)."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    run = jax.jit(lambda p, t: nnx.merge(graphdef, p, rest).forward_with_aux(t))
-    return lambda tokens: run(params, jnp.asarray(tokens))
-
-
-def _transformers(torch_model, tokens):
-    """(logits, aux_loss) of transformers' model, router logits on."""
-    import torch
-
-    with torch.no_grad():
-        out = torch_model(input_ids=torch.from_numpy(tokens).long(), output_router_logits=True)
-    return out.logits.numpy(), float(out.aux_loss)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +44,7 @@ def checkpoint(tmp_path_factory, tokens):
     directory = tmp_path_factory.mktemp("qwen3_5_moe")
     torch_model = hf_tiny.save(hf_tiny.QWEN3_5_MOE, directory, seed=SEED)
     assert hf_tiny.router_margin(torch_model, tokens) > MARGIN
-    return str(directory), torch_model, _transformers(torch_model, tokens)
+    return str(directory), torch_model, hf_tiny.torch_logits_and_aux(torch_model, tokens)
 
 
 def _sparse_layers(model):
@@ -85,7 +69,7 @@ def test_logits_and_aux_loss_match_transformers(checkpoint, tokens):
     model = models.from_pretrained(directory)
     assert len(_sparse_layers(model)) == 4
     assert all(hasattr(m, "shared_expert") for m in _sparse_layers(model))
-    logits, aux = _forward_program(model)(tokens)
+    logits, aux = hf_tiny.logits_and_aux_program(model)(tokens)
     assert np.abs(want_logits).max() > 1
     np.testing.assert_allclose(np.asarray(logits), want_logits, atol=ATOL, rtol=0)
     np.testing.assert_allclose(float(aux), want_aux, rtol=1e-6)
@@ -101,7 +85,7 @@ def test_shared_expert_is_gated_per_token(checkpoint, tokens):
         model = models.from_pretrained(directory)
         for mlp in _sparse_layers(model):
             change(mlp)
-        return np.asarray(_forward_program(model)(tokens)[0])
+        return np.asarray(hf_tiny.logits_and_aux_program(model)(tokens)[0])
 
     def no_shared(mlp):
         mlp.shared_expert.down_proj.kernel[...] = jnp.zeros_like(
@@ -139,7 +123,7 @@ def test_layouts_match_transformers(checkpoint, tokens, groups, sp):
     assert (layout.groups, layout.sp) == (groups, sp)
     model = models.from_pretrained(directory, mesh=basp_jax.make_mesh(layout), layout=layout)
     assert {m.split_experts for m in _sparse_layers(model)} == {sp}
-    logits, aux = _forward_program(model)(tokens)
+    logits, aux = hf_tiny.logits_and_aux_program(model)(tokens)
     np.testing.assert_allclose(np.asarray(logits), want_logits, atol=ATOL, rtol=0)
     np.testing.assert_allclose(float(aux), want_aux, rtol=1e-6)
 
@@ -151,28 +135,11 @@ def test_objective_and_gradients_on_basp_and_ulysses_equal_one_device(checkpoint
     """The training objective (the loss plus router_aux_loss_coef x the load-balancing loss) and
     every parameter's gradient on BASP (2, 4) and Ulysses (1, 8) equal one device's."""
     import basp_jax
-    from train.program.objective import objective
 
     directory = checkpoint[0]
-    targets = np.roll(tokens, -1, axis=-1)
-    targets[:, -1] = -100
-
-    @nnx.jit
-    def run(model):
-        def total(model):
-            return objective(model, jnp.asarray(tokens), jnp.asarray(targets), None,
-                             models.causal_lm_loss)
-        (value, (_, _, weighted)), grads = nnx.value_and_grad(total, has_aux=True)(model)
-        return value, weighted, grads
-
     layout = basp_jax.Layout.plan(8, BATCH, SEQ, 8, 2, groups=groups)
-    results = []
-    for mesh in (None, basp_jax.make_mesh(layout)):
-        model = models.from_pretrained(directory, **({} if mesh is None else
-                                                     dict(mesh=mesh, layout=layout)))
-        value, weighted, grads = run(model)
-        results.append((float(value), float(weighted), traverse_util.flatten_dict(
-            nnx.to_pure_dict(nnx.state(grads, nnx.Param)))))
+    results = [objective_and_gradients(models.from_pretrained(directory, **options), tokens)
+               for options in ({}, dict(mesh=basp_jax.make_mesh(layout), layout=layout))]
     (v1, a1, g1), (v8, a8, g8) = results
     np.testing.assert_allclose(v8, v1, rtol=1e-5)
     np.testing.assert_allclose(a8, a1, rtol=1e-5)
@@ -208,7 +175,8 @@ def test_export_round_trip_is_exact(checkpoint, tokens, tmp_path):
     assert models.ModelConfig.from_hf(str(tmp_path)) == model.config
     reloaded = hf_tiny.load_torch(tmp_path)
     assert type(reloaded).__name__ == "Qwen3_5MoeForCausalLM"
-    np.testing.assert_array_equal(_transformers(reloaded, tokens)[0], want_logits)
+    np.testing.assert_array_equal(hf_tiny.torch_logits_and_aux(reloaded, tokens)[0],
+                                  want_logits)
 
 
 @pytest.mark.slow
@@ -223,7 +191,7 @@ def test_text_model_of_a_multimodal_checkpoint(tmp_path, tokens, caplog):
         model = models.from_pretrained(str(tmp_path))
     assert len([r for r in caplog.records if "vision" in r.getMessage()]) == 1
     assert model.config.model_type == "qwen3_5_moe_text"
-    np.testing.assert_allclose(np.asarray(_forward_program(model)(tokens)[0]),
+    np.testing.assert_allclose(np.asarray(hf_tiny.logits_and_aux_program(model)(tokens)[0]),
                                hf_tiny.torch_logits(torch_model, tokens), atol=ATOL, rtol=0)
 
 

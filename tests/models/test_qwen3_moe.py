@@ -28,26 +28,11 @@ from models import moe  # noqa: E402
 from tests.helpers import hf_tiny  # noqa: E402
 from tests.helpers.errors import assert_one_line_model_error as _one_line_error  # noqa: E402
 from tests.helpers.flags import WHOLE_MATRIX  # noqa: E402
+from tests.helpers.one_device import objective_and_gradients  # noqa: E402
 
 ATOL = 1e-5  # logits of magnitude ~3; observed differences ~2e-6
 MARGIN = 1e-3
 BATCH, SEQ = 2, 96
-
-
-def _forward_program(model):
-    """jit of (logits, aux loss) of tokens, parameters passed in (on a mesh too)."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    run = jax.jit(lambda p, t: nnx.merge(graphdef, p, rest).forward_with_aux(t))
-    return lambda tokens: run(params, jnp.asarray(tokens))
-
-
-def _transformers(torch_model, tokens):
-    """(logits, aux_loss) of transformers' model, router logits on."""
-    import torch
-
-    with torch.no_grad():
-        out = torch_model(input_ids=torch.from_numpy(tokens).long(), output_router_logits=True)
-    return out.logits.numpy(), float(out.aux_loss)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +48,8 @@ def checkpoints(tmp_path_factory, tokens):
         directory = tmp_path_factory.mktemp(f"qwen3_moe_mixed{int(mixed)}")
         torch_model = hf_tiny.save(hf_tiny.QWEN3_MOE, directory, mixed=mixed)
         assert hf_tiny.router_margin(torch_model, tokens) > MARGIN
-        out[mixed] = (str(directory), torch_model, _transformers(torch_model, tokens))
+        out[mixed] = (str(directory), torch_model,
+                      hf_tiny.torch_logits_and_aux(torch_model, tokens))
     return out
 
 
@@ -89,7 +75,7 @@ def test_logits_and_aux_loss_match_transformers(checkpoints, tokens, mixed):
     directory, _, (want_logits, want_aux) = checkpoints[mixed]
     model = models.from_pretrained(directory)
     assert model.scanned != mixed
-    logits, aux = _forward_program(model)(tokens)
+    logits, aux = hf_tiny.logits_and_aux_program(model)(tokens)
     assert np.abs(want_logits).max() > 1
     np.testing.assert_allclose(np.asarray(logits), want_logits, atol=ATOL, rtol=0)
     np.testing.assert_allclose(float(aux), want_aux, rtol=1e-6)
@@ -122,7 +108,7 @@ def test_layouts_match_transformers(checkpoints, tokens, groups, sp, per_host, m
     if split > 1:  # each device's grouped matmuls hold experts / split of them
         hlo = jax.jit(lambda t: model.forward_with_aux(t)).lower(jnp.asarray(tokens)).as_text()
         assert f"{8 // split}x{hf_tiny.hf_config(hf_tiny.QWEN3_MOE).hidden_size}x32" in hlo
-    logits, aux = _forward_program(model)(tokens)
+    logits, aux = hf_tiny.logits_and_aux_program(model)(tokens)
     np.testing.assert_allclose(np.asarray(logits), want_logits, atol=ATOL, rtol=0)
     np.testing.assert_allclose(float(aux), want_aux, rtol=1e-6)
 
@@ -321,7 +307,8 @@ def test_export_round_trip_is_exact(checkpoints, tokens, tmp_path, mixed):
     assert models.ModelConfig.from_hf(str(tmp_path)) == model.config
     reloaded = hf_tiny.load_torch(tmp_path)
     assert type(reloaded).__name__ == "Qwen3MoeForCausalLM"
-    np.testing.assert_array_equal(_transformers(reloaded, tokens)[0], want_logits)
+    np.testing.assert_array_equal(hf_tiny.torch_logits_and_aux(reloaded, tokens)[0],
+                                  want_logits)
 
 
 def test_bad_moe_configs_are_one_line(checkpoints):
@@ -454,23 +441,11 @@ def test_objective_and_gradients_on_ulysses_and_one_device_per_sequence_equal_on
     sequence (8, 1: the experts split over the host's 8, the 8 sequences' tokens gathered
     inside it) equal one device's. (BASP (2, 4): the trainer's step, above.)"""
     import basp_jax
-    from train.program.objective import objective
 
     directory, torch_model, _ = checkpoints[mixed]
     tokens = np.random.default_rng(seed).integers(0, hf_tiny.VOCAB, (rows, length)).astype(
         np.int32)
     assert hf_tiny.router_margin(torch_model, tokens) > MARGIN  # no top-k near-tie
-    targets = np.roll(tokens, -1, axis=-1)
-    targets[:, -1] = -100
-
-    @nnx.jit
-    def run(model):
-        def total(model):
-            return objective(model, jnp.asarray(tokens), jnp.asarray(targets), None,
-                             models.causal_lm_loss)
-        (value, (_, _, weighted)), grads = nnx.value_and_grad(total, has_aux=True)(model)
-        return value, weighted, grads
-
     layout = basp_jax.Layout.plan(8, rows, length, 8, 2, groups=groups)
     assert (layout.groups, layout.sp) == (groups, 8 // groups)
     results = []
@@ -480,9 +455,7 @@ def test_objective_and_gradients_on_ulysses_and_one_device_per_sequence_equal_on
         if mesh is not None:
             assert {layer.mlp.split_experts for layer in (
                 [model.layers] if model.scanned else model.layers) if layer.sparse} == {8}
-        value, weighted, grads = run(model)
-        results.append((float(value), float(weighted), traverse_util.flatten_dict(
-            nnx.to_pure_dict(nnx.state(grads, nnx.Param)))))
+        results.append(objective_and_gradients(model, tokens))
     (v1, a1, g1), (v8, a8, g8) = results
     np.testing.assert_allclose(v8, v1, rtol=1e-5)
     np.testing.assert_allclose(a8, a1, rtol=1e-5)
