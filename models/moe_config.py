@@ -109,6 +109,9 @@ def _shared_expert_fields(data: dict, source: str) -> dict[str, Any]:
     its code fixes (every layer sparse, the top-k weights renormalised) are set so."""
     defaults = dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
                     shared_expert_intermediate_size=512, router_aux_loss_coef=0.001)
+    data = dict(data)
+    if data.get("num_experts") is None:  # (transformers 5's name for it, as in fields)
+        data["num_experts"] = data.get("num_local_experts")
     out = {name: data[name] if data.get(name) is not None else defaults[name]
            for name in SHARED_EXPERT_FIELDS}
     out["router_aux_loss_coef"] = _coef(out["router_aux_loss_coef"], source)

@@ -191,7 +191,8 @@ class Transformer(nnx.Module):
         # the pattern they repeat (config.layer_period): one Period of stacked
         # [num_layers / period, ...] parameters, the scan compiling one period.
         period = config.layer_period
-        self.scanned = options.scan_layers and period < config.num_layers
+        # (a pattern that repeats once, its whole depth, is a list: one scan step buys nothing)
+        self.scanned = options.scan_layers and (period == 1 or period < config.num_layers)
         self.period = period if self.scanned else None
         if self.scanned:
             self.layers = _stacked_layers(config, rngs, options, period)

@@ -153,7 +153,9 @@ def _used_layer_params(shape: ModelShape, expert_split: int) -> float:
     if not shape.sparse_layers:
         return shape.layer_params
     dense_mlp = 3 * shape.hidden_size * shape.intermediate_size
-    sparse = shape.layer_params - dense_mlp + shape.sparse_mlp_params / expert_split
+    shared = 3 * shape.hidden_size * shape.shared_expert_intermediate_size  # whole on each
+    sparse = (shape.layer_params - dense_mlp + shared
+              + (shape.sparse_mlp_params - shared) / expert_split)
     return max(sparse, shape.layer_params if shape.sparse_layers < shape.num_layers else 0)
 
 

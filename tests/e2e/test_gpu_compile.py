@@ -781,5 +781,8 @@ def test_the_moe_step_fits_with_experts_and_all_to_alls_inside_the_hosts(
                if c["kind"] in ("all-to-all", "collective-permute") and c["bytes"] > 2**20), rows
     crossing = sum(c["inter_host_wire_bytes"] for c in rows)
     assert 0 < crossing <= crossing_gib * GiB, crossing / GiB
-    # the gathers that cross hosts are the staged layers' (groups of 2: one GPU per host)
-    assert all(c["group_size"] == 2 for c in rows if c["inter_host_wire_bytes"] > 2**20), rows
+    # the gathers that cross hosts are the staged layers' (groups of 2: one GPU per host); the
+    # others that do are small parameters' gradient sums (the Gated DeltaNet's conv weights are
+    # replicated: 3 per period in one all-reduce of 192 KiB)
+    assert all(c["group_size"] == 2 for c in rows
+               if c["inter_host_wire_bytes"] / c["count"] > 2**20), rows

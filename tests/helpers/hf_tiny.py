@@ -24,7 +24,8 @@ QWEN3_5_MOE = "qwen3_5_moe"
 ROUTER_STD = 0.5  # the routers' spread: top-k choices far from ties (router_margin)
 
 
-def hf_config(family: str, tied: bool = False, mixed: bool = False):
+def hf_config(family: str, tied: bool = False, mixed: bool = False, repeats: int = 1):
+    """(repeats: of a Qwen3.5 family's 4-layer pattern, so its layers scan by period when > 1)"""
     import transformers
 
     common = dict(vocab_size=VOCAB, num_hidden_layers=2, num_attention_heads=8,
@@ -54,7 +55,7 @@ def hf_config(family: str, tied: bool = False, mixed: bool = False):
             linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
             tie_word_embeddings=tied, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                        "partial_rotary_factor": 0.25},
-            **{**common, "num_hidden_layers": 4},
+            **{**common, "num_hidden_layers": 4 * repeats},
         )
     if family == QWEN3_MOE:
         return transformers.Qwen3MoeConfig(
@@ -73,7 +74,7 @@ def hf_config(family: str, tied: bool = False, mixed: bool = False):
             linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
             tie_word_embeddings=tied, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                        "partial_rotary_factor": 0.25},
-            **{**common, "num_hidden_layers": 4},
+            **{**common, "num_hidden_layers": 4 * repeats},
         )
     raise ValueError(family)
 
@@ -88,7 +89,8 @@ def _random_base(family: str, name: str) -> float | None:
     return 1.0 if "norm" in name else 0.0
 
 
-def build(family: str, seed: int = 0, tied: bool = False, mixed: bool = False):
+def build(family: str, seed: int = 0, tied: bool = False, mixed: bool = False,
+          repeats: int = 1):
     """A float32 eager-attention model with every parameter random (biases and norms included).
     (tied: Qwen3.5's choice; the other families' configs fix it. mixed: Qwen3-MoE's dense
     middle layer.)"""
@@ -96,7 +98,7 @@ def build(family: str, seed: int = 0, tied: bool = False, mixed: bool = False):
     import transformers
 
     torch.manual_seed(seed)
-    config = hf_config(family, tied=tied, mixed=mixed)
+    config = hf_config(family, tied=tied, mixed=mixed, repeats=repeats)
     config._attn_implementation = "eager"
     model = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
              "qwen3": transformers.Qwen3ForCausalLM, QWEN3_MOE: transformers.Qwen3MoeForCausalLM,
@@ -126,8 +128,8 @@ def router_margin(model, tokens: np.ndarray) -> float:
 
 
 def save(family: str, directory, seed: int = 0, tied: bool = False, mixed: bool = False,
-         **kwargs):
-    model = build(family, seed, tied=tied, mixed=mixed)
+         repeats: int = 1, **kwargs):
+    model = build(family, seed, tied=tied, mixed=mixed, repeats=repeats)
     model.save_pretrained(directory, **kwargs)
     return model
 

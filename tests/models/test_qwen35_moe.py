@@ -153,6 +153,29 @@ def test_objective_and_gradients_on_basp_and_ulysses_equal_one_device(checkpoint
         assert np.abs(g8[name] - grad).max() / scale < 3e-4, name
 
 
+@pytest.mark.slow
+def test_layers_scanned_by_period_match_transformers(tmp_path, tokens):
+    """8 layers, the pattern twice: they run as 2 repeats of a Period, each repeat's experts and
+    shared experts read from transformers' layer r * 4 + j; the logits and load-balancing loss
+    are transformers' (to 1e-4: twice the layers' recurrence, observed 4.3e-5) and the export
+    writes its tensors back bit for bit."""
+    from safetensors.numpy import load_file
+
+    torch_model = hf_tiny.save(hf_tiny.QWEN3_5_MOE, tmp_path / "hf", seed=SEED, repeats=2)
+    assert hf_tiny.router_margin(torch_model, tokens) > MARGIN
+    model = models.from_pretrained(str(tmp_path / "hf"))
+    assert model.scanned and model.period == 4
+    logits, aux = hf_tiny.logits_and_aux_program(model)(tokens)
+    want_logits, want_aux = hf_tiny.torch_logits_and_aux(torch_model, tokens)
+    np.testing.assert_allclose(np.asarray(logits), want_logits, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(float(aux), want_aux, rtol=1e-6)
+    models.save_pretrained(model, tmp_path / "out")
+    original, written = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "out"))
+    assert written.keys() == original.keys()
+    for name, value in original.items():
+        np.testing.assert_array_equal(written[name], value, err_msg=name)
+
+
 # -- Hugging Face checkpoints and config ----------------------------------------------------------
 
 

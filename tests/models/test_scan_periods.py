@@ -55,6 +55,9 @@ def test_what_scans_and_what_stays_a_list():
         assert not models.abstract_model(config, scan_layers=False).scanned
     # one repeat of the pattern is the whole stack: a list (a scan of one step buys nothing)
     assert not models.abstract_model(_hybrid(repeats=1)).scanned
+    # but one layer alone is a stack of one, as any alike layers
+    one = dataclasses.replace(models.ModelConfig.preset("tiny"), num_layers=1)
+    assert models.abstract_model(one).scanned and models.abstract_model(one).period == 1
 
 
 def _as(model_from, model_to):

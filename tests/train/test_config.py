@@ -177,7 +177,7 @@ def test_shipped_configs_load_and_plan():
         devices, per_host = cfg.runtime.devices, cfg.parallel.devices_per_host
         strategy = planning.plan(cfg, mc, devices, per_host)[1]
         # on several hosts the planner's choice: FSDP's shards, each layer across hosts once;
-        # a config that names a sharding (the hybrid: no room for the host-local copies) gets it
+        # a config that names a sharding gets it
         planned = "staged_keep" if devices > per_host else "fsdp"
         named = cfg.parallel.param_sharding
         assert strategy == (planned if named == "auto" else named), path

@@ -64,19 +64,25 @@ def shapes_in_layout(shapes: dict[str, tuple], period: int | None) -> dict[str, 
     return out
 
 
+def _with_spec(sharding, spec):
+    """A NamedSharding like `sharding` (its mesh and memory kind: pinned host memory where the
+    state is offloaded) placing by `spec`; another sharding kept as it is."""
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    return NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
+
+
 def _drop_layer_axis(s: jax.ShapeDtypeStruct, _r) -> jax.ShapeDtypeStruct:
-    spec = tuple(s.sharding.spec) if isinstance(s.sharding, NamedSharding) else ()
-    sharding = (NamedSharding(s.sharding.mesh, P(*spec[1:])) if isinstance(s.sharding,
-                                                                          NamedSharding)
-                else s.sharding)
-    return jax.ShapeDtypeStruct(s.shape[1:], s.dtype, sharding=sharding)
+    spec = tuple(getattr(s.sharding, "spec", ()))
+    return jax.ShapeDtypeStruct(s.shape[1:], s.dtype,
+                                sharding=_with_spec(s.sharding, P(*spec[1:])))
 
 
 def _add_layer_axis(*xs: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     s = xs[0]
-    sharding = (NamedSharding(s.sharding.mesh, P(None, *s.sharding.spec))
-                if isinstance(s.sharding, NamedSharding) else s.sharding)
-    return jax.ShapeDtypeStruct((len(xs), *s.shape), s.dtype, sharding=sharding)
+    spec = tuple(getattr(s.sharding, "spec", ()))
+    return jax.ShapeDtypeStruct((len(xs), *s.shape), s.dtype,
+                                sharding=_with_spec(s.sharding, P(None, *spec)))
 
 
 def abstract_in_layout(abstract, period: int | None):
@@ -88,7 +94,8 @@ def abstract_in_layout(abstract, period: int | None):
 
 def restack_on_devices(tree, period: int | None, abstract):
     """`tree` (restored in another layout) in `period`'s, placed as `abstract`'s shardings, by
-    one compiled program that frees the input as it goes."""
+    one compiled program; its input is donated, but no buffer can be reused (every shape
+    changes), so the devices hold both layouts at once: twice the tree for the moment."""
     shardings = jax.tree.map(lambda s: s.sharding, abstract)
     return jax.jit(lambda t: layer_stack.restack(t, period), out_shardings=shardings,
                    donate_argnums=0)(tree)

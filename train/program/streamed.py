@@ -59,15 +59,17 @@ LAYERS = "layers"  # the params key of the scanned layer stack
 
 def check_offload(cfg: Config, strategy: str, compute_dtype: str, mcfg=None) -> None:
     """Refuse, in one line, what the streamed step does not do (before anything compiles);
-    mcfg: the model's config (a hybrid's layers are no stack of alike layers); strategy: the parameter
+    mcfg: the model's config (layers unlike each other are no stack of alike ones); strategy: the parameter
     sharding, or "auto" (the planner then offers only those the streamed step runs)."""
     if cfg.optimizer.offload is not True:  # false, or auto before planning.resolve_offload
         return
     fix = "or set optimizer.offload=false"
-    if mcfg is not None and mcfg.is_hybrid:
+    if mcfg is not None and not mcfg.layers_alike:
+        kinds = ("linear_attention and full_attention layers" if mcfg.is_hybrid
+                 else "dense and sparse MLPs")
         raise ConfigError(f"optimizer.offload=true streams the layers of a stack of alike "
-                          f"layers, and {mcfg.model_type}'s linear_attention and full_attention "
-                          f"layers are stacked by their period; set optimizer.offload=false")
+                          f"layers, and this {mcfg.model_type} model's {kinds} differ; set "
+                          f"optimizer.offload=false")
     if cfg.train.grad_accum != 1:
         raise ConfigError(f"optimizer.offload=true runs one microbatch per step, got "
                           f"train.grad_accum={cfg.train.grad_accum}; set train.grad_accum=1 "
