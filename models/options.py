@@ -50,7 +50,8 @@ class RunOptions:
     vocab_parallel: when an embedding / LM head stored split on its vocabulary is used where it
         is stored, moving the tokens' rows (basp_jax.vocab): "auto" where that moves
         fewer bytes than gathering the table (short sequences), "always", "never".
-    scan_layers: the layers as one stacked Block under lax.scan (else a Python list).
+    scan_layers: the layers as one stacked Block under lax.scan, or a stacked Period of the
+        pattern unlike layers repeat (models.transformer), else a Python list.
     param_sharding: how parameters are stored on the mesh (basp_jax.sharding.PARAM_SHARDINGS; a
         per-host one needs the layout, for its devices_per_host); `rules` places them. The
         embedding and LM head are used where they are stored when it splits the vocabulary;

@@ -95,8 +95,10 @@ class ModelSection:
     # a vocabulary-split embedding/head used where stored, moving tokens' rows: auto (where that
     # moves fewer bytes than gathering the table: short sequences), always, never
     vocab_parallel: Literal["auto", "always", "never"] = "auto"
-    # the layers as one block of stacked parameters under lax.scan: compile time independent of
-    # depth; the compiled step (collectives.json) then holds a layer's collectives once, not per layer
+    # the layers as one block of stacked parameters under lax.scan (layers unlike each other, a
+    # hybrid's: stacked by the pattern they repeat): compile time independent of depth; the
+    # compiled step (collectives.json) then holds a layer's collectives once, not per layer.
+    # false: a Python list; a checkpoint of either resumes in the other
     scan_layers: bool = True
     # the layers' projections as FP8 matmuls (e4m3 forward, e5m2 gradients, per-tensor current
     # scales; attention, norms, embedding and LM head stay in model.dtype): true needs FP8 tensor
