@@ -33,6 +33,7 @@ from basp_jax.planner.shape import ModelShape
 
 from . import moe_config
 from .errors import ModelError
+from .presets import FULL_ATTENTION, LINEAR_ATTENTION, MODEL_SHAPES, PRESET_FIELDS  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,6 @@ ARCHITECTURES = {
 }
 # The Qwen3.5 text models: the hybrid's layers and norms, dense or with sparse MLPs
 QWEN3_5_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
-FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
 # Multimodal model types whose text model is one of ours: {its type: the text model's type}.
 # Their checkpoints keep the text model under model.language_model. (models.safetensors_io).
@@ -513,5 +513,7 @@ def _config_hash(self) -> int:
 ModelConfig.__hash__ = _config_hash
 
 
-# the presets are ModelConfigs: made once the class is whole (models.presets)
-from .presets import MODEL_SHAPES, PRESETS  # noqa: E402, F401
+
+# The named presets (their fields: models.presets), as ModelConfigs
+PRESETS: dict[str, ModelConfig] = {name: ModelConfig(**fields)
+                                   for name, fields in PRESET_FIELDS.items()}

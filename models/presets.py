@@ -1,5 +1,6 @@
-"""The named presets: ModelConfigs with the published shapes of the models basp-jax is shown
-on, and tiny ones for tests and CPU demos (models.ModelConfig.preset reads them)."""
+"""The named presets' fields: the published shapes of the models basp-jax is shown on, and tiny
+ones for tests and CPU demos. models.config makes each a ModelConfig (PRESETS there, read by
+ModelConfig.preset); this module knows no ModelConfig, so the two do not import each other."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import dataclasses
 
 from basp_jax.planner.shape import ModelShape
 
-from .config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"  # (models.config's)
 
 # Shapes of the paper's models (as in their Hugging Face config.json): what the planner
-# (basp_jax.planner.shape) is given for them; PRESETS adds the model-only fields (RoPE, norms'
-# epsilon, token ids) to these, so each shape is written once.
+# (basp_jax.planner.shape) is given for them; PRESET_FIELDS adds the model-only fields (RoPE,
+# norms' epsilon, token ids) to these, so each shape is written once.
 MODEL_SHAPES = {
     "llama-3.2-1b": ModelShape(16, 2048, 8192, 32, 8, 64, 128256, tie_word_embeddings=True),
     "llama-3.2-3b": ModelShape(28, 3072, 8192, 24, 8, 128, 128256, tie_word_embeddings=True),
@@ -27,12 +28,12 @@ def _llama3_rope(factor: float) -> dict:
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def _preset(shape: ModelShape, **model_only) -> ModelConfig:
-    """A preset of one of MODEL_SHAPES: its shape and the model-only fields."""
+def _preset(shape: ModelShape, **model_only) -> dict:
+    """The fields of a preset of one of MODEL_SHAPES: its shape and the model-only fields."""
     fields = dataclasses.asdict(shape)
     fields.pop("linear_layers")  # the config counts its own from layer_types
     fields.pop("sparse_layers")  # and its sparse ones from its MoE fields
-    return ModelConfig(**fields, **model_only)
+    return dict(fields, **model_only)
 
 
 _LLAMA3 = dict(rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
@@ -53,7 +54,7 @@ def _hybrid_layer_types(repeats: int) -> tuple[str, ...]:
 
 # The Qwen3.5 hybrid at tiny's size, for tests and trying the hybrid on a CPU: 4 layers (3 Gated
 # DeltaNet + 1 gated attention), 8 value heads so sp in {1, 2, 4, 8} all work.
-_TINY_QWEN3_5 = ModelConfig(
+_TINY_QWEN3_5 = dict(
     vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=8,
     num_kv_heads=2, head_dim=32, rope_theta=10000.0, tie_word_embeddings=True,
     max_position_embeddings=4096, model_type="qwen3_5_text", layer_types=_hybrid_layer_types(1),
@@ -63,7 +64,7 @@ _TINY_QWEN3_5 = ModelConfig(
 
 # From the models' published config.json files: the paper's five models take their shapes from
 # MODEL_SHAPES (which the planner reads), the others state theirs here.
-PRESETS: dict[str, ModelConfig] = {
+PRESET_FIELDS: dict[str, dict] = {
     "llama-3.2-1b": _preset(MODEL_SHAPES["llama-3.2-1b"], rope_scaling=_llama3_rope(32.0),
                             **_LLAMA3),
     "llama-3.2-3b": _preset(MODEL_SHAPES["llama-3.2-3b"], rope_scaling=_llama3_rope(32.0),
@@ -80,7 +81,7 @@ PRESETS: dict[str, ModelConfig] = {
         max_position_embeddings=40960, model_type="qwen3", bos_token_id=151643,
         eos_token_id=151645,
     ),
-    "qwen1.5-1.8b": ModelConfig(
+    "qwen1.5-1.8b": dict(
         vocab_size=151936, hidden_size=2048, intermediate_size=5504, num_layers=24, num_heads=16,
         num_kv_heads=16, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
         tie_word_embeddings=False, attention_bias=True, max_position_embeddings=32768,
@@ -90,7 +91,7 @@ PRESETS: dict[str, ModelConfig] = {
     # 8.95B parameters: 24 Gated DeltaNet layers and 8 gated attention layers (every 4th), with
     # that class's RoPE theta and context; a real checkpoint's config.json says its own
     # (model.hf_path reads it).
-    "qwen3.5-9b": ModelConfig(
+    "qwen3.5-9b": dict(
         vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_layers=32,
         num_heads=16, num_kv_heads=4, head_dim=256, rope_theta=10000.0,
         max_position_embeddings=32768, model_type="qwen3_5_text",
@@ -98,7 +99,7 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     # Qwen3-30B-A3B (its config.json): 48 layers, each MLP 128 experts of which 8 run per token
     # (30.5B parameters, 3.3B active); intermediate_size is a dense layer's, which it has none of.
-    "qwen3-30b-a3b": ModelConfig(
+    "qwen3-30b-a3b": dict(
         vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
         num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
         tie_word_embeddings=False, max_position_embeddings=40960, model_type="qwen3_moe",
@@ -109,7 +110,7 @@ PRESETS: dict[str, ModelConfig] = {
     # Qwen3.5-35B-A3B's text model (its published shape): the 3:1 hybrid of 40 layers, each MLP
     # 256 experts of which 8 run per token beside a shared expert (35B parameters, 3B active).
     # intermediate_size stands in for a dense MLP it has none of.
-    "qwen3.5-35b-a3b": ModelConfig(
+    "qwen3.5-35b-a3b": dict(
         vocab_size=248320, hidden_size=2048, intermediate_size=512, num_layers=40,
         num_heads=16, num_kv_heads=2, head_dim=256, rope_theta=10000000.0,
         max_position_embeddings=262144, model_type="qwen3_5_moe_text",
@@ -118,7 +119,7 @@ PRESETS: dict[str, ModelConfig] = {
         shared_expert_intermediate_size=512, router_aux_loss_coef=0.001,
     ),
     # Small enough for tests and CPU demos; 8 query heads so sp in {1, 2, 4, 8} all work.
-    "tiny": ModelConfig(
+    "tiny": dict(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8,
         num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
         tie_word_embeddings=True, max_position_embeddings=4096, model_type="llama",
@@ -126,13 +127,13 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-qwen3.5": _TINY_QWEN3_5,
     # Qwen3.5-MoE at tiny-qwen3.5's size: its 4 hybrid layers, each MLP 8 experts of which 2
     # run per token beside a shared expert.
-    "tiny-qwen3.5-moe": dataclasses.replace(
+    "tiny-qwen3.5-moe": dict(
         _TINY_QWEN3_5, intermediate_size=64, tie_word_embeddings=False,
         model_type="qwen3_5_moe_text", num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=64, norm_topk_prob=True, shared_expert_intermediate_size=64),
     # Qwen3-MoE at tiny's size, for tests and trying the experts on a CPU: 4 layers, 8 experts
     # of which 2 run per token.
-    "tiny-qwen3-moe": ModelConfig(
+    "tiny-qwen3-moe": dict(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=8,
         num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
         tie_word_embeddings=False, max_position_embeddings=4096, model_type="qwen3_moe",
