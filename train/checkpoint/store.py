@@ -402,8 +402,7 @@ class Checkpointer:
         """(params, opt_state, meta) of `step`, placed as the abstract trees' shardings say; a
         checkpoint whose layers are laid out otherwise (a list against a stack) is read in its
         layout and restacked into the trees' (train.checkpoint.relayout)."""
-        stored = relayout.layout_of(_param_shapes(ocp.StandardCheckpointHandler().metadata(
-            epath.Path(self.directory) / str(step) / "params")))
+        stored = self._stored_layout(step)
         wanted = relayout.layout_of(_param_shapes(abstract_params))
         targets = (abstract_params, abstract_opt_state)
         if stored != wanted:
@@ -433,6 +432,18 @@ class Checkpointer:
                                                     (opt_state, abstract_opt_state)))
         self._check_finite(step, params, opt_state)
         return params, opt_state, dict(restored["meta"])
+
+    def _stored_layout(self, step: int):
+        """The layers' layout (train.checkpoint.relayout.layout_of) of `step`'s parameters."""
+        path = epath.Path(self.directory) / str(step) / "params"
+        try:
+            return relayout.layout_of(_param_shapes(ocp.StandardCheckpointHandler().metadata(path)))
+        except Exception as e:  # noqa: BLE001 (orbax/tensorstore raise many kinds)
+            detail = " ".join(str(e).split())[:300]
+            raise CheckpointError(
+                f"checkpoint {path} cannot be read ({type(e).__name__}: {detail}); if it is "
+                f"damaged, move it out of {self.directory} to resume from an earlier one"
+            ) from None
 
     def _check_finite(self, step: int, params, opt_state) -> None:
         """A restored state holds no NaN or Inf: the steps would all be skipped and the final
