@@ -94,6 +94,18 @@ def heads_to_seq(x, sp):
         return name_exchange(lax.all_to_all(x, SEQ, split_axis=1, concat_axis=2, tiled=True))
 
 
+def _kernels(impl: str, q, mesh: Mesh, has_segments: bool, block_size: int,
+             document_bound: int | None):
+    """(the local kernel with its options, the ring hops' kernel) for the mesh's devices."""
+    device = mesh.devices.flat[0]
+    platform, capability = device.platform, kernels.device_capability(device)
+    name = kernels.resolve_impl(impl, q, q.shape[1], platform, has_segments, capability)
+    kernel = kernels.KERNELS.get(name).bind(platform, block_size, capability, document_bound)
+    hop_kernel = kernels.ring_hop_kernel(impl, platform, capability, q.shape[3], block_size,
+                                         q.dtype)
+    return kernel, hop_kernel
+
+
 def attention(
     q: jax.Array,
     k: jax.Array,
@@ -106,6 +118,7 @@ def attention(
     impl: str = "auto",
     block_size: int = DEFAULT_BLOCK,
     fp8_exchange: bool = False,
+    document_bound: int | None = None,
 ) -> jax.Array:
     """Sequence-parallel multi-head attention on a ('group', 'seq') mesh.
 
@@ -118,14 +131,19 @@ def attention(
 
     `layout` (the one make_mesh(layout) placed; default: the mesh's plain split) may split each
     seq group into `layout.ring` runs of sp / ring devices: all-to-all inside a run, ring
-    attention across runs (basp_jax.ring), so sp may exceed the head count. Every ring hop runs
-    the fused Pallas kernel on a GPU from sm80 (unless impl='blockwise'), the blockwise kernel
-    elsewhere (on CPU impl='pallas' asks for the Pallas one, in interpret mode). With layout.zigzag the sequence axis must be in
-    layout.token_order, which balances the causal work over the ring.
+    attention across runs (basp_jax.ring), so sp may exceed the head count. On a GPU from sm80
+    every ring hop runs a fused kernel: cuDNN's where its masks express the hop (impl auto or
+    cudnn; basp_jax.ring_hops), else our Pallas kernel; elsewhere the blockwise kernel (on CPU
+    impl='pallas' asks for the Pallas one, in interpret mode). With layout.zigzag the sequence
+    axis must be in layout.token_order, which balances the causal work over the ring.
 
     fp8_exchange: q, k and v cross the all-to-alls in float8_e4m3fn with per-head scales, their
     gradients back in float8_e5m2 (basp_jax.fp8_exchange; half the bytes of bf16); the output's
     exchange stays in q's dtype. The ring's k/v hops carry the dequantized values.
+
+    document_bound: the most documents (runs of equal segment ids) a row of segment_ids holds,
+    where the data knows it: cuDNN's packed layout is sized by it (basp_jax.cudnn; a step over
+    it runs the Pallas kernel). None: basp_jax.cudnn.DOCUMENT_BOUND.
     """
     _check_inputs(q, k, v, segment_ids)
     hq, hkv = q.shape[2], k.shape[2]
@@ -136,13 +154,8 @@ def attention(
     if padded:
         q, k, v = _pad_heads(q, k, v, kv_heads, group)
     copies = layout.kv_replication
-    device = mesh.devices.flat[0]
-    platform = device.platform
-    kernel_name = kernels.resolve_impl(impl, q, q.shape[1], platform, segment_ids is not None,
-                                       kernels.device_capability(device))
-    capability = kernels.device_capability(device)
-    kernel = kernels.KERNELS.get(kernel_name).bind(platform, block_size, capability)
-    hop_kernel = kernels.ring_hop_kernel(impl, platform, capability, q.shape[3], block_size)
+    kernel, hop_kernel = _kernels(impl, q, mesh, segment_ids is not None, block_size,
+                                  document_bound)
 
     def local(q, k, v, seg):
         if copies > 1:

@@ -6,15 +6,18 @@ each row's documents as lengths and start offsets, each attended alone (causal w
 no S x S buffer. `packed_layout` derives them from the segment ids inside the step: a document
 is a run of equal ids, so ids must not repeat apart (the packer numbers its documents in order).
 The layout holds a static number of documents per row (`bound`); a step whose rows hold more
-runs the fallback kernel instead (lax.cond), so documents are never merged.
+runs the fallback kernel instead (lax.cond), so documents are never merged. Unpacked and
+packed, the kernels are called below JAX's wrapper (basp_jax.cudnn_call), which vmap and the
+per-host parameter mesh break.
 
 JAX checks the GPU's compute capability while tracing, through the default backend
 (`check_compute_capability` in jax._src.cudnn.fused_attention_stablehlo): a compile for a GPU
 from a host without one would see no Hopper and refuse the layout (and head_dim 256).
 `capability_seen_as` answers that check with the target's capability: whatever traces a step
 for GPU devices wraps its whole lowering in it (the backward pass is traced after the forward's
-call returns; train.program.state.TrainProgram.lower does). Both are private JAX names: FUSED is None where a jax version lacks any of them, and
-the packed path is then not offered (tests/basp_jax/test_cudnn_packed.py fails on such a jax).
+call returns; train.program.state.TrainProgram.lower does). Both are private JAX names: FUSED
+is None where a jax version lacks any of them, and the packed path is then not offered
+(tests/basp_jax/test_cudnn_packed.py fails on such a jax).
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import cudnn_call
+
 # the named scope of the fallback kernel's call: a compiled program's report counts its kernels
 # apart (basp_jax.compiled.hlo), as they run only in a step over the bound
 FALLBACK_SCOPE = "over_document_bound"
 PACKED_MIN_CC = (9, 0)  # cuDNN's packed layout, and head_dim up to 256: Hopper and newer
 DOCUMENT_BOUND = 64  # documents per row the packed layout holds (more: the fallback kernel)
-_PRIVATE = ("dot_product_attention", "check_compute_capability",
-            "is_cuda_compute_capability_equal", "MaskType")
+_PRIVATE = ("check_compute_capability", "is_cuda_compute_capability_equal")
 
 
 def _fused_module():
@@ -50,7 +54,8 @@ FUSED = _fused_module()
 
 def packed_supported(capability) -> bool:
     """Whether cuDNN's packed layout runs on a GPU of this compute capability with this jax."""
-    return FUSED is not None and capability is not None and tuple(capability) >= PACKED_MIN_CC
+    return FUSED is not None and cudnn_call.FUSED is not None and capability is not None \
+        and tuple(capability) >= PACKED_MIN_CC
 
 
 def packed_layout(segment_ids: jax.Array, bound: int):
@@ -124,25 +129,30 @@ _NOTED: set[str] = set()  # the refusals noted (once each)
 
 
 def _cudnn_attention(q, k, v, *, causal: bool, segment_ids, capability, bound: int, fallback):
-    """cuDNN attention, q [b, s, hq, d], k/v [b, s, hkv, d] -> [b, s, hq, d]. Packed input on
-    a GPU that has the packed layout (capability: the GPU's) goes through it, a step whose rows
-    hold more than `bound` documents through `fallback` (an attention kernel of the same
-    signature; None: cuDNN with a dense mask); elsewhere as a dense mask."""
+    """cuDNN attention, q [b, s, hq, d], k/v [b, s, hkv, d] -> [b, s, hq, d], through its
+    kernels below JAX's wrapper (basp_jax.cudnn_call: vmap folds, no partitioning). Packed
+    input on a GPU that has the packed layout (capability: the GPU's) goes through it, a step
+    whose rows hold more than `bound` documents through `fallback` (an attention kernel of the
+    same signature; None: cuDNN with a dense mask); before Hopper as a dense mask."""
     def dense(q, k, v):
         mask = None if segment_ids is None else \
             (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [b, 1, s, s]
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
                                             implementation="cudnn")
 
-    if segment_ids is None or not packed_supported(capability):
+    if segment_ids is None:
+        with capability_seen_as(capability):  # a deviceless compile's target
+            cudnn_call.check(q, k, v, mask="causal", packed=False)
+        return cudnn_call.attention(q, k, v, mask="causal" if causal else "none")
+    if not packed_supported(capability):
         return dense(q, k, v)
+    with capability_seen_as(capability):  # a deviceless compile's target
+        cudnn_call.check(q, k, v, mask="padding_causal", packed=bound > 1)
     lengths, offsets, fits = packed_layout(segment_ids, bound)
 
     def packed(q, k, v):
-        mask = FUSED.MaskType.PADDING_CAUSAL if causal else FUSED.MaskType.PADDING
-        return FUSED.dot_product_attention(
-            q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
-            scale=float(q.shape[-1]) ** -0.5, mask_type=mask)
+        return cudnn_call.attention(q, k, v, mask="padding_causal" if causal else "padding",
+                                    lengths=(lengths, lengths), offsets=(offsets, offsets))
 
     def over_bound(q, k, v):
         with jax.named_scope(FALLBACK_SCOPE):

@@ -4,8 +4,8 @@ All take q [b, s, hq, d], k/v [b, s, hkv, d] (hq a multiple of hkv, grouped-quer
 head h reads kv head h // (hq // hkv)) and optional segment_ids [b, s], and return [b, s, hq, d].
 
 - "xla":       jax.nn.dot_product_attention with the XLA implementation (materialises S x S).
-- "cudnn":     cuDNN flash attention (GPU, bf16/fp16; basp_jax.cudnn): unpacked through
-               jax.nn.dot_product_attention; packed documents on Hopper and newer through
+- "cudnn":     cuDNN flash attention (GPU, bf16/fp16; basp_jax.cudnn, its kernels bound by
+               basp_jax.cudnn_call); packed documents on Hopper and newer through
                cuDNN's packed layout (per-document lengths and offsets, no S x S mask; a step
                whose rows hold more documents than its bound runs "pallas"), before Hopper as
                a dense segment mask. Input cuDNN refuses while it is traced runs "pallas",
@@ -18,10 +18,10 @@ head h reads kv head h // (hq // hkv)) and optional segment_ids [b, s], and retu
                memory grows with S * block, not S^2, so long sequences run on CPU. Key blocks
                that no query of a block can see (causal future, other documents) are skipped.
 
-"auto" on a GPU from sm80 (Ampere) takes a fused kernel whenever one applies: cuDNN for unpacked
-half-precision input (its fastest path), Pallas for packed input (before Hopper cuDNN would take
-the segment mask as a dense [b, 1, S, S] bias; from Hopper impl="cudnn" runs its packed layout)
-and for what cuDNN refuses; on an older GPU (the T4, sm75),
+"auto" on a GPU from sm80 (Ampere) takes a fused kernel whenever one applies: cuDNN for
+half-precision input (its fastest path), packed input too from Hopper (its packed layout), Pallas
+for packed input before Hopper (where cuDNN would take the segment mask as a dense [b, 1, S, S]
+bias) and for what cuDNN refuses; on an older GPU (the T4, sm75),
 on CPU and for what neither takes: blockwise from BLOCKWISE_MIN_SEQ tokens, else xla (bf16 on a
 pre-Ampere GPU, and float16 on CPU: blockwise always, since the xla kernel's dot does not compile
 there). Which GPU runs what: gpu_kernels, by compute capability.
@@ -36,14 +36,15 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from . import cudnn, gpus
+from . import cudnn, cudnn_call, gpus
 from .blockwise import DEFAULT_BLOCK, blockwise_attention
 from .flash import FlashBlocks, flash_attention, flash_blocks
+from .ring_hops import HopKernel
 from .registry import Registry
 
 AUTO = "auto"  # not a kernel: resolve_impl's choice among them
-AUTO_DOC = ("on a GPU from sm80 cudnn for unpacked, pallas for packed data; else, and on a T4 "
-            "(sm75), blockwise from 2048 tokens or in bf16, else xla")
+AUTO_DOC = ("on a GPU from sm80 cudnn (packed data: from sm90, pallas before); else, and on a "
+            "T4 (sm75), blockwise from 2048 tokens or in bf16, else xla")
 # Below this full sequence length the S x S scores of the xla kernel are cheap enough.
 BLOCKWISE_MIN_SEQ = 2048
 
@@ -56,7 +57,7 @@ def _takes_any(q, full_seq_len) -> str | None:
     return None
 
 
-def _no_options(platform: str, block_size: int, capability) -> dict:
+def _no_options(platform: str, block_size: int, capability, document_bound=None) -> dict:
     return {}
 
 
@@ -71,7 +72,9 @@ class Kernel:
     auto(q, full_seq_len, platform, has_segments, capability): whether "auto" wants it where
         it runs and takes the input; auto_rank: the order "auto" asks (None: auto never picks
         it).
-    options(platform, block_size, capability): the keyword arguments attention() passes fn.
+    options(platform, block_size, capability, document_bound): the keyword arguments
+        attention() passes fn (document_bound: the most documents a packed row holds, from the
+        data; None: unknown).
     doc: what the config reference says of it ("" for none).
     """
 
@@ -84,10 +87,12 @@ class Kernel:
     doc: str = ""
 
     def bind(self, platform: str, block_size: int = DEFAULT_BLOCK,
-             capability: tuple[int, int] | None = None) -> Callable:
+             capability: tuple[int, int] | None = None,
+             document_bound: int | None = None) -> Callable:
         """fn with the options it takes on `platform` (the mesh's: compiling for a GPU topology
-        from a CPU host must not fall back to Pallas's interpret mode) and GPU generation."""
-        options = self.options(platform, block_size, capability)
+        from a CPU host must not fall back to Pallas's interpret mode), GPU generation and
+        bound on documents per packed row."""
+        options = self.options(platform, block_size, capability, document_bound)
         return functools.partial(self.fn, **options) if options else self.fn
 
 
@@ -117,12 +122,13 @@ def xla_attention(q, k, v, *, causal: bool, segment_ids=None):
     )
 
 
-def _cudnn_options(platform: str, block_size: int, capability) -> dict:
-    """The GPU generation (cuDNN's packed layout on Hopper and newer) and, for a step whose
-    rows hold more documents than that layout's bound, our Pallas kernel."""
+def _cudnn_options(platform: str, block_size: int, capability, document_bound=None) -> dict:
+    """The GPU generation (cuDNN's packed layout on Hopper and newer), the packed layout's bound
+    on documents per row (the data's, else basp_jax.cudnn.DOCUMENT_BOUND) and, for a step whose
+    rows hold more, our Pallas kernel."""
     if platform != "gpu":
         return {}
-    return {"capability": capability,
+    return {"capability": capability, "bound": document_bound or cudnn.DOCUMENT_BOUND,
             "fallback": KERNELS.get("pallas").bind(platform, block_size, capability)}
 
 
@@ -202,13 +208,11 @@ KERNELS.register("xla", Kernel(xla_attention, supports=_xla_runs, auto_rank=3))
 KERNELS.register("cudnn", Kernel(
     cudnn.attention, supports=_cudnn_runs, auto_rank=0, doc="GPU, sm80+",
     options=_cudnn_options,
-    # not for packed input: before Hopper it would cost a dense [b, 1, S, S] mask; from Hopper
-    # its packed layout compiles in one-host programs only so far (a step vmapped over groups
-    # or placed on a second, per-host mesh fails in JAX's cuDNN wrapper), so impl='cudnn' asks
-    # for it there
-    # (nor, until a GPU has run it, for head_dim 256 on Hopper: impl='cudnn' asks for it)
+    # packed input only from Hopper (its packed layout); before, cuDNN would take the
+    # documents as a dense [b, 1, S, S] mask: our kernel instead
     auto=lambda q, full_seq_len, platform, has_segments, capability: (
-        cudnn_supported(q, platform) and not has_segments)))
+        cudnn_supported(q, platform, capability)
+        and (not has_segments or cudnn.packed_supported(capability)))))
 
 
 def device_capability(device) -> tuple[int, int] | None:
@@ -245,8 +249,8 @@ def kernel_unsupported(impl: str, platform: str, capability: tuple[int, int] | N
 
 def resolve_impl(impl: str, q_shape_dtype, full_seq_len: int, platform: str, has_segments: bool,
                  capability: tuple[int, int] | None = None) -> str:
-    """Turn "auto" into a concrete kernel: on a GPU from sm80 cudnn (unpacked) or pallas (packed,
-    or what cuDNN refuses) where they apply; blockwise for long S (and for bf16 below sm80);
+    """Turn "auto" into a concrete kernel: on a GPU from sm80 cudnn (packed input from sm90) or
+    pallas (packed before sm90, or what cuDNN refuses) where they apply; blockwise for long S (and for bf16 below sm80);
     else xla. capability: the GPU's compute capability (device_capability), None: any GPU."""
     if impl != AUTO and impl not in KERNELS:
         raise ValueError(f"unknown attention impl {impl!r}; use one of {', '.join(impl_names())}")
@@ -287,7 +291,7 @@ def pallas_attention(q, k, v, *, causal: bool, segment_ids=None,
                            interpret=interpret)
 
 
-def _pallas_options(platform: str, block_size: int, capability) -> dict:
+def _pallas_options(platform: str, block_size: int, capability, document_bound=None) -> dict:
     return {"interpret": platform != "gpu",
             "blocks": pallas_blocks(platform, block_size, capability)}
 
@@ -301,24 +305,32 @@ KERNELS.register("pallas", Kernel(
     options=_pallas_options, doc="Triton, GPU, sm80+"))
 
 
-def ring_hop_kernel(impl: str, platform: str, capability, head_dim: int,
-                    block_size: int) -> tuple[FlashBlocks, bool] | None:
-    """The Pallas kernel's (tiles, interpret) for a ring's hops, or None for the blockwise one.
-    On a GPU from sm80 every hop is the fused kernel unless impl='blockwise' asks otherwise; on
-    CPU only impl='pallas' takes it (interpret mode is slow: tests)."""
+def ring_hop_kernel(impl: str, platform: str, capability, head_dim: int, block_size: int,
+                    dtype=None) -> HopKernel:
+    """The kernel a ring's hops run (basp_jax.ring_hops). On a GPU from sm80: cuDNN's where it
+    takes the input (half precision, its head_dims) unless impl asks for pallas or blockwise,
+    with our Pallas kernel for the hops its masks cannot express; else the Pallas kernel. On
+    CPU the blockwise kernel, unless impl='pallas' asks for the Pallas one (interpret mode is
+    slow: tests)."""
     if impl == "blockwise" or head_dim > PALLAS_MAX_HEAD_DIM:
-        return None
+        return HopKernel("blockwise")
     if platform == "gpu" and _fused_runs("pallas", platform, capability) is None:
-        return pallas_blocks(platform, block_size, capability), False
+        blocks = pallas_blocks(platform, block_size, capability)
+        q = jax.ShapeDtypeStruct((1, 1, 1, head_dim), dtype or jnp.float32)
+        if impl in (AUTO, "cudnn") and cudnn_call.FUSED is not None and \
+                cudnn_supported(q, platform, capability):
+            return HopKernel("cudnn", blocks)
+        return HopKernel("pallas", blocks)
     if impl == "pallas" and platform != "gpu":
-        return pallas_blocks(platform, block_size, capability), True
-    return None
+        return HopKernel("pallas", pallas_blocks(platform, block_size, capability), True)
+    return HopKernel("blockwise")
 
 
 KERNELS.register("blockwise", Kernel(
     blockwise_attention, auto_rank=2, doc="memory-efficient, pure JAX",
     auto=lambda q, full_seq_len, platform, has_segments, capability: (
         full_seq_len >= BLOCKWISE_MIN_SEQ),
-    options=lambda platform, block_size, capability: {"block_size": block_size}))
+    options=lambda platform, block_size, capability, document_bound=None: {
+        "block_size": block_size}))
 # What "auto" takes when no kernel above wants the input: blockwise runs everywhere.
 AUTO_FALLBACK = "blockwise"

@@ -5,8 +5,8 @@ Inside a run, an all-to-all (over `inner` consecutive devices) turns sequence sh
 shards, exactly as in Ulysses; the run then holds one contiguous chunk of S / ring tokens. Across
 runs, k/v chunks travel around a ring with `ppermute` (ring - 1 hops) and each device merges the
 partial attention of its query chunk by log-sum-exp. Causal chunks entirely in the future are
-skipped by the kernel's loop bounds (no compute). Each hop runs the fused Pallas kernel
-(basp_jax.flash) on a GPU from sm80, the blockwise one elsewhere (kernels.ring_hop_kernel).
+skipped (no compute). Each hop runs cuDNN's kernels or our Pallas kernel on a GPU from sm80, the
+blockwise one elsewhere (kernels.ring_hop_kernel; basp_jax.ring_hops: which hop runs what).
 
 Load balance under causal masking: with contiguous chunks, the last rank of the ring attends to
 every earlier chunk while the first attends only to its own, and each ring step waits for the
@@ -27,9 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .flash import FlashBlocks, flash_attention_vjp, flash_attention_with_lse
+from . import ring_hops
 from .fp8_exchange import fp8_all_to_all
-from .blockwise import blockwise_attention_vjp, blockwise_attention_with_lse
 from .layout import Layout
 from .mesh import SEQ
 from .remat import name_exchange
@@ -45,13 +44,13 @@ def _merge(out, lse, out_t, lse_t):
 
 
 def ring_local_attention(q, k, v, seg, *, layout: Layout, causal: bool, block_size: int,
-                         hop_kernel: tuple[FlashBlocks, bool] | None = None,
+                         hop_kernel: ring_hops.HopKernel = ring_hops.HopKernel(),
                          fp8_exchange: bool = False):
     """The per-device body inside shard_map: q [b, s/sp, h, d] -> [b, s/sp, h, d].
 
     `seg` is this device's [b, s/sp] segment ids or None. With layout.zigzag, the sequence axis
-    is in layout.token_order. hop_kernel: the Pallas kernel's (tiles, interpret) for every hop,
-    or None for the blockwise kernel (kernels.ring_hop_kernel). fp8_exchange: q, k, v's
+    is in layout.token_order. hop_kernel: the kernel the hops run (kernels.ring_hop_kernel;
+    default blockwise). fp8_exchange: q, k, v's
     all-to-alls in float8 (basp_jax.fp8_exchange); the hops carry them dequantized.
 
     The k/v hops happen here, outside the attention proper (`_ring_attention`, with its own
@@ -101,30 +100,21 @@ class _Ring(NamedTuple):
     zigzag: bool
     causal: bool
     block_size: int
-    hop_kernel: tuple[FlashBlocks, bool] | None  # Pallas (tiles, interpret), None: blockwise
+    hop_kernel: ring_hops.HopKernel
 
 
-def _hop_forward(q, k, v, static: _Ring, **kw):
-    """One (query piece, k/v piece) attention: (out, lse)."""
-    if static.hop_kernel is None:
-        return blockwise_attention_with_lse(q, k, v, causal=static.causal,
-                                            block_size=static.block_size, **kw)
-    blocks, interpret = static.hop_kernel
-    return flash_attention_with_lse(q, k, v, causal=static.causal, blocks=blocks,
-                                    interpret=interpret, **kw)
+def _hop_forward(q, k, v, static: _Ring, *, diagonal: bool, **kw):
+    """One (query piece, k/v piece) attention: (out, lse). diagonal: the query piece's own."""
+    return ring_hops.forward(static.hop_kernel, q, k, v, causal=static.causal,
+                             block_size=static.block_size, diagonal=diagonal, **kw)
 
 
-def _hop_backward(q, k, v, out, lse, d_out, static: _Ring, *, wrt: str = "qkv", **kw):
+def _hop_backward(q, k, v, out, lse, d_out, static: _Ring, *, diagonal: bool,
+                  wrt: str = "qkv", **kw):
     """One hop's (dq, dk, dv) from the whole attention's out, lse and d_out; with the Pallas
     kernel wrt="q" or "kv" runs only dq's kernel or dk/dv's (the others None)."""
-    if static.hop_kernel is None:
-        if wrt != "qkv":
-            raise ValueError("the blockwise hop computes dq, dk and dv together")
-        return blockwise_attention_vjp(q, k, v, out, lse, d_out, causal=static.causal,
-                                       block_size=static.block_size, **kw)
-    blocks, interpret = static.hop_kernel
-    return flash_attention_vjp(q, k, v, out, lse, d_out, causal=static.causal, blocks=blocks,
-                               interpret=interpret, wrt=wrt, **kw)
+    return ring_hops.backward(static.hop_kernel, q, k, v, out, lse, d_out, causal=static.causal,
+                              block_size=static.block_size, diagonal=diagonal, wrt=wrt, **kw)
 
 
 def _after(inputs, sums):
@@ -182,14 +172,14 @@ def _ring_forward(q, ks, vs, full_seg, rank, static: _Ring):
             # At step 0, piece n of the own chunk is the diagonal of query piece n, where every
             # query sees at least itself: take it first so the running log-sum-exp is finite
             # before anything is merged into it.
-            kvs = kv_pieces[step]
+            kvs = list(enumerate(kv_pieces[step]))
             order = kvs if step else [kvs[n]] + kvs[:n] + kvs[n + 1:]
-            for (k_piece, k_pos), (v_piece, _), (k_seg, _) in order:
+            for m, ((k_piece, k_pos), (v_piece, _), (k_seg, _)) in order:
                 (q_in, k_in, v_in), (acc, outs) = _after((q_piece, k_piece, v_piece),
                                                          (acc, outs))
                 out_t, lse_t = _hop_forward(
-                    q_in, k_in, v_in, static, q_segment_ids=q_seg,
-                    k_segment_ids=k_seg, k_shift=(k_pos - q_pos) * piece)
+                    q_in, k_in, v_in, static, diagonal=step == 0 and m == n,
+                    q_segment_ids=q_seg, k_segment_ids=k_seg, k_shift=(k_pos - q_pos) * piece)
                 if acc is None:
                     acc = (out_t.astype(jnp.float32), lse_t)
                 else:
@@ -214,15 +204,15 @@ def _ring_attention_fwd(q, ks, vs, full_seg, rank, static: _Ring):
 
 def _ring_attention_bwd(static: _Ring, residuals, d_out):
     """Flash attention's backward per (query piece, k/v piece), with the final output and
-    log-sum-exp (flash_attention_vjp or blockwise_attention_vjp): dq summed here, each step's dk/dv
-    returned for the hops' transposes to send home.
+    log-sum-exp (basp_jax.ring_hops.backward): dq summed here, each step's dk/dv returned for the
+    hops' transposes to send home.
 
     Every hop's gradients are added to float32 running sums before the next hop's kernels run
     (`_after`). With the Pallas kernel, whose dq and dk/dv are separate kernels, dq is summed over
     all hops one query piece at a time and then each step's dk/dv over the query pieces: one dq
     sum exists at a time instead of one per piece, and
-    none while the dk/dv kernels run. The blockwise hop computes all three in one loop: its hops
-    run in the forward's order. Either way every sum adds the same terms in the same order."""
+    none while the dk/dv kernels run. The blockwise and cuDNN hops compute all three at once: their
+    hops run in the forward's order. Either way every sum adds the same terms in the same order."""
     q, ks, vs, full_seg, rank, out, lses = residuals
     pieces, piece, chunk_seg = _plan(q, full_seg, rank, static)
     q_pieces = pieces(q, rank)
@@ -235,28 +225,29 @@ def _ring_attention_bwd(static: _Ring, residuals, d_out):
         return list(zip(pieces(ks[step], source), pieces(vs[step], source),
                         pieces(chunk_seg(source), source)))
 
-    def hop(n, kv, sums, wrt):
-        """One hop's gradients once `sums` are computed: ((dq, dk, dv), sums)."""
+    def hop(n, m, step, sums, wrt):
+        """One hop's gradients (query piece n, piece m of step's k/v chunk) once `sums` are
+        computed: ((dq, dk, dv), sums)."""
         (q_piece, q_pos), (q_seg, _) = q_pieces[n], q_seg_pieces[n]
-        (k_piece, k_pos), (v_piece, _), (k_seg, _) = kv
+        (k_piece, k_pos), (v_piece, _), (k_seg, _) = kv_pieces(step)[m]
         (q_in, k_in, v_in, out_in, do_in), sums = _after(
             (q_piece, k_piece, v_piece, out_pieces[n], do_pieces[n]), sums)
-        grads = _hop_backward(q_in, k_in, v_in, out_in, lses[n], do_in, static, wrt=wrt,
-                              q_segment_ids=q_seg, k_segment_ids=k_seg,
-                              k_shift=(k_pos - q_pos) * piece)
+        grads = _hop_backward(q_in, k_in, v_in, out_in, lses[n], do_in, static,
+                              diagonal=step == 0 and m == n, wrt=wrt, q_segment_ids=q_seg,
+                              k_segment_ids=k_seg, k_shift=(k_pos - q_pos) * piece)
         return grads, sums
 
     def zeros(x):
         return jnp.zeros(x.shape, jnp.float32)
 
-    split = static.hop_kernel is not None  # the Pallas kernel: dq apart from dk/dv
+    split = static.hop_kernel.split  # the Pallas kernel: dq apart from dk/dv
     dq_done, dks, dvs = [], [], []
     if split:
         for n, (q_piece, _) in enumerate(q_pieces):
             dq = zeros(q_piece)
             for step in range(static.ring):
-                for kv in kv_pieces(step):
-                    (dq_t, _, _), (dq, dq_done) = hop(n, kv, (dq, dq_done), "q")
+                for m in range(len(kv_pieces(step))):
+                    (dq_t, _, _), (dq, dq_done) = hop(n, m, step, (dq, dq_done), "q")
                     dq = dq + dq_t
             dq_done.append(dq.astype(q.dtype))
     else:
@@ -266,13 +257,13 @@ def _ring_attention_bwd(static: _Ring, residuals, d_out):
         dk = [zeros(k) for (k, _), _, _ in kvs]
         dv = [zeros(v) for _, (v, _), _ in kvs]
         for n in range(len(q_pieces)):
-            for m, kv in enumerate(kvs):
+            for m in range(len(kvs)):
                 if split:
                     (_, dk_t, dv_t), (dk, dv, dks, dvs, dq_done) = hop(
-                        n, kv, (dk, dv, dks, dvs, dq_done), "kv")
+                        n, m, step, (dk, dv, dks, dvs, dq_done), "kv")
                 else:
                     (dq_t, dk_t, dv_t), (dq, dk, dv, dks, dvs) = hop(
-                        n, kv, (dq, dk, dv, dks, dvs), "qkv")
+                        n, m, step, (dq, dk, dv, dks, dvs), "qkv")
                     dq[n] = dq[n] + dq_t
                 dk[m] = dk[m] + dk_t
                 dv[m] = dv[m] + dv_t

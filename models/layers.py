@@ -181,13 +181,14 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 # Attention and MLP
 
 
-def local_attention(q, k, v, *, segment_ids, impl: str):
+def local_attention(q, k, v, *, segment_ids, impl: str, document_bound: int | None = None):
     """Single-device attention through the basp_jax kernels (no mesh, no all-to-all)."""
     device = jax.devices()[0]
     capability = basp_kernels.device_capability(device)
     name = basp_kernels.resolve_impl(impl, q, q.shape[1], device.platform, segment_ids is not None,
                                      capability)
-    kernel = basp_kernels.KERNELS.get(name).bind(device.platform, capability=capability)
+    kernel = basp_kernels.KERNELS.get(name).bind(device.platform, capability=capability,
+                                                 document_bound=document_bound)
     with jax.named_scope(ATTENTION_SCOPE):  # as basp_jax.attention names it
         return kernel(q, k, v, causal=True, segment_ids=segment_ids)
 
@@ -259,12 +260,14 @@ class Attention(nnx.Module):
         b, s = q.shape[:2]
         q, k, v = (constrain(t, self.mesh) for t in (q, k, v))
         if self.mesh is None:
-            out = local_attention(q, k, v, segment_ids=segment_ids, impl=self.options.attn_impl)
+            out = local_attention(q, k, v, segment_ids=segment_ids, impl=self.options.attn_impl,
+                                  document_bound=self.options.document_bound)
         else:
             out = basp_jax.attention(q, k, v, mesh=self.mesh, layout=self.options.layout,
                                      causal=True, segment_ids=segment_ids,
                                      impl=self.options.attn_impl,
-                                     fp8_exchange=self.options.fp8_exchange)
+                                     fp8_exchange=self.options.fp8_exchange,
+                                     document_bound=self.options.document_bound)
         return constrain(out.reshape(b, s, self.num_heads * self.head_dim), self.mesh)
 
     def decode(self, x, index, cache_k, cache_v):

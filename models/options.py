@@ -76,6 +76,9 @@ class RunOptions:
     rules: where parameters and activations live on the mesh (basp_jax.sharding.ShardingRules,
         None without a mesh): built from mesh, param_sharding and the layout's
         devices_per_host when not given; a run's trainer passes its own, so the run has one.
+    document_bound: the most documents a packed row holds, where the data knows it (the
+        trainer's packed token files do): cuDNN's packed layout is sized by it
+        (basp_jax.attention). None: the library's default.
     """
 
     mesh: Mesh | None = None
@@ -93,6 +96,7 @@ class RunOptions:
     expert_parallel: str = "auto"
     grouped_matmul: str = "auto"
     rules: ShardingRules | None = None
+    document_bound: int | None = None
 
     def __post_init__(self):
         if self.remat not in REMAT_POLICIES:
@@ -116,6 +120,10 @@ class RunOptions:
         if self.grouped_matmul not in grouped_matmul.IMPLS:
             raise ModelError(f"unknown grouped_matmul {self.grouped_matmul!r}; use one of "
                              f"{', '.join(grouped_matmul.IMPLS)}")
+        if self.document_bound is not None and (not isinstance(self.document_bound, int)
+                                                or self.document_bound < 1):
+            raise ModelError(f"document_bound must be a positive number of documents or None, "
+                             f"got {self.document_bound!r}")
         if not isinstance(self.fp8_exchange, bool):
             raise ModelError(f"fp8_exchange must be True or False, got {self.fp8_exchange!r}")
         if self.param_sharding not in PARAM_SHARDINGS:

@@ -208,6 +208,8 @@ def check(cfg: Config, *, is_writer: bool) -> Run:
                     microbatch=cfg.train.microbatch_size, seed=cfg.run.seed,
                     pad_rows=layout.pad_rows,
                     seq_order=None if plan.adaptive else layout.token_order)
+    if data.documents_per_row and not plan.adaptive:  # (adaptive layouts repack the rows)
+        plan = dataclasses.replace(plan, document_bound=data.documents_per_row)
     eval_data = None if held_out is None else Pipeline(
         held_out, vocab_size=mcfg.vocab_size, grad_accum=cfg.eval.batches,
         microbatch=cfg.train.microbatch_size, seed=cfg.run.seed, pad_rows=layout.pad_rows,

@@ -21,6 +21,7 @@ from functools import cached_property
 
 from ..attention import ATTENTION_SCOPE
 from ..cudnn import FALLBACK_SCOPE
+from ..ring_hops import HOP_SCOPES
 
 _COMPUTATION_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTRUCTION_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
@@ -131,41 +132,57 @@ KERNEL_TRITON_FALLBACK = "triton, over cuDNN's document bound only"
 _SCOPE_RE = re.compile(r'op_name="(?:[^"]*/)?' + ATTENTION_SCOPE + r'[/"]')
 
 
+def _kernel_of(inst) -> tuple[str, str] | None:
+    """(kind, target) of an attention kernel's instruction (a cuDNN or Triton custom call, or
+    a pure-JAX loop inside attention's scope); None for anything else."""
+    if inst.op == "custom-call":
+        target = re.search(r'custom_call_target="([^"]+)"', inst.line)
+        target = target.group(1) if target else ""
+        if target.startswith("__cudnn$fmha"):
+            return KERNEL_CUDNN, target
+        if "triton" in target:  # named by the function around the pallas_call
+            name = _pallas_name(inst.line)
+            if (name or "").startswith(GROUPED_MATMUL):  # the experts': expert_kernels
+                return None
+            kind = KERNEL_TRITON_FALLBACK if f"/{FALLBACK_SCOPE}/" in inst.line else KERNEL_TRITON
+            return kind, name or target
+    if inst.op == "while" and _SCOPE_RE.search(inst.line):
+        return KERNEL_LOOP, "while"
+    return None
+
+
 def attention_kernels(hlo_text: str) -> dict[str, dict]:
     """The attention kernels a compiled program runs: kind -> {"count": executions per program
     run, "targets": the custom-call targets or kernel names seen}."""
-    module = Module(hlo_text)
     found: dict[str, dict] = {}
     other_attention_ops = 0
-
-    def add(kind, n, target):
-        entry = found.setdefault(kind, {"count": 0, "targets": []})
-        entry["count"] += n
-        if target and target not in entry["targets"]:
-            entry["targets"].append(target)
-
-    for inst in module.instructions():
-        if inst.op == "custom-call":
-            target = re.search(r'custom_call_target="([^"]+)"', inst.line)
-            target = target.group(1) if target else ""
-            if target.startswith("__cudnn$fmha"):
-                add(KERNEL_CUDNN, inst.executions, target)
-                continue
-            if "triton" in target:  # named by the function around the pallas_call
-                name = _pallas_name(inst.line)
-                if not (name or "").startswith(GROUPED_MATMUL):  # the experts': expert_kernels
-                    kind = KERNEL_TRITON_FALLBACK if f"/{FALLBACK_SCOPE}/" in inst.line \
-                        else KERNEL_TRITON
-                    add(kind, inst.executions, name or target)
-                continue
-        if not _SCOPE_RE.search(inst.line):
-            continue
-        if inst.op == "while":
-            add(KERNEL_LOOP, inst.executions, "while")
-        elif inst.op in ("dot", "fusion", "custom-call"):
+    for inst in Module(hlo_text).instructions():
+        kernel = _kernel_of(inst)
+        if kernel is not None:
+            kind, target = kernel
+            entry = found.setdefault(kind, {"count": 0, "targets": []})
+            entry["count"] += inst.executions
+            if target and target not in entry["targets"]:
+                entry["targets"].append(target)
+        elif inst.op in ("dot", "fusion", "custom-call") and _SCOPE_RE.search(inst.line):
             other_attention_ops += 1
     if not found and other_attention_ops:
         found[KERNEL_XLA] = {"count": other_attention_ops, "targets": []}
+    return found
+
+
+def ring_hop_kernels(hlo_text: str) -> dict[str, dict[str, int]]:
+    """Which kernels each shape of ring hop runs (basp_jax.ring_hops.HOP_SCOPES: diagonal,
+    off_diagonal, unmasked): shape -> {kind: executions per program run}. Empty without a
+    ring."""
+    found: dict[str, dict[str, int]] = {}
+    for inst in Module(hlo_text).instructions():
+        shape = next((name for name, scope in HOP_SCOPES.items() if f"/{scope}/" in inst.line),
+                     None)
+        kernel = _kernel_of(inst) if shape else None
+        if kernel is not None:
+            kinds = found.setdefault(shape, {})
+            kinds[kernel[0]] = kinds.get(kernel[0], 0) + inst.executions
     return found
 
 

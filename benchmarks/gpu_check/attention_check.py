@@ -176,18 +176,21 @@ def kernel_cases(shapes: Shapes):
 # ---------------------------------------------------------------------------- a ring of 2
 
 def ring_cases(shapes: Shapes):
-    """(name, heads, documents, zigzag, dtype): packed zig-zag rings (the trainer's causal ring)
-    at both head shapes and dtypes, and one contiguous unpacked ring. On the CPU the packed ring
-    is contiguous too: a zig-zag ring's 4x as many hops take 15 s to compile there (its CPU tests:
-    tests/basp_jax/test_attention.py)."""
+    """(name, heads, documents, zigzag, dtype, hops): packed zig-zag rings (the trainer's causal
+    ring) at both head shapes and dtypes, and one contiguous unpacked ring, each with the hops
+    attention() runs (hops "auto": cuDNN's kernels where their masks express the hop, on a GPU
+    from sm80) and with our Pallas kernel in every hop ("pallas"; a GPU only). On the CPU the
+    packed ring is contiguous too: a zig-zag ring's 4x as many hops take 15 s to compile there
+    (its CPU tests: tests/basp_jax/test_attention.py, test_ring_cudnn.py)."""
     first, zigzag = shapes.check_heads[0], not shapes.smoke
     cases = [(first, 0, False, shapes.check_dtypes[0])]
     cases += [(heads, 4, zigzag, dtype) for heads in shapes.check_heads
               for dtype in shapes.check_dtypes]
-    for heads, docs, zigzag, dtype in cases:
-        name = (f"ring 2, head_dim {heads[2]}, {packing(docs)}, "
-                f"{'zig-zag' if zigzag else 'contiguous'}, {dtype}")
-        yield name, heads, docs, zigzag, dtype
+    for hops in ("auto", "pallas"):
+        for heads, docs, zigzag, dtype in cases:
+            name = (f"ring 2, {hops} hops, head_dim {heads[2]}, {packing(docs)}, "
+                    f"{'zig-zag' if zigzag else 'contiguous'}, {dtype}")
+            yield name, heads, docs, zigzag, dtype, hops
 
 
 def ring_of_two(seq: int, zigzag: bool, hop_kernel, block_size: int):
@@ -221,18 +224,24 @@ def ring_of_two(seq: int, zigzag: bool, hop_kernel, block_size: int):
     return fn
 
 
-def check_ring(heads, docs: int, zigzag: bool, dtype: str, shapes: Shapes, on_gpu: bool) -> dict:
+def check_ring(heads, docs: int, zigzag: bool, dtype: str, hops: str, shapes: Shapes,
+               on_gpu: bool) -> dict:
     import jax
+    import jax.numpy as jnp
 
     from basp_jax.kernels import device_capability, ring_hop_kernel
 
     if not on_gpu and dtype == "float16":
         return skip("--cpu-smoke: float16 is checked on a GPU only")
-    # the hops attention() runs here: the Pallas kernel on a GPU from sm80; on the CPU the
-    # blockwise one (the Pallas hops in interpret mode take a minute: tests/basp_jax/test_flash.py)
-    hop = ring_hop_kernel("auto", "gpu" if on_gpu else "cpu", device_capability(jax.devices()[0]),
-                          heads[2], shapes.block_size)
+    if not on_gpu and hops == "pallas":
+        return skip("--cpu-smoke: the Pallas hops in interpret mode take a minute "
+                    "(tests/basp_jax/test_flash.py)")
+    # the hops attention() runs here (basp_jax.ring_hops): on a GPU from sm80 cuDNN's where its
+    # masks express a hop and our Pallas kernel elsewhere ("auto"), or Pallas in every hop; on
+    # the CPU the blockwise kernel
+    hop = ring_hop_kernel(hops, "gpu" if on_gpu else "cpu", device_capability(jax.devices()[0]),
+                          heads[2], shapes.block_size, jnp.dtype(dtype))
     fn = ring_of_two(shapes.check_seq, zigzag, hop, shapes.block_size)
     out = _against_reference(loss_and_grads(fn), heads, shapes.check_seq, docs, dtype, shapes)
-    out.update(ring=2, zigzag=zigzag, hop_kernel="blockwise" if hop is None else "pallas")
+    out.update(ring=2, zigzag=zigzag, hop_kernel=hop.name)
     return out

@@ -147,3 +147,40 @@ def time_kernel(impl: str, seq: int, heads, docs: int, shapes: Shapes, on_gpu: b
     return {"status": "ok", "seq_len": seq, "heads": heads[0], "kv_heads": heads[1],
             "head_dim": heads[2], "documents": docs, "causal_pairs": pairs, "median_s": median,
             "times_s": times, "tflops": flops / median / 1e12, "first_call_s": first}
+
+
+def ring_timing_cases(shapes: Shapes, seq: int):
+    """(name, hops, seq, heads, documents): a zig-zag ring of 2 on packed documents, its hops
+    as attention() runs them ("auto": cuDNN's where their masks express the hop) and all
+    through our Pallas kernel; their rate is compared with the kernels' on the same input."""
+    docs = shapes.documents[1] if len(shapes.documents) > 1 else 0
+    for hops in ("auto", "pallas"):
+        yield (f"ring 2, {hops} hops, {seq} tokens, {packing(docs)}", hops, seq,
+               shapes.time_heads[0], docs)
+
+
+def time_ring(hops: str, seq: int, heads, docs: int, shapes: Shapes, on_gpu: bool,
+              repeats: int) -> dict:
+    """Median seconds of one forward + backward pass of a ring of 2 hops on one device
+    (attention_check.ring_of_two: every hop's kernel and merge, no ppermute)."""
+    import jax
+    import jax.numpy as jnp
+
+    from basp_jax.kernels import device_capability, ring_hop_kernel
+
+    from .attention_check import ring_of_two
+
+    if not on_gpu:
+        return skip("--cpu-smoke: ring hops are timed on a GPU only")
+    hop = ring_hop_kernel(hops, "gpu", device_capability(jax.devices()[0]), heads[2],
+                          shapes.block_size, jnp.dtype(shapes.dtype))
+    step = loss_and_grads(ring_of_two(seq, not shapes.smoke, hop, shapes.block_size))
+    q, k, v, ct, seg = inputs(heads, seq, docs, jnp.dtype(shapes.dtype))
+    first, times = timed(step, (q, k, v, ct, seg), repeats)
+    median = statistics.median(times)
+    flops = 3.5 * 4 * causal_pairs(seq, seg) * heads[0] * heads[2]
+    print(f"  {median * 1e3:9.2f} ms  ({flops / median / 1e12:.1f} TFLOP/s causal, hops "
+          f"{hop.name}; compile + first run {first:.1f} s)", flush=True)
+    return {"status": "ok", "seq_len": seq, "heads": heads[0], "kv_heads": heads[1],
+            "head_dim": heads[2], "documents": docs, "hop_kernel": hop.name, "median_s": median,
+            "times_s": times, "tflops": flops / median / 1e12, "first_call_s": first}

@@ -84,6 +84,9 @@ def run_sections(report: dict, shapes: Shapes, args, on_gpu: bool, budget: Budge
     timing = functools.partial(_time, at.time_kernel, shapes, on_gpu, args.repeats)
     _cases(report, "timing", at.timing_cases(shapes, shapes.short_seq), timing, budget,
            est["short timing case"], save)
+    ring_timing = functools.partial(_time, at.time_ring, shapes, on_gpu, args.repeats)
+    _cases(report, "ring timing", at.ring_timing_cases(shapes, shapes.short_seq), ring_timing,
+           budget, est["short timing case"], save)
     peak = gemm.device_peak(on_gpu)
     _cases(report, "gemm", ((name, k, n, which) for name, _, _, k, n, which in
                             gemm.gemm_cases(shapes)),

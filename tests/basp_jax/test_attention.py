@@ -349,13 +349,16 @@ def test_the_kernel_follows_the_gpu_generation():
         assert resolve_impl("auto", f32_short, 1024, "gpu", segments, t4) == "xla"
     for cc in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0)):
         assert resolve_impl("auto", bf16, 4096, "gpu", False, cc) == "cudnn"
-        # packed documents: ours (impl='cudnn' asks for cuDNN's packed layout from Hopper)
-        assert resolve_impl("auto", bf16, 4096, "gpu", True, cc) == "pallas"
+        # packed documents: cuDNN's packed layout from Hopper, ours before (where cuDNN would
+        # take them as a dense mask; impl='cudnn' still asks for that)
+        packed = "cudnn" if cc >= (9, 0) else "pallas"
+        assert resolve_impl("auto", bf16, 4096, "gpu", True, cc) == packed, cc
         assert resolve_impl("cudnn", bf16, 4096, "gpu", True, cc) == "cudnn"
-    # head_dim 256 (Qwen3.5): ours; cuDNN takes it from Hopper when asked for
+    # head_dim 256 (Qwen3.5): cuDNN from Hopper, ours before
     wide = jax.ShapeDtypeStruct((1, 4096, 8, 256), jnp.bfloat16)
-    for cc in ((8, 0), (9, 0)):
-        assert resolve_impl("auto", wide, 4096, "gpu", False, cc) == "pallas"
+    assert resolve_impl("auto", wide, 4096, "gpu", False, (8, 0)) == "pallas"
+    for segments in (False, True):
+        assert resolve_impl("auto", wide, 4096, "gpu", segments, (9, 0)) == "cudnn"
     assert kernels_mod.cudnn_supported(wide, "gpu", (9, 0))
     assert not kernels_mod.cudnn_supported(wide, "gpu", (8, 0))
     for impl in ("cudnn", "pallas"):

@@ -4,15 +4,14 @@ a step whose rows hold more documents than the layout's bound runs the fallback 
 private cuDNN names it relies on are where it looks (this test fails when a jax moves them).
 The cuDNN kernel itself needs a GPU: the GPU check runs it, the GPU-compile tier compiles it."""
 
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from basp_jax import cudnn
+from basp_jax import cudnn, cudnn_call
 
+from tests.helpers import cudnn_emulator
 from tests.helpers.reference import reference_attention
 
 B, S, HQ, HKV, D = 3, 48, 4, 2, 8
@@ -112,26 +111,9 @@ def test_lengths_offsets_and_the_bound():
 
 @pytest.fixture
 def fake_cudnn(monkeypatch):
-    """basp_jax.cudnn's view of JAX's private module, its kernel replaced by the layout's
-    reference (the GPU runs the real one): what the packed path passes it, checked."""
-    calls = []
-
-    def kernel(q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offsets, scale, mask_type):
-        calls.append(mask_type)
-        assert q_seqlen is kv_seqlen and q_offsets is kv_offsets
-        assert scale == pytest.approx(D ** -0.5)
-        causal = mask_type == fake.MaskType.PADDING_CAUSAL
-        assert causal or mask_type == fake.MaskType.PADDING
-        return _layout_attention(q, k, v, q_seqlen, q_offsets, causal=causal)
-
-    real = cudnn._fused_module()
-    assert real is not None
-    fake = types.SimpleNamespace(dot_product_attention=kernel, MaskType=real.MaskType,
-                                 check_compute_capability=real.check_compute_capability,
-                                 is_cuda_compute_capability_equal=(
-                                     real.is_cuda_compute_capability_equal))
-    monkeypatch.setattr(cudnn, "FUSED", fake)
-    return calls
+    """cuDNN's kernels computed on CPU (tests/helpers/cudnn_emulator): the masks the packed
+    path binds them with, recorded."""
+    return cudnn_emulator.install(monkeypatch, cudnn_call)
 
 
 def test_a_row_over_the_bound_runs_the_fallback_kernel(fake_cudnn):
@@ -152,7 +134,7 @@ def test_a_row_over_the_bound_runs_the_fallback_kernel(fake_cudnn):
     over = run(q, k, v, jnp.asarray(many))  # the whole step takes the fallback
     want = reference_attention(q, k, v, causal=True, segment_ids=jnp.asarray(many)) + 1000.0
     np.testing.assert_allclose(over, want, atol=1e-4)
-    assert fallback_used and fake_cudnn == [cudnn.FUSED.MaskType.PADDING_CAUSAL]
+    assert fallback_used and set(fake_cudnn) == {"PADDING_CAUSAL"}
 
 
 def test_the_packed_layout_needs_hopper_and_the_check_sees_the_target():
@@ -168,24 +150,19 @@ def test_the_packed_layout_needs_hopper_and_the_check_sees_the_target():
 
 
 def test_jax_keeps_the_private_names_the_packed_path_uses():
-    """jax._src.cudnn.fused_attention_stablehlo: its dot_product_attention with the packed
-    layout's arguments and its trace-time capability checks. A jax that moves them makes
-    basp_jax.cudnn offer no packed path (FUSED is None): this test says so first."""
-    import inspect
-
+    """jax._src.cudnn.fused_attention_stablehlo's trace-time capability checks (the kernels'
+    primitives: tests/basp_jax/test_cudnn_call.py). A jax that moves them makes basp_jax.cudnn
+    offer no packed path (FUSED is None): this test says so first."""
     fused = cudnn._fused_module()
     assert fused is not None, f"jax {jax.__version__} moved one of {cudnn._PRIVATE}"
-    params = inspect.signature(fused.dot_product_attention).parameters
-    for name in ("q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "scale", "mask_type"):
-        assert name in params, (jax.__version__, name)
-    assert {"PADDING", "PADDING_CAUSAL"} <= set(fused.MaskType.__members__)
+    assert cudnn.packed_supported((9, 0))
 
 
 def test_a_refusal_while_tracing_runs_the_fallback_with_one_note(fake_cudnn, monkeypatch, caplog):
     def refuse(*args, **kwargs):
         raise NotImplementedError("The head dim must be <= 256 and a multiple of 8, but got 7.")
 
-    monkeypatch.setattr(cudnn.FUSED, "dot_product_attention", refuse)
+    monkeypatch.setattr(cudnn_call, "check", refuse)
     q, k, v, _ = _qkv(2)
     segments = jnp.asarray(_random_documents(np.random.default_rng(2), B, 3))
     used = []

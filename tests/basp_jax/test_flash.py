@@ -183,16 +183,21 @@ def test_flash_rejects_bad_heads_in_one_line():
         flash_attention_with_lse(q, k, v, causal=True, interpret=True)
 
 
-def test_ring_hops_take_the_pallas_kernel_on_an_ampere_or_newer_gpu():
+def test_ring_hops_take_a_fused_kernel_on_an_ampere_or_newer_gpu():
     from basp_jax.kernels import ring_hop_kernel
 
+    bf16, f32 = jnp.bfloat16, jnp.float32
     for cc in ((8, 0), (8, 9), (9, 0)):
-        blocks, interpret = ring_hop_kernel("auto", "gpu", cc, 128, 512)
-        assert isinstance(blocks, FlashBlocks) and not interpret
-    assert ring_hop_kernel("auto", "gpu", (7, 5), 128, 512) is None  # T4: blockwise
-    assert ring_hop_kernel("blockwise", "gpu", (9, 0), 128, 512) is None  # asked for
-    assert ring_hop_kernel("auto", "cpu", None, 128, 512) is None  # CPU: blockwise ...
-    assert ring_hop_kernel("pallas", "cpu", None, 128, 512)[1]  # ... unless a test asks
+        hop = ring_hop_kernel("auto", "gpu", cc, 128, 512, bf16)
+        assert hop.name == "cudnn" and isinstance(hop.blocks, FlashBlocks) and not hop.interpret
+        assert ring_hop_kernel("pallas", "gpu", cc, 128, 512, bf16).name == "pallas"
+        assert ring_hop_kernel("auto", "gpu", cc, 128, 512, f32).name == "pallas"  # cuDNN: f16
+    assert ring_hop_kernel("auto", "gpu", (9, 0), 256, 512, bf16).name == "cudnn"
+    assert ring_hop_kernel("auto", "gpu", (8, 0), 256, 512, bf16).name == "pallas"  # Ampere: 128
+    assert ring_hop_kernel("auto", "gpu", (7, 5), 128, 512, bf16).name == "blockwise"  # T4
+    assert ring_hop_kernel("blockwise", "gpu", (9, 0), 128, 512, bf16).name == "blockwise"
+    assert ring_hop_kernel("auto", "cpu", None, 128, 512, bf16).name == "blockwise"  # CPU ...
+    assert ring_hop_kernel("pallas", "cpu", None, 128, 512).interpret  # ... unless a test asks
 
 
 def _ring_case(ring, zigzag, packed, hq, hkv, seed):

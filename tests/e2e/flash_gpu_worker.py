@@ -1,5 +1,6 @@
 """Compile sequence-parallel attention (forward and gradients, bf16, packed documents) for a GPU
-target without a GPU and print which attention kernels the program runs, as JSON:
+target without a GPU and print which attention kernels the program runs, and which kernels each
+shape of ring hop runs, as JSON ({"kernels": ..., "hops": ...}):
 
     python tests/e2e/flash_gpu_worker.py TARGET RING [ZIGZAG]
 
@@ -42,7 +43,8 @@ def main() -> None:
     with jax.set_mesh(mesh):
         compiled = jax.jit(step).lower(spec((b, s, hq, d)), spec((b, s, hkv, d)),
                                        spec((b, s, hkv, d)), spec((b, s), jnp.int32)).compile()
-    print(json.dumps(hlo.attention_kernels(compiled.as_text())))
+    text = compiled.as_text()
+    print(json.dumps({"kernels": hlo.attention_kernels(text), "hops": hlo.ring_hop_kernels(text)}))
 
 
 if __name__ == "__main__":

@@ -113,14 +113,14 @@ def basp_8b(cuda_plugin, tmp_path_factory):
 
 @WHOLE_TIER
 def test_packed_documents_run_cudnn_packed_layout_on_hopper(cuda_plugin, tmp_path):
-    """The shipped packed 8B config on one host of 8 H100s with model.attn_impl=cudnn: every
-    layer's attention is cuDNN's fused kernel on its packed layout (basp_jax.cudnn; forward,
-    recomputed forward and backward: 3 per layer), no [S, S] buffer anywhere; our Pallas
-    kernel is compiled only as the fallback of a step whose rows hold more documents than the
-    layout's bound."""
+    """The shipped packed 8B config on one host of 8 H100s, attention as configured (auto):
+    every layer's attention is cuDNN's fused kernel on its packed layout (basp_jax.cudnn;
+    forward, recomputed forward and backward: 3 per layer), no [S, S] buffer anywhere; our
+    Pallas kernel is compiled only as the fallback of a step whose rows hold more documents
+    than the layout's bound."""
     done = _run("-m", "train.tools.aot", "--config", CONFIG_8B, "--target", "h100-80gb",
                 "--hosts", "1", "--gpus-per-host", "8", "parallel.devices_per_host=8",
-                "runtime.devices=8", "parallel.hardware=h100-80gb", "model.attn_impl=cudnn",
+                "runtime.devices=8", "parallel.hardware=h100-80gb",
                 "--json", str(tmp_path / "r.json"), "--hlo", str(tmp_path / "s.hlo"))
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads((tmp_path / "r.json").read_text())
@@ -134,6 +134,26 @@ def test_packed_documents_run_cudnn_packed_layout_on_hopper(cuda_plugin, tmp_pat
     text = (tmp_path / "s.hlo").read_text()
     assert f"{seq},{seq}]" not in text.replace(" ", ""), "an S x S buffer"
     assert "cuDNN's document bound" in done.stdout
+
+
+@WHOLE_TIER
+def test_cudnn_runs_in_the_per_group_step_with_parameters_on_a_per_host_mesh(cuda_plugin,
+                                                                            tmp_path):
+    """Two hosts of 8 H100s, host parameters (a second, per-host mesh) and 2 microbatches (the
+    step mapped over the groups with jax.vmap, train.program.per_group): cuDNN's kernels bound
+    below JAX's wrapper (basp_jax.cudnn_call), whose batching rule and one-mesh rule these
+    programs break, run every layer's packed attention."""
+    done = _run("-m", "train.tools.aot", "--config", "configs/gpu/llama-3.2-1b_basp.yaml",
+                "--target", "h100-80gb", "--hosts", "2", "--gpus-per-host", "8",
+                "parallel.devices_per_host=8", "runtime.devices=16",
+                "parallel.hardware=h100-80gb", "parallel.param_sharding=host",
+                "train.grad_accum=2", "--json", str(tmp_path / "r.json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    kernels, layers = r["attention_kernels"], r["model"]["num_layers"]
+    assert r["param_sharding"] == "host" and r["grad_accum"] == 2, r["param_sharding"]
+    assert set(kernels) == {"cudnn", hlo.KERNEL_TRITON_FALLBACK}, kernels
+    assert kernels["cudnn"]["count"] == 3 * layers * 2, kernels  # per microbatch
 
 
 def _twin(path: str) -> str:
@@ -724,15 +744,22 @@ def test_fp8_without_fp8_tensor_cores_is_one_line_before_compiling(cuda_plugin, 
 @WHOLE_TIER
 @pytest.mark.parametrize("target,ring,order", [("a100-40gb", 2, "contiguous"),
                                                 ("h100-80gb", 4, "zigzag")])
-def test_every_ring_hop_runs_the_fused_kernel(cuda_plugin, target, ring, order):
-    """Ring attention compiled for a GPU: every hop's forward and backward is a Pallas/Triton
-    kernel (basp_jax.flash), and no attention runs as an XLA while-loop."""
+def test_every_ring_hop_runs_a_fused_kernel(cuda_plugin, target, ring, order):
+    """Ring attention on packed documents compiled for a GPU: every hop off the diagonal runs
+    cuDNN's kernels (forward and backward; basp_jax.ring_hops), the diagonal with documents our
+    Pallas/Triton kernel (cuDNN's statistics of its packed layout are not per query), and no
+    attention runs as an XLA while-loop."""
     done = _run("tests/e2e/flash_gpu_worker.py", target, str(ring), order, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    kernels = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(kernels) == {"triton"}, kernels
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    kernels, hops = found["kernels"], found["hops"]
+    assert set(kernels) == {"cudnn", "triton"}, kernels
+    assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= \
+        set(kernels["cudnn"]["targets"]), kernels
     assert {"flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"} <= \
         set(kernels["triton"]["targets"]), kernels
+    assert set(hops) == {"diagonal", "off_diagonal"}, hops
+    assert set(hops["diagonal"]) == {"triton"} and set(hops["off_diagonal"]) == {"cudnn"}, hops
 
 
 @pytest.fixture(scope="session")
@@ -763,8 +790,9 @@ def test_the_moe_step_fits_with_experts_and_all_to_alls_inside_the_hosts(
     assert r["expert_kernels"] == {"triton": {
         "count": 12 * r["model"]["num_layers"],
         "targets": ["grouped_matmul", "grouped_matmul_rhs_grad"]}}, r["expert_kernels"]
-    assert set(r["attention_kernels"]["triton"]["targets"]) == {
-        "flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"}
+    # attention (head_dim 128 and 256) on cuDNN's packed layout, our kernel its fallback only
+    assert set(r["attention_kernels"]) == {"cudnn", hlo.KERNEL_TRITON_FALLBACK}, \
+        r["attention_kernels"]
     # the experts' token exchanges, listed apart: inside the host, 3 all-gathers (forward,
     # recomputed, backward) and 2 reduce-scatters per layer, as the planner prices them
     experts = {c["kind"]: c for c in r["expert_collectives"]}

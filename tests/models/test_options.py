@@ -47,3 +47,22 @@ def test_the_trainer_and_the_model_share_one_rules_object(tmp_path):
     cfg = tiny_config(tmp_path / "run")
     plan = state.plan_run(cfg, model_config(cfg), jax.devices(), 4)
     assert model_options(cfg, plan).rules is plan.rules
+
+
+def test_a_packed_runs_document_bound_reaches_the_model(tmp_path):
+    """The trainer sizes cuDNN's packed layout by its data: the plan carries the most documents
+    a packed row holds (train.data.Pipeline.documents_per_row) into the model's options."""
+    from train.prepare import check
+    from train.program.model_setup import model_options
+
+    from tests.helpers.trainer import packed_stream, tiny_config
+
+    packed_stream(tmp_path / "docs.bin")
+    cfg = tiny_config(tmp_path / "run", "data.source=tokens", f"data.path={tmp_path / 'docs.bin'}",
+                      "data.pack=true", "data.eos_id=0")
+    run = check(cfg, is_writer=True)
+    bound = run.data.documents_per_row
+    assert bound and bound > 1 and run.plan.document_bound == bound
+    assert model_options(run.cfg, run.plan).document_bound == bound
+    with pytest.raises(models.ModelError, match="document_bound must be a positive"):
+        models.RunOptions(document_bound=0)

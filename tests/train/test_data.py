@@ -114,6 +114,22 @@ def test_packed_eos_and_padding_masks(tmp_path):
                 assert tgt[i] == (tok[i + 1] if tok[i] else -1)  # eos/padding: no prediction
 
 
+def test_documents_per_row_is_the_most_runs_any_row_holds(tmp_path):
+    """The bound the trainer sizes cuDNN's packed layout by: no row of the epoch holds more
+    runs of segment ids (documents, cuts, padding), and one holds that many."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng = np.random.default_rng(seed)
+    path = _documents(tmp_path, rng.integers(2, 9, size=80).tolist() + [30])
+    p = _pipe(DataConfig(source="tokens", path=path, seq_len=24, pack=True, eos_id=0),
+              vocab=1024)
+    seg = _epoch(p)["segment_ids"]
+    runs = 1 + np.sum(seg[:, 1:] != seg[:, :-1], axis=1)
+    assert p.documents_per_row >= runs.max() >= p.documents_per_row - 1, (seed, runs)
+    assert _pipe(DataConfig(source="synthetic", seq_len=24)).documents_per_row is None
+    windows = _pipe(DataConfig(source="tokens", path=path, seq_len=24, eos_id=0), vocab=1024)
+    assert windows.documents_per_row is None
+
+
 def test_one_epoch_visits_every_window_exactly_once(tmp_path):
     np.arange(1001, dtype=np.uint16).tofile(tmp_path / "t.bin")
     p = _pipe(DataConfig(source="tokens", path=str(tmp_path / "t.bin"), seq_len=10), vocab=2048)

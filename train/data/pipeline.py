@@ -355,6 +355,15 @@ class Pipeline:
                 "use a file of longer documents, or the right data.eos_id")
         return rows
 
+    @property
+    def documents_per_row(self) -> int | None:
+        """The most documents (and a padding run) any packed training row holds, known from the
+        start-up packing; None where that is not known ahead (windows, synthetic or held-out
+        rows)."""
+        if not self.pack or self.held_out or self.cfg.source == "synthetic":
+            return None
+        return max(s.documents_per_row for s in self.sources)
+
     def rows(self, step: int, row_ids: np.ndarray) -> dict[str, np.ndarray]:
         """tokens, targets (-1: no loss) and segment_ids [len(row_ids), seq_len] int32."""
         row_ids = np.asarray(row_ids)

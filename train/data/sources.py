@@ -59,6 +59,15 @@ class Packed:
         self.pieces = np.fromiter((p for b in bins for p in b), dtype=np.int64)
         self.count = len(bins)
 
+    @property
+    def documents_per_row(self) -> int:
+        """The most runs of segment ids a row holds: its documents (or cuts of them), and its
+        padding where the documents leave any."""
+        widths = self.lengths[self.pieces]
+        counts = np.diff(self.offsets)
+        filled = np.add.reduceat(widths, self.offsets[:-1]) if len(widths) else np.zeros(0)
+        return int(np.max(counts + (filled < self.length))) if self.count else 1
+
     def row_tokens(self, i: int) -> list[np.ndarray]:
         """The pieces of row i, each its tokens (a document or a cut of one), in row order."""
         return [np.asarray(self.stream[s:s + n], dtype=np.int64) for s, n in

@@ -85,5 +85,6 @@ def model_options(cfg: Config, plan=None, *,
     if plan is not None:
         fields.update(mesh=plan.mesh, layout=plan.layout, param_sharding=plan.strategy,
                       rules=plan.rules,  # the run's one ShardingRules: the trainer's are the model's
-                      remat=plan.remat, tile_tokens=plan.tile_tokens)
+                      remat=plan.remat, tile_tokens=plan.tile_tokens,
+                      document_bound=plan.document_bound)
     return models.RunOptions(**fields)

@@ -51,6 +51,9 @@ class RunPlan:
     # parallel.mode=adaptive: one plan per layout of the set (train.program.planning.adaptive_set), the
     # first this plan's own layout; each on its mesh over the same devices. () when static
     adaptive: tuple["RunPlan", ...] = ()
+    # the most documents a packed row of the run's data holds (train.data.Pipeline's
+    # documents_per_row; cuDNN's packed layout is sized by it); None: unknown
+    document_bound: int | None = None
 
     @functools.cached_property
     def rules(self) -> ShardingRules:

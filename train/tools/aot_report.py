@@ -72,6 +72,13 @@ def _kernels_and_prediction(r: dict) -> list[str]:
         lines = ["attention kernel: " + "; ".join(parts)]
     else:
         lines = ["attention kernel: none found"]
+    hops = r.get("ring_hop_kernels")
+    if hops:  # basp_jax.ring_hops: the queries' own piece, another piece, no causal mask
+        names = {"diagonal": "diagonal", "off_diagonal": "off the diagonal",
+                 "unmasked": "unmasked"}
+        lines.append("ring hops, kernels per step: " + "; ".join(
+            f"{names.get(shape, shape)}: " + ", ".join(f"{kind} {n}" for kind, n in kinds.items())
+            for shape, kinds in hops.items()))
     experts = r.get("expert_kernels")
     if experts:  # a mixture of experts' grouped matmuls (basp_jax.grouped_matmul)
         lines.append("expert grouped matmuls: " + "; ".join(

@@ -64,6 +64,7 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False,
                                                           remat=run_plan.remat),
         "host_transfers": comm.host_transfers(text),
         "attention_kernels": hlo.attention_kernels(text),
+        "ring_hop_kernels": hlo.ring_hop_kernels(text),  # which kernel each shape of hop runs
         "expert_kernels": hlo.expert_kernels(text),
         # model.fp8: the FP8 GEMMs the program runs per step (cuBLASLt calls and GEMM fusions)
         "fp8": fp8_enabled(cfg, devices[0]), "fp8_gemms": hlo.fp8_gemms(text),

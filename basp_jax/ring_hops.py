@@ -1,0 +1,182 @@
+"""The kernels a ring hop runs (basp_jax.ring): one (query piece, key piece) attention with its
+log-sum-exp, and that piece's gradients from the whole attention's output and log-sum-exp.
+
+- blockwise: pure JAX (CPU, GPUs before sm80);
+- pallas: our Triton kernel (basp_jax.flash): any key offset, documents read in place;
+- cudnn: cuDNN's kernels (basp_jax.cudnn_call) wherever a hop is one of the shapes its masks
+  express. Under a causal mask a hop is the diagonal (the queries' own piece: causal), a piece
+  wholly before the queries (no mask) or wholly after them (skipped: no kernel); which of the
+  last two is known only on the device (it depends on the ring rank), so both are compiled and
+  lax.cond picks one. With packed documents a piece wholly before the queries shares at most
+  one document with them (documents are contiguous: two that both spanned the gap would
+  overlap): the queries' first and the keys' last, when their ids are equal. cuDNN's padding
+  mask takes a row's first n queries and first m keys, so the keys run reversed (their order
+  does not matter without a causal mask) and the queries outside that document get output 0
+  and log-sum-exp -inf. The diagonal with documents, and every hop with documents without a
+  causal mask, run the Pallas kernel (`blocks`, `interpret`).
+cuDNN's statistics are the same log-sum-exp as ours (natural log of the scaled scores) laid out
+[b, hq, sq] where ours is [b, sq, hq]: transposed on the way in and out.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import cudnn_call
+from .blockwise import blockwise_attention_vjp, blockwise_attention_with_lse
+from .flash import FlashBlocks, flash_attention_vjp, flash_attention_with_lse
+
+HOP_KERNELS = ("blockwise", "pallas", "cudnn")
+# Each hop runs under a named scope of its shape, so a compiled program's report tells which
+# kernel each kind of hop runs (basp_jax.compiled.hlo.ring_hop_kernels).
+HOP_SCOPES = {"diagonal": "ring_hop_diagonal", "off_diagonal": "ring_hop_off_diagonal",
+              "unmasked": "ring_hop_unmasked"}
+
+
+def hop_shape(*, causal: bool, diagonal: bool) -> str:
+    """A hop's shape: the queries' own piece under a causal mask, another piece under it, or
+    any piece without one."""
+    if not causal:
+        return "unmasked"
+    return "diagonal" if diagonal else "off_diagonal"
+
+
+class HopKernel(NamedTuple):
+    """Which kernel a ring's hops run, and the Pallas kernel's tiles and mode (its own hops, or
+    the hops cuDNN's masks cannot express)."""
+
+    name: str = "blockwise"
+    blocks: FlashBlocks | None = None
+    interpret: bool = False
+
+    @property
+    def split(self) -> bool:
+        """Whether dq's kernel runs apart from dk/dv's (Pallas): the ring then sums dq over all
+        hops first (basp_jax.ring._ring_attention_bwd)."""
+        return self.name == "pallas"
+
+    def route(self, *, causal: bool, diagonal: bool, documents: bool) -> str:
+        """The kernel one hop runs: blockwise, pallas, or cuDNN's "causal" (the diagonal),
+        "full" (no mask) or "before" (full or skipped, chosen on the device)."""
+        if self.name != "cudnn":
+            return self.name
+        if documents and (diagonal or not causal):
+            return "pallas"
+        if not causal:
+            return "full"
+        return "causal" if diagonal else "before"
+
+
+def forward(kernel: HopKernel, q, k, v, *, causal: bool, block_size: int, diagonal: bool,
+            q_segment_ids=None, k_segment_ids=None, k_shift=0):
+    """One hop: (out [b, sq, hq, d], lse [b, sq, hq] float32)."""
+    with jax.named_scope(HOP_SCOPES[hop_shape(causal=causal, diagonal=diagonal)]):
+        return _forward(kernel, q, k, v, causal=causal, block_size=block_size,
+                        diagonal=diagonal, q_segment_ids=q_segment_ids,
+                        k_segment_ids=k_segment_ids, k_shift=k_shift)
+
+
+def _forward(kernel: HopKernel, q, k, v, *, causal, block_size, diagonal, q_segment_ids,
+             k_segment_ids, k_shift):
+    seg = dict(q_segment_ids=q_segment_ids, k_segment_ids=k_segment_ids, k_shift=k_shift)
+    route = kernel.route(causal=causal, diagonal=diagonal, documents=q_segment_ids is not None)
+    if route == "blockwise":
+        return blockwise_attention_with_lse(q, k, v, causal=causal, block_size=block_size, **seg)
+    if route == "pallas":
+        return flash_attention_with_lse(q, k, v, causal=causal, blocks=kernel.blocks,
+                                        interpret=kernel.interpret, **seg)
+    if route in ("causal", "full"):
+        out, stats = cudnn_call.forward(q, k, v, mask="causal" if route == "causal" else "none")
+        return out, _lse(stats)
+    return lax.cond(jnp.asarray(k_shift) < 0, _before_forward, _skipped_forward,
+                    q, k, v, q_segment_ids, k_segment_ids)
+
+
+def backward(kernel: HopKernel, q, k, v, out, lse, d_out, *, causal: bool, block_size: int,
+             diagonal: bool, wrt: str = "qkv", q_segment_ids=None, k_segment_ids=None,
+             k_shift=0):
+    """One hop's (dq, dk, dv) from the whole attention's out, lse and d_out. wrt="q" or "kv"
+    (the Pallas kernel only) runs only dq's kernel or dk/dv's (the others None)."""
+    with jax.named_scope(HOP_SCOPES[hop_shape(causal=causal, diagonal=diagonal)]):
+        return _backward(kernel, q, k, v, out, lse, d_out, causal=causal,
+                         block_size=block_size, diagonal=diagonal, wrt=wrt,
+                         q_segment_ids=q_segment_ids, k_segment_ids=k_segment_ids,
+                         k_shift=k_shift)
+
+
+def _backward(kernel: HopKernel, q, k, v, out, lse, d_out, *, causal, block_size, diagonal, wrt,
+              q_segment_ids, k_segment_ids, k_shift):
+    seg = dict(q_segment_ids=q_segment_ids, k_segment_ids=k_segment_ids, k_shift=k_shift)
+    route = kernel.route(causal=causal, diagonal=diagonal, documents=q_segment_ids is not None)
+    if route == "pallas":
+        return flash_attention_vjp(q, k, v, out, lse, d_out, causal=causal, blocks=kernel.blocks,
+                                   interpret=kernel.interpret, wrt=wrt, **seg)
+    if wrt != "qkv":
+        raise ValueError(f"the {route} hop computes dq, dk and dv together")
+    if route == "blockwise":
+        return blockwise_attention_vjp(q, k, v, out, lse, d_out, causal=causal,
+                                       block_size=block_size, **seg)
+    if route in ("causal", "full"):
+        return cudnn_call.backward(q, k, v, out, _stats(lse), d_out,
+                                   mask="causal" if route == "causal" else "none")
+    return lax.cond(jnp.asarray(k_shift) < 0, _before_backward, _skipped_backward,
+                    q, k, v, out, lse, d_out, q_segment_ids, k_segment_ids)
+
+
+def _lse(stats):
+    return jnp.swapaxes(stats, 1, 2)  # cuDNN's [b, hq, sq] -> ours [b, sq, hq]
+
+
+def _stats(lse):
+    return jnp.swapaxes(lse, 1, 2)
+
+
+def _shared_document(q_seg, k_seg):
+    """(queries, keys) of the one document a query piece shares with a key piece wholly before
+    it, per row: the queries' first run and the keys' last when their ids are equal, else no
+    queries (and one key, so that no kernel sees an empty key set)."""
+    first, last = q_seg[:, :1], k_seg[:, -1:]
+    shared = first[:, 0] == last[:, 0]
+    queries = jnp.where(shared, jnp.sum(q_seg == first, axis=1), 0).astype(jnp.int32)
+    keys = jnp.where(shared, jnp.sum(k_seg == last, axis=1), 1).astype(jnp.int32)
+    return queries, keys
+
+
+def _before_forward(q, k, v, q_seg, k_seg):
+    """The whole key piece lies before the queries."""
+    if q_seg is None:
+        out, stats = cudnn_call.forward(q, k, v, mask="none")
+        return out, _lse(stats)
+    queries, keys = _shared_document(q_seg, k_seg)
+    out, stats = cudnn_call.forward(q, k[:, ::-1], v[:, ::-1], mask="padding",
+                                    lengths=(queries, keys))
+    inside = jnp.arange(q.shape[1])[None] < queries[:, None]  # [b, sq]
+    return (jnp.where(inside[:, :, None, None], out, 0).astype(q.dtype),
+            jnp.where(inside[:, :, None], _lse(stats), -jnp.inf))
+
+
+def _skipped_forward(q, k, v, q_seg, k_seg):
+    """The whole key piece lies after the queries: nothing to see."""
+    return (jnp.zeros_like(q),
+            jnp.full((*q.shape[:3],), -jnp.inf, jnp.float32))
+
+
+def _before_backward(q, k, v, out, lse, d_out, q_seg, k_seg):
+    if q_seg is None:
+        return cudnn_call.backward(q, k, v, out, _stats(lse), d_out, mask="none")
+    queries, keys = _shared_document(q_seg, k_seg)
+    inside = (jnp.arange(q.shape[1])[None] < queries[:, None])[:, :, None, None]
+    # the other queries' rows of d_out are zeroed: they add nothing to dk and dv whatever the
+    # kernel does with rows outside its lengths
+    dq, dk, dv = cudnn_call.backward(q, k[:, ::-1], v[:, ::-1], out, _stats(lse),
+                                     jnp.where(inside, d_out, 0).astype(d_out.dtype),
+                                     mask="padding", lengths=(queries, keys))
+    return jnp.where(inside, dq, 0).astype(q.dtype), dk[:, ::-1], dv[:, ::-1]
+
+
+def _skipped_backward(q, k, v, out, lse, d_out, q_seg, k_seg):
+    return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
