@@ -747,7 +747,7 @@ def test_fp8_without_fp8_tensor_cores_is_one_line_before_compiling(cuda_plugin, 
 def test_every_ring_hop_runs_a_fused_kernel(cuda_plugin, target, ring, order):
     """Ring attention on packed documents compiled for a GPU: every hop off the diagonal runs
     cuDNN's kernels (forward and backward; basp_jax.ring_hops), the diagonal with documents our
-    Pallas/Triton kernel (cuDNN's statistics of its packed layout are not per query), and no
+    Pallas/Triton kernel (the packed layout's statistics are [rows x bound, heads, S], not per query), and no
     attention runs as an XLA while-loop."""
     done = _run("tests/e2e/flash_gpu_worker.py", target, str(ring), order, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
