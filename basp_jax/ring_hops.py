@@ -170,12 +170,14 @@ def _before_backward(q, k, v, out, lse, d_out, q_seg, k_seg):
         return cudnn_call.backward(q, k, v, out, _stats(lse), d_out, mask="none")
     queries, keys = _shared_document(q_seg, k_seg)
     inside = (jnp.arange(q.shape[1])[None] < queries[:, None])[:, :, None, None]
-    # the other queries' rows of d_out are zeroed: they add nothing to dk and dv whatever the
-    # kernel does with rows outside its lengths
+    seen = (jnp.arange(k.shape[1])[None] < keys[:, None])[:, :, None, None]  # reversed keys
+    # rows outside the lengths are masked on the way in and out, whatever the kernel does with
+    # them (leaves them unwritten, say): the other queries' rows of d_out, and of the gradients
     dq, dk, dv = cudnn_call.backward(q, k[:, ::-1], v[:, ::-1], out, _stats(lse),
                                      jnp.where(inside, d_out, 0).astype(d_out.dtype),
                                      mask="padding", lengths=(queries, keys))
-    return jnp.where(inside, dq, 0).astype(q.dtype), dk[:, ::-1], dv[:, ::-1]
+    dk, dv = (jnp.where(seen, x, 0).astype(x.dtype)[:, ::-1] for x in (dk, dv))
+    return jnp.where(inside, dq, 0).astype(q.dtype), dk, dv
 
 
 def _skipped_backward(q, k, v, out, lse, d_out, q_seg, k_seg):

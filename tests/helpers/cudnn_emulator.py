@@ -7,7 +7,8 @@ How the operands are read (the kernels' contract, as JAX's wrapper and its tests
 - q/k/v [B, T, N, H] (BTNH); mask_type NO_MASK, CAUSAL, PADDING or PADDING_CAUSAL;
 - padding, one document per row: the first q_seqlen[b] queries and kv_seqlen[b] keys of row b;
   the other queries' outputs are 0 (JAX's test: "cuDNN padding mask generation will mask out
-  output accordingly"), their statistics unspecified (here: garbage, so callers must mask);
+  output accordingly"), their statistics and the gradients of rows outside the lengths
+  unspecified (here: garbage, so callers must mask them);
 - packed (offsets [B, M + 1], M > 1): one list of documents over the flattened batch, document
   j's queries from q_offsets[j] / (N * H) (an element offset), q_seqlen[j] of them; its keys
   likewise with k's heads; each document attends alone, causal from its own first token;
@@ -117,8 +118,15 @@ class _Backward:
             b, s, _, d = x.shape
             return x.reshape(b, s, k.shape[2], group, d).sum(3)
 
-        return [dq.astype(q.dtype), per_kv_head(dk).astype(k.dtype),
-                per_kv_head(dv).astype(v.dtype)]
+        dk, dv = per_kv_head(dk), per_kv_head(dv)
+        if "PADDING" in mask_type.name and _segments(q_offsets) == 1:
+            # rows outside the lengths: unspecified (here garbage, so callers must mask them)
+            b = q.shape[0]
+            q_rows = jnp.arange(q.shape[1])[None] < q_seqlen.reshape(b)[:, None]
+            k_rows = jnp.arange(k.shape[1])[None] < kv_seqlen.reshape(b)[:, None]
+            dq = jnp.where(q_rows[:, :, None, None], dq, GARBAGE)
+            dk, dv = (jnp.where(k_rows[:, :, None, None], x, GARBAGE) for x in (dk, dv))
+        return [dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)]
 
 
 def install(monkeypatch, cudnn_call):
