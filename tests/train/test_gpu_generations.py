@@ -79,6 +79,13 @@ def test_an_xla_refusal_becomes_one_line_naming_the_setting():
                         "ALG_DOT_BF16_BF16_F32")
     assert "t4-16gb has no bf16 matrix multiply in XLA (sm75); set model.dtype=auto" in \
         aot_errors.compile_failure(bf16, "t4-16gb")
+    # jaxlib 0.12's XLA compiles no cuDNN custom call without a GPU (its message, verbatim)
+    deviceless = RuntimeError("INVALID_ARGUMENT: StreamExecutor is null and deviceless cuDNN "
+                              "compilation is not enabled; failed to resolve cuDNN support for "
+                              "custom call: __cudnn$fmhaSoftmax")
+    assert aot_errors.compile_failure(deviceless, "h100-80gb").endswith(
+        "compile with jax 0.10, or set model.attn_impl=pallas to compile the program with our "
+        "kernel instead")
     other = aot_errors.compile_failure(RuntimeError("INTERNAL: something else"), "l4-24gb")
     assert other.endswith("try model.attn_impl=blockwise (it compiles for every GPU) or "
                           "model.dtype=float32")

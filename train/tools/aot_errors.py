@@ -26,8 +26,12 @@ _COMPILE_HINTS = (
      "sm80); set model.attn_impl=auto or blockwise"),
     ("ALG_DOT_BF16", "{target} has no bf16 matrix multiply in XLA (sm{sm}); set model.dtype=auto "
      "(float16 there) or float32, or model.attn_impl=blockwise if it is attention's"),
+    # jaxlib 0.12's XLA: "StreamExecutor is null and deviceless cuDNN compilation is not enabled"
+    ("deviceless cudnn", "this jaxlib's XLA compiles no cuDNN attention without a GPU (jaxlib "
+     "0.10's does); compile with jax 0.10, or set model.attn_impl=pallas to compile the program "
+     "with our kernel instead"),
     ("cudnn", "the cuDNN attention kernel does not compile for {target}; set "
-     "model.attn_impl=blockwise (or auto)"),
+     "model.attn_impl=pallas or blockwise"),
     ("RESOURCE_EXHAUSTED", "the step needs more memory than {target} has even to compile; lower "
      "data.seq_len or train.microbatch_size, or set model.remat=auto"),
 )
