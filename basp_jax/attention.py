@@ -142,8 +142,8 @@ def attention(
     exchange stays in q's dtype. The ring's k/v hops carry the dequantized values.
 
     document_bound: the most documents (runs of equal segment ids) a row of segment_ids holds,
-    where the data knows it: cuDNN's packed layout is sized by it (basp_jax.cudnn; a step over
-    it runs the Pallas kernel). None: basp_jax.cudnn.DOCUMENT_BOUND.
+    where the data knows it: cuDNN's packed layout is sized by it, up to
+    basp_jax.cudnn.DOCUMENT_BOUND (a step over that runs the Pallas kernel). None: that bound.
     """
     _check_inputs(q, k, v, segment_ids)
     hq, hkv = q.shape[2], k.shape[2]

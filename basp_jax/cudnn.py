@@ -37,7 +37,15 @@ from . import cudnn_call
 # apart (basp_jax.compiled.hlo), as they run only in a step over the bound
 FALLBACK_SCOPE = "over_document_bound"
 PACKED_MIN_CC = (9, 0)  # cuDNN's packed layout, and head_dim up to 256: Hopper and newer
-DOCUMENT_BOUND = 64  # documents per row the packed layout holds (more: the fallback kernel)
+# Documents per row the packed layout holds at most (more: the fallback kernel), and where the
+# data does not say. cuDNN's statistics are [rows x bound, heads, S] float32: 2 x bound /
+# head_dim times q's bytes (bf16), as much as q at 64 and head_dim 128.
+DOCUMENT_BOUND = 64
+
+
+def layout_bound(documents_per_row: int | None) -> int:
+    """The packed layout's bound: the data's most documents per row, at most DOCUMENT_BOUND."""
+    return min(documents_per_row or DOCUMENT_BOUND, DOCUMENT_BOUND)
 _PRIVATE = ("check_compute_capability", "is_cuda_compute_capability_equal")
 
 
@@ -160,4 +168,18 @@ def _cudnn_attention(q, k, v, *, causal: bool, segment_ids, capability, bound: i
                 return dense(q, k, v)
             return fallback(q, k, v, causal=causal, segment_ids=segment_ids)
 
-    return lax.cond(fits, packed, over_bound, q, k, v)
+    return lax.cond(_everywhere(fits), packed, over_bound, q, k, v)
+
+
+@jax.custom_batching.custom_vmap
+def _everywhere(fits):
+    """`fits`; under vmap (the per-group step's), whether it holds for every mapped instance,
+    unbatched: a conditional on a batched predicate would become a select that runs both
+    kernels. (Inside basp_jax.attention's shard_map the mapped axis is each device's own, so
+    each device still decides for its own rows.)"""
+    return fits
+
+
+@_everywhere.def_vmap
+def _everywhere_rule(axis_size, in_batched, fits):
+    return (jnp.all(fits) if in_batched[0] else fits), False

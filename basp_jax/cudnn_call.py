@@ -78,6 +78,9 @@ def check(q, k, v, *, mask: str, packed: bool, training: bool = True):
                                   "primitives this kernel binds")
     if mask not in MASKS:
         raise ValueError(f"mask must be one of {', '.join(MASKS)}, not {mask!r}")
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or not q.dtype == k.dtype == v.dtype:
+        raise NotImplementedError(f"cuDNN's fused attention takes bfloat16 or float16 q, k and "
+                                  f"v, not {q.dtype}, {k.dtype}, {v.dtype}")
     version = FUSED.check_cudnn_version()
     FUSED.check_is_flash_attention(q, k, v, FUSED.AttentionLayout.BTNH.value, version, False,
                                    training, packed)
@@ -196,6 +199,9 @@ def _own_primitive(name: str, abstract_eval, cuda_lowering):
 
     primitive = Primitive(name)
     primitive.multiple_results = True
+    # called outside jit: compiled by itself, as JAX runs any primitive eagerly
+    primitive.def_impl(lambda *args, **params: jax.jit(
+        lambda *a: primitive.bind(*a, **params))(*args))
     primitive.def_abstract_eval(abstract_eval)
     mlir.register_lowering(primitive, cuda_lowering, platform="cuda")
     return primitive

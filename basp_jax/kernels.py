@@ -124,11 +124,11 @@ def xla_attention(q, k, v, *, causal: bool, segment_ids=None):
 
 def _cudnn_options(platform: str, block_size: int, capability, document_bound=None) -> dict:
     """The GPU generation (cuDNN's packed layout on Hopper and newer), the packed layout's bound
-    on documents per row (the data's, else basp_jax.cudnn.DOCUMENT_BOUND) and, for a step whose
-    rows hold more, our Pallas kernel."""
+    on documents per row (basp_jax.cudnn.layout_bound) and, for a step whose rows hold more, our
+    Pallas kernel."""
     if platform != "gpu":
         return {}
-    return {"capability": capability, "bound": document_bound or cudnn.DOCUMENT_BOUND,
+    return {"capability": capability, "bound": cudnn.layout_bound(document_bound),
             "fallback": KERNELS.get("pallas").bind(platform, block_size, capability)}
 
 

@@ -5,15 +5,17 @@ log-sum-exp, and that piece's gradients from the whole attention's output and lo
 - pallas: our Triton kernel (basp_jax.flash): any key offset, documents read in place;
 - cudnn: cuDNN's kernels (basp_jax.cudnn_call) wherever a hop is one of the shapes its masks
   express. Under a causal mask a hop is the diagonal (the queries' own piece: causal), a piece
-  wholly before the queries (no mask) or wholly after them (skipped: no kernel); which of the
-  last two is known only on the device (it depends on the ring rank), so both are compiled and
-  lax.cond picks one. With packed documents a piece wholly before the queries shares at most
-  one document with them (documents are contiguous: two that both spanned the gap would
-  overlap): the queries' first and the keys' last, when their ids are equal. cuDNN's padding
-  mask takes a row's first n queries and first m keys, so the keys run reversed (their order
-  does not matter without a causal mask) and the queries outside that document get output 0
-  and log-sum-exp -inf. The diagonal with documents, and every hop with documents without a
-  causal mask, run the Pallas kernel (`blocks`, `interpret`).
+  wholly before the queries (every key) or wholly after them (none); which of the last two is
+  known only on the device (it depends on the ring rank), so one kernel under cuDNN's padding
+  mask serves both, with all of the queries or none (no conditional: a GPU resolves one on the
+  host). With packed documents a piece wholly before the queries shares at most one document
+  with them (documents are contiguous: two that both spanned the gap would overlap): the
+  queries' first and the keys' last, when their ids are equal. The padding mask takes a row's
+  first n queries and first m keys, so the keys run reversed (their order does not matter
+  without a causal mask). Rows outside the lengths get output 0 and log-sum-exp -inf, and
+  their gradients are zeroed, whatever the kernel leaves there. The diagonal with documents,
+  every hop with documents without a causal mask, and any hop cuDNN refuses while it is
+  traced run the Pallas kernel (`blocks`, `interpret`).
 cuDNN's statistics are the same log-sum-exp as ours (natural log of the scaled scores) laid out
 [b, hq, sq] where ours is [b, sq, hq]: transposed on the way in and out.
 """
@@ -24,7 +26,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from . import cudnn_call
 from .blockwise import blockwise_attention_vjp, blockwise_attention_with_lse
@@ -83,7 +84,8 @@ def forward(kernel: HopKernel, q, k, v, *, causal: bool, block_size: int, diagon
 def _forward(kernel: HopKernel, q, k, v, *, causal, block_size, diagonal, q_segment_ids,
              k_segment_ids, k_shift):
     seg = dict(q_segment_ids=q_segment_ids, k_segment_ids=k_segment_ids, k_shift=k_shift)
-    route = kernel.route(causal=causal, diagonal=diagonal, documents=q_segment_ids is not None)
+    route = _checked(kernel.route(causal=causal, diagonal=diagonal,
+                                  documents=q_segment_ids is not None), q, k, v)
     if route == "blockwise":
         return blockwise_attention_with_lse(q, k, v, causal=causal, block_size=block_size, **seg)
     if route == "pallas":
@@ -92,8 +94,7 @@ def _forward(kernel: HopKernel, q, k, v, *, causal, block_size, diagonal, q_segm
     if route in ("causal", "full"):
         out, stats = cudnn_call.forward(q, k, v, mask="causal" if route == "causal" else "none")
         return out, _lse(stats)
-    return lax.cond(jnp.asarray(k_shift) < 0, _before_forward, _skipped_forward,
-                    q, k, v, q_segment_ids, k_segment_ids)
+    return _before_forward(q, k, v, q_segment_ids, k_segment_ids, k_shift)
 
 
 def backward(kernel: HopKernel, q, k, v, out, lse, d_out, *, causal: bool, block_size: int,
@@ -111,7 +112,8 @@ def backward(kernel: HopKernel, q, k, v, out, lse, d_out, *, causal: bool, block
 def _backward(kernel: HopKernel, q, k, v, out, lse, d_out, *, causal, block_size, diagonal, wrt,
               q_segment_ids, k_segment_ids, k_shift):
     seg = dict(q_segment_ids=q_segment_ids, k_segment_ids=k_segment_ids, k_shift=k_shift)
-    route = kernel.route(causal=causal, diagonal=diagonal, documents=q_segment_ids is not None)
+    route = _checked(kernel.route(causal=causal, diagonal=diagonal,
+                                  documents=q_segment_ids is not None), q, k, v)
     if route == "pallas":
         return flash_attention_vjp(q, k, v, out, lse, d_out, causal=causal, blocks=kernel.blocks,
                                    interpret=kernel.interpret, wrt=wrt, **seg)
@@ -123,8 +125,19 @@ def _backward(kernel: HopKernel, q, k, v, out, lse, d_out, *, causal, block_size
     if route in ("causal", "full"):
         return cudnn_call.backward(q, k, v, out, _stats(lse), d_out,
                                    mask="causal" if route == "causal" else "none")
-    return lax.cond(jnp.asarray(k_shift) < 0, _before_backward, _skipped_backward,
-                    q, k, v, out, lse, d_out, q_segment_ids, k_segment_ids)
+    return _before_backward(q, k, v, out, lse, d_out, q_segment_ids, k_segment_ids, k_shift)
+
+
+def _checked(route: str, q, k, v) -> str:
+    """`route`, or the Pallas kernel where cuDNN refuses these inputs while they are traced
+    (JAX's own checks: cuDNN's version, the head_dim, the dtype, the GPU)."""
+    if route not in ("causal", "full", "before"):
+        return route
+    try:
+        cudnn_call.check(q, k, v, mask="padding", packed=False)
+    except (NotImplementedError, RuntimeError):
+        return "pallas"
+    return route
 
 
 def _lse(stats):
@@ -135,50 +148,53 @@ def _stats(lse):
     return jnp.swapaxes(lse, 1, 2)
 
 
-def _shared_document(q_seg, k_seg):
-    """(queries, keys) of the one document a query piece shares with a key piece wholly before
-    it, per row: the queries' first run and the keys' last when their ids are equal, else no
-    queries (and one key, so that no kernel sees an empty key set)."""
-    first, last = q_seg[:, :1], k_seg[:, -1:]
-    shared = first[:, 0] == last[:, 0]
-    queries = jnp.where(shared, jnp.sum(q_seg == first, axis=1), 0).astype(jnp.int32)
-    keys = jnp.where(shared, jnp.sum(k_seg == last, axis=1), 1).astype(jnp.int32)
-    return queries, keys
-
-
-def _before_forward(q, k, v, q_seg, k_seg):
-    """The whole key piece lies before the queries."""
+def _lengths(q, k, q_seg, k_seg, k_shift):
+    """(queries, keys) per row that an off-diagonal hop's padding mask takes, and the masks
+    [b, sq] of those queries and [b, sk] of those (reversed) keys. The whole key piece before
+    the queries: every query and key, or with packed documents the one document the pieces
+    share (the queries' first run and the keys' last, when their ids are equal); after them
+    (k_shift > 0): none. A row without queries still gives the kernel one key."""
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    before = jnp.asarray(k_shift) < 0
     if q_seg is None:
-        out, stats = cudnn_call.forward(q, k, v, mask="none")
-        return out, _lse(stats)
-    queries, keys = _shared_document(q_seg, k_seg)
-    out, stats = cudnn_call.forward(q, k[:, ::-1], v[:, ::-1], mask="padding",
-                                    lengths=(queries, keys))
-    inside = jnp.arange(q.shape[1])[None] < queries[:, None]  # [b, sq]
+        queries = jnp.full((b,), sq, jnp.int32)
+        keys = jnp.full((b,), sk, jnp.int32)
+    else:
+        first, last = q_seg[:, :1], k_seg[:, -1:]
+        shared = first[:, 0] == last[:, 0]
+        queries = jnp.where(shared, jnp.sum(q_seg == first, axis=1), 0).astype(jnp.int32)
+        keys = jnp.sum(k_seg == last, axis=1).astype(jnp.int32)
+    queries = jnp.where(before, queries, 0)
+    inside = jnp.arange(sq)[None] < queries[:, None]
+    seen = jnp.arange(sk)[None] < jnp.where(queries > 0, keys, 0)[:, None]
+    return (queries, jnp.maximum(keys, 1)), inside, seen
+
+
+def _flip(q_seg):
+    """The keys' order for the padding mask: reversed with packed documents (their last
+    document first), as they are without (every key counts)."""
+    return (lambda x: x[:, ::-1]) if q_seg is not None else (lambda x: x)
+
+
+def _before_forward(q, k, v, q_seg, k_seg, k_shift):
+    """An off-diagonal hop, one padding-mask kernel whichever side the key piece lies on (no
+    conditional: the side is known only on the device): the keys reversed, so that the keys'
+    last document comes first. Rows outside the lengths are masked whatever the kernel wrote."""
+    lengths, inside, _ = _lengths(q, k, q_seg, k_seg, k_shift)
+    flip = _flip(q_seg)
+    out, stats = cudnn_call.forward(q, flip(k), flip(v), mask="padding", lengths=lengths)
     return (jnp.where(inside[:, :, None, None], out, 0).astype(q.dtype),
             jnp.where(inside[:, :, None], _lse(stats), -jnp.inf))
 
 
-def _skipped_forward(q, k, v, q_seg, k_seg):
-    """The whole key piece lies after the queries: nothing to see."""
-    return (jnp.zeros_like(q),
-            jnp.full((*q.shape[:3],), -jnp.inf, jnp.float32))
-
-
-def _before_backward(q, k, v, out, lse, d_out, q_seg, k_seg):
-    if q_seg is None:
-        return cudnn_call.backward(q, k, v, out, _stats(lse), d_out, mask="none")
-    queries, keys = _shared_document(q_seg, k_seg)
-    inside = (jnp.arange(q.shape[1])[None] < queries[:, None])[:, :, None, None]
-    seen = (jnp.arange(k.shape[1])[None] < keys[:, None])[:, :, None, None]  # reversed keys
+def _before_backward(q, k, v, out, lse, d_out, q_seg, k_seg, k_shift):
+    lengths, inside, seen = _lengths(q, k, q_seg, k_seg, k_shift)
+    inside, seen = inside[:, :, None, None], seen[:, :, None, None]
     # rows outside the lengths are masked on the way in and out, whatever the kernel does with
     # them (leaves them unwritten, say): the other queries' rows of d_out, and of the gradients
-    dq, dk, dv = cudnn_call.backward(q, k[:, ::-1], v[:, ::-1], out, _stats(lse),
+    flip = _flip(q_seg)
+    dq, dk, dv = cudnn_call.backward(q, flip(k), flip(v), out, _stats(lse),
                                      jnp.where(inside, d_out, 0).astype(d_out.dtype),
-                                     mask="padding", lengths=(queries, keys))
-    dk, dv = (jnp.where(seen, x, 0).astype(x.dtype)[:, ::-1] for x in (dk, dv))
+                                     mask="padding", lengths=lengths)
+    dk, dv = (flip(jnp.where(seen, x, 0).astype(x.dtype)) for x in (dk, dv))
     return jnp.where(inside, dq, 0).astype(q.dtype), dk, dv
-
-
-def _skipped_backward(q, k, v, out, lse, d_out, q_seg, k_seg):
-    return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)

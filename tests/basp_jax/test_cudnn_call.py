@@ -4,8 +4,6 @@ against the float32 reference, with the kernels computed by tests/helpers/cudnn_
 cuDNN computes, read from the same operands). The GPU check runs the real kernels; the
 GPU-compile tier compiles them. JAX's private names this relies on are checked here first."""
 
-import inspect
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,16 +43,41 @@ def _documents(rng, rows, length, most):
     return jnp.asarray(out)
 
 
-def test_jax_keeps_the_primitives_and_parameters_bound_here():
+def test_jax_keeps_the_private_names_bound_here():
     fused = cudnn_call._fused_module()
     assert fused is not None, f"jax {jax.__version__} moved one of {cudnn_call._PRIVATE}"
-    impl = inspect.signature(fused._dot_product_attention_fwd_impl).parameters
-    for name in ("scale", "seed", "dropout_rate", "variadic_args", "mask_type", "layout",
-                 "sliding_window_length", "is_training"):
-        assert name in impl, (jax.__version__, name)
-    assert ("score_mod" in impl) == cudnn_call._SCORE_MOD
     assert {m for m in cudnn_call.MASKS.values()} <= set(fused.MaskType.__members__)
-    assert fused.AttentionLayout.BTNH.value is not None
+
+
+@pytest.mark.parametrize("mask,packed", [("causal", False), ("padding", False),
+                                         ("padding_causal", True)])
+def test_the_kernels_lower_to_cudnns_custom_calls_with_this_jaxs_rules(mask, packed):
+    """The primitives bound with this jax's own abstract evaluation and CUDA lowering, lowered
+    for CUDA (no GPU needed to lower): a parameter or operand a jax renames fails here. The
+    forward and backward are cuDNN's fused-attention custom calls; packed, with the bound."""
+    import re
+
+    q = jnp.zeros((B, S, HQ, 64), jnp.bfloat16)
+    k = jnp.zeros((B, S, HKV, 64), jnp.bfloat16)
+    kw = {}
+    if packed:
+        lengths, offsets, _ = cudnn.packed_layout(jnp.zeros((B, S), jnp.int32), 4)
+        kw = dict(lengths=(lengths, lengths), offsets=(offsets, offsets))
+    elif mask == "padding":
+        n = jnp.full((B,), S // 2, jnp.int32)
+        kw = dict(lengths=(n, n))
+
+    def step(q, k, v):
+        out, vjp = jax.vjp(lambda q, k, v: cudnn_call.attention(q, k, v, mask=mask, **kw),
+                           q, k, v)
+        return out, vjp(out)
+
+    text = jax.jit(step).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+    assert set(re.findall(r"__cudnn\$\w+", text)) == {"__cudnn$fmhaSoftmax",
+                                                       "__cudnn$fmhaSoftmaxBackward"}
+    assert ("max_seg_per_batch\\22: 4" in text) == packed
+    name = cudnn_call.MASKS[mask]  # the backend config names the mask type as the enum does
+    assert f"mask_type\\22: \\22{name}\\22" in text, name
 
 
 @pytest.mark.parametrize("hkv", [HQ, HKV])
@@ -184,3 +207,11 @@ def test_padding_lengths_apart_for_queries_and_keys(emulated):
     probs = jax.nn.softmax(jnp.einsum("qhd,khd->hqk", q[0, :5], kk) / np.sqrt(D), axis=-1)
     np.testing.assert_allclose(out[0, :5], jnp.einsum("hqk,khd->qhd", probs, vv), atol=2e-5)
     assert not np.any(np.asarray(out[0, 5:])) and not np.any(np.asarray(out[1]))
+
+
+def test_the_check_refuses_float32_before_anything_else():
+    """A dtype cuDNN does not take is refused while tracing (so basp_jax.cudnn falls back to our
+    kernel), not at lowering."""
+    q, k, v, _ = _qkv(0)
+    with pytest.raises(NotImplementedError, match="bfloat16 or float16"):
+        cudnn_call.check(q, k, v, mask="causal", packed=False)

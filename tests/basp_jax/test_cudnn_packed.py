@@ -181,3 +181,24 @@ def test_a_refusal_while_tracing_runs_the_fallback_with_one_note(fake_cudnn, mon
     assert len(notes) == 1 and "head dim must be" in notes[0].getMessage()
     with pytest.raises(NotImplementedError):  # no fallback (CPU, tests): the error itself
         cudnn.attention(q, k, v, causal=True, segment_ids=segments, capability=(9, 0))
+
+
+def test_under_vmap_the_bound_stays_one_conditional(fake_cudnn):
+    """The per-group step maps the model over groups: the over-the-bound check must stay a
+    conditional (one kernel runs), not become a select that runs cuDNN and the fallback."""
+    q, k, v, _ = _qkv(3)
+    segments = jnp.asarray(_random_documents(np.random.default_rng(3), B, 4))
+
+    def fallback(q, k, v, *, causal, segment_ids):
+        return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+
+    def one(q, k, v, seg):
+        return cudnn.attention(q, k, v, causal=True, segment_ids=seg, capability=(9, 0),
+                               bound=4, fallback=fallback)
+
+    stack = lambda x: jnp.stack([x, x])  # noqa: E731
+    jaxpr = str(jax.make_jaxpr(jax.vmap(one))(*map(stack, (q, k, v, segments))))
+    assert " cond[" in jaxpr and "select_n" not in jaxpr.split(" cond[")[1][:200], jaxpr[:2000]
+    out = jax.vmap(one)(*map(stack, (q, k, v, segments)))
+    want = reference_attention(q, k, v, causal=True, segment_ids=segments)
+    np.testing.assert_allclose(out[1], want, atol=1e-5)
