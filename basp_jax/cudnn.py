@@ -23,7 +23,6 @@ is None where a jax version lacks any of them, and the packed path is then not o
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import threading
 
@@ -46,15 +45,13 @@ DOCUMENT_BOUND = 64
 def layout_bound(documents_per_row: int | None) -> int:
     """The packed layout's bound: the data's most documents per row, at most DOCUMENT_BOUND."""
     return min(documents_per_row or DOCUMENT_BOUND, DOCUMENT_BOUND)
+
+
 _PRIVATE = ("check_compute_capability", "is_cuda_compute_capability_equal")
 
 
 def _fused_module():
-    try:
-        module = importlib.import_module("jax._src.cudnn.fused_attention_stablehlo")
-    except ImportError:
-        return None
-    return module if all(hasattr(module, name) for name in _PRIVATE) else None
+    return cudnn_call.jax_cudnn_module(_PRIVATE)
 
 
 FUSED = _fused_module()

@@ -49,12 +49,17 @@ _PRIVATE = ("_dot_product_attention_fwd_abstract", "_dot_product_attention_bwd_a
             "_dot_product_attention_fwd_impl")
 
 
-def _fused_module():
+def jax_cudnn_module(names):
+    """JAX's private cuDNN attention module where it has every one of `names`, else None."""
     try:
         module = importlib.import_module("jax._src.cudnn.fused_attention_stablehlo")
     except ImportError:
         return None
-    return module if all(hasattr(module, name) for name in _PRIVATE) else None
+    return module if all(hasattr(module, name) for name in names) else None
+
+
+def _fused_module():
+    return jax_cudnn_module(_PRIVATE)
 
 
 FUSED = _fused_module()
