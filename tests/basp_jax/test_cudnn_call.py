@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from basp_jax import cudnn, cudnn_call
 
 from tests.helpers import cudnn_emulator
-from tests.helpers.reference import reference_attention
+from tests.helpers.reference import random_documents, reference_attention
 
 B, S, HQ, HKV, D = 2, 40, 4, 2, 8
 
@@ -34,13 +34,7 @@ def _qkv(seed, b=B, s=S, hq=HQ, hkv=HKV, d=D):
 
 
 def _documents(rng, rows, length, most):
-    out = np.zeros((rows, length), np.int32)
-    for r in range(rows):
-        count = rng.integers(1, most + 1)
-        cuts = np.sort(rng.choice(np.arange(1, length), count - 1, replace=False))
-        for doc, (a, b) in enumerate(zip([0, *cuts], [*cuts, length])):
-            out[r, a:b] = doc + 1
-    return jnp.asarray(out)
+    return jnp.asarray(random_documents(rng, rows, length, most))
 
 
 def test_jax_keeps_the_private_names_bound_here():

@@ -12,7 +12,7 @@ import pytest
 from basp_jax import cudnn, cudnn_call
 
 from tests.helpers import cudnn_emulator
-from tests.helpers.reference import reference_attention
+from tests.helpers.reference import random_documents, reference_attention
 
 B, S, HQ, HKV, D = 3, 48, 4, 2, 8
 
@@ -52,15 +52,7 @@ def _layout_attention(q, k, v, lengths, offsets, *, causal):
 
 
 def _random_documents(rng, rows: int, most: int) -> np.ndarray:
-    """Segment ids of rows packed with 1..most documents of random lengths, numbered in order
-    (as the packer numbers them), some of one token."""
-    out = np.zeros((rows, S), np.int32)
-    for r in range(rows):
-        count = rng.integers(1, most + 1)
-        cuts = np.sort(rng.choice(np.arange(1, S), count - 1, replace=False))
-        for doc, (a, b) in enumerate(zip([0, *cuts], [*cuts, S])):
-            out[r, a:b] = doc + 1
-    return out
+    return random_documents(rng, rows, S, most)
 
 
 def _qkv(seed):

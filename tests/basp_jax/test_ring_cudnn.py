@@ -15,7 +15,7 @@ from basp_jax.ring_hops import HopKernel
 
 from tests.helpers import cudnn_emulator
 from tests.helpers.flags import WHOLE_MATRIX
-from tests.helpers.reference import reference_attention
+from tests.helpers.reference import random_documents, reference_attention
 
 
 @pytest.fixture
@@ -24,16 +24,6 @@ def cudnn_hops(monkeypatch):
     monkeypatch.setattr(kernels, "ring_hop_kernel",
                         lambda *a, **k: HopKernel("cudnn", FlashBlocks.square(16), True))
     return calls
-
-
-def _documents(rng, b, s):
-    """Rows of a few documents, one crossing every piece boundary in some rows."""
-    out = np.zeros((b, s), np.int32)
-    for r in range(b):
-        cuts = np.sort(rng.choice(np.arange(1, s), rng.integers(1, 5), replace=False))
-        for doc, (a, z) in enumerate(zip([0, *cuts], [*cuts, s])):
-            out[r, a:z] = doc + 1
-    return jnp.asarray(out)
 
 
 @pytest.mark.parametrize("ring,zigzag,packed", [
@@ -50,7 +40,7 @@ def test_a_ring_of_cudnn_hops_matches_one_device(cudnn_hops, ring, zigzag, packe
     q = jax.random.normal(keys[0], (b, s, hq, d))
     k, v = (jax.random.normal(x, (b, s, hkv, d)) for x in keys[1:3])
     d_out = jax.random.normal(keys[3], (b, s, hq, d))
-    seg = _documents(np.random.default_rng(seed), b, s) if packed else None
+    seg = jnp.asarray(random_documents(np.random.default_rng(seed), b, s, 5)) if packed else None
     order = np.asarray(layout.token_order) if zigzag else np.arange(s)
     perm = lambda x: None if x is None else x[:, order]  # noqa: E731
     sharding = activation_sharding(mesh)

@@ -26,3 +26,15 @@ def packed_segment_ids(key, batch, seq_len, max_docs=4):
     """Sorted random segment ids per row: documents packed back to back."""
     ids = jax.random.randint(key, (batch, seq_len), 0, max_docs)
     return jnp.sort(ids, axis=1).astype(jnp.int32)
+
+
+def random_documents(rng, rows: int, length: int, most: int) -> np.ndarray:
+    """Segment ids [rows, length] of rows packed with 1..most documents of random lengths,
+    numbered in order from 1 (as the packer numbers them), some of one token."""
+    out = np.zeros((rows, length), np.int32)
+    for r in range(rows):
+        count = rng.integers(1, most + 1)
+        cuts = np.sort(rng.choice(np.arange(1, length), count - 1, replace=False))
+        for doc, (a, b) in enumerate(zip([0, *cuts], [*cuts, length])):
+            out[r, a:b] = doc + 1
+    return out
