@@ -250,8 +250,8 @@ def kernel_unsupported(impl: str, platform: str, capability: tuple[int, int] | N
 def resolve_impl(impl: str, q_shape_dtype, full_seq_len: int, platform: str, has_segments: bool,
                  capability: tuple[int, int] | None = None) -> str:
     """Turn "auto" into a concrete kernel: on a GPU from sm80 cudnn (packed input from sm90) or
-    pallas (packed before sm90, or what cuDNN refuses) where they apply; blockwise for long S (and for bf16 below sm80);
-    else xla. capability: the GPU's compute capability (device_capability), None: any GPU."""
+    pallas (packed before sm90, or what cuDNN refuses) where they apply; blockwise for long S
+    (and for bf16 below sm80); else xla. capability: the GPU's compute capability (device_capability), None: any GPU."""
     if impl != AUTO and impl not in KERNELS:
         raise ValueError(f"unknown attention impl {impl!r}; use one of {', '.join(impl_names())}")
     if impl != AUTO:
