@@ -120,6 +120,27 @@ def test_flash_matches_dense_reference(sq, sk, hq, hkv, causal, packed, k_shift)
                 np.testing.assert_array_equal(g, w, err_msg=f"wrt={wrt} {name}: {case}")
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_flash_at_the_models_head_dims(head_dim):
+    """head_dim 128 (the 8B configs) and 256 (Qwen3.5), packed, causal, grouped-query heads, a
+    key offset: forward and gradients against the dense reference (interpret mode)."""
+    sq, sk, hq, hkv, shift = 32, 32, 4, 2, 8
+    q, k, v, d_out, d_lse = _inputs(head_dim, 1, sq, sk, hq, hkv, head_dim)
+    seg = packed_segment_ids(jax.random.PRNGKey(head_dim), 1, sq + shift)
+    q_seg, k_seg = seg[:, :sq], seg[:, shift:shift + sk]
+
+    def flash(q, k, v):
+        return flash_attention_with_lse(q, k, v, causal=True, q_segment_ids=q_seg,
+                                        k_segment_ids=k_seg, k_shift=shift, blocks=BLOCKS,
+                                        interpret=True)
+
+    def dense(q, k, v):
+        return dense_attention(q, k, v, causal=True, q_seg=q_seg, k_seg=k_seg, k_shift=shift)
+
+    _compare(_both(flash, q, k, v, d_out, d_lse), _both(dense, q, k, v, d_out, d_lse), 5e-5,
+             f"head_dim={head_dim}")
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)])
 def test_flash_half_precision_accumulates_in_float32(dtype):
     """Half-precision inputs and outputs, float32 sums: within the input's rounding of the
