@@ -179,4 +179,5 @@ def _everywhere(fits):
 
 @_everywhere.def_vmap
 def _everywhere_rule(axis_size, in_batched, fits):
-    return (jnp.all(fits) if in_batched[0] else fits), False
+    # again through _everywhere: under nested vmaps the next one out maps this result too
+    return _everywhere(jnp.all(fits) if in_batched[0] else fits), False

@@ -204,9 +204,12 @@ def _own_primitive(name: str, abstract_eval, cuda_lowering):
 
     primitive = Primitive(name)
     primitive.multiple_results = True
-    # called outside jit: compiled by itself, as JAX runs any primitive eagerly
-    primitive.def_impl(lambda *args, **params: jax.jit(
-        lambda *a: primitive.bind(*a, **params))(*args))
+    # called outside jit: compiled by itself (once per parameters), as JAX runs any primitive
+    @functools.lru_cache(maxsize=None)
+    def jitted(params):
+        return jax.jit(lambda *a: primitive.bind(*a, **dict(params)))
+
+    primitive.def_impl(lambda *args, **params: jitted(tuple(sorted(params.items())))(*args))
     primitive.def_abstract_eval(abstract_eval)
     mlir.register_lowering(primitive, cuda_lowering, platform="cuda")
     return primitive

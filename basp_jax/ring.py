@@ -210,9 +210,10 @@ def _ring_attention_bwd(static: _Ring, residuals, d_out):
     Every hop's gradients are added to float32 running sums before the next hop's kernels run
     (`_after`). With the Pallas kernel, whose dq and dk/dv are separate kernels, dq is summed over
     all hops one query piece at a time and then each step's dk/dv over the query pieces: one dq
-    sum exists at a time instead of one per piece, and
-    none while the dk/dv kernels run. The blockwise and cuDNN hops compute all three at once:
-    their hops run step by step, each step's query pieces against its k/v pieces. Either way every sum adds the same terms in the same order."""
+    sum exists at a time instead of one per piece, and none while the dk/dv kernels run. The
+    blockwise and cuDNN hops compute all three at once: their hops run step by step, each
+    step's query pieces against its k/v pieces. Either way every sum adds the same terms in the
+    same order."""
     q, ks, vs, full_seg, rank, out, lses = residuals
     pieces, piece, chunk_seg = _plan(q, full_seg, rank, static)
     q_pieces = pieces(q, rank)

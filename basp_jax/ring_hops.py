@@ -22,6 +22,7 @@ cuDNN's statistics are the same log-sum-exp as ours (natural log of the scaled s
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import jax
@@ -62,14 +63,15 @@ class HopKernel(NamedTuple):
 
     def route(self, *, causal: bool, diagonal: bool, documents: bool) -> str:
         """The kernel one hop runs: blockwise, pallas, or cuDNN's "causal" (the diagonal),
-        "full" (no mask) or "before" (full or skipped, chosen on the device)."""
+        "full" (no mask) or "off_diagonal" (a piece before the queries or after them, told
+        apart on the device)."""
         if self.name != "cudnn":
             return self.name
         if documents and (diagonal or not causal):
             return "pallas"
         if not causal:
             return "full"
-        return "causal" if diagonal else "before"
+        return "causal" if diagonal else "off_diagonal"
 
 
 def forward(kernel: HopKernel, q, k, v, *, causal: bool, block_size: int, diagonal: bool,
@@ -94,7 +96,7 @@ def _forward(kernel: HopKernel, q, k, v, *, causal, block_size, diagonal, q_segm
     if route in ("causal", "full"):
         out, stats = cudnn_call.forward(q, k, v, mask="causal" if route == "causal" else "none")
         return out, _lse(stats)
-    return _before_forward(q, k, v, q_segment_ids, k_segment_ids, k_shift)
+    return _off_diagonal_forward(q, k, v, q_segment_ids, k_segment_ids, k_shift)
 
 
 def backward(kernel: HopKernel, q, k, v, out, lse, d_out, *, causal: bool, block_size: int,
@@ -125,19 +127,29 @@ def _backward(kernel: HopKernel, q, k, v, out, lse, d_out, *, causal, block_size
     if route in ("causal", "full"):
         return cudnn_call.backward(q, k, v, out, _stats(lse), d_out,
                                    mask="causal" if route == "causal" else "none")
-    return _before_backward(q, k, v, out, lse, d_out, q_segment_ids, k_segment_ids, k_shift)
+    return _off_diagonal_backward(q, k, v, out, lse, d_out, q_segment_ids, k_segment_ids, k_shift)
 
 
 def _checked(route: str, q, k, v) -> str:
     """`route`, or the Pallas kernel where cuDNN refuses these inputs while they are traced
-    (JAX's own checks: cuDNN's version, the head_dim, the dtype, the GPU)."""
-    if route not in ("causal", "full", "before"):
+    (basp_jax.cudnn_call.check: the dtype, cuDNN's version, the head_dim, the GPU), with one
+    logged note per reason."""
+    if route not in ("causal", "full", "off_diagonal"):
         return route
     try:
         cudnn_call.check(q, k, v, mask="padding", packed=False)
-    except (NotImplementedError, RuntimeError):
+    except (NotImplementedError, RuntimeError) as e:
+        reason = " ".join(str(e).split())[:200]
+        if reason not in _NOTED:
+            _NOTED.add(reason)
+            logging.getLogger(__name__).warning(
+                "cuDNN refused a ring hop of q %s %s (%s); its hops run the Pallas kernel",
+                q.shape, q.dtype, reason)
         return "pallas"
     return route
+
+
+_NOTED: set[str] = set()  # the refusals noted (once each)
 
 
 def _lse(stats):
@@ -150,10 +162,10 @@ def _stats(lse):
 
 def _lengths(q, k, q_seg, k_seg, k_shift):
     """(queries, keys) per row that an off-diagonal hop's padding mask takes, and the masks
-    [b, sq] of those queries and [b, sk] of those (reversed) keys. The whole key piece before
-    the queries: every query and key, or with packed documents the one document the pieces
+    [b, sq] of those queries and [b, sk] of those keys (in _flip's order). The whole key piece
+    before the queries: every query and key, or with packed documents the one document the pieces
     share (the queries' first run and the keys' last, when their ids are equal); after them
-    (k_shift > 0): none. A row without queries still gives the kernel one key."""
+    (k_shift > 0): none (the kernel still gets at least one key per row)."""
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
     before = jnp.asarray(k_shift) < 0
     if q_seg is None:
@@ -176,10 +188,11 @@ def _flip(q_seg):
     return (lambda x: x[:, ::-1]) if q_seg is not None else (lambda x: x)
 
 
-def _before_forward(q, k, v, q_seg, k_seg, k_shift):
+def _off_diagonal_forward(q, k, v, q_seg, k_seg, k_shift):
     """An off-diagonal hop, one padding-mask kernel whichever side the key piece lies on (no
-    conditional: the side is known only on the device): the keys reversed, so that the keys'
-    last document comes first. Rows outside the lengths are masked whatever the kernel wrote."""
+    conditional: the side is known only on the device); with documents the keys reversed, so
+    that their last document comes first. Rows outside the lengths are masked whatever the
+    kernel wrote."""
     lengths, inside, _ = _lengths(q, k, q_seg, k_seg, k_shift)
     flip = _flip(q_seg)
     out, stats = cudnn_call.forward(q, flip(k), flip(v), mask="padding", lengths=lengths)
@@ -187,7 +200,7 @@ def _before_forward(q, k, v, q_seg, k_seg, k_shift):
             jnp.where(inside[:, :, None], _lse(stats), -jnp.inf))
 
 
-def _before_backward(q, k, v, out, lse, d_out, q_seg, k_seg, k_shift):
+def _off_diagonal_backward(q, k, v, out, lse, d_out, q_seg, k_seg, k_shift):
     lengths, inside, seen = _lengths(q, k, q_seg, k_seg, k_shift)
     inside, seen = inside[:, :, None, None], seen[:, :, None, None]
     # rows outside the lengths are masked on the way in and out, whatever the kernel does with

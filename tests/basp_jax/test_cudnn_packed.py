@@ -189,8 +189,11 @@ def test_under_vmap_the_bound_stays_one_conditional(fake_cudnn):
                                bound=4, fallback=fallback)
 
     stack = lambda x: jnp.stack([x, x])  # noqa: E731
-    jaxpr = str(jax.make_jaxpr(jax.vmap(one))(*map(stack, (q, k, v, segments))))
-    assert " cond[" in jaxpr and "select_n" not in jaxpr.split(" cond[")[1][:200], jaxpr[:2000]
+    for mapped, args in ((jax.vmap(one), map(stack, (q, k, v, segments))),
+                         (jax.vmap(jax.vmap(one)), map(stack, map(stack, (q, k, v, segments))))):
+        jaxpr = str(jax.make_jaxpr(mapped)(*args))
+        assert " cond[" in jaxpr and "select_n" not in jaxpr.split(" cond[")[1][:200], \
+            jaxpr[:2000]
     out = jax.vmap(one)(*map(stack, (q, k, v, segments)))
     want = reference_attention(q, k, v, causal=True, segment_ids=segments)
     np.testing.assert_allclose(out[1], want, atol=1e-5)

@@ -69,10 +69,31 @@ def test_a_ring_of_cudnn_hops_matches_one_device(cudnn_hops, ring, zigzag, packe
 def test_hop_routes():
     hop = HopKernel("cudnn")
     assert hop.route(causal=True, diagonal=True, documents=False) == "causal"
-    assert hop.route(causal=True, diagonal=False, documents=False) == "before"
-    assert hop.route(causal=True, diagonal=False, documents=True) == "before"
+    assert hop.route(causal=True, diagonal=False, documents=False) == "off_diagonal"
+    assert hop.route(causal=True, diagonal=False, documents=True) == "off_diagonal"
     assert hop.route(causal=True, diagonal=True, documents=True) == "pallas"
     assert hop.route(causal=False, diagonal=True, documents=False) == "full"
     assert hop.route(causal=False, diagonal=False, documents=True) == "pallas"
     assert HopKernel("pallas").route(causal=True, diagonal=True, documents=False) == "pallas"
     assert not hop.split and HopKernel("pallas").split
+
+
+def test_a_hop_cudnn_refuses_while_traced_runs_the_pallas_kernel(cudnn_hops, monkeypatch,
+                                                                caplog):
+    from basp_jax import ring_hops
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cuDNN is not detected.")
+
+    monkeypatch.setattr(cudnn_call, "check", refuse)
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q, k, v = (jax.random.normal(x, (1, 32, 2, 16)) for x in keys)
+    kernel = HopKernel("cudnn", FlashBlocks.square(16), True)
+    got = ring_hops.forward(kernel, q, k, v, causal=True, block_size=16, diagonal=False,
+                            k_shift=-32)
+    want = ring_hops.forward(HopKernel("pallas", FlashBlocks.square(16), True), q, k, v,
+                             causal=True, block_size=16, diagonal=False, k_shift=-32)
+    assert not cudnn_hops  # no cuDNN kernel bound
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w)
+    assert any("its hops run the Pallas kernel" in r.getMessage() for r in caplog.records)
