@@ -43,6 +43,7 @@ import jax.numpy as jnp
 MASKS = {"none": "NO_MASK", "causal": "CAUSAL", "padding": "PADDING",
          "padding_causal": "PADDING_CAUSAL"}
 STATS = "natural log of sum(exp(scale * q.k)) over the keys a query sees"
+_INT32_ELEMENTS = 2**31  # the packed layout's offsets count elements of q or k, in int32
 _PRIVATE = ("_dot_product_attention_fwd_abstract", "_dot_product_attention_bwd_abstract",
             "_dot_product_attention_fwd_cuda_lowering", "_dot_product_attention_bwd_cuda_lowering",
             "MaskType", "AttentionLayout", "check_is_flash_attention", "check_cudnn_version",
@@ -86,6 +87,10 @@ def check(q, k, v, *, mask: str, packed: bool, training: bool = True):
     if q.dtype not in (jnp.bfloat16, jnp.float16) or not q.dtype == k.dtype == v.dtype:
         raise NotImplementedError(f"cuDNN's fused attention takes bfloat16 or float16 q, k and "
                                   f"v, not {q.dtype}, {k.dtype}, {v.dtype}")
+    if packed and max(q.size, k.size) >= _INT32_ELEMENTS:
+        raise NotImplementedError(
+            f"cuDNN's packed layout addresses q and k by int32 element offsets, and q {q.shape} "
+            f"or k {k.shape} holds 2^31 elements or more")
     version = FUSED.check_cudnn_version()
     FUSED.check_is_flash_attention(q, k, v, FUSED.AttentionLayout.BTNH.value, version, False,
                                    training, packed)

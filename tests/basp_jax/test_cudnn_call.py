@@ -209,3 +209,12 @@ def test_the_check_refuses_float32_before_anything_else():
     q, k, v, _ = _qkv(0)
     with pytest.raises(NotImplementedError, match="bfloat16 or float16"):
         cudnn_call.check(q, k, v, mask="causal", packed=False)
+
+
+def test_the_check_refuses_a_packed_layout_past_int32_offsets():
+    """The packed layout's offsets count elements (token x heads x head_dim) in int32: 4M tokens
+    of 4 heads of 128 (the long-context 8B per GPU) reach 2^31, and our kernel takes them."""
+    q = jax.ShapeDtypeStruct((1, 4194304, 4, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 4194304, 1, 128), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="int32 element offsets"):
+        cudnn_call.check(q, k, k, mask="padding_causal", packed=True)
