@@ -23,7 +23,6 @@ is None where a jax version lacks any of them, and the packed path is then not o
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 
 import jax
@@ -121,16 +120,8 @@ def attention(q, k, v, *, causal: bool, segment_ids=None, capability=None,
     except (NotImplementedError, RuntimeError) as e:
         if fallback is None:
             raise
-        reason = " ".join(str(e).split())[:200]
-        if reason not in _NOTED:
-            _NOTED.add(reason)
-            logging.getLogger(__name__).warning(
-                "cuDNN attention refused q %s %s (%s); running the fallback kernel",
-                q.shape, q.dtype, reason)
+        cudnn_call.note_refusal(e, q, "running the fallback kernel", __name__)
         return fallback(q, k, v, causal=causal, segment_ids=segment_ids)
-
-
-_NOTED: set[str] = set()  # the refusals noted (once each)
 
 
 def _cudnn_attention(q, k, v, *, causal: bool, segment_ids, capability, bound: int, fallback):

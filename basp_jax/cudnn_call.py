@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import logging
 from typing import NamedTuple
 
 import jax
@@ -94,6 +95,19 @@ def check(q, k, v, *, mask: str, packed: bool, training: bool = True):
     version = FUSED.check_cudnn_version()
     FUSED.check_is_flash_attention(q, k, v, FUSED.AttentionLayout.BTNH.value, version, False,
                                    training, packed)
+
+
+_NOTED: set[str] = set()  # the refusals noted (once each)
+
+
+def note_refusal(error: Exception, q, then: str, logger: str = __name__) -> None:
+    """One logged warning per distinct reason cuDNN refused q while it was traced, saying what
+    runs instead (`then`)."""
+    reason = " ".join(str(error).split())[:200]
+    if reason not in _NOTED:
+        _NOTED.add(reason)
+        logging.getLogger(logger).warning("cuDNN attention refused q %s %s (%s); %s", q.shape,
+                                          q.dtype, reason, then)
 
 
 def attention(q, k, v, *, mask: str, lengths=None, offsets=None, scale: float | None = None):

@@ -22,7 +22,6 @@ cuDNN's statistics are the same log-sum-exp as ours (natural log of the scaled s
 
 from __future__ import annotations
 
-import logging
 from typing import NamedTuple
 
 import jax
@@ -139,17 +138,9 @@ def _checked(route: str, q, k, v) -> str:
     try:
         cudnn_call.check(q, k, v, mask="padding", packed=False)
     except (NotImplementedError, RuntimeError) as e:
-        reason = " ".join(str(e).split())[:200]
-        if reason not in _NOTED:
-            _NOTED.add(reason)
-            logging.getLogger(__name__).warning(
-                "cuDNN refused a ring hop of q %s %s (%s); its hops run the Pallas kernel",
-                q.shape, q.dtype, reason)
+        cudnn_call.note_refusal(e, q, "in ring attention its hops run the Pallas kernel", __name__)
         return "pallas"
     return route
-
-
-_NOTED: set[str] = set()  # the refusals noted (once each)
 
 
 def _lse(stats):
