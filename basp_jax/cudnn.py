@@ -136,6 +136,7 @@ def _cudnn_attention(q, k, v, *, causal: bool, segment_ids, capability, bound: i
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
                                             implementation="cudnn")
 
+    cudnn_call.raise_if_refused()  # XLA refused it while compiling an earlier program
     if segment_ids is None:
         with capability_seen_as(capability):  # a deviceless compile's target
             cudnn_call.check(q, k, v, mask="causal", packed=False)

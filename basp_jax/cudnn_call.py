@@ -78,8 +78,15 @@ class Call(NamedTuple):
 
 
 def check(q, k, v, *, mask: str, packed: bool, training: bool = True):
+    """NotImplementedError or RuntimeError where cuDNN would refuse the call: XLA refused to
+    compile cuDNN attention earlier in this process (RefusedAtCompile), or JAX's checks do."""
+    raise_if_refused()
+    jax_checks(q, k, v, mask=mask, packed=packed, training=training)
+
+
+def jax_checks(q, k, v, *, mask: str, packed: bool, training: bool = True):
     """JAX's own trace-time checks of the cuDNN kernel (head_dim, GPU generation, cuDNN
-    version): NotImplementedError or RuntimeError where cuDNN would refuse the call."""
+    version), and the packed layout's int32 offsets."""
     if FUSED is None:
         raise NotImplementedError(f"jax {jax.__version__} has none of cuDNN's fused attention "
                                   "primitives this kernel binds")
@@ -97,12 +104,52 @@ def check(q, k, v, *, mask: str, packed: bool, training: bool = True):
                                    training, packed)
 
 
+# The custom calls these kernels compile to (XLA's names): a program runs cuDNN attention where
+# its text holds one
+CUSTOM_CALL_PREFIX = "__cudnn$fmha"
+
+
+class RefusedAtCompile(NotImplementedError):
+    """XLA refused cuDNN attention while compiling an earlier program of this process."""
+
+
+_COMPILE_REFUSAL: list[str] = []  # XLA's reason, once it refused to compile cuDNN attention
+
+
+def refuse_for_process(reason: str) -> None:
+    """XLA refused to compile cuDNN attention (a kernel its cuDNN cannot build for this GPU, a
+    compiler that cannot build it without one): from now on, every program this process traces
+    runs the fallback kernel in its place (check raises RefusedAtCompile). The one note is the
+    caller's, who caught the refusal."""
+    _COMPILE_REFUSAL[:] = [reason]
+
+
+def compile_refusal() -> str | None:
+    """XLA's reason where it refused to compile cuDNN attention in this process, else None."""
+    return _COMPILE_REFUSAL[0] if _COMPILE_REFUSAL else None
+
+
+def allow_again() -> None:
+    """Forget a compile-time refusal (refuse_for_process): programs traced next try cuDNN again."""
+    _COMPILE_REFUSAL.clear()
+
+
+def raise_if_refused() -> None:
+    """RefusedAtCompile where XLA has refused to compile cuDNN attention in this process."""
+    if _COMPILE_REFUSAL:
+        raise RefusedAtCompile(f"XLA refused to compile cuDNN attention earlier in this process "
+                               f"({_COMPILE_REFUSAL[0]})")
+
+
 _NOTED: set[str] = set()  # the refusals noted (once each)
 
 
 def note_refusal(error: Exception, q, then: str, logger: str = __name__) -> None:
     """One logged warning per distinct reason cuDNN refused q while it was traced, saying what
-    runs instead (`then`)."""
+    runs instead (`then`). None for a refusal at compile time: its one note is the compiler's
+    caller's."""
+    if isinstance(error, RefusedAtCompile):
+        return
     reason = " ".join(str(error).split())[:200]
     if reason not in _NOTED:
         _NOTED.add(reason)

@@ -21,6 +21,7 @@ from functools import cached_property
 
 from ..attention import ATTENTION_SCOPE
 from ..cudnn import FALLBACK_SCOPE
+from ..cudnn_call import CUSTOM_CALL_PREFIX
 from ..ring_hops import HOP_SCOPES
 
 _COMPUTATION_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
@@ -138,7 +139,7 @@ def _kernel_of(inst) -> tuple[str, str] | None:
     if inst.op == "custom-call":
         target = re.search(r'custom_call_target="([^"]+)"', inst.line)
         target = target.group(1) if target else ""
-        if target.startswith("__cudnn$fmha"):
+        if target.startswith(CUSTOM_CALL_PREFIX):
             return KERNEL_CUDNN, target
         if "triton" in target:  # named by the function around the pallas_call
             name = _pallas_name(inst.line)

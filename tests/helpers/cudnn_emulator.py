@@ -130,21 +130,21 @@ class _Backward:
 
 
 def install(monkeypatch, cudnn_call):
-    """Run basp_jax.cudnn_call's kernels as this module's stand-ins, and its check as JAX's
-    head_dim check for a Hopper GPU (no cuDNN library here). Returns the list the forward
-    appends each call's mask type name to."""
+    """Run basp_jax.cudnn_call's kernels as this module's stand-ins, and JAX's checks in its
+    check as JAX's head_dim check for a Hopper GPU (no cuDNN library here). Returns the list
+    the forward appends each call's mask type name to."""
     assert cudnn_call.FUSED is not None, f"jax {jax.__version__} lacks the cuDNN primitives"
     calls = []
     monkeypatch.setattr(cudnn_call, "primitives", lambda: (_Forward(calls), _Backward()))
 
-    def check(q, k, v, *, mask, packed, training=True):
+    def jax_checks(q, k, v, *, mask, packed, training=True):
         if mask not in cudnn_call.MASKS:
             raise ValueError(mask)
         if q.shape[-1] > 256 or q.shape[-1] % 8:
             raise NotImplementedError(f"The head dim must be <= 256 and a multiple of 8, "
                                       f"but got {q.shape[-1]}.")
 
-    monkeypatch.setattr(cudnn_call, "check", check)
+    monkeypatch.setattr(cudnn_call, "jax_checks", jax_checks)
     return calls
 
 

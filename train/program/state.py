@@ -31,7 +31,7 @@ from . import planning
 from . import streamed
 from ..checkpoint.store import Checkpointer, first_non_finite
 from .model_setup import model_config, model_options
-from . import compile_progress
+from . import compile_fallback, compile_progress
 from ..process.outputs import write_collectives
 from ..config.schema import Config, ConfigError
 from .step import (build_model, compute_dtype, from_module, init_opt_state, initial_loss_scale, loss_scaling, make_optimizer, make_train_step, opt_state_shardings)
@@ -110,6 +110,9 @@ class TrainProgram:
     batch_sharding: NamedSharding
     batch_shape: tuple[int, int, int]  # [accum, rows (pad rows included), seq_len]
     packed: bool
+    # the same program built afresh (a new jit, traced again on its next lower): after XLA
+    # refused its cuDNN attention (train.program.compile_fallback)
+    rebuild: Callable[[], "TrainProgram"] | None = dataclasses.field(default=None, repr=False)
 
     def abstract_batch(self) -> dict:
         """ShapeDtypeStructs of one step's batch, as the data pipeline delivers it."""
@@ -164,7 +167,8 @@ def build_program(cfg: Config, plan: RunPlan, parts) -> TrainProgram:
         )
     shape = (cfg.train.grad_accum, plan.layout.batch, plan.layout.seq_len)
     return TrainProgram(plan, step_fn, tx, schedule, param_sh, abs_opt, opt_sh, batch_sharding,
-                        shape, cfg.data.pack)
+                        shape, cfg.data.pack,
+                        rebuild=functools.partial(build_program, cfg, plan, parts))
 
 
 def layout_programs(cfg: Config, mcfg, plan: RunPlan, program: TrainProgram
@@ -181,11 +185,12 @@ def layout_programs(cfg: Config, mcfg, plan: RunPlan, program: TrainProgram
 
 
 def compile_program(cfg: Config, devices, devices_per_host: int, mcfg=None, *,
-                    layout_index: int = 0):
+                    layout_index: int = 0, log: Callable[[str], None] = print):
     """Compile the train step of `cfg` for `devices` from shapes alone (nothing is initialised,
     read or run): (compiled, run plan, model config, compile seconds). `mcfg` replaces the
     config's model (e.g. a preset with fewer layers); under parallel.mode=adaptive,
-    `layout_index` picks the layout of the set (the plan returned is that layout's)."""
+    `layout_index` picks the layout of the set (the plan returned is that layout's). log: where
+    the note goes if XLA refuses cuDNN attention and the step is compiled again without it."""
 
     mcfg = model_config(cfg) if mcfg is None else mcfg
     cfg = planning.resolve_offload(cfg, mcfg, len(devices), devices_per_host)
@@ -193,7 +198,8 @@ def compile_program(cfg: Config, devices, devices_per_host: int, mcfg=None, *,
     state = build_state(cfg, mcfg, run_plan, abstract=True)
     program = state.programs[layout_index]
     t0 = time.perf_counter()
-    compiled = program.lower(*program.abstract_state(state.params, state.opt_state)).compile()
+    _, compiled = compile_fallback.compile_step(
+        program, *program.abstract_state(state.params, state.opt_state), log)
     return compiled, program.plan, mcfg, time.perf_counter() - t0
 
 
@@ -267,13 +273,14 @@ def compile_steps(cfg: Config, state: TrainState, devices, log: Callable[[str], 
     what = "the train step" if len(state.programs) == 1 else \
         f"the train steps of {len(state.programs)} layouts"
     with compile_progress.announced(what, log, record_dir):
-        for i, program in enumerate(state.programs):
+        programs = list(state.programs)
+        for i, program in enumerate(programs):
             t = time.perf_counter()
-            if i == 0:
-                lowered = program.lower(state.params, state.opt_state)
-            else:  # placed like the static layout's: shapes on this layout's mesh
-                lowered = program.lower(*program.abstract_state(state.params, state.opt_state))
-            compiled.append(lowered.compile())
+            # the static layout's from its state; the others placed like it: shapes on their mesh
+            args = (state.params, state.opt_state) if i == 0 else \
+                program.abstract_state(state.params, state.opt_state)
+            programs[i], step = compile_fallback.compile_step(program, *args, log)
+            compiled.append(step)
             planning.check_compiled_memory(cfg, compiled[-1], devices)
             try:  # a diagnostic: an HLO printing the parser does not know never stops a run
                 found = comm.parse_collectives(compiled[-1].as_text(), len(devices))
@@ -287,6 +294,7 @@ def compile_steps(cfg: Config, state: TrainState, devices, log: Callable[[str], 
             else:
                 lines.append(f"compiled the step of layout {program.plan.layout.short_name} in "
                              f"{seconds:.1f}s; per step: " + described)
+    state.programs, state.program = tuple(programs), programs[0]  # rebuilt where cuDNN was refused
     if len(state.programs) > 1:
         lines.insert(0, f"adaptive layouts: compiled {len(compiled)} steps in "
                         f"{time.perf_counter() - t0:.1f}s")

@@ -72,6 +72,9 @@ def _kernels_and_prediction(r: dict) -> list[str]:
         lines = ["attention kernel: " + "; ".join(parts)]
     else:
         lines = ["attention kernel: none found"]
+    if r.get("cudnn_refused"):  # train.program.compile_fallback
+        lines.append(f"  (XLA could not compile cuDNN attention: {r['cudnn_refused']}; the step "
+                     f"runs the Pallas kernel in its place)")
     hops = r.get("ring_hop_kernels")
     if hops:  # basp_jax.ring_hops: the queries' own piece, another piece, no causal mask
         names = {"diagonal": "diagonal", "off_diagonal": "off the diagonal",

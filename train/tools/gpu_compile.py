@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 from .aot_errors import AotError, CompileFailed, compile_failure
 from .cuda_plugin import gpu_devices
@@ -17,6 +18,7 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False,
     under parallel.mode=adaptive, that of layout `layout_index` of the set."""
     import jax
 
+    from basp_jax import cudnn_call
     from basp_jax.compiled import comm, hlo
     from basp_jax.grouped_matmul import EXPERTS_SCOPE
 
@@ -25,8 +27,9 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False,
                                     predicted_step_s)
     from ..program.state import compile_program
 
-    compiled, run_plan, mcfg, compile_s = compile_program(cfg, devices, devices_per_host,
-                                                          layout_index=layout_index)
+    compiled, run_plan, mcfg, compile_s = compile_program(
+        cfg, devices, devices_per_host, layout_index=layout_index,
+        log=lambda line: print(line, file=sys.stderr))
     text = compiled.as_text()
     mem = compiled.memory_analysis()
     layout = run_plan.layout
@@ -64,6 +67,9 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False,
                                                           remat=run_plan.remat),
         "host_transfers": comm.host_transfers(text),
         "attention_kernels": hlo.attention_kernels(text),
+        # XLA's reason where it could not compile cuDNN attention (the step then runs Pallas:
+        # train.program.compile_fallback), else None
+        "cudnn_refused": cudnn_call.compile_refusal(),
         "ring_hop_kernels": hlo.ring_hop_kernels(text),  # which kernel each shape of hop runs
         "expert_kernels": hlo.expert_kernels(text),
         # model.fp8: the FP8 GEMMs the program runs per step (cuBLASLt calls and GEMM fusions)
