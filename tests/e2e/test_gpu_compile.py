@@ -162,13 +162,13 @@ def test_cudnn_runs_in_the_per_group_step_with_parameters_on_a_per_host_mesh(cud
 def test_a_cudnn_refusal_at_compile_time_compiles_the_step_with_pallas_and_one_note(
         cuda_plugin, tmp_path):
     """jaxlib 0.12's XLA refuses to compile cuDNN's custom calls without a GPU ("deviceless
-    cuDNN compilation is not enabled"): a real refusal at compile time. The packed 1B step (2
-    of its layers) for one host of H100s (cuDNN's packed layout while traced) then compiles
-    again with our Pallas kernel in every layer, exit 0, the refusal named once on stderr and in the report."""
+    cuDNN compilation is not enabled"): a real refusal at compile time. The packed 1B config's
+    step with the tiny model (2 layers) for one host of H100s (cuDNN's packed layout while
+    traced) then compiles again with our Pallas kernel in every layer, exit 0, the refusal named once on stderr and in the report."""
     done = _run("-m", "train.tools.aot", "--config", "configs/gpu/llama-3.2-1b_basp.yaml",
                 "--target", "h100-80gb", "--hosts", "1", "--gpus-per-host", "8",
                 "parallel.devices_per_host=8", "runtime.devices=8", "parallel.hardware=h100-80gb",
-                "data.seq_len=4096", "model.shape={num_layers: 2}",
+                "data.seq_len=4096", "model.preset=tiny",
                 "--json", str(tmp_path / "r.json"))
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads((tmp_path / "r.json").read_text())
