@@ -81,8 +81,14 @@ def _grads_as_list(grads, period):
     return nnx.State(layer_stack.restack(flat, None)) if period else grads
 
 
-@pytest.mark.parametrize("make", [_hybrid, _alternating_moe], ids=["hybrid", "alternating_moe"])
-@pytest.mark.parametrize("remat", ["full", "none"])
+# slow (25-30 s for the hybrid, 5-13 s for the MoE on 2 cores); under newer jaxlibs each kind
+# keeps its case with full remat (the periods recomputed in the backward pass)
+@pytest.mark.slow
+@pytest.mark.parametrize("make,remat", [
+    pytest.param(_hybrid, "full", id="full-hybrid"),
+    pytest.param(_hybrid, "none", id="none-hybrid", marks=WHOLE_MATRIX),
+    pytest.param(_alternating_moe, "full", id="full-alternating_moe"),
+    pytest.param(_alternating_moe, "none", id="none-alternating_moe", marks=WHOLE_MATRIX)])
 def test_scanned_periods_equal_the_list_on_one_device(make, remat):
     config = make()
     listed = models.Transformer(config, rngs=nnx.Rngs(3), scan_layers=False, remat=remat)
