@@ -4,7 +4,7 @@
 # compiled prediction, a profile by kind of work) and the step after a checkpoint save; every
 # attention kernel (xla, cudnn, pallas, blockwise) and a ring of 2 against a float32 reference
 # (head_dim 128 and 256, packed and not, bf16 and fp16); fwd+bwd attention per kernel at 16K and
-# 64K tokens; the 1B's and 8B's GEMMs; the experts' grouped matmuls (ours and ragged_dot);
+# 64K tokens, and our Pallas kernel's tiles at head_dim 128 and 256; the 1B's and 8B's GEMMs; the experts' grouped matmuls (ours and ragged_dot);
 # 2 layers of the 8B's shape; the FP8 steps on sm89+ (their
 # FP8 GEMMs counted); and a calibration candidate fitted to all of it. The work is
 # benchmarks/gpu_check/ (BENCHMARKS.md section 12); this wraps it.

@@ -121,23 +121,29 @@ def causal_pairs(seq: int, seg) -> float:
 def time_kernel(impl: str, seq: int, heads, docs: int, shapes: Shapes, on_gpu: bool,
                 repeats: int) -> dict:
     """Median seconds of one forward + backward pass of causal attention."""
-    import jax.numpy as jnp
-
     if why := not_timed(impl, seq, heads, docs, shapes, on_gpu):
         return skip(why)
     if impl == UPSTREAM:
         step = loss_and_grads(_upstream_pallas_attention(heads, interpret=not on_gpu))
     else:  # 4 and 64 documents share its compile
         step = jitted_kernel(impl, heads, seq)
-    q, k, v, ct, seg = inputs(heads, seq, docs, jnp.dtype(shapes.dtype))
     try:
-        first, times = timed(step, (q, k, v, ct, seg), repeats)
+        return _measure(step, seq, heads, docs, shapes, repeats)
     except Exception as e:  # noqa: BLE001
         if not out_of_memory(e):
             raise
         # expected of the xla kernel, which holds the S x S scores: a finding, not a failure
         print(f"  out of memory at {seq} tokens", flush=True)
         return {"status": "out of memory", "seq_len": seq, "error": " ".join(str(e).split())[:300]}
+
+
+def _measure(step, seq: int, heads, docs: int, shapes: Shapes, repeats: int) -> dict:
+    """The row of a forward + backward `step` (attention_check.loss_and_grads's) timed on fresh
+    inputs: median seconds and causal TFLOP/s."""
+    import jax.numpy as jnp
+
+    q, k, v, ct, seg = inputs(heads, seq, docs, jnp.dtype(shapes.dtype))
+    first, times = timed(step, (q, k, v, ct, seg), repeats)
     median = statistics.median(times)
     pairs = causal_pairs(seq, seg)
     # 4 FLOPs per pair and head dim forward (QK^T, PV), 2.5x that backward (5 matmuls)
@@ -147,6 +153,58 @@ def time_kernel(impl: str, seq: int, heads, docs: int, shapes: Shapes, on_gpu: b
     return {"status": "ok", "seq_len": seq, "heads": heads[0], "kv_heads": heads[1],
             "head_dim": heads[2], "documents": docs, "causal_pairs": pairs, "median_s": median,
             "times_s": times, "tflops": flops / median / 1e12, "first_call_s": first}
+
+
+def tile_cases(shapes: Shapes, seq: int):
+    """(name, heads, blocks): our Pallas kernel (basp_jax.flash) at the check's head_dims, 128
+    and 256, unpacked, with the tiles basp_jax.flash.flash_blocks gives this GPU first and a few
+    others beside them (smaller key or query blocks, a third pipeline stage): the rows the
+    kernel's tiles per head_dim and GPU generation are chosen from."""
+    from basp_jax.flash import FlashBlocks
+
+    others = {128: (FlashBlocks(128, 64, 64, 64), FlashBlocks(64, 64, 64, 64),
+                    FlashBlocks(128, 128, 64, 64, num_stages=3)),
+              256: (FlashBlocks(64, 64, 64, 64), FlashBlocks(64, 64, 32, 32),
+                    FlashBlocks(128, 64, 32, 32))}
+    for heads in shapes.check_heads:
+        candidates = [None, *others.get(heads[2], ())]
+        if shapes.smoke:  # interpret mode: two of them show the rows' structure
+            candidates = [None, FlashBlocks.square(shapes.block_size * 2)]
+        for blocks in candidates:
+            tiles = "this GPU's tiles" if blocks is None else _tiles(blocks)
+            yield f"pallas, {seq} tokens, head_dim {heads[2]}, {tiles}", seq, heads, blocks
+
+
+def _tiles(blocks) -> str:
+    return (f"tiles {blocks.q}x{blocks.k} forward, {blocks.q_bwd}x{blocks.k_bwd} backward, "
+            f"{blocks.num_stages} stages")
+
+
+def time_tiles(seq: int, heads, blocks, shapes: Shapes, on_gpu: bool, repeats: int) -> dict:
+    """Median seconds of our Pallas kernel's forward + backward with `blocks` (None: this GPU's,
+    basp_jax.kernels.pallas_blocks). Tiles the GPU cannot compile (more shared memory than a
+    block may take) are a finding, not a failure."""
+    import jax
+
+    from basp_jax.kernels import device_capability, pallas_attention, pallas_blocks
+
+    if blocks is None:
+        platform = "gpu" if on_gpu else "cpu"
+        blocks = pallas_blocks(platform, shapes.block_size, device_capability(jax.devices()[0]))
+
+    def fn(q, k, v, seg):
+        return pallas_attention(q, k, v, causal=True, segment_ids=seg, blocks=blocks,
+                                interpret=not on_gpu)
+
+    try:
+        row = _measure(loss_and_grads(fn), seq, heads, 0, shapes, repeats)
+    except Exception as e:  # noqa: BLE001 (Triton's and XLA's errors have no common type)
+        if out_of_memory(e) or "shared memory" not in str(e).lower():
+            raise
+        print(f"  does not compile: {_tiles(blocks)}", flush=True)
+        return {"status": "does not compile", "tiles": _tiles(blocks),
+                "error": " ".join(str(e).split())[:300]}
+    return {**row, "tiles": _tiles(blocks)}
 
 
 def ring_timing_cases(shapes: Shapes, seq: int):

@@ -26,6 +26,7 @@ ESTIMATE_S = {
     "train_8b": 35,       # 2 layers of the 8B (1.49B parameters with the embeddings)
     "train_fp8": 105,     # its compile took 91 s on the H200
     "long timing case": 5,
+    "tile case": 8,       # our Pallas kernel's fwd+bwd compile at 16K, head_dim 128 or 256
     "calibration": 1,
 }
 
@@ -108,6 +109,10 @@ def run_sections(report: dict, shapes: Shapes, args, on_gpu: bool, budget: Budge
     save()
     _cases(report, "timing", at.timing_cases(shapes, shapes.long_seq), timing, budget,
            est["long timing case"], save)
+    _cases(report, "pallas tiles", at.tile_cases(shapes, shapes.short_seq),
+           lambda seq, heads, blocks: at.time_tiles(seq, heads, blocks, shapes, on_gpu,
+                                                    args.repeats),
+           budget, est["tile case"], save)
     report["calibration"] = section("calibration candidate (benchmarks/calibrate.py's fit)",
                                     candidate.calibration_candidate, report, args.out,
                                     budget=budget, needs_s=est["calibration"])

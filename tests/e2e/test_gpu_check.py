@@ -86,6 +86,12 @@ def _check_timing(r):
     assert list(rows) == [c[0] for c in gemm.gemm_cases(SMOKE)] and len(rows) == 18
     assert all(row["status"] == "ok" and row["tflops"] > 0 and row["m"] == 256
                for row in rows.values())
+    tiles = r["pallas tiles"]  # our kernel's tiles, the GPU's first (interpreted here)
+    assert list(tiles) == [c[0] for c in attention_time.tile_cases(SMOKE, 256)]
+    assert len(tiles) == 2 and "this GPU's tiles" in next(iter(tiles))
+    assert all(row["status"] == "ok" and row["median_s"] > 0 and row["head_dim"] == 16
+               and row["tiles"].startswith("tiles ") for row in tiles.values()), tiles
+    assert len({row["tiles"] for row in tiles.values()}) == 2
     experts = r["experts"]  # the grouped matmuls: ours (interpreted) and ragged_dot
     assert list(experts) == [c[0] for c in gm_experts.expert_cases(SMOKE)] and len(experts) == 4
     for row in experts.values():
