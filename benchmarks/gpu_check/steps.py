@@ -85,6 +85,7 @@ def compile_run(shapes: Shapes, steps: int, on_gpu: bool, fp8: bool = False,
                 seq: int | None = None, preset: str | None = None,
                 layers: int | None = None) -> Run:
     """Compile the trainer's step (train.program.state) for one device; nothing is written."""
+    from train.program import compile_fallback
     from train.program.state import build_program, model_factory, plan_run
     from train.program.step import build_model, init_opt_state
 
@@ -96,7 +97,8 @@ def compile_run(shapes: Shapes, steps: int, on_gpu: bool, fp8: bool = False,
     params = parts.params
     opt_state = init_opt_state(program.tx, params, program.opt_shardings)
     t0 = time.perf_counter()
-    compiled = program.lower(params, opt_state).compile()
+    # a cuDNN refusal at compile time: the trainer's fallback, noted (_attention_kernel says so)
+    program, compiled = compile_fallback.compile_step(program, params, opt_state, print)
     return Run(cfg, mcfg, program, compiled, params, opt_state, time.perf_counter() - t0)
 
 
@@ -105,14 +107,18 @@ def _attention_kernel(run: Run, on_gpu: bool) -> str:
     import jax
     import jax.numpy as jnp
 
+    from basp_jax import cudnn_call
     from basp_jax.kernels import resolve_impl
 
     from .common import capability
 
     s, seq = run.mcfg.shape, run.cfg.data.seq_len
     q = jax.ShapeDtypeStruct((1, seq, s.num_heads, s.head_dim), jnp.dtype(run.cfg.model.dtype))
-    return resolve_impl(run.cfg.model.attn_impl, q, seq, "gpu" if on_gpu else "cpu",
+    impl = resolve_impl(run.cfg.model.attn_impl, q, seq, "gpu" if on_gpu else "cpu",
                         bool(run.cfg.data.pack), capability(on_gpu))
+    if impl == "cudnn" and cudnn_call.compile_refusal():  # train.program.compile_fallback
+        return f"pallas (XLA could not compile cuDNN's: {cudnn_call.compile_refusal()})"
+    return impl
 
 
 def _memory(run: Run, on_gpu: bool, out: dict) -> None:

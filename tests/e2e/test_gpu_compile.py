@@ -181,6 +181,50 @@ def test_a_cudnn_refusal_at_compile_time_compiles_the_step_with_pallas_and_one_n
     assert layers == 2 and kernels[hlo.KERNEL_TRITON]["count"] >= 3 * layers, kernels
 
 
+# XLA as it refuses cuDNN attention at compile time, in a jaxlib that compiles it without a GPU:
+# every program that calls cuDNN's kernels fails to compile with the words jaxlib 0.12 uses
+_REFUSING_XLA = """
+import sys
+from train.tools import aot, cuda_plugin
+cuda_plugin.use_plugin()  # before jax is imported
+import jax.stages
+compile = jax.stages.Lowered.compile
+def refusing(self, *args, **kwargs):
+    if "__cudnn$fmha" in self.as_text():
+        raise RuntimeError("INVALID_ARGUMENT: StreamExecutor is null and deviceless cuDNN "
+                           "compilation is not enabled.")
+    return compile(self, *args, **kwargs)
+jax.stages.Lowered.compile = refusing
+sys.exit(aot.main(sys.argv[1:]))
+"""
+
+
+@WHOLE_TIER
+def test_the_trainers_programs_fall_back_from_a_cudnn_refusal_at_compile_time(cuda_plugin,
+                                                                               tmp_path):
+    """The refusal above, met by every jaxlib: jaxlib 0.10's XLA made to refuse cuDNN's custom
+    calls as 0.12's does (_REFUSING_XLA). The tiny model with a ring of 2 on one host of H100s
+    (cuDNN for attention and the ring's hops while traced) compiles again with Pallas
+    everywhere: the program rebuilt (train.program.state.TrainProgram.rebuild), the report's
+    field and line, one note."""
+    done = _run("-c", _REFUSING_XLA, "--config", "configs/gpu/llama-3.2-1b_basp.yaml",
+                "--target", "h100-80gb", "--hosts", "1", "--gpus-per-host", "8",
+                "parallel.devices_per_host=8", "runtime.devices=8", "parallel.hardware=h100-80gb",
+                "data.seq_len=4096", "model.preset=tiny", "parallel.ring=2",
+                "--json", str(tmp_path / "r.json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["cudnn_refused"] == ("INVALID_ARGUMENT: StreamExecutor is null and deviceless "
+                                  "cuDNN compilation is not enabled"), r["cudnn_refused"]
+    assert set(r["attention_kernels"]) == {hlo.KERNEL_TRITON}, r["attention_kernels"]
+    assert r["layout"]["ring"] == 2 and r["ring_hop_kernels"], r["layout"]
+    assert all(set(kinds) == {hlo.KERNEL_TRITON} for kinds in r["ring_hop_kernels"].values()), \
+        r["ring_hop_kernels"]
+    notes = [line for line in done.stderr.splitlines() if "could not compile cuDNN" in line]
+    assert len(notes) == 1, done.stderr[-3000:]
+    assert "(XLA could not compile cuDNN attention: INVALID_ARGUMENT" in done.stdout
+
+
 def _twin(path: str) -> str:
     return path.replace("_ulysses.yaml", "_basp.yaml")
 

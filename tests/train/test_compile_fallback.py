@@ -127,6 +127,8 @@ def test_a_ring_traced_after_the_refusal_runs_pallas_hops_without_a_second_note(
 
 @pytest.mark.parametrize("error,binds", [
     ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 3.1GiB", True),
+    # too big for the GPU, whatever kernel: a cuDNN workspace's allocation is not a refusal
+    ("RESOURCE_EXHAUSTED: Failed to allocate 9.0GiB for the cuDNN workspace", True),
     (XLA_REFUSAL, False),  # a program without cuDNN attention: not its refusal
 ])
 def test_other_compile_errors_are_raised_as_they_are(fake_cudnn, error, binds):
@@ -138,12 +140,41 @@ def test_other_compile_errors_are_raised_as_they_are(fake_cudnn, error, binds):
     assert cudnn_call.compile_refusal() is None
 
 
-def test_a_second_refusal_is_raised(fake_cudnn, monkeypatch):
+def test_a_second_refusal_is_raised(fake_cudnn):
     q, k, v = _qkv(3)
     xla = _Compiler(fake_cudnn)
-    # a fallback that binds cuDNN as well (as if it were cuDNN's dense path): refused again
+    # a step that binds cuDNN's kernels without asking whether they were refused: refused again
     program = xla.program(lambda q, k, v: cudnn_call.attention(q, k, v, mask="causal"))
-    monkeypatch.setattr(cudnn_call, "raise_if_refused", lambda: None)
     with pytest.raises(RuntimeError, match="deviceless cuDNN"):
         compile_fallback.compile_step(program, q, (k, v), print)
     assert xla.compiles == 2
+    # refused before in this process: a later refusal is raised at once (no rebuild, no note)
+    stale = xla.program(lambda q, k, v: cudnn_call.attention(q, k, v, mask="causal"))
+    lines = []
+    with pytest.raises(RuntimeError, match="deviceless cuDNN"):
+        compile_fallback.compile_step(stale, q, (k, v), lines.append)
+    assert not lines and xla.compiles == 3
+
+
+def test_a_program_that_cannot_be_rebuilt_raises_the_refusal(fake_cudnn):
+    q, k, v = _qkv(4)
+    program = _Compiler(fake_cudnn).program()
+    program.rebuild = None
+    with pytest.raises(RuntimeError, match="deviceless cuDNN"):
+        compile_fallback.compile_step(program, q, (k, v), print)
+    assert cudnn_call.compile_refusal() is None
+
+
+def test_the_dense_path_before_hopper_asks_too(fake_cudnn, caplog):
+    """Packed documents before Hopper (cuDNN with a dense segment mask, JAX's own wrapper): after
+    a refusal the fallback runs without tracing cuDNN (on this CPU, tracing it would fail and be
+    noted as a refusal of its own)."""
+    cudnn_call.refuse_for_process("no engine")
+    q, k, v = _qkv(5)
+    segments = jnp.asarray(np.repeat([[1, 2, 3, 4]], 2, axis=0).repeat(8, axis=1))
+    with caplog.at_level(logging.WARNING):
+        out = cudnn.attention(q, k, v, causal=True, segment_ids=segments, capability=(8, 0),
+                              fallback=lambda q, k, v, **kw: reference_attention(q, k, v, **kw))
+    np.testing.assert_allclose(out, reference_attention(q, k, v, causal=True,
+                                                        segment_ids=segments), atol=1e-5)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]

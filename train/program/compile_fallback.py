@@ -17,16 +17,19 @@ from basp_jax import cudnn_call
 
 
 def first_line(error: BaseException, limit: int = 300) -> str:
-    """An error's first non-empty line (its type's name where it has none), cut at `limit`."""
+    """An error's first non-empty line (its type's name where it has none), cut at `limit`,
+    without a closing period."""
     text = next((line.strip() for line in str(error).splitlines() if line.strip()),
                 type(error).__name__)
-    return text[:limit]
+    return text[:limit].rstrip(".")
 
 
 def is_cudnn_refusal(error: BaseException, lowered) -> bool:
     """Whether compiling `lowered` (a jax Lowered) failed on its cuDNN attention: the error
-    speaks of cuDNN and the program calls cuDNN's attention kernels."""
-    if "cudnn" not in str(error).lower():
+    speaks of cuDNN (and not of memory: a step too big for the GPU stays too big) and the
+    program calls cuDNN's attention kernels."""
+    text = str(error)
+    if "cudnn" not in text.lower() or "RESOURCE_EXHAUSTED" in text:
         return False
     try:
         return cudnn_call.CUSTOM_CALL_PREFIX in lowered.as_text()
@@ -44,8 +47,9 @@ def compile_step(program, params, opt_state, log: Callable[[str], None]):
     try:
         return program, lowered.compile()
     except Exception as e:  # noqa: BLE001 (XLA's errors have no common public type)
-        if cudnn_call.compile_refusal() is not None or not is_cudnn_refusal(e, lowered):
-            raise
+        if cudnn_call.compile_refusal() is not None or program.rebuild is None \
+                or not is_cudnn_refusal(e, lowered):
+            raise  # refused before (the fallback's own error), or not cuDNN's refusal
         reason = first_line(e)
     del lowered  # its program text can be large
     cudnn_call.refuse_for_process(reason)

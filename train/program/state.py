@@ -5,7 +5,7 @@ model, the optimizer, the shardings, the train step, the parameters and optimize
 
     plan = plan_run(cfg, mcfg, devices, devices_per_host)    # cfg: train.prepare.check's
     state = build_state(cfg, mcfg, plan, run_dir=..., latest=None)   # or abstract=True
-    compiled = compile_programs(cfg, state, devices)
+    compiled, collectives = compile_steps(cfg, state, devices, log)
 """
 
 from __future__ import annotations

@@ -28,8 +28,7 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False,
     from ..program.state import compile_program
 
     compiled, run_plan, mcfg, compile_s = compile_program(
-        cfg, devices, devices_per_host, layout_index=layout_index,
-        log=lambda line: print(line, file=sys.stderr))
+        cfg, devices, devices_per_host, layout_index=layout_index, log=_to_stderr)
     text = compiled.as_text()
     mem = compiled.memory_analysis()
     layout = run_plan.layout
@@ -67,8 +66,7 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False,
                                                           remat=run_plan.remat),
         "host_transfers": comm.host_transfers(text),
         "attention_kernels": hlo.attention_kernels(text),
-        # XLA's reason where it could not compile cuDNN attention (the step then runs Pallas:
-        # train.program.compile_fallback), else None
+        # XLA's reason where it refused cuDNN attention (Pallas runs: train.program.compile_fallback)
         "cudnn_refused": cudnn_call.compile_refusal(),
         "ring_hop_kernels": hlo.ring_hop_kernels(text),  # which kernel each shape of hop runs
         "expert_kernels": hlo.expert_kernels(text),
@@ -95,11 +93,19 @@ def compile_step(cfg, devices, devices_per_host: int, *, want_hlo: bool = False,
     }
 
 
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
 def report(cfg, target: str, hosts: int, gpus_per_host: int, *, want_hlo: bool = False) -> dict:
     """Compile `cfg` for `hosts` x `gpus_per_host` GPUs of `target`: the report as a dict."""
     import jax
 
-    from basp_jax import LayoutError, gpus
+    from basp_jax import LayoutError, cudnn_call, gpus
+
+    # each report asks cuDNN afresh: a refusal for one config or target (--plan's candidates, a
+    # worker compiling several) says nothing of the next, and the report says what it compiled
+    cudnn_call.allow_again()
     from basp_jax.planner.hardware import HARDWARE
     from models import ModelError
 
