@@ -9,7 +9,8 @@ head h reads kv head h // (hq // hkv)) and optional segment_ids [b, s], and retu
                cuDNN's packed layout (per-document lengths and offsets, no S x S mask; a step
                whose rows hold more documents than its bound runs "pallas"), before Hopper as
                a dense segment mask. Input cuDNN refuses while it is traced runs "pallas",
-               with one logged note.
+               with one logged note; so does every program after XLA refused to compile
+               cuDNN's (train.program.compile_fallback, basp_jax.cudnn_call.refuse_for_process).
 - "pallas":    our flash attention in Pallas/Triton (basp_jax.flash; any GPU from sm80), fused
                forward and backward, segment ids (packed documents) and grouped-query heads read
                in place, tiles by the GPU's shared memory. On CPU it runs in interpret mode
